@@ -1,0 +1,112 @@
+# moetrain build. `make` builds build/moetrain (CUDA objects too when nvcc exists);
+# `make test` runs the CPU test suite (installing missing system packages first);
+# `make run` trains configs/tiny.yaml; `make test-gpu` / `make bench` run on a GPU machine.
+#
+# Variables a user may set: BUILD (output dir), NVCC (empty disables CUDA), CUDA_ARCH, NP (ranks
+# for `make run`), CONFIG (config for `make run`), UNIT_SRCS (subset of unit tests to build).
+
+BUILD     ?= build
+CC        := mpicc
+NVCC      ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+CUDA_ARCH ?= -gencode=arch=compute_90a,code=sm_90a
+CONFIG    ?= configs/tiny.yaml
+NP        ?= 4
+
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+# Open MPI on a laptop, a CI box or a container: shared memory + loopback only, no warnings about
+# missing high-speed networks.
+export OMPI_MCA_btl := self,vader,tcp
+export OMPI_MCA_btl_tcp_if_include := lo
+export OMPI_MCA_oob_tcp_if_include := lo
+export OMPI_MCA_btl_base_warn_component_unused := 0
+export OMPI_MCA_rmaps_base_oversubscribe := 1
+export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
+MPIRUN    := mpirun --oversubscribe
+
+PKGS      := yaml-0.1 jansson
+PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
+HDF5_CFLAGS := $(shell pkg-config --cflags hdf5 2>/dev/null || echo -I/usr/include/hdf5/serial)
+HDF5_LIBS   := $(shell pkg-config --libs hdf5 2>/dev/null || echo -L/usr/lib/x86_64-linux-gnu/hdf5/serial -lhdf5)
+
+CFLAGS    ?= -O2 -g
+CFLAGS    += -std=gnu11 -Wall -Wextra -Wno-unused-parameter -Wshadow -Isrc $(PKG_CFLAGS) $(HDF5_CFLAGS)
+LDLIBS    := $(PKG_LIBS) $(HDF5_LIBS) -lm
+
+LIB_SRCS  := $(filter-out src/main.c,$(wildcard src/*.c src/cpu/*.c))
+LIB_OBJS  := $(LIB_SRCS:%.c=$(BUILD)/%.o)
+CU_SRCS   := $(wildcard cuda/*.cu)
+
+ifneq ($(NVCC),)
+CU_OBJS   := $(CU_SRCS:%.cu=$(BUILD)/%.o)
+CFLAGS    += -DMT_HAVE_CUDA -I$(CUDA_HOME)/include
+LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt -lnccl -lstdc++
+NVFLAGS   ?= -O3 -lineinfo
+NVFLAGS   += -std=c++17 $(CUDA_ARCH) -Isrc -Icuda -Xcompiler -Wall,-Wno-unused-parameter \
+             -I$(dir $(shell command -v mpicc))/../include $(shell mpicc --showme:compile 2>/dev/null)
+endif
+
+UNIT_SRCS ?= $(wildcard tests/unit/test_*.c)
+UNIT_OBJS := $(UNIT_SRCS:%.c=$(BUILD)/%.o)
+MPI_TEST_SRCS := $(wildcard tests/mpi/*.c)
+MPI_TEST_BINS := $(MPI_TEST_SRCS:tests/mpi/%.c=$(BUILD)/tests/mpi/%)
+TOOL_SRCS := $(wildcard tools/*.c)
+TOOL_BINS := $(TOOL_SRCS:tools/%.c=$(BUILD)/tools/%)
+
+.PHONY: all deps test test-unit test-gpu run bench clean check-deps tools
+all: $(BUILD)/moetrain tools
+
+tools: $(TOOL_BINS)
+
+$(BUILD)/libmoetrain.a: $(LIB_OBJS) $(CU_OBJS)
+	@mkdir -p $(dir $@)
+	ar rcs $@ $^
+
+$(BUILD)/moetrain: $(BUILD)/src/main.o $(BUILD)/libmoetrain.a
+	$(CC) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/%.o: %.c $(wildcard src/*.h src/cpu/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c -o $@ $<
+
+$(BUILD)/cuda/%.o: cuda/%.cu $(wildcard cuda/*.cuh src/*.h)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -c -o $@ $<
+
+$(BUILD)/tests/unit_tests: $(UNIT_OBJS) $(BUILD)/libmoetrain.a
+	$(CC) -o $@ $^ $(LDLIBS) -lcriterion
+
+$(BUILD)/tests/mpi/%: tests/mpi/%.c $(BUILD)/libmoetrain.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests -o $@ $^ $(LDLIBS)
+
+$(BUILD)/tools/%: tools/%.c $(BUILD)/libmoetrain.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
+
+# Installs whatever system packages are missing (Debian/Ubuntu, as root or through sudo).
+deps:
+	@scripts/install-deps.sh
+
+# Criterion runs every unit and integration test in one binary; integration tests launch
+# build/moetrain and tests/mpi programs under `mpirun --oversubscribe`.
+test: deps
+	@$(MAKE) --no-print-directory test-unit
+
+test-unit: $(BUILD)/moetrain $(BUILD)/tests/unit_tests $(MPI_TEST_BINS) $(TOOL_BINS)
+	MT_BUILD=$(BUILD) MT_MPIRUN="$(MPIRUN)" $(BUILD)/tests/unit_tests --jobs 2 $(TEST_ARGS)
+
+run: deps
+	@$(MAKE) --no-print-directory $(BUILD)/moetrain
+	@scripts/run-demo.sh $(BUILD)/moetrain $(CONFIG) $(NP)
+
+test-gpu: $(BUILD)/moetrain
+	@scripts/test-gpu.sh $(BUILD)
+
+bench: $(BUILD)/moetrain
+	@scripts/bench.sh $(BUILD)
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,26 @@
+/* Command-line entry points. main.c parses the shared options and dispatches. */
+#ifndef MT_CLI_H
+#define MT_CLI_H
+
+#include <stdbool.h>
+
+struct cli {
+    const char *command;       /* "train", "plan", "verify" */
+    const char *config_path;   /* train, plan */
+    int n_sets;                /* --set section.key=value, in order */
+    char **sets;
+    const char *resume;        /* --resume auto|DIR, or NULL */
+    bool dry_run;              /* train --dry-run: print the layout from the real ranks and exit 0 */
+    int world;                 /* plan --world N */
+    int gpus_per_node;         /* plan --gpus-per-node G (default 8) */
+    const char *model_dir;     /* verify MODEL_DIR */
+    const char *reference;     /* verify REFERENCE.safetensors */
+    double tolerance;          /* verify --tolerance (default 1e-4) */
+    const char *backend;       /* --backend cpu|cuda|auto (default auto) */
+};
+
+int cmd_train(const struct cli *a);
+int cmd_plan(const struct cli *a);
+int cmd_verify(const struct cli *a);
+
+#endif

@@ -1,0 +1,125 @@
+/* The run configuration: typed structs filled from a YAML file (libyaml), defaults, --set overrides,
+ * and optionally a Hugging Face config.json for the model section (both the 4.x and 5.x spellings).
+ * Every section/key name here is stable: users' configs and scripts depend on them (design.md). */
+#ifndef MT_CONFIG_H
+#define MT_CONFIG_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common.h"
+
+#define MT_MAX_LAYERS 1024
+
+enum mt_precision { MT_PREC_BF16 = 0, MT_PREC_FP32 = 1 };
+enum mt_load_balance { MT_LB_AUX = 0, MT_LB_BIAS = 1, MT_LB_NONE = 2 };
+enum mt_data_kind { MT_DATA_SYNTHETIC = 0, MT_DATA_TOKENS = 1 };
+enum mt_backend_choice { MT_BACKEND_AUTO = 0, MT_BACKEND_CPU = 1, MT_BACKEND_CUDA = 2 };
+
+struct model_config {
+    char hf_config[MT_PATH_MAX];  /* path to a config.json; its fields fill the ones below */
+    char init_from[MT_PATH_MAX];  /* HF model directory or checkpoint directory; "" = random init */
+    int vocab_size;
+    int hidden_size;              /* H */
+    int intermediate_size;        /* dense MLP width (layers in mlp_only_layers / decoder_sparse_step) */
+    int moe_intermediate_size;    /* I, per expert */
+    int num_hidden_layers;        /* L */
+    int num_attention_heads;      /* Hq */
+    int num_key_value_heads;      /* Hkv */
+    int head_dim;                 /* D; 0 = hidden_size / num_attention_heads */
+    int num_experts;              /* E; 0 = every layer dense */
+    int num_experts_per_tok;      /* k */
+    int decoder_sparse_step;      /* layer i is MoE iff (i+1) % step == 0 and i not in mlp_only_layers */
+    int n_mlp_only_layers;
+    int mlp_only_layers[MT_MAX_LAYERS];
+    bool norm_topk_prob;
+    bool tie_word_embeddings;
+    double rope_theta;
+    double rms_norm_eps;
+    double router_aux_loss_coef;
+    double initializer_range;
+    int max_position_embeddings;  /* recorded only; default RoPE ignores it */
+    enum mt_precision precision;  /* bf16 | fp32 (GPU); the CPU backend always computes in fp32 */
+    bool router_fp32;             /* router logits/softmax in fp32 (GPU) */
+    bool freeze_router;           /* router weight gets no update */
+    bool train_router;            /* false is the same as freeze_router: true */
+    bool router_weight_decay;     /* apply weight decay to the router weight */
+};
+
+struct parallel_config {
+    int pipeline_parallel_size;   /* pp */
+    int expert_parallel_size;     /* ep; ep_fsdp = ranks per stage / ep */
+    bool ep_outside;              /* local = e*ep_fsdp + f instead of f*ep + e */
+    enum mt_backend_choice backend; /* auto | cpu | cuda */
+};
+
+struct train_config {
+    int steps;
+    int seq_len;
+    int global_batch_size;        /* sequences per optimizer step, whole job */
+    int micro_batch_size;         /* sequences per rank per micro-step */
+    double lr;
+    double min_lr;
+    int warmup_steps;
+    double weight_decay;
+    double beta1, beta2, adam_eps;
+    double grad_clip;             /* 0 = off */
+    uint64_t seed;
+    bool activation_checkpointing;
+    enum mt_load_balance load_balance;  /* aux | bias | none */
+    double bias_update_rate;      /* aux-loss-free balancing: bias += rate * sign(mean - load) */
+};
+
+struct data_config {
+    enum mt_data_kind kind;       /* synthetic | tokens */
+    char path[MT_PATH_MAX];       /* token file for kind: tokens */
+    int synthetic_branching;      /* successors per state of the synthetic Markov chain */
+    uint64_t synthetic_seed;
+};
+
+struct ckpt_config {
+    char dir[MT_PATH_MAX];        /* "" = no checkpoints */
+    int interval;                 /* steps between checkpoints; 0 = only at the end */
+    int keep;                     /* newest checkpoints kept; 0 = all */
+};
+
+struct log_config {
+    int interval;                 /* steps between step lines */
+    char metrics[MT_PATH_MAX];    /* JSONL file, "" = none */
+};
+
+struct config {
+    char path[MT_PATH_MAX];       /* the YAML file it came from ("" for defaults only) */
+    struct model_config model;
+    struct parallel_config parallel;
+    struct train_config train;
+    struct data_config data;
+    struct ckpt_config checkpoint;
+    struct log_config log;
+};
+
+/* Defaults (a tiny model) for every field. */
+void config_defaults(struct config *c);
+
+/* Load YAML file `path` over the defaults, then apply `n_sets` overrides "section.key=value", then
+ * resolve model.hf_config (JSON fields fill the model section unless also set in YAML or --set), then
+ * validate. Any problem: mt_user_error naming file:line:column and the problem (nearest valid key
+ * suggested for typos). */
+void config_load(struct config *c, const char *path, int n_sets, char **sets);
+
+/* Same as config_load but returns false and writes the one-line message into err instead of exiting
+ * (for tests and for tools that want to report themselves). */
+bool config_load_checked(struct config *c, const char *path, int n_sets, char **sets,
+                         char *err, int errcap);
+
+/* Fill the model section from a Hugging Face config.json (both spellings). */
+bool config_read_hf_json(struct model_config *m, const char *json_path, char *err, int errcap);
+
+/* Derived facts. */
+int config_head_dim(const struct model_config *m);
+bool config_layer_is_moe(const struct model_config *m, int layer);
+
+/* Print the config as YAML (rank 0 start-up table, checkpoint manifests). Returns chars written. */
+int config_to_yaml(const struct config *c, char *buf, int cap);
+
+#endif

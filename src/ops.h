@@ -1,0 +1,151 @@
+/* The compute ops, forward and backward, behind a backend table. Model, MoE, pipeline and the train
+ * loop call ops only through `struct backend`; src/cpu/ (fp32 reference) and cuda/ (bf16 + fp32
+ * accumulation) each fill one.
+ *
+ * Pointer conventions:
+ *   void *  "X" tensors: the backend's compute dtype (fp32 on the CPU; bf16 or fp32 on CUDA per
+ *           model.precision), living in the backend's memory.
+ *   float * always fp32 (statistics, weight gradients, master weights, Adam moments).
+ *   int32_t * indices.
+ * Weight gradients (dw) are ACCUMULATED (+=) so micro-batches sum into one fp32 buffer. Input
+ * gradients (din) are overwritten unless the op takes an `accumulate` flag that is true.
+ * Linear weights use PyTorch layout W[out, in]; matmul computes y = x Wᵀ.
+ * Every op is asynchronous on its backend's current stream; only `sync` and the to_host copies wait. */
+#ifndef MT_OPS_H
+#define MT_OPS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define MT_IGNORE_INDEX (-100)
+
+struct backend {
+    const char *name;            /* "cpu" or "cuda" */
+    size_t x_size;               /* bytes per compute-dtype element (4 or 2) */
+
+    /* memory */
+    void *(*alloc)(size_t bytes);
+    void (*free)(void *p);
+    void (*zero)(void *p, size_t bytes);
+    void (*copy)(void *dst, const void *src, size_t bytes);                 /* device to device */
+    void (*upload)(void *dst, const void *host_src, size_t bytes);          /* raw bytes */
+    void (*download)(void *host_dst, const void *src, size_t bytes);        /* raw bytes, waits */
+    void (*sync)(void);
+
+    /* casts between fp32 and the compute dtype */
+    void (*cast_f32_to_x)(void *out, const float *in, size_t n);
+    void (*cast_x_to_f32)(float *out, const void *in, size_t n);
+
+    /* elementwise */
+    void (*add_inplace)(void *y, const void *x, size_t n);                  /* y += x */
+    void (*scale_f32)(float *x, size_t n, float s);                         /* x *= s */
+    double (*sumsq_f32)(const float *x, size_t n);                          /* waits; fp64 sum */
+
+    /* embedding: out[t] = wte[ids[t]]; backward scatter-adds into dwte */
+    void (*embedding_forward)(void *out /*[T,H]*/, const int32_t *ids /*[T]*/,
+                              const void *wte /*[V,H]*/, int T, int H);
+    void (*embedding_backward)(float *dwte /*[V,H]*/, const void *dout /*[T,H]*/,
+                               const int32_t *ids /*[T]*/, int T, int H);
+
+    /* RMSNorm over the last dim C of N rows: out = w * (x * rstd), rstd = 1/sqrt(mean(x²) + eps) */
+    void (*rmsnorm_forward)(void *out /*[N,C]*/, float *rstd /*[N]*/, const void *in /*[N,C]*/,
+                            const void *w /*[C]*/, int N, int C, float eps);
+    void (*rmsnorm_backward)(void *din /*[N,C]*/, float *dw /*[C]*/, const void *dout /*[N,C]*/,
+                             const void *in /*[N,C]*/, const void *w /*[C]*/,
+                             const float *rstd /*[N]*/, int N, int C, bool accumulate);
+
+    /* y = x Wᵀ. Backward: din = dy W (NULL to skip), dw += dyᵀ x (NULL to skip). */
+    void (*matmul_forward)(void *out /*[N,O]*/, const void *in /*[N,I]*/, const void *w /*[O,I]*/,
+                           int N, int I, int O);
+    void (*matmul_backward)(void *din /*[N,I]*/, float *dw /*[O,I]*/, const void *dout /*[N,O]*/,
+                            const void *in /*[N,I]*/, const void *w /*[O,I]*/, int N, int I, int O,
+                            bool accumulate);
+
+    /* NeoX rotate-half RoPE on [T, nh, D] rows with positions pos[T]; inv_freq[i] = theta^(-2i/D)
+     * in fp32. Out-of-place (out may equal in). */
+    void (*rope_forward)(void *out, const void *in, const int32_t *pos /*[T]*/, int T, int nh, int D,
+                         float theta);
+    void (*rope_backward)(void *din, const void *dout, const int32_t *pos, int T, int nh, int D,
+                          float theta);
+
+    /* Causal GQA attention, scale 1/sqrt(D); query head h uses kv head h / (Hq/Hkv).
+     * q/out: [B,S,Hq,D], k/v: [B,S,Hkv,D], lse: [B,Hq,S] (log-sum-exp of the scaled scores). */
+    void (*attention_forward)(void *out, float *lse, const void *q, const void *k, const void *v,
+                              int B, int S, int Hq, int Hkv, int D);
+    void (*attention_backward)(void *dq, void *dk, void *dv, const void *dout, const void *q,
+                               const void *k, const void *v, const void *out, const float *lse,
+                               int B, int S, int Hq, int Hkv, int D);
+
+    /* Router: probs = softmax(logits) in fp32; top-k of (probs + bias) (bias NULL = none; bias
+     * changes the selection only), sorted by descending score, ties to the lower expert id;
+     * topk_w = probs of the chosen experts, renormalised to sum 1 if norm_topk. */
+    void (*router_forward)(int32_t *topk_idx /*[T,k]*/, float *topk_w /*[T,k]*/,
+                           float *probs /*[T,E]*/, const void *logits /*[T,E]*/,
+                           const float *bias /*[E] or NULL*/, int T, int E, int k, bool norm_topk);
+    /* dlogits = softmax backward of (dp_route + aux_dp), where dp_route comes from dtopk_w through
+     * the renormalisation and the top-k scatter, and aux_dp[e] (NULL = none) is added to every
+     * row's dp[e] (the aux loss gradient is the same for every row of a pooled batch). */
+    void (*router_backward)(void *dlogits /*[T,E]*/, const float *dtopk_w /*[T,k]*/,
+                            const float *probs /*[T,E]*/, const int32_t *topk_idx /*[T,k]*/,
+                            const float *aux_dp /*[E] or NULL*/, int T, int E, int k,
+                            bool norm_topk);
+    /* Aux-loss / load statistics: psum[e] += Σ_t probs[t,e]; count[e] += #(t, j) with idx = e. */
+    void (*router_stats)(float *psum /*[E]*/, float *count /*[E]*/, const float *probs,
+                         const int32_t *topk_idx, int T, int E, int k);
+
+    /* Row gather: out[r] = in[idx[r]] for r < R. Backward: din[idx[r]] += dout[r] (din must be
+     * zeroed or hold a value to add to; rows are added in ascending r). */
+    void (*gather_rows)(void *out /*[R,H]*/, const void *in /*[*,H]*/, const int32_t *idx /*[R]*/,
+                        int R, int H);
+    void (*gather_rows_backward)(void *din /*[*,H]*/, const void *dout /*[R,H]*/,
+                                 const int32_t *idx /*[R]*/, int R, int H);
+
+    /* MoE combine: out[t] = Σ_j w[t,j] · y[slot_row[t,j]] over j = 0..k-1 in that order (the caller
+     * orders each token's slots by ascending expert id). Backward: dy[slot_row[t,j]] = w[t,j]·dout[t],
+     * dw[t,j] = <dout[t], y[slot_row[t,j]]> (overwritten). */
+    void (*moe_combine_forward)(void *out /*[T,H]*/, const void *y /*[R,H]*/,
+                                const int32_t *slot_row /*[T,k]*/, const float *w /*[T,k]*/,
+                                int T, int k, int H);
+    void (*moe_combine_backward)(void *dy /*[R,H]*/, float *dw /*[T,k]*/, const void *dout /*[T,H]*/,
+                                 const void *y /*[R,H]*/, const int32_t *slot_row, const float *w,
+                                 int T, int k, int H);
+
+    /* Grouped expert matmul: rows [off[e], off[e+1]) of `in` go through expert e's W[e] ([O,I]).
+     * off is a HOST array of n_exp + 1 entries. Backward: din (NULL to skip) overwritten;
+     * dw[e] += dyᵀ x over that expert's rows (experts with no rows get nothing added). */
+    void (*expert_matmul_forward)(void *out /*[R,O]*/, const void *in /*[R,I]*/,
+                                  const void *w /*[n_exp,O,I]*/, const int64_t *off, int n_exp,
+                                  int I, int O);
+    void (*expert_matmul_backward)(void *din /*[R,I]*/, float *dw /*[n_exp,O,I]*/,
+                                   const void *dout /*[R,O]*/, const void *in /*[R,I]*/,
+                                   const void *w /*[n_exp,O,I]*/, const int64_t *off, int n_exp,
+                                   int I, int O);
+
+    /* SwiGLU on fused [gate | up] rows: out = silu(g) * u. */
+    void (*swiglu_forward)(void *out /*[R,I]*/, const void *gu /*[R,2I]*/, int R, int I);
+    void (*swiglu_backward)(void *dgu /*[R,2I]*/, const void *dout /*[R,I]*/, const void *gu,
+                            int R, int I);
+
+    /* Cross-entropy on fp32-upcast logits. targets[t] == MT_IGNORE_INDEX gives loss 0 and grad 0.
+     * forward: losses[t] = logsumexp(z[t]) - z[t, target]. backward: dlogits = scale·(softmax - onehot)
+     * (dlogits may alias logits). */
+    void (*cross_entropy_forward)(float *losses /*[N]*/, const void *logits /*[N,V]*/,
+                                  const int32_t *targets /*[N]*/, int N, int V);
+    void (*cross_entropy_backward)(void *dlogits /*[N,V]*/, const void *logits /*[N,V]*/,
+                                   const int32_t *targets /*[N]*/, int N, int V, float scale);
+
+    /* AdamW with bias correction (step t >= 1) and decoupled weight decay; grad is multiplied by
+     * grad_scale first (clipping). Updates master, m, v; writes the compute copy param (may be the
+     * same memory as master on the CPU). */
+    void (*adamw_update)(float *master, void *param, const float *grad, float *m, float *v,
+                         size_t n, float lr, float beta1, float beta2, float eps,
+                         float weight_decay, int t, float grad_scale);
+};
+
+/* The fp32 CPU reference backend (always available). */
+const struct backend *backend_cpu(void);
+/* The CUDA backend, or NULL when not compiled in or no device is present. */
+const struct backend *backend_cuda(void);
+
+#endif
