@@ -23,6 +23,7 @@
 struct backend {
     const char *name;            /* "cpu" or "cuda" */
     size_t x_size;               /* bytes per compute-dtype element (4 or 2) */
+    double peak_flops;           /* dense matmul peak in FLOP/s for MFU; 0 = unknown (CPU) */
 
     /* memory */
     void *(*alloc)(size_t bytes);

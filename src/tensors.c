@@ -1,6 +1,7 @@
 #include "tensors.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static struct tensor_spec *add(struct tensor_table *tt, int *cap, enum tensor_role role,

@@ -1,0 +1,52 @@
+/* The attention half of a decoder layer: pre-norm, q/k/v projections, per-head q_norm/k_norm,
+ * RoPE, causal GQA attention, o_proj and the residual add. */
+#include "model.h"
+
+static void *W(const struct model *m, enum tensor_role r, int l) { return model_weight(m, tensor_lookup(&m->tt, r, l)); }
+static float *G(const struct model *m, enum tensor_role r, int l) { return model_grad(m, tensor_lookup(&m->tt, r, l)); }
+
+void attention_forward(struct model *m, int l)
+{
+    const struct backend *be = m->be;
+    struct layer_acts *a = &m->layers[l];
+    const int T = m->T, H = m->H, D = m->D, Hq = m->Hq, Hkv = m->Hkv;
+    const float eps = (float)m->cfg.rms_norm_eps, theta = (float)m->cfg.rope_theta;
+
+    be->rmsnorm_forward(a->a, a->rstd_a, a->h_in, W(m, TR_ATTN_NORM, l), T, H, eps);
+    be->matmul_forward(a->q_pre, a->a, W(m, TR_Q, l), T, H, Hq * D);
+    be->matmul_forward(a->k_pre, a->a, W(m, TR_K, l), T, H, Hkv * D);
+    be->matmul_forward(a->v, a->a, W(m, TR_V, l), T, H, Hkv * D);
+    be->rmsnorm_forward(a->q, a->rstd_q, a->q_pre, W(m, TR_QNORM, l), T * Hq, D, eps);
+    be->rmsnorm_forward(a->k, a->rstd_k, a->k_pre, W(m, TR_KNORM, l), T * Hkv, D, eps);
+    be->rope_forward(a->q, a->q, m->pos, T, Hq, D, theta);
+    be->rope_forward(a->k, a->k, m->pos, T, Hkv, D, theta);
+    be->attention_forward(a->attn, a->lse, a->q, a->k, a->v, m->B, m->S, Hq, Hkv, D);
+    be->matmul_forward(a->h_mid, a->attn, W(m, TR_O, l), T, Hq * D, H);
+    be->add_inplace(a->h_mid, a->h_in, (size_t)T * H);
+}
+
+void attention_backward(struct model *m, int l)
+{
+    const struct backend *be = m->be;
+    struct layer_acts *a = &m->layers[l];
+    const int T = m->T, H = m->H, D = m->D, Hq = m->Hq, Hkv = m->Hkv;
+    const float theta = (float)m->cfg.rope_theta;
+
+    /* d_t1 = dL/d attn */
+    be->matmul_backward(m->d_t1, G(m, TR_O, l), m->d_h, a->attn, W(m, TR_O, l), T, Hq * D, H, false);
+    be->attention_backward(m->d_q, m->d_k, m->d_v, m->d_t1, a->q, a->k, a->v, a->attn, a->lse,
+                           m->B, m->S, Hq, Hkv, D);
+    be->rope_backward(m->d_q, m->d_q, m->pos, T, Hq, D, theta);
+    be->rope_backward(m->d_k, m->d_k, m->pos, T, Hkv, D, theta);
+    /* d_t2 = dL/d q_pre, then d_t3 = dL/d a accumulated over q, k, v */
+    be->rmsnorm_backward(m->d_t2, G(m, TR_QNORM, l), m->d_q, a->q_pre, W(m, TR_QNORM, l), a->rstd_q,
+                         T * Hq, D, false);
+    be->matmul_backward(m->d_t3, G(m, TR_Q, l), m->d_t2, a->a, W(m, TR_Q, l), T, H, Hq * D, false);
+    be->rmsnorm_backward(m->d_t2, G(m, TR_KNORM, l), m->d_k, a->k_pre, W(m, TR_KNORM, l), a->rstd_k,
+                         T * Hkv, D, false);
+    be->matmul_backward(m->d_t3, G(m, TR_K, l), m->d_t2, a->a, W(m, TR_K, l), T, H, Hkv * D, true);
+    be->matmul_backward(m->d_t3, G(m, TR_V, l), m->d_v, a->a, W(m, TR_V, l), T, H, Hkv * D, true);
+    /* residual: dL/dh_in = dL/dh_mid + norm backward */
+    be->rmsnorm_backward(m->d_h, G(m, TR_ATTN_NORM, l), m->d_t3, a->h_in, W(m, TR_ATTN_NORM, l),
+                         a->rstd_a, T, H, true);
+}

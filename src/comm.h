@@ -1,0 +1,53 @@
+/* The communication layer: collectives over one axis of the grid. MPI implements it on the CPU
+ * path (comm_mpi.c); NCCL implements the same table on the GPU path. Buffers live in the memory of
+ * the backend that goes with the comm (host for MPI, device for NCCL). A NULL `struct comm *`
+ * means a group of one rank: every operation is a local copy. Counts are in elements. */
+#ifndef MT_COMM_H
+#define MT_COMM_H
+
+#include <mpi.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* COMM_BF16 is 2-byte data for data movement only (no reductions on it). */
+enum comm_dtype { COMM_F32, COMM_F64, COMM_I32, COMM_I64, COMM_BYTE, COMM_BF16 };
+
+struct comm {
+    MPI_Comm mpi;          /* the MPI communicator of this group (also used to bootstrap NCCL) */
+    int rank, size;
+    const struct comm_ops *ops;
+    void *impl;            /* backend state (e.g. the ncclComm_t) */
+};
+
+struct comm_ops {
+    /* recv[size * n] = concatenation of every rank's send[n], in rank order */
+    void (*all_gather)(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t);
+    /* recv[n] = sum over ranks of send[rank * n .. rank * n + n) */
+    void (*reduce_scatter_sum)(struct comm *c, void *recv, const void *send, size_t n,
+                               enum comm_dtype t);
+    /* buf[n] = sum over ranks, in place */
+    void (*all_reduce_sum)(struct comm *c, void *buf, size_t n, enum comm_dtype t);
+    /* variable all-to-all: send_counts/recv_counts are HOST arrays [size] of elements; the blocks
+     * are packed back to back in rank order on both sides */
+    void (*all_to_all_v)(struct comm *c, void *recv, const int64_t *recv_counts, const void *send,
+                         const int64_t *send_counts, enum comm_dtype t);
+    /* fixed all-to-all of n elements per rank pair (host or device memory per the backend) */
+    void (*all_to_all)(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t);
+};
+
+size_t comm_dtype_size(enum comm_dtype t);
+
+/* Wrap an MPI communicator with the MPI (host memory) implementation. */
+struct comm *comm_mpi_create(MPI_Comm mpi);
+void comm_free(struct comm *c);
+
+/* Null-safe wrappers: a NULL comm (or size 1) acts as a single rank. */
+void comm_all_gather(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t);
+void comm_reduce_scatter_sum(struct comm *c, void *recv, const void *send, size_t n,
+                             enum comm_dtype t);
+void comm_all_reduce_sum(struct comm *c, void *buf, size_t n, enum comm_dtype t);
+void comm_all_to_all_v(struct comm *c, void *recv, const int64_t *recv_counts, const void *send,
+                       const int64_t *send_counts, enum comm_dtype t);
+void comm_all_to_all(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t);
+
+#endif

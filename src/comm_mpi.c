@@ -1,0 +1,153 @@
+/* MPI implementation of the comm table (host buffers). Large counts are split into chunks below
+ * INT_MAX elements since MPI counts are int. */
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm.h"
+#include "common.h"
+
+size_t comm_dtype_size(enum comm_dtype t)
+{
+    switch (t) {
+    case COMM_F32: return 4;
+    case COMM_F64: return 8;
+    case COMM_I32: return 4;
+    case COMM_I64: return 8;
+    case COMM_BYTE: return 1;
+    case COMM_BF16: return 2;
+    }
+    return 1;
+}
+
+static MPI_Datatype mpi_type(enum comm_dtype t)
+{
+    switch (t) {
+    case COMM_F32: return MPI_FLOAT;
+    case COMM_F64: return MPI_DOUBLE;
+    case COMM_I32: return MPI_INT32_T;
+    case COMM_I64: return MPI_INT64_T;
+    case COMM_BYTE: return MPI_BYTE;
+    case COMM_BF16: return MPI_UINT16_T;
+    }
+    return MPI_BYTE;
+}
+
+static int checked_count(size_t n)
+{
+    MT_CHECK(n <= INT_MAX, "collective of %zu elements exceeds MPI's int count", n);
+    return (int)n;
+}
+
+static void mpi_all_gather(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t)
+{
+    MT_CHECK_MPI(MPI_Allgather(send == recv ? MPI_IN_PLACE : send, checked_count(n), mpi_type(t),
+                               recv, checked_count(n), mpi_type(t), c->mpi));
+}
+
+static void mpi_reduce_scatter_sum(struct comm *c, void *recv, const void *send, size_t n,
+                                   enum comm_dtype t)
+{
+    MT_CHECK_MPI(MPI_Reduce_scatter_block(send, recv, checked_count(n), mpi_type(t), MPI_SUM, c->mpi));
+}
+
+static void mpi_all_reduce_sum(struct comm *c, void *buf, size_t n, enum comm_dtype t)
+{
+    size_t es = comm_dtype_size(t);
+    for (size_t done = 0; done < n;) {
+        size_t chunk = MT_MIN(n - done, (size_t)1 << 30);
+        MT_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, (char *)buf + done * es, (int)chunk, mpi_type(t),
+                                   MPI_SUM, c->mpi));
+        done += chunk;
+    }
+}
+
+static void mpi_all_to_all_v(struct comm *c, void *recv, const int64_t *recv_counts,
+                             const void *send, const int64_t *send_counts, enum comm_dtype t)
+{
+    int p = c->size;
+    int *sc = mt_malloc(4 * (size_t)p * sizeof(int));
+    int *sd = sc + p, *rc = sc + 2 * p, *rd = sc + 3 * p;
+    int64_t so = 0, ro = 0;
+    for (int i = 0; i < p; i++) {
+        sc[i] = checked_count((size_t)send_counts[i]);
+        rc[i] = checked_count((size_t)recv_counts[i]);
+        sd[i] = checked_count((size_t)so);
+        rd[i] = checked_count((size_t)ro);
+        so += send_counts[i];
+        ro += recv_counts[i];
+    }
+    MT_CHECK_MPI(MPI_Alltoallv(send, sc, sd, mpi_type(t), recv, rc, rd, mpi_type(t), c->mpi));
+    free(sc);
+}
+
+static void mpi_all_to_all(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t)
+{
+    MT_CHECK_MPI(MPI_Alltoall(send, checked_count(n), mpi_type(t), recv, checked_count(n),
+                              mpi_type(t), c->mpi));
+}
+
+static const struct comm_ops mpi_ops = {
+    .all_gather = mpi_all_gather,
+    .reduce_scatter_sum = mpi_reduce_scatter_sum,
+    .all_reduce_sum = mpi_all_reduce_sum,
+    .all_to_all_v = mpi_all_to_all_v,
+    .all_to_all = mpi_all_to_all,
+};
+
+struct comm *comm_mpi_create(MPI_Comm mpi)
+{
+    struct comm *c = mt_calloc(1, sizeof *c);
+    c->mpi = mpi;
+    MT_CHECK_MPI(MPI_Comm_rank(mpi, &c->rank));
+    MT_CHECK_MPI(MPI_Comm_size(mpi, &c->size));
+    c->ops = &mpi_ops;
+    return c;
+}
+
+void comm_free(struct comm *c) { free(c); }
+
+static int single(const struct comm *c) { return c == NULL || c->size == 1; }
+
+void comm_all_gather(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t)
+{
+    if (single(c)) {
+        if (recv != send) memmove(recv, send, n * comm_dtype_size(t));
+        return;
+    }
+    c->ops->all_gather(c, recv, send, n, t);
+}
+
+void comm_reduce_scatter_sum(struct comm *c, void *recv, const void *send, size_t n,
+                             enum comm_dtype t)
+{
+    if (single(c)) {
+        if (recv != send) memmove(recv, send, n * comm_dtype_size(t));
+        return;
+    }
+    c->ops->reduce_scatter_sum(c, recv, send, n, t);
+}
+
+void comm_all_reduce_sum(struct comm *c, void *buf, size_t n, enum comm_dtype t)
+{
+    if (!single(c)) c->ops->all_reduce_sum(c, buf, n, t);
+}
+
+void comm_all_to_all_v(struct comm *c, void *recv, const int64_t *recv_counts, const void *send,
+                       const int64_t *send_counts, enum comm_dtype t)
+{
+    if (single(c)) {
+        if (recv != send) memmove(recv, send, (size_t)send_counts[0] * comm_dtype_size(t));
+        return;
+    }
+    c->ops->all_to_all_v(c, recv, recv_counts, send, send_counts, t);
+}
+
+void comm_all_to_all(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t)
+{
+    if (single(c)) {
+        if (recv != send) memmove(recv, send, n * comm_dtype_size(t));
+        return;
+    }
+    c->ops->all_to_all(c, recv, send, n, t);
+}

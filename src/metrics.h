@@ -1,0 +1,36 @@
+/* Per-step reporting: the step line on rank 0's stdout and one JSON object per step in the
+ * metrics file (log.metrics). */
+#ifndef MT_METRICS_H
+#define MT_METRICS_H
+
+#include <stdbool.h>
+#include <stdio.h>
+
+struct step_metrics {
+    int step, steps;
+    double loss;          /* ce + coef * aux (aux only with load_balance: aux) */
+    double ce_loss;
+    double aux_loss;      /* mean over micro-steps of the pooled aux statistic (0 if no experts) */
+    double grad_norm;     /* before clipping */
+    double lr;
+    double tokens_per_s;  /* whole job */
+    double mfu;           /* fraction of peak, < 0 when the backend has no known peak */
+    double step_ms;
+    double eta_s;
+    int n_layers;         /* MoE layers reported in load_* */
+    const double *load_min, *load_max, *load_cv; /* [n_layers]: tokens per expert / mean */
+    int n_experts;
+    const double *expert_tokens;  /* [n_layers, n_experts]: routed tokens this step, whole job */
+};
+
+struct metrics_log {
+    FILE *jsonl;          /* NULL = no file */
+};
+
+/* Opens log.metrics on rank 0 (path "" = none). An unwritable path: mt_user_error. */
+void metrics_open(struct metrics_log *ml, const char *path);
+void metrics_close(struct metrics_log *ml);
+/* Rank 0: prints the step line (when print is true) and writes the JSONL record. */
+void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool print);
+
+#endif

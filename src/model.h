@@ -1,0 +1,148 @@
+/* The Qwen3-MoE model over the backend ops: weights in working layout, saved activations, and the
+ * forward and backward of one micro-batch. Backend-blind: every tensor operation goes through
+ * `struct backend`. With expert parallelism a rank holds only its EP group's share of experts in
+ * the working buffers and moves tokens to them through the MoE dispatch (moe.c). */
+#ifndef MT_MODEL_H
+#define MT_MODEL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "comm.h"
+#include "config.h"
+#include "ops.h"
+#include "tensors.h"
+
+/* Per-layer MoE routing of one micro-batch (host index arrays + device copies). */
+struct moe_route {
+    int64_t *expert_off;     /* host [n_local + 1]: rows of each local expert in the expert input */
+    int32_t *src_row_h;      /* host [R_send]: token of each dispatched row (rows sorted by expert) */
+    int32_t *slot_row_h;     /* host [T, k]: dispatch row of token t's j-th choice */
+    int32_t *topk_idx_h;     /* host [T, k]: each token's experts, re-sorted ascending so that the
+                              * combine adds expert outputs in ascending expert order */
+    float *topk_w_h;         /* host [T, k]: the matching routing weights */
+    int64_t *send_counts;    /* host [ep]: rows sent to each EP rank */
+    int64_t *recv_counts;    /* host [ep]: rows received from each EP rank */
+    int64_t *recv_expert_counts; /* host [ep, n_local]: rows from rank r for local expert e */
+    int32_t *regroup_h;      /* host [R_recv]: expert-major row -> received (rank-major) row */
+    int64_t R_send, R_recv;
+    int32_t *src_row;        /* dev [R_send] */
+    int32_t *slot_row;       /* dev [T, k] */
+    int32_t *regroup;        /* dev [R_recv] */
+};
+
+struct layer_acts {
+    void *h_in;      /* [T, H]   residual stream entering the layer */
+    void *a;         /* [T, H]   input_layernorm output */
+    float *rstd_a;   /* [T] */
+    void *q_pre;     /* [T, Hq, D]  q_proj output (before q_norm) */
+    void *k_pre;     /* [T, Hkv, D] */
+    float *rstd_q;   /* [T * Hq] */
+    float *rstd_k;   /* [T * Hkv] */
+    void *q;         /* [T, Hq, D]  after q_norm and RoPE */
+    void *k;         /* [T, Hkv, D] after k_norm and RoPE */
+    void *v;         /* [T, Hkv, D] */
+    void *attn;      /* [T, Hq * D] attention output (before o_proj) */
+    float *lse;      /* [B, Hq, S] */
+    void *h_mid;     /* [T, H]   after the attention residual */
+    void *m;         /* [T, H]   post_attention_layernorm output */
+    float *rstd_m;   /* [T] */
+    /* MoE */
+    void *logits;    /* [T, E]   router logits */
+    float *probs;    /* [T, E]   router softmax (fp32) */
+    int32_t *topk_idx; /* [T, k] */
+    float *topk_w;   /* [T, k] */
+    void *x_send;    /* [T * k, H]  token rows sorted by expert (dispatch input) */
+    void *x_exp;     /* [R_max, H]  rows grouped by local expert */
+    void *gu;        /* [R_max, 2I] gate|up projections (or [T, 2 Id] for a dense MLP layer) */
+    void *act;       /* [R_max, I]  silu(gate) * up */
+    void *y_exp;     /* [R_max, H]  expert outputs, expert-major */
+    void *y_send;    /* [T * k, H]  expert outputs back in dispatch order */
+    struct moe_route route;
+    int64_t cap_rows;  /* rows x_exp/gu/act/y_exp/regroup can hold */
+};
+
+struct model {
+    const struct backend *be;
+    struct model_config cfg;
+    struct tensor_table tt;
+    int H, V, D, Hq, Hkv, E, K, I, Id, L;
+    int n_moe_layers;
+
+    /* expert parallelism */
+    struct comm *ep_comm;       /* EP group (NULL = ep 1) */
+    int ep, ep_rank, n_local_experts, expert0;
+
+    /* working layout: tensor i at w[group] + work_off[i] (compute dtype) and g[group] + work_off[i] */
+    int64_t *work_off;          /* [tt.n] */
+    int64_t work_numel[TG_COUNT];
+    void *w[TG_COUNT];          /* compute-dtype weights in working layout */
+    float *g[TG_COUNT];         /* fp32 gradients in working layout (accumulated over micro-batches) */
+
+    /* activations for a micro-batch of B sequences of S tokens */
+    int B, S, T;
+    int64_t d_cap_rows;         /* rows the expert-side backward scratch (d_x_exp ...) can hold */
+    bool aux_active;            /* backward adds m->aux_dp to the router gradient */
+    int32_t *ids;               /* dev [T] */
+    int32_t *targets;           /* dev [T] (shifted labels, MT_IGNORE_INDEX where none) */
+    int32_t *pos;               /* dev [T] */
+    struct layer_acts *layers;  /* [L] */
+    void *h_final;              /* [T, H] residual after the last layer */
+    void *hf;                   /* [T, H] final norm output */
+    float *rstd_f;              /* [T] */
+    void *logits;               /* [T, V] (reused for dlogits in backward) */
+    float *losses;              /* [T] */
+    /* scratch for backward */
+    void *d_h;                  /* [T, H] gradient of the residual stream */
+    void *d_t1, *d_t2, *d_t3;   /* [T, max(H, Hq*D)] */
+    void *d_q, *d_k, *d_v;      /* q/k/v-shaped */
+    void *d_logits_r;           /* [T, E] */
+    float *d_topk_w;            /* [T, k] */
+    void *d_x_send, *d_x_exp, *d_gu, *d_act, *d_y_exp, *d_y_send;
+    float *stats;               /* dev [L, 2, E]: per layer psum then count */
+    float *stats_h;             /* host copy */
+    float *aux_dp;              /* dev [E] */
+    float *bias;                /* dev [L, E]: aux-free balancing selection bias (NULL if unused) */
+};
+
+struct model_step_out {
+    double ce_sum;       /* Σ over this rank's labelled tokens of the token cross-entropy */
+    int64_t n_valid;     /* this rank's labelled tokens */
+};
+
+/* Builds the model structure and allocates working weights, gradients and activations for
+ * micro-batches of B sequences × S tokens. ep_comm: the EP group (NULL for ep = 1). */
+void model_init(struct model *m, const struct backend *be, const struct model_config *cfg,
+                int B, int S, struct comm *ep_comm);
+void model_free(struct model *m);
+
+/* Pointers to tensor i's working weight (compute dtype) and gradient. */
+void *model_weight(const struct model *m, int i);
+float *model_grad(const struct model *m, int i);
+int64_t model_work_numel_of(const struct model *m, int i);   /* numel in working layout */
+
+/* ids, labels: HOST [B, S] of this rank's micro-batch (labels NULL = the ids). As in transformers,
+ * position t is trained to predict labels[t + 1] of the same sequence; the last position and labels
+ * equal to MT_IGNORE_INDEX count for nothing. Forward fills activations, logits, per-token losses
+ * and router statistics (m->stats_h after return: per layer psum[E] then count[E]). */
+void model_forward(struct model *m, const int32_t *ids_host, const int32_t *labels_host,
+                   struct model_step_out *out);
+/* Backward of ce_scale · Σ CE + Σ_e aux_dp[e] · Σ_rows P[row, e] (aux_dp: HOST [E], NULL = none).
+ * Gradients accumulate into m->g. */
+void model_backward(struct model *m, float ce_scale, const float *aux_dp_host);
+void model_zero_grad(struct model *m);
+
+/* Layer blocks (attention_block.c, mlp_block.c) */
+/* attention: h_mid = h_in + Attn(norm(h_in)). Backward: m->d_h holds dL/dh_mid on entry and
+ * dL/dh_in on return. */
+void attention_forward(struct model *m, int l);
+void attention_backward(struct model *m, int l);
+/* MLP (MoE or dense by layer): out = h_mid + MLP(norm(h_mid)). Backward: m->d_h holds dL/dout on
+ * entry and dL/dh_mid on return. */
+void mlp_forward(struct model *m, int l, void *out);
+void mlp_backward(struct model *m, int l);
+
+/* Compute-dtype pointer arithmetic. */
+#define MT_XP(m, p, i) ((void *)((char *)(p) + (size_t)(i) * (m)->be->x_size))
+
+#endif

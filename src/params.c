@@ -1,0 +1,277 @@
+#include "params.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+static enum comm_dtype x_dtype(const struct backend *be) { return be->x_size == 4 ? COMM_F32 : COMM_BF16; }
+static void *xat(const struct backend *be, void *p, int64_t i) { return (char *)p + (size_t)i * be->x_size; }
+
+static void alloc_group(const struct backend *be, struct param_group_shard *g, int group_size)
+{
+    size_t n = (size_t)MT_MAX(g->numel, 1);
+    g->master = be->alloc(n * sizeof(float));
+    g->m1 = be->alloc(n * sizeof(float));
+    g->m2 = be->alloc(n * sizeof(float));
+    g->grad = be->alloc(n * sizeof(float));
+    g->param_x = be->alloc(n * be->x_size);
+    g->gather_x = be->alloc(n * (size_t)group_size * be->x_size);
+    g->scatter_f = be->alloc(n * (size_t)group_size * sizeof(float));
+    be->zero(g->master, n * sizeof(float));
+    be->zero(g->m1, n * sizeof(float));
+    be->zero(g->m2, n * sizeof(float));
+    be->zero(g->grad, n * sizeof(float));
+}
+
+static void add_segment(struct param_group_shard *g, int *cap, int64_t off, int64_t len,
+                        const struct tensor_spec *s)
+{
+    if (len <= 0) return;
+    if (g->n_seg == *cap) {
+        *cap = *cap ? 2 * *cap : 16;
+        g->seg = mt_realloc(g->seg, (size_t)*cap * sizeof *g->seg);
+    }
+    g->seg[g->n_seg++] = (struct param_segment){off, len, s->decay, s->frozen};
+}
+
+void params_init(struct params *p, struct model *m, struct comm *stage, struct comm *fsdp)
+{
+    memset(p, 0, sizeof *p);
+    p->m = m;
+    p->stage = stage;
+    p->fsdp = fsdp;
+    p->S = stage ? stage->size : 1;
+    p->S_rank = stage ? stage->rank : 0;
+    p->F = fsdp ? fsdp->size : 1;
+    p->F_rank = fsdp ? fsdp->rank : 0;
+    const struct tensor_table *tt = &m->tt;
+    p->exp_rows = mt_calloc((size_t)tt->n, sizeof(int64_t));
+    p->exp_shard_off = mt_calloc((size_t)tt->n, sizeof(int64_t));
+
+    struct param_group_shard *gd = &p->g[TG_DENSE], *ge = &p->g[TG_EXPERT];
+    gd->chunk = MT_CEIL_DIV(m->work_numel[TG_DENSE], p->S);
+    gd->numel = gd->chunk;
+    int capd = 0, cape = 0;
+    int64_t lo = gd->chunk * p->S_rank, hi = lo + gd->chunk;
+    for (int i = 0; i < tt->n; i++) {
+        const struct tensor_spec *s = &tt->t[i];
+        if (tensor_group_of(s) == TG_DENSE) {
+            int64_t a = MT_MAX(lo, m->work_off[i]), b = MT_MIN(hi, m->work_off[i] + s->numel);
+            add_segment(gd, &capd, a - lo, b - a, s);
+        } else {
+            p->exp_rows[i] = MT_CEIL_DIV(s->shape[1], p->F);
+            p->exp_shard_off[i] = ge->numel;
+            int64_t len = (int64_t)m->n_local_experts * p->exp_rows[i] * s->shape[2];
+            add_segment(ge, &cape, ge->numel, len, s);
+            ge->numel += len;
+        }
+    }
+    alloc_group(m->be, gd, p->S);
+    alloc_group(m->be, ge, p->F);
+}
+
+void params_free(struct params *p)
+{
+    const struct backend *be = p->m->be;
+    for (int k = 0; k < TG_COUNT; k++) {
+        struct param_group_shard *g = &p->g[k];
+        void *bufs[] = {g->master, g->m1, g->m2, g->grad, g->param_x, g->gather_x, g->scatter_f};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->free(bufs[i]);
+        free(g->seg);
+    }
+    free(p->exp_rows);
+    free(p->exp_shard_off);
+    memset(p, 0, sizeof *p);
+}
+
+/* Calls fn for every run of this rank's shard: `len` elements of tensor i starting at global
+ * element `gidx` land at shard offset `soff` of `group`. */
+typedef void (*shard_run_fn)(void *ctx, enum tensor_group group, int i, int64_t gidx, int64_t soff,
+                             int64_t len);
+
+static void for_each_shard_run(const struct params *p, shard_run_fn fn, void *ctx)
+{
+    const struct model *m = p->m;
+    const struct tensor_table *tt = &m->tt;
+    const struct param_group_shard *gd = &p->g[TG_DENSE];
+    int64_t lo = gd->chunk * p->S_rank, hi = lo + gd->chunk;
+    for (int i = 0; i < tt->n; i++) {
+        const struct tensor_spec *s = &tt->t[i];
+        if (tensor_group_of(s) == TG_DENSE) {
+            int64_t a = MT_MAX(lo, m->work_off[i]), b = MT_MIN(hi, m->work_off[i] + s->numel);
+            if (b > a) fn(ctx, TG_DENSE, i, a - m->work_off[i], a - lo, b - a);
+            continue;
+        }
+        int64_t d1 = s->shape[1], d2 = s->shape[2], rows = p->exp_rows[i];
+        int64_t r0 = rows * p->F_rank, nr = MT_MAX(0, MT_MIN(d1, r0 + rows) - r0);
+        for (int64_t e = 0; e < m->n_local_experts; e++) {
+            int64_t gidx = ((m->expert0 + e) * d1 + r0) * d2;
+            int64_t soff = p->exp_shard_off[i] + e * rows * d2;
+            if (nr > 0) fn(ctx, TG_EXPERT, i, gidx, soff, nr * d2);
+        }
+    }
+}
+
+struct host_fill {
+    const struct params *p;
+    float *host[TG_COUNT];
+    const float *const *global;
+    uint64_t seed;
+};
+
+static void copy_from_global(void *ctx, enum tensor_group g, int i, int64_t gidx, int64_t soff,
+                             int64_t len)
+{
+    struct host_fill *f = ctx;
+    const struct tensor_spec *s = &f->p->m->tt.t[i];
+    memcpy(f->host[g] + soff, f->global[g] + s->offset + gidx, (size_t)len * sizeof(float));
+}
+
+static uint64_t mix64(uint64_t z)
+{
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+/* N(0,1) from the hash of (seed, tensor, element): the same value on every mesh */
+static double hashed_normal(uint64_t seed, int tensor, int64_t idx)
+{
+    uint64_t key = mix64(seed * 0x9e3779b97f4a7c15ULL + (uint64_t)tensor * 0xd1b54a32d192ed03ULL);
+    uint64_t a = mix64(key ^ mix64((uint64_t)idx * 2 + 1));
+    uint64_t b = mix64(key ^ mix64((uint64_t)idx * 2 + 2));
+    double u1 = ((double)(a >> 11) + 1.0) * 0x1.0p-53, u2 = (double)(b >> 11) * 0x1.0p-53;
+    return sqrt(-2.0 * log(u1)) * cos(2.0 * M_PI * u2);
+}
+
+static void fill_random(void *ctx, enum tensor_group g, int i, int64_t gidx, int64_t soff,
+                        int64_t len)
+{
+    struct host_fill *f = ctx;
+    const struct tensor_spec *s = &f->p->m->tt.t[i];
+    float *dst = f->host[g] + soff;
+    double std = f->p->m->cfg.initializer_range;
+    for (int64_t j = 0; j < len; j++)
+        dst[j] = s->kind == TK_NORM ? 1.0f : (float)(std * hashed_normal(f->seed, i, gidx + j));
+}
+
+static void upload_masters(struct params *p, struct host_fill *f)
+{
+    const struct backend *be = p->m->be;
+    for (int k = 0; k < TG_COUNT; k++) {
+        struct param_group_shard *g = &p->g[k];
+        be->upload(g->master, f->host[k], (size_t)g->numel * sizeof(float));
+        be->cast_f32_to_x(g->param_x, g->master, (size_t)g->numel);
+        be->zero(g->m1, (size_t)g->numel * sizeof(float));
+        be->zero(g->m2, (size_t)g->numel * sizeof(float));
+        free(f->host[k]);
+    }
+    p->step = 0;
+}
+
+static void fill_masters(struct params *p, shard_run_fn fn, const float *const *global, uint64_t seed)
+{
+    struct host_fill f = {.p = p, .global = global, .seed = seed};
+    for (int k = 0; k < TG_COUNT; k++) f.host[k] = mt_calloc((size_t)MT_MAX(p->g[k].numel, 1), sizeof(float));
+    for_each_shard_run(p, fn, &f);
+    upload_masters(p, &f);
+}
+
+void params_load_global(struct params *p, const float *const global[TG_COUNT])
+{
+    fill_masters(p, copy_from_global, global, 0);
+}
+
+void params_init_random(struct params *p, uint64_t seed) { fill_masters(p, fill_random, NULL, seed); }
+
+void params_gather_weights(struct params *p)
+{
+    struct model *m = p->m;
+    const struct backend *be = m->be;
+    struct param_group_shard *gd = &p->g[TG_DENSE], *ge = &p->g[TG_EXPERT];
+    comm_all_gather(p->stage, gd->gather_x, gd->param_x, (size_t)gd->numel, x_dtype(be));
+    be->copy(m->w[TG_DENSE], gd->gather_x, (size_t)m->work_numel[TG_DENSE] * be->x_size);
+    if (ge->numel == 0) return;
+    comm_all_gather(p->fsdp, ge->gather_x, ge->param_x, (size_t)ge->numel, x_dtype(be));
+    const struct tensor_table *tt = &m->tt;
+    for (int i = 0; i < tt->n; i++) {
+        const struct tensor_spec *s = &tt->t[i];
+        if (tensor_group_of(s) != TG_EXPERT) continue;
+        int64_t d1 = s->shape[1], d2 = s->shape[2], rows = p->exp_rows[i];
+        for (int r = 0; r < p->F; r++) {
+            int64_t r0 = rows * r, nr = MT_MAX(0, MT_MIN(d1, r0 + rows) - r0);
+            if (nr == 0) continue;
+            for (int64_t e = 0; e < m->n_local_experts; e++) {
+                int64_t src = (int64_t)r * ge->numel + p->exp_shard_off[i] + e * rows * d2;
+                int64_t dst = m->work_off[i] + (e * d1 + r0) * d2;
+                be->copy(xat(be, m->w[TG_EXPERT], dst), xat(be, ge->gather_x, src),
+                         (size_t)(nr * d2) * be->x_size);
+            }
+        }
+    }
+}
+
+double params_reduce_grads(struct params *p, struct comm *world)
+{
+    struct model *m = p->m;
+    const struct backend *be = m->be;
+    struct param_group_shard *gd = &p->g[TG_DENSE], *ge = &p->g[TG_EXPERT];
+    be->zero(gd->scatter_f, (size_t)gd->numel * p->S * sizeof(float));
+    be->copy(gd->scatter_f, m->g[TG_DENSE], (size_t)m->work_numel[TG_DENSE] * sizeof(float));
+    comm_reduce_scatter_sum(p->stage, gd->grad, gd->scatter_f, (size_t)gd->numel, COMM_F32);
+    if (ge->numel > 0) {
+        be->zero(ge->scatter_f, (size_t)ge->numel * p->F * sizeof(float));
+        const struct tensor_table *tt = &m->tt;
+        for (int i = 0; i < tt->n; i++) {
+            const struct tensor_spec *s = &tt->t[i];
+            if (tensor_group_of(s) != TG_EXPERT) continue;
+            int64_t d1 = s->shape[1], d2 = s->shape[2], rows = p->exp_rows[i];
+            for (int r = 0; r < p->F; r++) {
+                int64_t r0 = rows * r, nr = MT_MAX(0, MT_MIN(d1, r0 + rows) - r0);
+                if (nr == 0) continue;
+                for (int64_t e = 0; e < m->n_local_experts; e++) {
+                    int64_t dst = (int64_t)r * ge->numel + p->exp_shard_off[i] + e * rows * d2;
+                    int64_t src = m->work_off[i] + (e * d1 + r0) * d2;
+                    be->copy(ge->scatter_f + dst, m->g[TG_EXPERT] + src, (size_t)(nr * d2) * sizeof(float));
+                }
+            }
+        }
+        comm_reduce_scatter_sum(p->fsdp, ge->grad, ge->scatter_f, (size_t)ge->numel, COMM_F32);
+    }
+    double ss = be->sumsq_f32(gd->grad, (size_t)gd->numel) + be->sumsq_f32(ge->grad, (size_t)ge->numel);
+    comm_all_reduce_sum(world, &ss, 1, COMM_F64);
+    return ss;
+}
+
+void params_adamw_step(struct params *p, const struct train_config *t, float lr, float grad_scale)
+{
+    const struct backend *be = p->m->be;
+    p->step++;
+    for (int k = 0; k < TG_COUNT; k++) {
+        struct param_group_shard *g = &p->g[k];
+        for (int j = 0; j < g->n_seg; j++) {
+            const struct param_segment *s = &g->seg[j];
+            if (s->frozen) continue;
+            be->adamw_update(g->master + s->off, xat(be, g->param_x, s->off), g->grad + s->off,
+                             g->m1 + s->off, g->m2 + s->off, (size_t)s->len, lr, (float)t->beta1,
+                             (float)t->beta2, (float)t->adam_eps,
+                             s->decay ? (float)t->weight_decay : 0.0f, p->step, grad_scale);
+        }
+    }
+}
+
+void params_working_to_host(const struct params *p, float *host[TG_COUNT])
+{
+    const struct model *m = p->m;
+    const struct backend *be = m->be;
+    for (int k = 0; k < TG_COUNT; k++) {
+        size_t n = (size_t)m->work_numel[k];
+        if (n == 0) continue;
+        float *tmp = be->alloc(n * sizeof(float));
+        be->cast_x_to_f32(tmp, m->w[k], n);
+        be->download(host[k], tmp, n * sizeof(float));
+        be->free(tmp);
+    }
+}

@@ -1,0 +1,290 @@
+/* `moetrain train`: the training loop. One optimizer step = n_micro micro-steps on every rank;
+ * the global batch is n_micro × (data-parallel ranks) × micro_batch_size sequences.
+ *
+ * Loss of a step (design.md "Gradient semantics"):
+ *   loss = Σ token CE over the global batch / (labelled tokens in it) + coef · mean_m aux_m
+ * where aux_m is transformers' load-balancing statistic pooled over every MoE layer and over the
+ * global micro-batch m (all data-parallel ranks). Every gradient is the gradient of that number. */
+#include <math.h>
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend_select.h"
+#include "cli.h"
+#include "comm.h"
+#include "common.h"
+#include "config.h"
+#include "data.h"
+#include "flops.h"
+#include "hf_load.h"
+#include "mesh.h"
+#include "metrics.h"
+#include "model.h"
+#include "params.h"
+#include "plan.h"
+#include "train.h"
+
+double train_lr_at(const struct train_config *t, int step)
+{
+    if (t->warmup_steps > 0 && step <= t->warmup_steps) return t->lr * step / t->warmup_steps;
+    int decay_steps = t->steps - t->warmup_steps;
+    if (decay_steps <= 0) return t->lr;
+    double progress = (double)(step - t->warmup_steps) / decay_steps;
+    if (progress > 1) progress = 1;
+    return t->min_lr + 0.5 * (t->lr - t->min_lr) * (1 + cos(M_PI * progress));
+}
+
+void aux_from_stats(const float *stats, int n_layers_all, const struct model_config *mc,
+                    int64_t tokens, double *aux, double *count_out /*[E] or NULL*/,
+                    double *psum_out /*[E] or NULL*/)
+{
+    const int E = mc->num_experts;
+    double *cnt = mt_calloc((size_t)E, sizeof(double)), *ps = mt_calloc((size_t)E, sizeof(double));
+    int n_moe = 0;
+    for (int l = 0; l < n_layers_all; l++) {
+        if (!config_layer_is_moe(mc, l)) continue;
+        n_moe++;
+        const float *st = stats + (size_t)l * 2 * E;
+        for (int e = 0; e < E; e++) {
+            ps[e] += st[e];
+            cnt[e] += st[E + e];
+        }
+    }
+    double rows = (double)n_moe * (double)tokens, a = 0;
+    for (int e = 0; e < E; e++) a += (cnt[e] / rows) * (ps[e] / rows);
+    *aux = n_moe > 0 ? E * a : 0;
+    if (count_out) memcpy(count_out, cnt, (size_t)E * sizeof(double));
+    if (psum_out) memcpy(psum_out, ps, (size_t)E * sizeof(double));
+    free(cnt);
+    free(ps);
+}
+
+void aux_grad_from_counts(const double *count, int E, int n_moe, int64_t tokens, double scale,
+                          float *aux_dp)
+{
+    double rows = (double)n_moe * (double)tokens;
+    for (int e = 0; e < E; e++) aux_dp[e] = (float)(scale * E * count[e] / (rows * rows));
+}
+
+static void print_startup(const struct config *c, const struct mesh *mesh, const struct backend *be,
+                          const struct data_source *data, int n_micro, const struct model *m)
+{
+    if (mt_rank() != 0) return;
+    const struct model_config *mc = &c->model;
+    double n_total = 0;
+    for (int i = 0; i < m->tt.n; i++) n_total += (double)m->tt.t[i].numel;
+    printf("moetrain train %s\n", c->path);
+    printf("  backend     %s (%s)\n", be->name,
+           be->x_size == 4 ? "fp32 compute" : "bf16 compute, fp32 master weights");
+    printf("  model       %d layers, hidden %d, %d/%d heads of %d, %d experts top-%d (width %d), "
+           "vocab %d, %.3gM parameters\n",
+           mc->num_hidden_layers, mc->hidden_size, mc->num_attention_heads, mc->num_key_value_heads,
+           config_head_dim(mc), mc->num_experts, mc->num_experts_per_tok, mc->moe_intermediate_size,
+           mc->vocab_size, n_total / 1e6);
+    printf("  mesh        %d ranks = pp %d x ep %d x ep_fsdp %d%s on %d node(s)\n", mesh->d.world,
+           mesh->d.pp, mesh->d.ep, mesh->d.ep_fsdp, mesh->d.ep_outside ? " (ep_outside)" : "",
+           mesh->n_nodes);
+    printf("  batch       %d sequences x %d tokens per step = %d micro-steps x %d ranks x %d\n",
+           c->train.global_batch_size, c->train.seq_len, n_micro, mesh->d.S,
+           c->train.micro_batch_size);
+    const char *lb = c->train.load_balance == MT_LB_AUX ? "aux loss" :
+                     c->train.load_balance == MT_LB_BIAS ? "aux-loss-free bias" : "none";
+    printf("  optimizer   AdamW lr %.3g -> %.3g (warmup %d), wd %.3g, clip %.3g; balancing: %s\n",
+           c->train.lr, c->train.min_lr, c->train.warmup_steps, c->train.weight_decay,
+           c->train.grad_clip, lb);
+    printf("  data        %s\n", data_describe(data));
+    double h = data_entropy_rate(data);
+    if (isfinite(h))
+        printf("              best achievable loss ~ %.4f nats/token (the corpus entropy rate)\n", h);
+    printf("  init        %s\n", *mc->init_from ? mc->init_from : "random (seeded)");
+    fflush(stdout);
+}
+
+/* Expert-load summary per MoE layer from the global per-layer counts of a step. */
+static void load_summary(const struct model *m, const double *counts /*[L, E]*/, double *mn,
+                         double *mx, double *cv, double *tok /*[n_moe, E]*/)
+{
+    const int E = m->E;
+    int k = 0;
+    for (int l = 0; l < m->L; l++) {
+        if (!config_layer_is_moe(&m->cfg, l)) continue;
+        const double *c = counts + (size_t)l * E;
+        double sum = 0, sq = 0, lo = INFINITY, hi = 0;
+        for (int e = 0; e < E; e++) {
+            sum += c[e];
+            tok[(size_t)k * E + e] = c[e];
+        }
+        double mean = sum / E;
+        for (int e = 0; e < E; e++) {
+            double r = mean > 0 ? c[e] / mean : 0;
+            lo = fmin(lo, r);
+            hi = fmax(hi, r);
+            sq += (r - 1) * (r - 1);
+        }
+        mn[k] = lo;
+        mx[k] = hi;
+        cv[k] = sqrt(sq / E);
+        k++;
+    }
+}
+
+int cmd_train(const struct cli *a)
+{
+    MT_CHECK_MPI(MPI_Init(NULL, NULL));
+    struct config c;
+    config_load(&c, a->config_path, a->n_sets, a->sets);
+    c.parallel.backend = backend_choice_from_cli(a->backend, c.parallel.backend);
+    struct mesh mesh;
+    mesh_build(&mesh, &c, MPI_COMM_WORLD);
+    if (a->dry_run) {
+        plan_print_mesh(stdout, &c, &mesh);
+        fflush(stdout);
+        mesh_free(&mesh);
+        MT_CHECK_MPI(MPI_Finalize());
+        return 0;
+    }
+    if (a->resume) mt_user_error("--resume: checkpoints are not implemented yet");
+    if (mesh.d.pp > 1)
+        mt_user_error("%s: pipeline_parallel_size %d: pipeline execution is not implemented yet "
+                      "(plan and --dry-run lay it out)", c.path, mesh.d.pp);
+    const struct train_config *tc = &c.train;
+    const int dp = mesh.d.S, mb = tc->micro_batch_size;
+    if (tc->global_batch_size % (dp * mb) != 0)
+        mt_user_error("%s: train.global_batch_size %d is not a multiple of micro_batch_size %d x "
+                      "%d data-parallel ranks", c.path, tc->global_batch_size, mb, dp);
+    const int n_micro = tc->global_batch_size / (dp * mb);
+
+    char err[1024];
+    struct data_source *data = data_open(&c.data, tc, c.model.vocab_size, err, sizeof err);
+    if (!data) mt_user_error("%s", err);
+    const struct backend *be = backend_select(c.parallel.backend);
+
+    struct comm *world = comm_mpi_create(MPI_COMM_WORLD);
+    struct comm *stage = comm_mpi_create(mesh.stage_comm);
+    struct comm *ep = mesh.d.ep > 1 ? comm_mpi_create(mesh.ep_comm) : NULL;
+    struct comm *fsdp = mesh.d.ep_fsdp > 1 ? comm_mpi_create(mesh.fsdp_comm) : NULL;
+    struct model m;
+    model_init(&m, be, &c.model, mb, tc->seq_len, ep);
+    const int E = m.E, L = m.L;
+    if (tc->load_balance == MT_LB_BIAS && E > 0) {
+        m.bias = be->alloc((size_t)L * E * sizeof(float));
+        be->zero(m.bias, (size_t)L * E * sizeof(float));
+    }
+    struct params p;
+    params_init(&p, &m, stage, fsdp);
+    if (*c.model.init_from) {
+        float *global[TG_COUNT];
+        for (int g = 0; g < TG_COUNT; g++)
+            global[g] = mt_calloc((size_t)MT_MAX(m.tt.group_numel[g], 1), sizeof(float));
+        if (!hf_load_weights(c.model.init_from, &m.tt, global, err, sizeof err)) mt_fatal("%s", err);
+        params_load_global(&p, (const float *const *)global);
+        for (int g = 0; g < TG_COUNT; g++) free(global[g]);
+    } else {
+        params_init_random(&p, tc->seed);
+    }
+    params_gather_weights(&p);
+    plan_print_mesh(stdout, &c, &mesh);
+    print_startup(&c, &mesh, be, data, n_micro, &m);
+
+    struct metrics_log ml;
+    metrics_open(&ml, c.log.metrics);
+    const int64_t tokens_micro_global = (int64_t)dp * mb * tc->seq_len;
+    const int64_t n_valid_global = (int64_t)tc->global_batch_size * (tc->seq_len - 1);
+    const double coef = c.model.router_aux_loss_coef;
+    const bool use_aux = tc->load_balance == MT_LB_AUX && E > 0;
+    const size_t nstat = (size_t)L * 2 * MT_MAX(E, 1);
+    int32_t *ids = mt_malloc((size_t)mb * tc->seq_len * sizeof(int32_t));
+    float *aux_dp = mt_calloc((size_t)MT_MAX(E, 1), sizeof(float));
+    double *cnt = mt_calloc((size_t)MT_MAX(E, 1), sizeof(double));
+    double *layer_counts = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(double));
+    double *lmin = mt_calloc((size_t)L + 1, sizeof(double)), *lmax = mt_calloc((size_t)L + 1, sizeof(double));
+    double *lcv = mt_calloc((size_t)L + 1, sizeof(double));
+    double *tok = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(double));
+    float *bias_h = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(float));
+    const double flops_tok = flops_train_per_token(&c.model, tc->seq_len);
+    double t_start = mt_now(), first_step_s = 0;
+
+    for (int step = 1; step <= tc->steps; step++) {
+        double t0 = mt_now();
+        model_zero_grad(&m);
+        double ce_local = 0, aux_sum = 0;
+        int64_t valid_local = 0;
+        memset(layer_counts, 0, (size_t)L * MT_MAX(E, 1) * sizeof(double));
+        for (int micro = 0; micro < n_micro; micro++) {
+            int64_t first = data_first_seq(step - 1, micro, n_micro, mesh.me.local, dp, mb);
+            data_get_sequences(data, first, mb, ids);
+            struct model_step_out o;
+            model_forward(&m, ids, NULL, &o);
+            ce_local += o.ce_sum;
+            valid_local += o.n_valid;
+            if (E > 0) {
+                comm_all_reduce_sum(stage, m.stats_h, nstat, COMM_F32);
+                double aux_m;
+                aux_from_stats(m.stats_h, L, &c.model, tokens_micro_global, &aux_m, cnt, NULL);
+                aux_sum += aux_m;
+                aux_grad_from_counts(cnt, E, m.n_moe_layers, tokens_micro_global, coef / n_micro, aux_dp);
+                for (int l = 0; l < L; l++)
+                    for (int e = 0; e < E; e++)
+                        layer_counts[(size_t)l * E + e] += m.stats_h[(size_t)l * 2 * E + E + e];
+            }
+            model_backward(&m, (float)(1.0 / n_valid_global), use_aux ? aux_dp : NULL);
+        }
+        double gsq = params_reduce_grads(&p, world);
+        double gnorm = sqrt(gsq);
+        double scale = tc->grad_clip > 0 && gnorm > tc->grad_clip ? tc->grad_clip / gnorm : 1.0;
+        double lr = train_lr_at(tc, step);
+        params_adamw_step(&p, tc, (float)lr, (float)scale);
+        params_gather_weights(&p);
+
+        double sums[2] = {ce_local, (double)valid_local};
+        comm_all_reduce_sum(world, sums, 2, COMM_F64);
+        MT_CHECK((int64_t)sums[1] == n_valid_global, "step %d counted %.0f labelled tokens, expected %lld",
+                 step, sums[1], (long long)n_valid_global);
+        if (tc->load_balance == MT_LB_BIAS && E > 0) {
+            /* aux-loss-free balancing: raise the bias of under-loaded experts, lower the others */
+            for (int l = 0; l < L; l++) {
+                if (!config_layer_is_moe(&c.model, l)) continue;
+                double mean = 0;
+                for (int e = 0; e < E; e++) mean += layer_counts[(size_t)l * E + e] / E;
+                for (int e = 0; e < E; e++) {
+                    double d = mean - layer_counts[(size_t)l * E + e];
+                    bias_h[(size_t)l * E + e] += (float)(tc->bias_update_rate * ((d > 0) - (d < 0)));
+                }
+            }
+            be->upload(m.bias, bias_h, (size_t)L * E * sizeof(float));
+        }
+        double step_s = mt_now() - t0;
+        if (step == 1) first_step_s = step_s;
+        double ce = sums[0] / n_valid_global, aux = aux_sum / n_micro;
+        int n_moe = 0;
+        if (E > 0) {
+            load_summary(&m, layer_counts, lmin, lmax, lcv, tok);
+            n_moe = m.n_moe_layers;
+        }
+        double elapsed = mt_now() - t_start;
+        double avg = step > 1 ? (elapsed - first_step_s) / (step - 1) : step_s;
+        double tps = (double)tc->global_batch_size * tc->seq_len / step_s;
+        struct step_metrics sm = {
+            .step = step, .steps = tc->steps, .loss = ce + (use_aux ? coef * aux : 0), .ce_loss = ce,
+            .aux_loss = aux, .grad_norm = gnorm, .lr = lr, .tokens_per_s = tps,
+            .mfu = be->peak_flops > 0 ? tps * flops_tok / (be->peak_flops * mesh.d.world) : -1,
+            .step_ms = 1e3 * step_s, .eta_s = avg * (tc->steps - step), .n_layers = n_moe,
+            .load_min = lmin, .load_max = lmax, .load_cv = lcv, .n_experts = E, .expert_tokens = tok,
+        };
+        bool print = step == 1 || step == tc->steps || step % MT_MAX(c.log.interval, 1) == 0;
+        metrics_step(&ml, &sm, print);
+    }
+    mt_log0("done: %d steps in %.1f s\n", tc->steps, mt_now() - t_start);
+    metrics_close(&ml);
+    free(ids); free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv);
+    free(tok); free(bias_h);
+    params_free(&p);
+    model_free(&m);
+    comm_free(world); comm_free(stage); comm_free(ep); comm_free(fsdp);
+    data_close(data);
+    mesh_free(&mesh);
+    MT_CHECK_MPI(MPI_Finalize());
+    return 0;
+}

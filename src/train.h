@@ -1,0 +1,21 @@
+/* Pieces of the training step that tests and verify share. */
+#ifndef MT_TRAIN_H
+#define MT_TRAIN_H
+
+#include <stdint.h>
+
+#include "config.h"
+
+/* Linear warmup to train.lr over warmup_steps, then cosine decay to min_lr at `steps`. step >= 1. */
+double train_lr_at(const struct train_config *t, int step);
+
+/* transformers' load-balancing statistic from per-layer router statistics stats[L][2][E] (psum then
+ * count, summed over `tokens` tokens of every MoE layer): aux = E Σ_e F_e P̄_e with
+ * F_e = count_e / rows, P̄_e = psum_e / rows, rows = (MoE layers) × tokens. */
+void aux_from_stats(const float *stats, int n_layers_all, const struct model_config *mc,
+                    int64_t tokens, double *aux, double *count_out, double *psum_out);
+/* d(scale · aux)/dP[row, e] = scale · E · count_e / rows², the same for every row. */
+void aux_grad_from_counts(const double *count, int E, int n_moe, int64_t tokens, double scale,
+                          float *aux_dp);
+
+#endif

@@ -1,0 +1,196 @@
+/* `moetrain verify MODEL_DIR REFERENCE.safetensors`: runs the reference batch through the model
+ * loaded from MODEL_DIR and compares logits, loss, aux loss and every parameter gradient with the
+ * reference dump (format: tests/fixtures/README.md). Relative error = ‖ours − ref‖ / ‖ref‖ (the
+ * plain norm of the difference where the reference is all zeros). */
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend_select.h"
+#include "cli.h"
+#include "common.h"
+#include "config.h"
+#include "hf_load.h"
+#include "model.h"
+#include "params.h"
+#include "safetensors.h"
+#include "train.h"
+
+struct verify_ctx {
+    const struct st_file *ref;
+    double tol;
+    int n_checked, n_failed;
+    double worst;
+};
+
+static double rel_err(const float *ours, const float *ref, int64_t n)
+{
+    double d = 0, r = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double x = (double)ours[i] - ref[i];
+        d += x * x;
+        r += (double)ref[i] * ref[i];
+    }
+    return r > 0 ? sqrt(d / r) : sqrt(d);
+}
+
+static void report(struct verify_ctx *v, const char *what, double err)
+{
+    bool ok = err <= v->tol && isfinite(err);
+    printf("  %-60s %10.3e  %s\n", what, err, ok ? "ok" : "FAIL");
+    v->n_checked++;
+    v->n_failed += !ok;
+    if (!(err <= v->worst)) v->worst = err;
+}
+
+/* Reads reference tensor `name` (fp32 values) into a new buffer of n elements; NULL if absent. */
+static float *ref_read(const struct st_file *ref, const char *name, int64_t n)
+{
+    const struct st_tensor *t = st_find(ref, name);
+    if (!t) return NULL;
+    char err[512];
+    if (t->numel != n)
+        mt_user_error("%s: tensor '%s' has %lld elements, the model expects %lld", ref->path, name,
+                      (long long)t->numel, (long long)n);
+    float *buf = mt_malloc((size_t)n * sizeof(float));
+    if (!st_read_f32(ref, t, buf, n, err, sizeof err)) mt_user_error("%s", err);
+    return buf;
+}
+
+static void compare_grads(struct verify_ctx *v, const struct model *m, float *const grad[TG_COUNT])
+{
+    char name[256];
+    for (int i = 0; i < m->tt.n; i++) {
+        const struct tensor_spec *s = &m->tt.t[i];
+        const float *ours = grad[tensor_group_of(s)] + m->work_off[i];
+        snprintf(name, sizeof name, "grad.%s", s->name);
+        float *ref = ref_read(v->ref, name, s->numel);
+        if (ref) {
+            report(v, name, rel_err(ours, ref, s->numel));
+            free(ref);
+            continue;
+        }
+        /* a fused dense tensor: the reference holds its hub parts (e.g. mlp.gate_proj / up_proj) */
+        bool found = s->n_hf == 2 && s->kind != TK_EXPERT;
+        int64_t part = s->numel / 2;
+        for (int p = 0; found && p < 2; p++) {
+            snprintf(name, sizeof name, "grad.%s", s->hf_name[p]);
+            ref = ref_read(v->ref, name, part);
+            if (!ref) {
+                found = false;
+                break;
+            }
+            report(v, name, rel_err(ours + p * part, ref, part));
+            free(ref);
+        }
+        if (!found) {
+            printf("  %-60s %10s  MISSING\n", s->name, "-");
+            v->n_checked++;
+            v->n_failed++;
+        }
+    }
+}
+
+int cmd_verify(const struct cli *a)
+{
+    char dir[PATH_MAX], err[1024], yaml[PATH_MAX + 64];
+    if (!realpath(a->model_dir, dir)) mt_user_error("%s: no such model directory", a->model_dir);
+    snprintf(yaml, sizeof yaml, "model:\n  hf_config: \"%s/config.json\"\n", dir);
+    struct config c;
+    if (!config_load_string_checked(&c, "verify", yaml, strlen(yaml), a->n_sets, a->sets, err, sizeof err))
+        mt_user_error("%s", err);
+    c.parallel.backend = backend_choice_from_cli(a->backend, c.parallel.backend);
+    struct st_file *ref = st_open(a->reference, err, sizeof err);
+    if (!ref) mt_user_error("%s", err);
+    const struct st_tensor *tid = st_find(ref, "input_ids");
+    if (!tid || tid->ndim != 2)
+        mt_user_error("%s: no 2-D tensor 'input_ids' (see tests/fixtures/README.md)", a->reference);
+    const int B = (int)tid->shape[0], S = (int)tid->shape[1], T = B * S;
+    int64_t *ids64 = mt_malloc((size_t)T * sizeof(int64_t)), *lab64 = mt_malloc((size_t)T * sizeof(int64_t));
+    int32_t *ids = mt_malloc((size_t)T * sizeof(int32_t)), *labels = mt_malloc((size_t)T * sizeof(int32_t));
+    if (!st_read_i64(ref, tid, ids64, T, err, sizeof err)) mt_user_error("%s", err);
+    const struct st_tensor *tlab = st_find(ref, "labels");
+    if (tlab && !st_read_i64(ref, tlab, lab64, T, err, sizeof err)) mt_user_error("%s", err);
+    for (int t = 0; t < T; t++) {
+        ids[t] = (int32_t)ids64[t];
+        labels[t] = (int32_t)(tlab ? lab64[t] : ids64[t]);
+        if (ids64[t] < 0 || ids64[t] >= c.model.vocab_size)
+            mt_user_error("%s: input_ids[%d] = %lld is outside the vocabulary of %d", a->reference, t,
+                          (long long)ids64[t], c.model.vocab_size);
+    }
+
+    const struct backend *be = backend_select(c.parallel.backend);
+    struct model m;
+    model_init(&m, be, &c.model, B, S, NULL);
+    struct params p;
+    params_init(&p, &m, NULL, NULL);
+    float *global[TG_COUNT];
+    for (int g = 0; g < TG_COUNT; g++) global[g] = mt_calloc((size_t)MT_MAX(m.tt.group_numel[g], 1), sizeof(float));
+    if (!hf_load_weights(dir, &m.tt, global, err, sizeof err)) mt_user_error("%s", err);
+    params_load_global(&p, (const float *const *)global);
+    params_gather_weights(&p);
+
+    struct model_step_out o;
+    model_forward(&m, ids, labels, &o);
+    float *logits = mt_malloc((size_t)T * m.V * sizeof(float));
+    float *tmp = be->alloc((size_t)T * m.V * sizeof(float));
+    be->cast_x_to_f32(tmp, m.logits, (size_t)T * m.V);
+    be->download(logits, tmp, (size_t)T * m.V * sizeof(float));
+    be->free(tmp);
+
+    /* the reference's loss includes coef · aux exactly when it carries an aux_loss */
+    bool with_aux = st_find(ref, "aux_loss") != NULL && m.E > 0;
+    double aux = 0, *cnt = mt_calloc((size_t)MT_MAX(m.E, 1), sizeof(double));
+    float *aux_dp = mt_calloc((size_t)MT_MAX(m.E, 1), sizeof(float));
+    if (m.E > 0) {
+        aux_from_stats(m.stats_h, m.L, &c.model, T, &aux, cnt, NULL);
+        aux_grad_from_counts(cnt, m.E, m.n_moe_layers, T, c.model.router_aux_loss_coef, aux_dp);
+    }
+    if (o.n_valid == 0) mt_user_error("%s: every label is ignored; the loss is undefined", a->reference);
+    double ce = o.ce_sum / o.n_valid;
+    double loss = ce + (with_aux ? c.model.router_aux_loss_coef * aux : 0);
+    model_backward(&m, (float)(1.0 / o.n_valid), with_aux ? aux_dp : NULL);
+
+    struct verify_ctx v = {.ref = ref, .tol = a->tolerance};
+    printf("moetrain verify %s against %s (backend %s, batch %dx%d, tolerance %.1e)\n", dir,
+           a->reference, be->name, B, S, a->tolerance);
+    printf("  %-60s %10s\n", "tensor", "rel error");
+    float *rl = ref_read(ref, "logits", (int64_t)T * m.V);
+    if (!rl) mt_user_error("%s: no tensor 'logits'", a->reference);
+    report(&v, "logits", rel_err(logits, rl, (int64_t)T * m.V));
+    free(rl);
+    float *rloss = ref_read(ref, "loss", 1);
+    if (!rloss) mt_user_error("%s: no tensor 'loss'", a->reference);
+    float floss = (float)loss;
+    report(&v, "loss", rel_err(&floss, rloss, 1));
+    if (with_aux) {
+        float *raux = ref_read(ref, "aux_loss", 1), faux = (float)aux;
+        report(&v, "aux_loss", rel_err(&faux, raux, 1));
+        free(raux);
+    }
+    printf("  (loss %.6f = ce %.6f + %.3g x aux %.6f; reference %.6f)\n", loss, ce,
+           with_aux ? c.model.router_aux_loss_coef : 0.0, aux, rloss[0]);
+    free(rloss);
+
+    float *grad[TG_COUNT];
+    for (int g = 0; g < TG_COUNT; g++) {
+        size_t n = (size_t)MT_MAX(m.work_numel[g], 1);
+        grad[g] = mt_malloc(n * sizeof(float));
+        be->download(grad[g], m.g[g], (size_t)m.work_numel[g] * sizeof(float));
+    }
+    compare_grads(&v, &m, grad);
+    printf("%s: %d of %d tensors within %.1e (worst %.3e)\n", v.n_failed ? "FAILED" : "PASSED",
+           v.n_checked - v.n_failed, v.n_checked, v.tol, v.worst);
+
+    for (int g = 0; g < TG_COUNT; g++) {
+        free(grad[g]);
+        free(global[g]);
+    }
+    free(logits); free(cnt); free(aux_dp); free(ids64); free(lab64); free(ids); free(labels);
+    params_free(&p);
+    model_free(&m);
+    st_close(ref);
+    return v.n_failed ? 1 : 0;
+}
