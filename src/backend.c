@@ -3,9 +3,11 @@
 #include "backend_select.h"
 #include "common.h"
 
-const struct backend *backend_select(enum mt_backend_choice want)
+const struct backend *backend_select(enum mt_backend_choice want, enum mt_precision precision,
+                                     int local_rank)
 {
-    const struct backend *cuda = want == MT_BACKEND_CPU ? NULL : backend_cuda();
+    const struct backend *cuda =
+        want == MT_BACKEND_CPU ? NULL : backend_cuda(precision == MT_PREC_FP32, local_rank);
     if (want == MT_BACKEND_CUDA && !cuda)
         mt_user_error("parallel.backend is cuda, but no CUDA device is usable here "
                       "(built without nvcc, or no GPU visible)");

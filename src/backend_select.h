@@ -6,7 +6,9 @@
 #include "config.h"
 #include "ops.h"
 
-const struct backend *backend_select(enum mt_backend_choice want);
+/* local_rank: this process's index among the ranks of its node (picks the GPU). */
+const struct backend *backend_select(enum mt_backend_choice want, enum mt_precision precision,
+                                     int local_rank);
 /* --backend value over the config's choice ("auto" or NULL keeps the config's) */
 enum mt_backend_choice backend_choice_from_cli(const char *s, enum mt_backend_choice dflt);
 

@@ -1,7 +1,8 @@
 /* The communication layer: collectives over one axis of the grid. MPI implements it on the CPU
  * path (comm_mpi.c); NCCL implements the same table on the GPU path. Buffers live in the memory of
  * the backend that goes with the comm (host for MPI, device for NCCL). A NULL `struct comm *`
- * means a group of one rank: every operation is a local copy. Counts are in elements. */
+ * means a group of one rank with HOST buffers: every operation is a local memmove. On the GPU
+ * path always pass a real comm (size 1 is fine). Counts are in elements. */
 #ifndef MT_COMM_H
 #define MT_COMM_H
 

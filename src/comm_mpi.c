@@ -107,7 +107,9 @@ struct comm *comm_mpi_create(MPI_Comm mpi)
 
 void comm_free(struct comm *c) { free(c); }
 
-static int single(const struct comm *c) { return c == NULL || c->size == 1; }
+/* NULL is a host-memory group of one; a real comm (even of size 1) runs its own implementation,
+ * which knows where its buffers live (host for MPI, device for NCCL). */
+static int single(const struct comm *c) { return c == NULL; }
 
 void comm_all_gather(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t)
 {

@@ -81,6 +81,8 @@ struct ckpt_config {
     char dir[MT_PATH_MAX];        /* "" = no checkpoints */
     int interval;                 /* steps between checkpoints; 0 = only at the end */
     int keep;                     /* newest checkpoints kept; 0 = all */
+    char export_hf[MT_PATH_MAX];  /* after training, write a Hugging Face model directory here
+                                   * (config.json + model.safetensors, fp32); "" = none */
 };
 
 struct log_config {
@@ -111,6 +113,15 @@ void config_load(struct config *c, const char *path, int n_sets, char **sets);
  * (for tests and for tools that want to report themselves). */
 bool config_load_checked(struct config *c, const char *path, int n_sets, char **sets,
                          char *err, int errcap);
+
+/* Same as config_load_checked for YAML text already in memory (a checkpoint manifest); `name` is
+ * used in messages and as the directory for a relative model.hf_config (may be NULL). */
+bool config_load_string_checked(struct config *c, const char *name, const char *yaml, size_t len,
+                                int n_sets, char **sets, char *err, int errcap);
+
+/* The checks config_load runs after merging (ranges, heads % kv_heads, min_lr <= lr, ...), for
+ * configs built in code. Also makes freeze_router and train_router agree. */
+bool config_validate(struct config *c, char *err, int errcap);
 
 /* Fill the model section from a Hugging Face config.json (both spellings). */
 bool config_read_hf_json(struct model_config *m, const char *json_path, char *err, int errcap);

@@ -146,7 +146,8 @@ struct backend {
 
 /* The fp32 CPU reference backend (always available). */
 const struct backend *backend_cpu(void);
-/* The CUDA backend, or NULL when not compiled in or no device is present. */
-const struct backend *backend_cuda(void);
+/* The CUDA backend (bf16 compute, or fp32 when fp32 is true: model.precision), or NULL when not
+ * compiled in or no device is present. Selects the device local_rank % device count. */
+const struct backend *backend_cuda(bool fp32, int local_rank);
 
 #endif

@@ -91,12 +91,15 @@ void params_free(struct params *p)
 typedef void (*shard_run_fn)(void *ctx, enum tensor_group group, int i, int64_t gidx, int64_t soff,
                              int64_t len);
 
-static void for_each_shard_run(const struct params *p, shard_run_fn fn, void *ctx)
+/* The shard of the rank at stage position s_rank, EP_FSDP position f_rank holding experts from
+ * expert0 (every rank's shard has the same size and layout, only the runs' sources differ). */
+static void for_each_shard_run_of(const struct params *p, int s_rank, int f_rank, int64_t expert0,
+                                  shard_run_fn fn, void *ctx)
 {
     const struct model *m = p->m;
     const struct tensor_table *tt = &m->tt;
     const struct param_group_shard *gd = &p->g[TG_DENSE];
-    int64_t lo = gd->chunk * p->S_rank, hi = lo + gd->chunk;
+    int64_t lo = gd->chunk * s_rank, hi = lo + gd->chunk;
     for (int i = 0; i < tt->n; i++) {
         const struct tensor_spec *s = &tt->t[i];
         if (tensor_group_of(s) == TG_DENSE) {
@@ -105,13 +108,18 @@ static void for_each_shard_run(const struct params *p, shard_run_fn fn, void *ct
             continue;
         }
         int64_t d1 = s->shape[1], d2 = s->shape[2], rows = p->exp_rows[i];
-        int64_t r0 = rows * p->F_rank, nr = MT_MAX(0, MT_MIN(d1, r0 + rows) - r0);
+        int64_t r0 = rows * f_rank, nr = MT_MAX(0, MT_MIN(d1, r0 + rows) - r0);
         for (int64_t e = 0; e < m->n_local_experts; e++) {
-            int64_t gidx = ((m->expert0 + e) * d1 + r0) * d2;
+            int64_t gidx = ((expert0 + e) * d1 + r0) * d2;
             int64_t soff = p->exp_shard_off[i] + e * rows * d2;
             if (nr > 0) fn(ctx, TG_EXPERT, i, gidx, soff, nr * d2);
         }
     }
+}
+
+static void for_each_shard_run(const struct params *p, shard_run_fn fn, void *ctx)
+{
+    for_each_shard_run_of(p, p->S_rank, p->F_rank, p->m->expert0, fn, ctx);
 }
 
 struct host_fill {
@@ -127,6 +135,20 @@ static void copy_from_global(void *ctx, enum tensor_group g, int i, int64_t gidx
     struct host_fill *f = ctx;
     const struct tensor_spec *s = &f->p->m->tt.t[i];
     memcpy(f->host[g] + soff, f->global[g] + s->offset + gidx, (size_t)len * sizeof(float));
+}
+
+struct global_fill {
+    const struct params *p;
+    const float *shard[TG_COUNT];   /* one rank's master shards (host) */
+    float *const *global;
+};
+
+static void copy_to_global(void *ctx, enum tensor_group g, int i, int64_t gidx, int64_t soff,
+                           int64_t len)
+{
+    struct global_fill *f = ctx;
+    const struct tensor_spec *s = &f->p->m->tt.t[i];
+    memcpy(f->global[g] + s->offset + gidx, f->shard[g] + soff, (size_t)len * sizeof(float));
 }
 
 static uint64_t mix64(uint64_t z)
@@ -273,5 +295,36 @@ void params_working_to_host(const struct params *p, float *host[TG_COUNT])
         be->cast_x_to_f32(tmp, m->w[k], n);
         be->download(host[k], tmp, n * sizeof(float));
         be->free(tmp);
+    }
+}
+
+void params_gather_global(const struct params *p, const struct mesh *mesh, float *const global[TG_COUNT])
+{
+    const struct backend *be = p->m->be;
+    const int world = mesh->d.world, stage_size = mesh->d.S;
+    MT_CHECK(mesh->d.pp == 1, "params_gather_global: pipeline stages are not supported yet");
+    float *mine[TG_COUNT], *all[TG_COUNT] = {NULL, NULL};
+    for (int k = 0; k < TG_COUNT; k++) {
+        size_t n = (size_t)MT_MAX(p->g[k].numel, 1);
+        mine[k] = mt_malloc(n * sizeof(float));
+        be->download(mine[k], p->g[k].master, (size_t)p->g[k].numel * sizeof(float));
+        if (mesh->rank == 0) all[k] = mt_malloc(n * (size_t)world * sizeof(float));
+        MT_CHECK_MPI(MPI_Gather(mine[k], (int)n, MPI_FLOAT, all[k], (int)n, MPI_FLOAT, 0,
+                                mesh->world_comm));
+    }
+    if (mesh->rank == 0) {
+        for (int r = 0; r < world && r < stage_size; r++) {
+            struct mesh_coord c;
+            mesh_coord_of(&mesh->d, r, &c);
+            struct global_fill f = {.p = p, .global = global};
+            for (int k = 0; k < TG_COUNT; k++)
+                f.shard[k] = all[k] + (size_t)r * (size_t)MT_MAX(p->g[k].numel, 1);
+            for_each_shard_run_of(p, c.local, c.fsdp_rank,
+                                  (int64_t)c.ep_rank * p->m->n_local_experts, copy_to_global, &f);
+        }
+    }
+    for (int k = 0; k < TG_COUNT; k++) {
+        free(mine[k]);
+        free(all[k]);
     }
 }

@@ -14,6 +14,7 @@
 
 #include "comm.h"
 #include "config.h"
+#include "mesh.h"
 #include "model.h"
 
 struct param_segment {      /* a run of shard elements with one optimizer treatment */
@@ -61,6 +62,11 @@ void params_gather_weights(struct params *p);
 double params_reduce_grads(struct params *p, struct comm *world);
 /* AdamW on the shards with the given lr and gradient scale (clipping) */
 void params_adamw_step(struct params *p, const struct train_config *t, float lr, float grad_scale);
+
+/* Collective over the mesh's world: rank 0 receives every rank's fp32 master shards and assembles
+ * the GLOBAL layout of the tensor table (every expert) into `global` (host buffers sized as
+ * tt.group_numel; only rank 0's are written). For export and tests; pp = 1 only for now. */
+void params_gather_global(const struct params *p, const struct mesh *mesh, float *const global[TG_COUNT]);
 
 /* Copy the full working weights of the model (fp32, working layout) into host buffers; for tests
  * and verify. */

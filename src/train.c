@@ -18,6 +18,7 @@
 #include "config.h"
 #include "data.h"
 #include "flops.h"
+#include "hf_export.h"
 #include "hf_load.h"
 #include "mesh.h"
 #include "metrics.h"
@@ -66,6 +67,17 @@ void aux_grad_from_counts(const double *count, int E, int n_moe, int64_t tokens,
 {
     double rows = (double)n_moe * (double)tokens;
     for (int e = 0; e < E; e++) aux_dp[e] = (float)(scale * E * count[e] / (rows * rows));
+}
+
+/* this process's index among the ranks on its node: picks its GPU */
+static int node_local_rank(void)
+{
+    MPI_Comm node;
+    int r = 0;
+    MT_CHECK_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+    MT_CHECK_MPI(MPI_Comm_rank(node, &r));
+    MT_CHECK_MPI(MPI_Comm_free(&node));
+    return r;
 }
 
 static void print_startup(const struct config *c, const struct mesh *mesh, const struct backend *be,
@@ -130,6 +142,24 @@ static void load_summary(const struct model *m, const double *counts /*[L, E]*/,
     }
 }
 
+/* checkpoint.export_hf: the final fp32 weights as a Hugging Face model directory (rank 0 writes) */
+static void export_final(const struct config *c, const struct mesh *mesh, const struct params *p)
+{
+    const struct tensor_table *tt = &p->m->tt;
+    float *global[TG_COUNT] = {NULL, NULL};
+    if (mesh->rank == 0)
+        for (int g = 0; g < TG_COUNT; g++)
+            global[g] = mt_calloc((size_t)MT_MAX(tt->group_numel[g], 1), sizeof(float));
+    params_gather_global(p, mesh, global);
+    if (mesh->rank == 0) {
+        char err[1024];
+        if (!hf_export_model(c->checkpoint.export_hf, &c->model, tt, (const float *const *)global, err, sizeof err))
+            mt_fatal("%s", err);
+        mt_log0("exported the final weights to %s (Hugging Face layout)\n", c->checkpoint.export_hf);
+    }
+    for (int g = 0; g < TG_COUNT; g++) free(global[g]);
+}
+
 int cmd_train(const struct cli *a)
 {
     MT_CHECK_MPI(MPI_Init(NULL, NULL));
@@ -159,7 +189,7 @@ int cmd_train(const struct cli *a)
     char err[1024];
     struct data_source *data = data_open(&c.data, tc, c.model.vocab_size, err, sizeof err);
     if (!data) mt_user_error("%s", err);
-    const struct backend *be = backend_select(c.parallel.backend);
+    const struct backend *be = backend_select(c.parallel.backend, c.model.precision, node_local_rank());
 
     struct comm *world = comm_mpi_create(MPI_COMM_WORLD);
     struct comm *stage = comm_mpi_create(mesh.stage_comm);
@@ -277,6 +307,7 @@ int cmd_train(const struct cli *a)
         metrics_step(&ml, &sm, print);
     }
     mt_log0("done: %d steps in %.1f s\n", tc->steps, mt_now() - t_start);
+    if (*c.checkpoint.export_hf) export_final(&c, &mesh, &p);
     metrics_close(&ml);
     free(ids); free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv);
     free(tok); free(bias_h);

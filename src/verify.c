@@ -121,7 +121,7 @@ int cmd_verify(const struct cli *a)
                           (long long)ids64[t], c.model.vocab_size);
     }
 
-    const struct backend *be = backend_select(c.parallel.backend);
+    const struct backend *be = backend_select(c.parallel.backend, c.model.precision, 0);
     struct model m;
     model_init(&m, be, &c.model, B, S, NULL);
     struct params p;

@@ -1,0 +1,17 @@
+/* Writing a trained model as a Hugging Face model directory that transformers (and `moetrain
+ * verify` / model.init_from) can load: config.json in the transformers 4.x spelling (which 5.x also
+ * reads) plus model.safetensors with hub per-expert names. */
+#ifndef MT_HF_EXPORT_H
+#define MT_HF_EXPORT_H
+
+#include <stdbool.h>
+
+#include "config.h"
+#include "tensors.h"
+
+bool hf_write_config_json(const char *path, const struct model_config *m, char *err, int errcap);
+/* dir is created if missing; global: fp32 host buffers in the tensor table's global layout */
+bool hf_export_model(const char *dir, const struct model_config *m, const struct tensor_table *tt,
+                     const float *const global[TG_COUNT], char *err, int errcap);
+
+#endif
