@@ -41,6 +41,7 @@ struct mesh {
     int rank;                   /* world rank */
     struct mesh_coord me;
     int node, n_nodes;          /* node index of this rank (from MPI_Comm_split_type), node count */
+    int local_rank;             /* index among the ranks of this node (picks the GPU) */
     int layer0, layer1;         /* this stage's layers [layer0, layer1) */
     int expert0, expert1;       /* experts held [expert0, expert1) */
     MPI_Comm world_comm;

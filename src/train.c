@@ -69,17 +69,6 @@ void aux_grad_from_counts(const double *count, int E, int n_moe, int64_t tokens,
     for (int e = 0; e < E; e++) aux_dp[e] = (float)(scale * E * count[e] / (rows * rows));
 }
 
-/* this process's index among the ranks on its node: picks its GPU */
-static int node_local_rank(void)
-{
-    MPI_Comm node;
-    int r = 0;
-    MT_CHECK_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
-    MT_CHECK_MPI(MPI_Comm_rank(node, &r));
-    MT_CHECK_MPI(MPI_Comm_free(&node));
-    return r;
-}
-
 static void print_startup(const struct config *c, const struct mesh *mesh, const struct backend *be,
                           const struct data_source *data, int n_micro, const struct model *m)
 {
@@ -189,7 +178,7 @@ int cmd_train(const struct cli *a)
     char err[1024];
     struct data_source *data = data_open(&c.data, tc, c.model.vocab_size, err, sizeof err);
     if (!data) mt_user_error("%s", err);
-    const struct backend *be = backend_select(c.parallel.backend, c.model.precision, node_local_rank());
+    const struct backend *be = backend_select(c.parallel.backend, c.model.precision, mesh.local_rank);
 
     struct comm *world = comm_mpi_create(MPI_COMM_WORLD);
     struct comm *stage = comm_mpi_create(mesh.stage_comm);

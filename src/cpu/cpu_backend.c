@@ -1,0 +1,185 @@
+/* The CPU backend table: thin adapters from the void * compute-dtype interface of ops.h to the
+ * float * functions of cpu_ops.h (the compute dtype is fp32 here, so x_size is 4). */
+#include "cpu/cpu_ops.h"
+#include "ops.h"
+
+static void b_upload(void *dst, const void *src, size_t bytes) { cpu_copy(dst, src, bytes); }
+static void b_download(void *dst, const void *src, size_t bytes) { cpu_copy(dst, src, bytes); }
+static void b_cast_f32_to_x(void *out, const float *in, size_t n) { cpu_cast_f32(out, in, n); }
+static void b_cast_x_to_f32(float *out, const void *in, size_t n) { cpu_cast_f32(out, in, n); }
+static void b_add_inplace(void *y, const void *x, size_t n) { cpu_add_inplace(y, x, n); }
+
+static void b_embedding_forward(void *out, const int32_t *ids, const void *wte, int T, int H)
+{
+    cpu_embedding_forward(out, ids, wte, T, H);
+}
+static void b_embedding_backward(float *dwte, const void *dout, const int32_t *ids, int T, int H)
+{
+    cpu_embedding_backward(dwte, dout, ids, T, H);
+}
+
+static void b_rmsnorm_forward(void *out, float *rstd, const void *in, const void *w, int N, int C,
+                              float eps)
+{
+    cpu_rmsnorm_forward(out, rstd, in, w, N, C, eps);
+}
+static void b_rmsnorm_backward(void *din, float *dw, const void *dout, const void *in,
+                               const void *w, const float *rstd, int N, int C, bool accumulate)
+{
+    cpu_rmsnorm_backward(din, dw, dout, in, w, rstd, N, C, accumulate);
+}
+
+static void b_matmul_forward(void *out, const void *in, const void *w, int N, int I, int O)
+{
+    cpu_matmul_forward(out, in, w, N, I, O);
+}
+static void b_matmul_backward(void *din, float *dw, const void *dout, const void *in,
+                              const void *w, int N, int I, int O, bool accumulate)
+{
+    cpu_matmul_backward(din, dw, dout, in, w, N, I, O, accumulate);
+}
+
+static void b_rope_forward(void *out, const void *in, const int32_t *pos, int T, int nh, int D,
+                           float theta)
+{
+    cpu_rope_forward(out, in, pos, T, nh, D, theta);
+}
+static void b_rope_backward(void *din, const void *dout, const int32_t *pos, int T, int nh, int D,
+                            float theta)
+{
+    cpu_rope_backward(din, dout, pos, T, nh, D, theta);
+}
+
+static void b_attention_forward(void *out, float *lse, const void *q, const void *k, const void *v,
+                                int B, int S, int Hq, int Hkv, int D)
+{
+    cpu_attention_forward(out, lse, q, k, v, B, S, Hq, Hkv, D);
+}
+static void b_attention_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
+                                 const void *k, const void *v, const void *out, const float *lse,
+                                 int B, int S, int Hq, int Hkv, int D)
+{
+    cpu_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D);
+}
+
+static void b_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const void *logits,
+                             const float *bias, int T, int E, int k, bool norm_topk)
+{
+    cpu_router_forward(topk_idx, topk_w, probs, logits, bias, T, E, k, norm_topk);
+}
+static void b_router_backward(void *dlogits, const float *dtopk_w, const float *probs,
+                              const int32_t *topk_idx, const float *aux_dp, int T, int E, int k,
+                              bool norm_topk)
+{
+    cpu_router_backward(dlogits, dtopk_w, probs, topk_idx, aux_dp, T, E, k, norm_topk);
+}
+
+static void b_gather_rows(void *out, const void *in, const int32_t *idx, int R, int H)
+{
+    cpu_gather_rows(out, in, idx, R, H);
+}
+static void b_gather_rows_backward(void *din, const void *dout, const int32_t *idx, int R, int H)
+{
+    cpu_gather_rows_backward(din, dout, idx, R, H);
+}
+
+static void b_moe_combine_forward(void *out, const void *y, const int32_t *slot_row,
+                                  const float *w, int T, int k, int H)
+{
+    cpu_moe_combine_forward(out, y, slot_row, w, T, k, H);
+}
+static void b_moe_combine_backward(void *dy, float *dw, const void *dout, const void *y,
+                                   const int32_t *slot_row, const float *w, int T, int k, int H)
+{
+    cpu_moe_combine_backward(dy, dw, dout, y, slot_row, w, T, k, H);
+}
+
+static void b_expert_matmul_forward(void *out, const void *in, const void *w, const int64_t *off,
+                                    int n_exp, int I, int O)
+{
+    cpu_expert_matmul_forward(out, in, w, off, n_exp, I, O);
+}
+static void b_expert_matmul_backward(void *din, float *dw, const void *dout, const void *in,
+                                     const void *w, const int64_t *off, int n_exp, int I, int O)
+{
+    cpu_expert_matmul_backward(din, dw, dout, in, w, off, n_exp, I, O);
+}
+
+static void b_swiglu_forward(void *out, const void *gu, int R, int I)
+{
+    cpu_swiglu_forward(out, gu, R, I);
+}
+static void b_swiglu_backward(void *dgu, const void *dout, const void *gu, int R, int I)
+{
+    cpu_swiglu_backward(dgu, dout, gu, R, I);
+}
+
+static void b_cross_entropy_forward(float *losses, const void *logits, const int32_t *targets,
+                                    int N, int V)
+{
+    cpu_cross_entropy_forward(losses, logits, targets, N, V);
+}
+static void b_cross_entropy_backward(void *dlogits, const void *logits, const int32_t *targets,
+                                     int N, int V, float scale)
+{
+    cpu_cross_entropy_backward(dlogits, logits, targets, N, V, scale);
+}
+
+static void b_adamw_update(float *master, void *param, const float *grad, float *m, float *v,
+                           size_t n, float lr, float beta1, float beta2, float eps,
+                           float weight_decay, int t, float grad_scale)
+{
+    cpu_adamw_update(master, param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, t,
+                     grad_scale);
+}
+
+static const struct backend cpu_backend = {
+    .name = "cpu",
+    .x_size = sizeof(float),
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .zero = cpu_zero,
+    .copy = cpu_copy,
+    .upload = b_upload,
+    .download = b_download,
+    .sync = cpu_sync,
+    .cast_f32_to_x = b_cast_f32_to_x,
+    .cast_x_to_f32 = b_cast_x_to_f32,
+    .add_inplace = b_add_inplace,
+    .scale_f32 = cpu_scale_f32,
+    .sumsq_f32 = cpu_sumsq_f32,
+    .embedding_forward = b_embedding_forward,
+    .embedding_backward = b_embedding_backward,
+    .rmsnorm_forward = b_rmsnorm_forward,
+    .rmsnorm_backward = b_rmsnorm_backward,
+    .matmul_forward = b_matmul_forward,
+    .matmul_backward = b_matmul_backward,
+    .rope_forward = b_rope_forward,
+    .rope_backward = b_rope_backward,
+    .attention_forward = b_attention_forward,
+    .attention_backward = b_attention_backward,
+    .router_forward = b_router_forward,
+    .router_backward = b_router_backward,
+    .router_stats = cpu_router_stats,
+    .gather_rows = b_gather_rows,
+    .gather_rows_backward = b_gather_rows_backward,
+    .moe_combine_forward = b_moe_combine_forward,
+    .moe_combine_backward = b_moe_combine_backward,
+    .expert_matmul_forward = b_expert_matmul_forward,
+    .expert_matmul_backward = b_expert_matmul_backward,
+    .swiglu_forward = b_swiglu_forward,
+    .swiglu_backward = b_swiglu_backward,
+    .cross_entropy_forward = b_cross_entropy_forward,
+    .cross_entropy_backward = b_cross_entropy_backward,
+    .adamw_update = b_adamw_update,
+};
+
+const struct backend *backend_cpu(void) { return &cpu_backend; }
+
+/* Linking fallback for CPU-only builds; the CUDA backend's strong definition replaces it. */
+__attribute__((weak)) const struct backend *backend_cuda(bool fp32, int local_rank)
+{
+    (void)fp32;
+    (void)local_rank;
+    return NULL;
+}

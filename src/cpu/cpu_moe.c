@@ -1,0 +1,89 @@
+/* The MoE data movement and expert compute on the CPU: row gather (dispatch), the weighted combine
+ * back to tokens, and the grouped expert matmul (one dense matmul per expert's row range). */
+#include "cpu/cpu_ops.h"
+#include "cpu/cpu_dot.h"
+#include "common.h"
+
+#include <string.h>
+
+void cpu_gather_rows(float *out, const float *in, const int32_t *idx, int R, int H)
+{
+    for (int r = 0; r < R; r++) {
+        MT_CHECK(idx[r] >= 0, "gather_rows: negative index %d at row %d", (int)idx[r], r);
+        memcpy(out + (size_t)r * H, in + (size_t)idx[r] * H, (size_t)H * sizeof(float));
+    }
+}
+
+void cpu_gather_rows_backward(float *din, const float *dout, const int32_t *idx, int R, int H)
+{
+    for (int r = 0; r < R; r++) {
+        MT_CHECK(idx[r] >= 0, "gather_rows backward: negative index %d at row %d", (int)idx[r], r);
+        float *d = din + (size_t)idx[r] * H;
+        const float *g = dout + (size_t)r * H;
+        for (int h = 0; h < H; h++) d[h] += g[h];
+    }
+}
+
+void cpu_moe_combine_forward(float *out, const float *y, const int32_t *slot_row, const float *w,
+                             int T, int k, int H)
+{
+    for (int t = 0; t < T; t++) {
+        float *o = out + (size_t)t * H;
+        memset(o, 0, (size_t)H * sizeof(float));
+        for (int j = 0; j < k; j++) {
+            const int32_t r = slot_row[(size_t)t * k + j];
+            MT_CHECK(r >= 0, "moe_combine: negative slot row %d for token %d", (int)r, t);
+            const float wj = w[(size_t)t * k + j];
+            const float *yr = y + (size_t)r * H;
+            for (int h = 0; h < H; h++) o[h] += wj * yr[h];
+        }
+    }
+}
+
+void cpu_moe_combine_backward(float *dy, float *dw, const float *dout, const float *y,
+                              const int32_t *slot_row, const float *w, int T, int k, int H)
+{
+    for (int t = 0; t < T; t++) {
+        const float *g = dout + (size_t)t * H;
+        for (int j = 0; j < k; j++) {
+            const int32_t r = slot_row[(size_t)t * k + j];
+            MT_CHECK(r >= 0, "moe_combine backward: negative slot row %d for token %d", (int)r, t);
+            const float wj = w[(size_t)t * k + j];
+            float *dyr = dy + (size_t)r * H;
+            dw[(size_t)t * k + j] = cpu_dot(g, y + (size_t)r * H, H);
+            for (int h = 0; h < H; h++) dyr[h] = wj * g[h];
+        }
+    }
+}
+
+static void check_offsets(const char *what, const int64_t *off, int n_exp)
+{
+    MT_CHECK(n_exp >= 0 && (n_exp == 0 || off[0] >= 0), "%s: bad expert count or first offset",
+             what);
+    for (int e = 0; e < n_exp; e++)
+        MT_CHECK(off[e + 1] >= off[e], "%s: offsets decrease at expert %d (%lld > %lld)", what, e,
+                 (long long)off[e], (long long)off[e + 1]);
+}
+
+void cpu_expert_matmul_forward(float *out, const float *in, const float *w, const int64_t *off,
+                               int n_exp, int I, int O)
+{
+    check_offsets("expert_matmul", off, n_exp);
+    for (int e = 0; e < n_exp; e++) {
+        const int64_t r0 = off[e], n = off[e + 1] - off[e];
+        if (n == 0) continue;
+        cpu_matmul_forward(out + r0 * O, in + r0 * I, w + (size_t)e * O * I, (int)n, I, O);
+    }
+}
+
+void cpu_expert_matmul_backward(float *din, float *dw, const float *dout, const float *in,
+                                const float *w, const int64_t *off, int n_exp, int I, int O)
+{
+    check_offsets("expert_matmul backward", off, n_exp);
+    for (int e = 0; e < n_exp; e++) {
+        const int64_t r0 = off[e], n = off[e + 1] - off[e];
+        if (n == 0) continue;
+        cpu_matmul_backward(din ? din + r0 * I : NULL, dw ? dw + (size_t)e * O * I : NULL,
+                            dout + r0 * O, in + r0 * I, w + (size_t)e * O * I, (int)n, I, O, false);
+    }
+}

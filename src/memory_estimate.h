@@ -1,0 +1,54 @@
+/* Per-rank memory estimate of a training run, derived from the tensor spec table and the grid.
+ *
+ * Every rank of a stage reserves equally sized (padded) shards (tensor_shard_of pads uneven splits to
+ * the same row count on every rank of a group), so the estimate is per stage. Precision rules follow
+ * design.md "Precision" for model.precision bf16; for precision fp32 weights and activations are fp32
+ * and the fp32 weights double as the master copy. */
+#ifndef MT_MEMORY_ESTIMATE_H
+#define MT_MEMORY_ESTIMATE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "config.h"
+#include "mesh.h"
+#include "tensors.h"
+
+/* Whole-model parameter counts (unsharded). */
+struct model_counts {
+    int64_t total;
+    int64_t expert;        /* TK_EXPERT tensors */
+    int64_t non_expert;    /* everything else, the embedding and lm_head included */
+    int64_t active;        /* per token: non_expert + expert * top_k / num_experts */
+};
+
+struct stage_estimate {
+    int stage;
+    int layer0, layer1;           /* layers [layer0, layer1) */
+    int n_moe_layers;             /* layers of the stage with routed experts */
+    bool has_embed, has_head;     /* embedding / final norm + lm_head live here */
+    int64_t dense_numel;          /* non-expert shard of one rank, padded elements */
+    int64_t expert_numel;         /* expert shard of one rank, padded elements */
+    int64_t gather_numel;         /* largest working set gathered for one layer (see .c) */
+    double param_bytes;           /* weights (bf16, or fp32 in precision fp32) */
+    double grad_bytes;            /* fp32 sharded gradient accumulation buffers */
+    double master_bytes;          /* fp32 master weights (0 in precision fp32) */
+    double adam_bytes;            /* Adam first and second moments, fp32 */
+    double act_bytes;             /* activations saved for backward, one micro-batch */
+    double buffer_bytes;          /* all-gather / reduce-scatter buffers of one layer */
+    double total_bytes;
+};
+
+void estimate_model_counts(const struct tensor_table *tt, const struct model_config *m,
+                           struct model_counts *out);
+
+/* Estimate for any rank of `stage` (tt built from c->model, d from mesh_dims_of). */
+void estimate_stage(const struct config *c, const struct tensor_table *tt, const struct mesh_dims *d,
+                    int stage, struct stage_estimate *out);
+
+/* Activation bytes saved for backward by layers [layer0, layer1) for one micro-batch of
+ * micro_batch_size x seq_len tokens, plus the embedding input on the first stage and the final norm
+ * and logits on the last stage. Formula in the .c file. */
+double estimate_activation_bytes(const struct config *c, int layer0, int layer1, bool first, bool last);
+
+#endif

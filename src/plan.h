@@ -1,0 +1,26 @@
+/* The layout printout shared by `moetrain plan` (one process, no MPI launch) and
+ * `moetrain train --dry-run` (the real ranks). Both print byte-identical text for the same config,
+ * world size and node placement: nothing host- or time-dependent is printed. */
+#ifndef MT_PLAN_H
+#define MT_PLAN_H
+
+#include <stdio.h>
+
+#include "config.h"
+#include "mesh.h"
+
+/* Ranks above which the per-rank table shows only its first and last PLAN_EDGE_ROWS rows. */
+#define PLAN_FULL_TABLE_MAX 256
+#define PLAN_EDGE_ROWS 64
+/* Groups of each kind listed before "... N more". */
+#define PLAN_MAX_GROUPS 8
+
+/* Prints the header, the per-rank table, the communicator groups and node warnings to f.
+ * node_of_rank: [d->world] node index of every global rank (dense, starting at 0). */
+void plan_print(FILE *f, const struct config *c, const struct mesh_dims *d, const int *node_of_rank);
+
+/* Collective over m->world_comm: gathers every rank's node index to rank 0, which calls plan_print
+ * on f. The other ranks print nothing. */
+void plan_print_mesh(FILE *f, const struct config *c, const struct mesh *m);
+
+#endif

@@ -1,0 +1,389 @@
+/* The memory estimate and the layout table: parameter / gradient / optimizer bytes against a hand
+ * count, table rows against the grid formulas, a 1024-rank plan on the real Qwen3-30B-A3B shapes, and
+ * `plan --world 8` against `train --dry-run` under mpirun. */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common.h"
+#include "memory_estimate.h"
+#include "mesh.h"
+#include "plan.h"
+#include "tensors.h"
+
+/* V 101, H 16, L 3, Hq 4, Hkv 2, D 3, E 4, top-2, I 5: small, with uneven splits on purpose. */
+static void hand_config(struct config *c, int pp, int ep)
+{
+    memset(c, 0, sizeof *c);
+    struct model_config *m = &c->model;
+    m->vocab_size = 101;
+    m->hidden_size = 16;
+    m->num_hidden_layers = 3;
+    m->num_attention_heads = 4;
+    m->num_key_value_heads = 2;
+    m->head_dim = 3;
+    m->num_experts = 4;
+    m->num_experts_per_tok = 2;
+    m->moe_intermediate_size = 5;
+    m->intermediate_size = 7;
+    m->decoder_sparse_step = 1;
+    c->parallel.pipeline_parallel_size = pp;
+    c->parallel.expert_parallel_size = ep;
+    c->train.seq_len = 8;
+    c->train.micro_batch_size = 2;
+    c->train.global_batch_size = 16;
+}
+
+static void qwen3_30b_config(struct config *c, int pp, int ep)
+{
+    memset(c, 0, sizeof *c);
+    struct model_config *m = &c->model;
+    m->vocab_size = 151936;
+    m->hidden_size = 2048;
+    m->num_hidden_layers = 48;
+    m->num_attention_heads = 32;
+    m->num_key_value_heads = 4;
+    m->head_dim = 128;
+    m->num_experts = 128;
+    m->num_experts_per_tok = 8;
+    m->moe_intermediate_size = 768;
+    m->intermediate_size = 6144;
+    m->decoder_sparse_step = 1;
+    c->parallel.pipeline_parallel_size = pp;
+    c->parallel.expert_parallel_size = ep;
+    c->train.seq_len = 4096;
+    c->train.micro_batch_size = 1;
+    c->train.global_batch_size = 1024;
+    snprintf(c->path, sizeof c->path, "qwen3-30b-a3b (test shapes)");
+}
+
+static void dims(const struct config *c, int world, struct mesh_dims *d)
+{
+    char err[256];
+    cr_assert(mesh_dims_of(c, world, d, err, sizeof err), "%s", err);
+}
+
+Test(plan, model_counts_by_hand)
+{
+    struct config c;
+    hand_config(&c, 1, 1);
+    struct tensor_table tt;
+    tensor_table_build(&tt, &c.model);
+    struct model_counts mc;
+    estimate_model_counts(&tt, &c.model, &mc);
+    /* per layer: norms 16 + 16, q 12x16 = 192, k 6x16 = 96, v 96, o 16x12 = 192, q/k norm 3 + 3,
+     * router 4x16 = 64 -> 678 non-expert; experts gate_up 4x10x16 = 640, down 4x16x5 = 320 -> 960.
+     * embedding and lm_head 101x16 = 1616 each, final norm 16. */
+    cr_assert_eq(mc.expert, 3 * 960);
+    cr_assert_eq(mc.non_expert, 3 * 678 + 1616 + 1616 + 16);
+    cr_assert_eq(mc.total, mc.expert + mc.non_expert);
+    cr_assert_eq(mc.total, 8162);
+    /* a token uses top-2 of 4 experts: half the expert weights */
+    cr_assert_eq(mc.active, mc.non_expert + 3 * 960 / 2);
+    tensor_table_free(&tt);
+}
+
+/* world 8, pp 2, ep 2: S = 4 ranks per stage, ep_fsdp 2. Stage 0 layers {0, 1}, stage 1 layer {2}. */
+Test(plan, shard_and_optimizer_bytes_by_hand)
+{
+    struct config c;
+    hand_config(&c, 2, 2);
+    struct mesh_dims d;
+    dims(&c, 8, &d);
+    struct tensor_table tt;
+    tensor_table_build(&tt, &c.model);
+    struct stage_estimate s0, s1;
+    estimate_stage(&c, &tt, &d, 0, &s0);
+    estimate_stage(&c, &tt, &d, 1, &s1);
+
+    /* Non-expert rows split over the 4 stage ranks, rounded up: embedding 26 rows x 16 = 416;
+     * per layer: input norm 4, q 3x16 = 48, k 2x16 = 32, v 32, o 4x12 = 48, q/k norm 1 + 1,
+     * post norm 4, router 1x16 = 16 -> 186; final norm 4, lm_head 26x16 = 416. */
+    cr_assert_eq(s0.dense_numel, 416 + 2 * 186);
+    cr_assert_eq(s1.dense_numel, 186 + 4 + 416);
+    /* Experts: 2 per EP rank, dim 1 split over ep_fsdp 2: gate_up 2x5x16 = 160, down 2x8x5 = 80. */
+    cr_assert_eq(s0.expert_numel, 2 * 240);
+    cr_assert_eq(s1.expert_numel, 240);
+    cr_assert(s0.layer0 == 0 && s0.layer1 == 2 && s1.layer0 == 2 && s1.layer1 == 3);
+    cr_assert(s0.has_embed && !s0.has_head && !s1.has_embed && s1.has_head);
+
+    /* bf16 weights, fp32 grads, fp32 master, 2 fp32 Adam moments per held element */
+    const double h0 = 416 + 2 * 186 + 480, h1 = 606 + 240;
+    cr_assert_float_eq(s0.param_bytes, 2 * h0, 1e-9);
+    cr_assert_float_eq(s0.grad_bytes, 4 * h0, 1e-9);
+    cr_assert_float_eq(s0.master_bytes, 4 * h0, 1e-9);
+    cr_assert_float_eq(s0.adam_bytes, 8 * h0, 1e-9);
+    cr_assert_float_eq(s1.param_bytes, 2 * h1, 1e-9);
+    cr_assert_float_eq(s1.adam_bytes, 8 * h1, 1e-9);
+    /* Largest working set: stage 0's embedding 1616 > a layer (678 + 2 experts x (160 + 160) = 1158);
+     * stage 1's head: final norm 16 + lm_head 1616. Gathered bf16 plus fp32 gradient. */
+    cr_assert_eq(s0.gather_numel, 1616);
+    cr_assert_eq(s1.gather_numel, 1632);
+    cr_assert_float_eq(s0.buffer_bytes, 1616.0 * 6, 1e-9);
+    cr_assert_float_eq(s0.total_bytes, s0.param_bytes + s0.grad_bytes + s0.master_bytes + s0.adam_bytes +
+                                           s0.act_bytes + s0.buffer_bytes, 1e-6);
+
+    /* precision fp32: 4-byte weights that are their own master copy */
+    c.model.precision = MT_PREC_FP32;
+    estimate_stage(&c, &tt, &d, 0, &s0);
+    cr_assert_float_eq(s0.param_bytes, 4 * h0, 1e-9);
+    cr_assert_float_eq(s0.master_bytes, 0, 1e-9);
+    cr_assert_float_eq(s0.grad_bytes, 4 * h0, 1e-9);
+    tensor_table_free(&tt);
+}
+
+Test(plan, tied_embedding_copy_on_last_stage)
+{
+    struct config c;
+    hand_config(&c, 2, 1);
+    struct mesh_dims d;
+    dims(&c, 2, &d);
+    struct tensor_table tt;
+    tensor_table_build(&tt, &c.model);
+    struct stage_estimate untied, tied;
+    estimate_stage(&c, &tt, &d, 1, &untied);
+    tensor_table_free(&tt);
+    c.model.tie_word_embeddings = true;
+    tensor_table_build(&tt, &c.model);
+    estimate_stage(&c, &tt, &d, 1, &tied);
+    /* the head's copy of the embedding has lm_head's shape */
+    cr_assert_eq(tied.dense_numel, untied.dense_numel);
+    /* one stage: the tied embedding is held once */
+    hand_config(&c, 1, 1);
+    c.model.tie_word_embeddings = true;
+    struct stage_estimate one;
+    dims(&c, 1, &d);
+    estimate_stage(&c, &tt, &d, 0, &one);
+    cr_assert_eq(one.dense_numel, 3 * 678 + 1616 + 16);
+    tensor_table_free(&tt);
+}
+
+/* Shards padded per rank cover the model: S x shard summed over stages >= total, equal when every
+ * split is even. */
+Test(plan, shards_cover_the_model)
+{
+    struct config c;
+    qwen3_30b_config(&c, 4, 8);
+    for (int pass = 0; pass < 2; pass++) {
+        const int world = pass ? 1024 : 32;  /* S 8: every split even; S 256: vocab rows padded */
+        struct mesh_dims d;
+        dims(&c, world, &d);
+        struct tensor_table tt;
+        tensor_table_build(&tt, &c.model);
+        struct model_counts mc;
+        estimate_model_counts(&tt, &c.model, &mc);
+        int64_t held = 0;
+        for (int s = 0; s < d.pp; s++) {
+            struct stage_estimate e;
+            estimate_stage(&c, &tt, &d, s, &e);
+            held += (int64_t)d.S * (e.dense_numel + e.expert_numel);
+        }
+        if (pass == 0) cr_assert_eq(held, mc.total);
+        else cr_assert(held >= mc.total && held < mc.total + (int64_t)tt.n * 4096 * d.S, "held %lld",
+                       (long long)held);
+        tensor_table_free(&tt);
+    }
+}
+
+Test(plan, activation_formula_properties)
+{
+    struct config c;
+    hand_config(&c, 1, 1);
+    const double one = estimate_activation_bytes(&c, 0, 3, false, false);
+    c.train.micro_batch_size *= 3;
+    cr_assert_float_eq(estimate_activation_bytes(&c, 0, 3, false, false), 3 * one, 1e-6);
+    c.train.micro_batch_size /= 3;
+    /* the last stage adds the final norm, labels and logits: T (2 H a + 8) + T V (a + 4) */
+    const double T = 2 * 8, a = 2;
+    cr_assert_float_eq(estimate_activation_bytes(&c, 0, 3, false, true) - one,
+                       T * (2 * 16 * a + 8) + T * 101 * (a + 4), 1e-6);
+    /* checkpointing keeps each layer's input plus one layer recomputed */
+    const double layer = estimate_activation_bytes(&c, 0, 1, false, false);
+    cr_assert_float_eq(layer * 3, one, 1e-6);  /* all three layers are MoE and alike */
+    c.train.activation_checkpointing = true;
+    cr_assert_float_eq(estimate_activation_bytes(&c, 0, 3, false, false), 3 * T * 16 * a + layer, 1e-6);
+    /* routed rows grow with top-k: more expert activations */
+    c.train.activation_checkpointing = false;
+    c.model.num_experts_per_tok = 4;
+    cr_assert_gt(estimate_activation_bytes(&c, 0, 3, false, false), one);
+}
+
+/* plan_print into memory. */
+static char *plan_text(const struct config *c, const struct mesh_dims *d, const int *nodes)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    cr_assert_not_null(f);
+    plan_print(f, c, d, nodes);
+    fclose(f);
+    return buf;
+}
+
+static int *nodes_of(int world, int per_node)
+{
+    int *n = malloc((size_t)world * sizeof *n);
+    for (int g = 0; g < world; g++) n[g] = g / per_node;
+    return n;
+}
+
+/* Parses the table rows ("rank node stage [l0,l1) ep fsdp [e0,e1) ...") and checks them against the
+ * grid formulas; returns the number of rows. */
+static int check_rows(const char *text, const struct config *c, const struct mesh_dims *d, const int *nodes)
+{
+    int rows = 0;
+    const char *p = strstr(text, "\n  rank ");
+    cr_assert_not_null(p, "no table header");
+    p = strchr(p + 1, '\n') + 1;
+    while (*p && strncmp(p, "legend", 6)) {
+        int g, node, stage, l0, l1, e, f, e0, e1;
+        if (sscanf(p, "%d %d %d [%d,%d) %d %d [%d,%d)", &g, &node, &stage, &l0, &l1, &e, &f, &e0, &e1) == 9) {
+            const int S = d->S, local = g % S;
+            cr_assert_eq(stage, g / S);
+            cr_assert_eq(node, nodes[g]);
+            int we = d->ep_outside ? local / d->ep_fsdp : local % d->ep;
+            int wf = d->ep_outside ? local % d->ep_fsdp : local / d->ep;
+            cr_assert(e == we && f == wf, "row %d: e %d f %d, want %d %d", g, e, f, we, wf);
+            const int E = c->model.num_experts;
+            cr_assert(e0 == e * E / d->ep && e1 == (e + 1) * E / d->ep);
+            int ml0, ml1;
+            mesh_stage_layers(c->model.num_hidden_layers, d->pp, stage, &ml0, &ml1);
+            cr_assert(l0 == ml0 && l1 == ml1);
+            rows++;
+        } else {
+            cr_assert(strstr(p, "ranks not shown") && p[0] == ' ', "unexpected line: %.80s", p);
+        }
+        p = strchr(p, '\n');
+        cr_assert_not_null(p);
+        p++;
+    }
+    return rows;
+}
+
+Test(plan, world_1024_real_shapes, .timeout = 60)
+{
+    struct config c;
+    qwen3_30b_config(&c, 4, 8);
+    struct mesh_dims d;
+    dims(&c, 1024, &d);
+    int *nodes = nodes_of(1024, 8);
+    double t0 = mt_now();
+    char *text = plan_text(&c, &d, nodes);
+    double dt = mt_now() - t0;
+    cr_assert_lt(dt, 5.0, "plan for 1024 ranks took %.2f s", dt);
+    cr_assert_eq(check_rows(text, &c, &d, nodes), 2 * PLAN_EDGE_ROWS);
+    cr_assert_not_null(strstr(text, "896 ranks not shown"));
+    cr_assert_not_null(strstr(text, "parameters: 30532122624 total"), "30.5 B parameters expected");
+    /* experts: 128 / 8 = 16 per EP rank; gate_up 1536 rows / 32 = 48, down 2048 rows / 32 = 64 */
+    cr_assert_not_null(strstr(text, "16x48x2048"));
+    cr_assert_not_null(strstr(text, "16x64x768"));
+    cr_assert_not_null(strstr(text, "... 120 more"));  /* 128 EP groups, 8 listed */
+    cr_assert_null(strstr(text, "warning:"), "EP groups of 8 on 8-GPU nodes stay inside a node");
+    free(text);
+    free(nodes);
+}
+
+Test(plan, full_table_and_groups_small_world)
+{
+    struct config c;
+    hand_config(&c, 2, 2);
+    c.parallel.ep_outside = true;
+    struct mesh_dims d;
+    dims(&c, 8, &d);
+    int *nodes = nodes_of(8, 8);
+    char *text = plan_text(&c, &d, nodes);
+    cr_assert_eq(check_rows(text, &c, &d, nodes), 8);
+    /* ep_outside: local = e * 2 + f, so stage 0's EP group of f 0 is {0, 2}, its EP_FSDP group of e 1 is
+     * {2, 3}; PP group of local 1 is {1, 5} */
+    cr_assert_not_null(strstr(text, "    stage 0 f 0: [0 2]\n"));
+    cr_assert_not_null(strstr(text, "    stage 0 e 1: [2 3]\n"));
+    cr_assert_not_null(strstr(text, "    stage 1: [4 5 6 7]\n"));
+    cr_assert_not_null(strstr(text, "    local 1: [1 5]\n"));
+    cr_assert_null(strstr(text, "warning:"));
+    free(text);
+    free(nodes);
+    /* one GPU per node: every EP group of 2 spans two nodes */
+    nodes = nodes_of(8, 1);
+    text = plan_text(&c, &d, nodes);
+    cr_assert_not_null(strstr(text, "warning: 4 of 4 EP groups span more than one node"), "%s", text);
+    free(text);
+    free(nodes);
+}
+
+/* ---- the command line (needs build/moetrain and configs/) ---- */
+
+static const char *env_or(const char *name, const char *dflt)
+{
+    const char *v = getenv(name);
+    return v && *v ? v : dflt;
+}
+
+static int sh(const char *cmd)
+{
+    int st = system(cmd);
+    cr_assert(st != -1 && WIFEXITED(st), "could not run: %s", cmd);
+    return WEXITSTATUS(st);
+}
+
+static char *slurp(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    cr_assert_not_null(f, "cannot open %s", path);
+    char *buf = NULL;
+    size_t len = 0, cap = 0, n;
+    char chunk[4096];
+    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0) {
+        if (len + n + 1 > cap) {
+            cap = 2 * (len + n + 1);
+            buf = realloc(buf, cap);
+        }
+        memcpy(buf + len, chunk, n);
+        len += n;
+    }
+    fclose(f);
+    if (!buf) buf = calloc(1, 1);
+    buf[len] = 0;
+    return buf;
+}
+
+Test(plan_cli, dry_run_equals_plan, .timeout = 240)
+{
+    char plan_out[] = "/tmp/mt_plan_XXXXXX", dry_out[] = "/tmp/mt_dry_XXXXXX";
+    cr_assert(mkstemp(plan_out) >= 0 && mkstemp(dry_out) >= 0);
+    const char *b = env_or("MT_BUILD", "build"), *mpirun = env_or("MT_MPIRUN", "mpirun --oversubscribe");
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd,
+             "%s/moetrain plan configs/tiny.yaml --world 8 --set parallel.expert_parallel_size=2 > %s",
+             b, plan_out);
+    cr_assert_eq(sh(cmd), 0, "%s", cmd);
+    snprintf(cmd, sizeof cmd,
+             "timeout 200 %s -np 8 %s/moetrain train configs/tiny.yaml --dry-run "
+             "--set parallel.expert_parallel_size=2 > %s", mpirun, b, dry_out);
+    cr_assert_eq(sh(cmd), 0, "%s", cmd);
+    char *a = slurp(plan_out), *d = slurp(dry_out);
+    unlink(plan_out);
+    unlink(dry_out);
+    cr_assert_not_null(strstr(a, "ep 2 x ep_fsdp 4"), "plan output:\n%s", a);
+    cr_assert_str_eq(a, d, "plan --world 8 and train --dry-run differ");
+    free(a);
+    free(d);
+}
+
+Test(plan_cli, impossible_world_is_one_line_error)
+{
+    char err[] = "/tmp/mt_plan_err_XXXXXX";
+    cr_assert(mkstemp(err) >= 0);
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd,
+             "%s/moetrain plan configs/tiny.yaml --world 6 --set parallel.pipeline_parallel_size=4 "
+             ">/dev/null 2> %s", env_or("MT_BUILD", "build"), err);
+    cr_assert_eq(sh(cmd), 1);
+    char *text = slurp(err);
+    unlink(err);
+    cr_assert_not_null(strstr(text, "world size 6 is not divisible by pipeline_parallel_size 4"), "%s", text);
+    cr_assert_eq(strchr(text, '\n'), text + strlen(text) - 1, "expected one line: %s", text);
+    free(text);
+}
