@@ -69,6 +69,20 @@ void aux_grad_from_counts(const double *count, int E, int n_moe, int64_t tokens,
     for (int e = 0; e < E; e++) aux_dp[e] = (float)(scale * E * count[e] / (rows * rows));
 }
 
+void balance_bias_update(float *bias, const double *counts, const struct model_config *mc, double rate)
+{
+    const int E = mc->num_experts;
+    for (int l = 0; l < mc->num_hidden_layers; l++) {
+        if (!config_layer_is_moe(mc, l)) continue;
+        double mean = 0;
+        for (int e = 0; e < E; e++) mean += counts[(size_t)l * E + e] / E;
+        for (int e = 0; e < E; e++) {
+            double d = mean - counts[(size_t)l * E + e];
+            bias[(size_t)l * E + e] += (float)(rate * ((d > 0) - (d < 0)));
+        }
+    }
+}
+
 static void print_startup(const struct config *c, const struct mesh *mesh, const struct backend *be,
                           const struct data_source *data, int n_micro, const struct model *m)
 {
@@ -262,16 +276,7 @@ int cmd_train(const struct cli *a)
         MT_CHECK((int64_t)sums[1] == n_valid_global, "step %d counted %.0f labelled tokens, expected %lld",
                  step, sums[1], (long long)n_valid_global);
         if (tc->load_balance == MT_LB_BIAS && E > 0) {
-            /* aux-loss-free balancing: raise the bias of under-loaded experts, lower the others */
-            for (int l = 0; l < L; l++) {
-                if (!config_layer_is_moe(&c.model, l)) continue;
-                double mean = 0;
-                for (int e = 0; e < E; e++) mean += layer_counts[(size_t)l * E + e] / E;
-                for (int e = 0; e < E; e++) {
-                    double d = mean - layer_counts[(size_t)l * E + e];
-                    bias_h[(size_t)l * E + e] += (float)(tc->bias_update_rate * ((d > 0) - (d < 0)));
-                }
-            }
+            balance_bias_update(bias_h, layer_counts, &c.model, tc->bias_update_rate);
             be->upload(m.bias, bias_h, (size_t)L * E * sizeof(float));
         }
         double step_s = mt_now() - t0;

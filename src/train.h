@@ -18,4 +18,9 @@ void aux_from_stats(const float *stats, int n_layers_all, const struct model_con
 void aux_grad_from_counts(const double *count, int E, int n_moe, int64_t tokens, double scale,
                           float *aux_dp);
 
+/* Aux-loss-free balancing: per MoE layer, bias[l, e] += rate · sign(mean load − load[l, e]) from
+ * the step's global token counts counts[l, e]; the bias shifts expert selection only. */
+void balance_bias_update(float *bias /*[L, E]*/, const double *counts /*[L, E]*/,
+                         const struct model_config *mc, double rate);
+
 #endif
