@@ -1,0 +1,947 @@
+/* Config module: defaults, YAML loading with file:line:column errors, --set, hf_config JSON in both
+ * spellings, validation, config_to_yaml round trip. YAML/JSON inputs are written into a fresh
+ * temporary directory per test. Expected error positions are counted by hand from the 1-based
+ * line and column of the offending token in the literal text (explained next to each). */
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "config_table.h"
+
+#define FIXTURE_JSON "tests/fixtures/qwen3moe-tiny/config.json"
+
+static char tmpdir[256];  /* short, so "tmpdir/name" always fits a PATH_MAX buffer */
+static char errbuf[2048];
+
+static void make_tmp(void)
+{
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/mt_test_config_XXXXXX");
+    cr_assert_not_null(mkdtemp(tmpdir));
+}
+
+static void remove_tmp(void)
+{
+    char cmd[PATH_MAX + 16];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
+    if (system(cmd) != 0) cr_log_warn("could not remove %s", tmpdir);
+}
+
+TestSuite(config, .init = make_tmp, .fini = remove_tmp);
+
+/* Writes text to tmpdir/name and returns the path (static storage, a few at a time). */
+static const char *put(const char *name, const char *text)
+{
+    static char paths[8][PATH_MAX];
+    static int next;
+    char *p = paths[next++ % 8];
+    snprintf(p, PATH_MAX, "%s/%s", tmpdir, name);
+    FILE *f = fopen(p, "w");
+    cr_assert_not_null(f, "fopen %s", p);
+    cr_assert_eq(fputs(text, f) >= 0, true);
+    cr_assert_eq(fclose(f), 0);
+    return p;
+}
+
+static bool load(struct config *c, const char *path, int n, char **sets)
+{
+    errbuf[0] = 0;
+    return config_load_checked(c, path, n, sets, errbuf, sizeof errbuf);
+}
+
+/* Loads text that must fail; returns the message. */
+static const char *fails(const char *text)
+{
+    struct config c;
+    const char *p = put("bad.yaml", text);
+    cr_assert_not(load(&c, p, 0, NULL), "loaded but should fail:\n%s", text);
+    cr_assert_null(strchr(errbuf, '\n'), "message is not one line: %s", errbuf);
+    return errbuf;
+}
+
+static void expect(const char *msg, const char *part)
+{
+    cr_assert_not_null(strstr(msg, part), "expected '%s' in: %s", part, msg);
+}
+
+/* "FILE:LINE:COL:" of bad.yaml */
+static void expect_at(const char *msg, int line, int col)
+{
+    char want[PATH_MAX + 32];
+    snprintf(want, sizeof want, "%s/bad.yaml:%d:%d: ", tmpdir, line, col);
+    cr_assert_eq(strncmp(msg, want, strlen(want)), 0, "expected prefix '%s' in: %s", want, msg);
+}
+
+static char *yaml_of(const struct config *c)
+{
+    int n = config_to_yaml(c, NULL, 0);
+    char *buf = malloc((size_t)n + 1);
+    cr_assert_eq(config_to_yaml(c, buf, n + 1), n);
+    return buf;
+}
+
+/* config_to_yaml without its first line (which names the file loaded from) */
+static char *body_of(const struct config *c)
+{
+    char *y = yaml_of(c);
+    char *nl = strchr(y, '\n');
+    memmove(y, nl + 1, strlen(nl + 1) + 1);
+    return y;
+}
+
+/* ---- defaults ------------------------------------------------------------------------------- */
+
+Test(config, defaults_are_the_tiny_model)
+{
+    struct config c;
+    config_defaults(&c);
+    cr_assert_eq(c.model.vocab_size, 512);
+    cr_assert_eq(c.model.hidden_size, 64);
+    cr_assert_eq(c.model.num_hidden_layers, 2);
+    cr_assert_eq(c.model.num_attention_heads, 4);
+    cr_assert_eq(c.model.num_key_value_heads, 2);
+    cr_assert_eq(c.model.head_dim, 16);
+    cr_assert_eq(c.model.num_experts, 8);
+    cr_assert_eq(c.model.num_experts_per_tok, 2);
+    cr_assert_eq(c.model.moe_intermediate_size, 32);
+    cr_assert_eq(c.model.intermediate_size, 96);
+    cr_assert_eq(c.model.decoder_sparse_step, 1);
+    cr_assert_eq(c.model.n_mlp_only_layers, 0);
+    cr_assert(c.model.norm_topk_prob);
+    cr_assert_not(c.model.tie_word_embeddings);
+    cr_assert_eq(c.model.rope_theta, 1e6);
+    cr_assert_eq(c.model.rms_norm_eps, 1e-6);
+    cr_assert_eq(c.model.router_aux_loss_coef, 0.01);
+    cr_assert_eq(c.model.initializer_range, 0.02);
+    cr_assert_eq(c.model.max_position_embeddings, 4096);
+    cr_assert_eq(c.model.precision, MT_PREC_BF16);
+    cr_assert(c.model.router_fp32 && c.model.train_router && !c.model.freeze_router);
+    cr_assert_eq(c.parallel.pipeline_parallel_size, 1);
+    cr_assert_eq(c.parallel.expert_parallel_size, 1);
+    cr_assert_eq(c.parallel.backend, MT_BACKEND_AUTO);
+    cr_assert_eq(c.train.steps, 100);
+    cr_assert_eq(c.train.seq_len, 64);
+    cr_assert_eq(c.train.global_batch_size, 8);
+    cr_assert_eq(c.train.micro_batch_size, 2);
+    cr_assert_eq(c.train.lr, 3e-3);
+    cr_assert_eq(c.train.min_lr, 3e-4);
+    cr_assert_eq(c.train.warmup_steps, 10);
+    cr_assert_eq(c.train.weight_decay, 0.1);
+    cr_assert_eq(c.train.beta1, 0.9);
+    cr_assert_eq(c.train.beta2, 0.95);
+    cr_assert_eq(c.train.adam_eps, 1e-8);
+    cr_assert_eq(c.train.grad_clip, 1.0);
+    cr_assert_eq(c.train.seed, 1234);
+    cr_assert_eq(c.train.load_balance, MT_LB_AUX);
+    cr_assert_eq(c.train.bias_update_rate, 1e-3);
+    cr_assert_eq(c.data.kind, MT_DATA_SYNTHETIC);
+    cr_assert_eq(c.data.synthetic_branching, 4);
+    cr_assert_eq(c.data.synthetic_seed, 42);
+    cr_assert_str_eq(c.checkpoint.dir, "");
+    cr_assert_str_eq(c.checkpoint.export_hf, "");
+    cr_assert_eq(c.checkpoint.interval, 0);
+    cr_assert_eq(c.checkpoint.keep, 2);
+    cr_assert_eq(c.log.interval, 1);
+    cr_assert_str_eq(c.log.metrics, "");
+    cr_assert(config_validate(&c, errbuf, sizeof errbuf), "%s", errbuf);
+}
+
+Test(config, no_file_and_empty_file_give_the_defaults)
+{
+    struct config d, a, b;
+    config_defaults(&d);
+    cr_assert(load(&a, NULL, 0, NULL), "%s", errbuf);
+    cr_assert(load(&b, put("empty.yaml", "# nothing here\n"), 0, NULL), "%s", errbuf);
+    char *yd = body_of(&d), *ya = body_of(&a), *yb = body_of(&b);
+    cr_assert_str_eq(ya, yd);
+    cr_assert_str_eq(yb, yd);
+    free(yd), free(ya), free(yb);
+    struct config e;
+    cr_assert(load(&e, put("sections.yaml", "train:\nlog: ~\n"), 0, NULL), "%s", errbuf);
+}
+
+/* ---- shipped configs ------------------------------------------------------------------------ */
+
+Test(config, tiny_yaml_loads)
+{
+    struct config c;
+    cr_assert(load(&c, "configs/tiny.yaml", 0, NULL), "%s", errbuf);
+    cr_assert_str_eq(c.path, "configs/tiny.yaml");
+    cr_assert_eq(c.model.hidden_size, 64);
+    cr_assert_eq(c.model.num_experts, 8);
+    cr_assert_eq(c.model.num_experts_per_tok, 2);
+    cr_assert_eq(config_head_dim(&c.model), 16);
+    cr_assert_eq(c.data.kind, MT_DATA_SYNTHETIC);
+    cr_assert_gt(c.train.steps, 0);
+}
+
+/* Expected values: spec/qwen3-moe.md section 1 (Qwen/Qwen3-30B-A3B/config.json). */
+Test(config, qwen3_30b_a3b_yaml_has_the_real_shapes)
+{
+    struct config c;
+    cr_assert(load(&c, "configs/qwen3-30b-a3b.yaml", 0, NULL), "%s", errbuf);
+    const struct model_config *m = &c.model;
+    cr_assert_eq(m->vocab_size, 151936);
+    cr_assert_eq(m->hidden_size, 2048);
+    cr_assert_eq(m->intermediate_size, 6144);
+    cr_assert_eq(m->moe_intermediate_size, 768);
+    cr_assert_eq(m->num_hidden_layers, 48);
+    cr_assert_eq(m->num_attention_heads, 32);
+    cr_assert_eq(m->num_key_value_heads, 4);
+    cr_assert_eq(config_head_dim(m), 128);
+    cr_assert_eq(m->num_experts, 128);
+    cr_assert_eq(m->num_experts_per_tok, 8);
+    cr_assert(m->norm_topk_prob);
+    cr_assert_eq(m->rope_theta, 1e6);
+    cr_assert_eq(m->rms_norm_eps, 1e-6);
+    cr_assert_eq(m->router_aux_loss_coef, 0.001);
+    cr_assert_not(m->tie_word_embeddings);
+    for (int l = 0; l < 48; l++) cr_assert(config_layer_is_moe(m, l), "layer %d", l);
+    cr_assert_eq(c.parallel.expert_parallel_size, 8);
+    cr_assert_eq(c.train.seq_len, 4096);
+    cr_assert_eq(c.train.global_batch_size, 512);
+    cr_assert_eq(c.train.micro_batch_size, 1);
+}
+
+/* ---- YAML value forms ----------------------------------------------------------------------- */
+
+Test(config, rope_theta_accepts_every_number_form)
+{
+    const char *forms[] = { "1e6", "1000000.0", "1000000", "1.0e+6", "\"1e6\"" };
+    for (size_t i = 0; i < sizeof forms / sizeof forms[0]; i++) {
+        char text[128];
+        snprintf(text, sizeof text, "model:\n  rope_theta: %s\n", forms[i]);
+        struct config c;
+        cr_assert(load(&c, put("rope.yaml", text), 0, NULL), "%s: %s", forms[i], errbuf);
+        cr_assert_eq(c.model.rope_theta, 1000000.0, "%s", forms[i]);
+    }
+}
+
+Test(config, bool_spellings)
+{
+    const char *t[] = { "true", "yes", "on", "True", "YES" }, *f[] = { "false", "no", "off", "False" };
+    for (size_t i = 0; i < 5; i++) {
+        char text[128];
+        snprintf(text, sizeof text, "train:\n  activation_checkpointing: %s\n", t[i]);
+        struct config c;
+        cr_assert(load(&c, put("b.yaml", text), 0, NULL), "%s", errbuf);
+        cr_assert(c.train.activation_checkpointing, "%s", t[i]);
+    }
+    for (size_t i = 0; i < 4; i++) {
+        char text[128];
+        snprintf(text, sizeof text, "model:\n  router_fp32: %s\n", f[i]);
+        struct config c;
+        cr_assert(load(&c, put("b.yaml", text), 0, NULL), "%s", errbuf);
+        cr_assert_not(c.model.router_fp32, "%s", f[i]);
+    }
+}
+
+Test(config, lists_enums_strings_and_aliases_from_yaml)
+{
+    struct config c;
+    const char *text = "model:\n"
+                       "  num_hidden_layers: 4\n"
+                       "  mlp_only_layers: [0, 2]\n"
+                       "  precision: fp32\n"
+                       "  num_local_experts: 16\n"
+                       "  init_from: 'dir with: colon'\n"
+                       "parallel:\n  backend: cpu\n"
+                       "train:\n  load_balance: bias\n  seed: 18446744073709551615\n"
+                       "data:\n  kind: tokens\n  path: /data/x.bin\n"
+                       "checkpoint:\n  dir: ~\n";
+    cr_assert(load(&c, put("v.yaml", text), 0, NULL), "%s", errbuf);
+    cr_assert_eq(c.model.n_mlp_only_layers, 2);
+    cr_assert_eq(c.model.mlp_only_layers[0], 0);
+    cr_assert_eq(c.model.mlp_only_layers[1], 2);
+    cr_assert_eq(c.model.precision, MT_PREC_FP32);
+    cr_assert_eq(c.model.num_experts, 16);
+    cr_assert_str_eq(c.model.init_from, "dir with: colon");
+    cr_assert_eq(c.parallel.backend, MT_BACKEND_CPU);
+    cr_assert_eq(c.train.load_balance, MT_LB_BIAS);
+    cr_assert_eq(c.train.seed, UINT64_MAX);
+    cr_assert_eq(c.data.kind, MT_DATA_TOKENS);
+    cr_assert_str_eq(c.data.path, "/data/x.bin");
+    cr_assert_str_eq(c.checkpoint.dir, "");
+
+    /* block-style sequence and the empty list */
+    cr_assert(load(&c, put("l.yaml", "model:\n  num_hidden_layers: 3\n  mlp_only_layers:\n"
+                                     "    - 1\n    - 2\n"), 0, NULL), "%s", errbuf);
+    cr_assert_eq(c.model.n_mlp_only_layers, 2);
+    cr_assert_eq(c.model.mlp_only_layers[1], 2);
+    cr_assert(load(&c, put("l.yaml", "model:\n  mlp_only_layers: []\n"), 0, NULL), "%s", errbuf);
+    cr_assert_eq(c.model.n_mlp_only_layers, 0);
+}
+
+/* ---- errors with positions ------------------------------------------------------------------ */
+
+Test(config, malformed_yaml_names_position)
+{
+    /* a tab cannot start a token; it is the first character of line 2 */
+    const char *m = fails("train:\n\tsteps: 1\n");
+    expect_at(m, 2, 1);
+    expect(m, "malformed YAML");
+    /* an unclosed flow sequence: libyaml reports where it expected ',' or ']' (the end of input,
+     * line 3 column 1) and where the sequence started (line 2, column 10) */
+    m = fails("train:\n  steps: [1, 2\n");
+    expect(m, "malformed YAML");
+    expect(m, "line 2, column 10");
+}
+
+Test(config, missing_file_is_one_line)
+{
+    struct config c;
+    char path[PATH_MAX + 32];
+    snprintf(path, sizeof path, "%s/none.yaml", tmpdir);
+    cr_assert_not(load(&c, path, 0, NULL));
+    expect(errbuf, path);
+    expect(errbuf, "cannot open config");
+    cr_assert_null(strchr(errbuf, '\n'));
+    cr_assert_not(load(&c, tmpdir, 0, NULL)); /* a directory */
+    expect(errbuf, tmpdir);
+}
+
+Test(config, unknown_section_suggests)
+{
+    /* 'trian' is the first token of line 1 */
+    const char *m = fails("model:\n  hidden_size: 64\ntrian:\n  steps: 5\n");
+    expect_at(m, 3, 1);
+    expect(m, "unknown section 'trian' (did you mean 'train'?)");
+    m = fails("optimizer:\n  lr: 1\n");
+    expect(m, "unknown section 'optimizer'");
+    expect(m, "sections: model, parallel, train, data, checkpoint, log");
+}
+
+Test(config, unknown_key_suggests_nearest)
+{
+    /* "  stpes: 10": the key starts after two blanks, column 3 */
+    const char *m = fails("train:\n  stpes: 10\n");
+    expect_at(m, 2, 3);
+    expect(m, "unknown key 'stpes' in section 'train' (did you mean 'steps'?)");
+    m = fails("train:\n  lr: 0.1\n  golbal_batch_size: 4\n");
+    expect_at(m, 3, 3);
+    expect(m, "(did you mean 'global_batch_size'?)");
+    /* a key of another section is pointed to there */
+    m = fails("model:\n  lr: 0.1\n");
+    expect(m, "unknown key 'lr' in section 'model' (did you mean 'train.lr'?)");
+    /* nothing close: no suggestion */
+    m = fails("log:\n  colour: red\n");
+    expect(m, "unknown key 'colour' in section 'log'");
+    cr_assert_null(strstr(m, "did you mean"), "%s", m);
+}
+
+Test(config, edit_distance)
+{
+    cr_assert_eq(cfg_edit_distance("stpes", "steps"), 1);  /* one swap of neighbours */
+    cr_assert_eq(cfg_edit_distance("kitten", "sitting"), 3); /* k->s, e->i, +g */
+    cr_assert_eq(cfg_edit_distance("", "abc"), 3);
+    cr_assert_eq(cfg_edit_distance("lr", "lr"), 0);
+}
+
+Test(config, wrong_type_names_key_and_value)
+{
+    /* "  steps: ten": 's' at column 3, "steps:" ends at 8, the value at column 10 */
+    const char *m = fails("model:\n  hidden_size: 64\ntrain:\n  steps: ten\n");
+    expect_at(m, 4, 10);
+    expect(m, "train.steps expects an integer, got 'ten'");
+    m = fails("train:\n  steps: 10.5\n");
+    expect(m, "train.steps expects an integer, got '10.5'");
+    m = fails("train:\n  lr: fast\n");
+    expect(m, "train.lr expects a number, got 'fast'");
+    m = fails("model:\n  norm_topk_prob: maybe\n");
+    expect(m, "model.norm_topk_prob expects a boolean");
+    m = fails("model:\n  precision: fp16\n");
+    expect(m, "model.precision expects one of bf16|fp32, got 'fp16'");
+    m = fails("train:\n  load_balance: greedy\n");
+    expect(m, "train.load_balance expects one of aux|bias|none");
+    m = fails("data:\n  kind: files\n");
+    expect(m, "data.kind expects one of synthetic|tokens");
+    m = fails("parallel:\n  backend: rocm\n");
+    expect(m, "parallel.backend expects one of auto|cpu|cuda");
+    m = fails("train:\n  seed: -1\n");
+    expect(m, "train.seed expects an unsigned 64-bit integer, got '-1'");
+    /* "  steps: [1]": the sequence starts at column 10 */
+    m = fails("train:\n  steps: [1]\n");
+    expect_at(m, 2, 10);
+    expect(m, "train.steps expects an integer, got a sequence");
+    /* list element: "  mlp_only_layers: [0, x]": '[' at 20, '0' at 21, ',' 22, ' ' 23, 'x' 24 */
+    m = fails("model:\n  mlp_only_layers: [0, x]\n");
+    expect_at(m, 2, 24);
+    expect(m, "model.mlp_only_layers expects a list of integers, got element 'x'");
+    m = fails("train:\n  steps: 99999999999\n");
+    expect(m, "train.steps is out of range for a 32-bit integer");
+    /* a section that is not a mapping: "train: 5", the 5 at column 8 */
+    m = fails("train: 5\n");
+    expect_at(m, 1, 8);
+    expect(m, "section 'train' must be a mapping");
+}
+
+Test(config, out_of_range)
+{
+    /* "  lr: -1": '-' at column 7 */
+    const char *m = fails("train:\n  lr: -1\n");
+    expect_at(m, 2, 7);
+    expect(m, "train.lr must be > 0");
+    m = fails("model:\n  hidden_size: 0\n");
+    expect(m, "model.hidden_size must be >= 1 (got 0)");
+    m = fails("train:\n  beta2: 1.0\n");
+    expect(m, "train.beta2 must be in [0, 1)");
+    m = fails("train:\n  grad_clip: -0.5\n");
+    expect(m, "train.grad_clip must be >= 0");
+    m = fails("model:\n  mlp_only_layers: [-1]\n");
+    expect(m, "model.mlp_only_layers elements must be");
+}
+
+Test(config, top_level_must_be_a_mapping)
+{
+    const char *m = fails("- model\n- train\n");
+    expect_at(m, 1, 1);
+    expect(m, "top level must be a mapping");
+    m = fails("just words\n");
+    expect(m, "top level must be a mapping");
+}
+
+Test(config, duplicates_are_refused)
+{
+    /* the second "steps" key, line 3 column 3 */
+    const char *m = fails("train:\n  steps: 1\n  steps: 2\n");
+    expect_at(m, 3, 3);
+    /* the first value "1" sits at line 2, column 10 */
+    expect(m, "duplicate key 'steps' in section 'train' (already set at line 2, column 10)");
+    m = fails("train:\n  steps: 1\nlog:\n  interval: 1\ntrain:\n  lr: 0.1\n");
+    expect_at(m, 5, 1);
+    expect(m, "duplicate section 'train'");
+    /* one field under two names */
+    m = fails("model:\n  num_experts: 8\n  num_local_experts: 8\n");
+    expect_at(m, 3, 3);
+    expect(m, "duplicate key 'num_local_experts'");
+    m = fails("train:\n  steps: 1\n---\ntrain:\n  steps: 2\n");
+    expect(m, "one YAML document");
+}
+
+Test(config, missing_required_and_cross_field_checks)
+{
+    /* "  kind: tokens": the value at column 9; data.path was never set */
+    const char *m = fails("data:\n  kind: tokens\n");
+    expect_at(m, 2, 9);
+    expect(m, "data.path is required when data.kind is tokens");
+    /* "  num_attention_heads: 6": 19-letter key from column 3, value at column 24 */
+    m = fails("model:\n  num_attention_heads: 6\n  num_key_value_heads: 4\n");
+    expect_at(m, 2, 24);
+    expect(m, "model.num_attention_heads (6) must be a multiple of model.num_key_value_heads (4)");
+    /* "  num_experts_per_tok: 9" against the default 8 experts: value at column 24 */
+    m = fails("model:\n  num_experts_per_tok: 9\n");
+    expect_at(m, 2, 24);
+    expect(m, "model.num_experts_per_tok (9) must be <= model.num_experts (8)");
+    /* "  min_lr: 1.0e-3": value at column 11 */
+    m = fails("train:\n  lr: 1.0e-4\n  min_lr: 1.0e-3\n");
+    expect_at(m, 3, 11);
+    expect(m, "train.min_lr");
+    expect(m, "must be <= train.lr");
+    m = fails("model:\n  num_hidden_layers: 2\n  mlp_only_layers: [2]\n");
+    expect(m, "model.mlp_only_layers names layer 2 but there are only 2 layers");
+    m = fails("model:\n  head_dim: 15\n");
+    expect(m, "model.head_dim (15) must be even");
+    m = fails("model:\n  head_dim: 0\n  hidden_size: 12\n  num_attention_heads: 4\n"
+              "  num_key_value_heads: 2\n");
+    expect(m, "hidden_size / num_attention_heads = 12 / 4 = 3");
+    m = fails("train:\n  global_batch_size: 2\n  micro_batch_size: 4\n");
+    expect(m, "train.micro_batch_size (4) must be <= train.global_batch_size (2)");
+    m = fails("model:\n  freeze_router: true\n  train_router: true\n");
+    expect(m, "contradicts");
+    m = fails("model:\n  vocab_size: 3\n");
+    expect(m, "data.synthetic_branching (4) must be <= model.vocab_size (3)");
+}
+
+Test(config, router_switches_agree_after_loading)
+{
+    struct config c;
+    cr_assert(load(&c, put("r.yaml", "model:\n  train_router: false\n"), 0, NULL), "%s", errbuf);
+    cr_assert(c.model.freeze_router && !c.model.train_router);
+    cr_assert(load(&c, put("r.yaml", "model:\n  freeze_router: true\n"), 0, NULL), "%s", errbuf);
+    cr_assert(c.model.freeze_router && !c.model.train_router);
+}
+
+/* ---- --set ---------------------------------------------------------------------------------- */
+
+Test(config, set_overrides_every_type)
+{
+    const char *p = put("s.yaml", "model:\n  num_hidden_layers: 3\ntrain:\n  steps: 10\n");
+    char *sets[] = {
+        "train.steps=20",                      /* int, over the file's 10 */
+        "train.seed=18446744073709551614",     /* uint64 */
+        "model.rope_theta=1e7",                /* double */
+        "train.activation_checkpointing=on",   /* bool */
+        "checkpoint.dir=/tmp/run: 1 #a",       /* string, kept verbatim */
+        "model.precision=fp32",                /* enum */
+        "model.mlp_only_layers=[0, 2]",        /* int list */
+        "train.steps=30",                      /* a later --set wins */
+        "log.metrics=",                        /* empty string */
+        "model.num_local_experts=4",           /* alias */
+    };
+    struct config c;
+    cr_assert(load(&c, p, (int)(sizeof sets / sizeof sets[0]), sets), "%s", errbuf);
+    cr_assert_eq(c.train.steps, 30);
+    cr_assert_eq(c.train.seed, UINT64_MAX - 1);
+    cr_assert_eq(c.model.rope_theta, 1e7);
+    cr_assert(c.train.activation_checkpointing);
+    cr_assert_str_eq(c.checkpoint.dir, "/tmp/run: 1 #a");
+    cr_assert_eq(c.model.precision, MT_PREC_FP32);
+    cr_assert_eq(c.model.n_mlp_only_layers, 2);
+    cr_assert_eq(c.model.mlp_only_layers[1], 2);
+    cr_assert_str_eq(c.log.metrics, "");
+    cr_assert_eq(c.model.num_experts, 4);
+    cr_assert_eq(c.model.num_hidden_layers, 3);  /* from the file, untouched */
+
+    char *more[] = { "model.mlp_only_layers=1,2", "model.mlp_only_layers=[]" };
+    cr_assert(load(&c, p, 1, more), "%s", errbuf);
+    cr_assert_eq(c.model.n_mlp_only_layers, 2);
+    cr_assert(load(&c, p, 2, more), "%s", errbuf);
+    cr_assert_eq(c.model.n_mlp_only_layers, 0);
+    /* no file at all: defaults + --set */
+    char *one[] = { "train.lr=0.5" };
+    cr_assert(load(&c, NULL, 1, one), "%s", errbuf);
+    cr_assert_eq(c.train.lr, 0.5);
+}
+
+static const char *set_fails(const char *s)
+{
+    struct config c;
+    char *sets[] = { (char *)s };
+    cr_assert_not(load(&c, NULL, 1, sets), "--set %s loaded", s);
+    cr_assert_null(strchr(errbuf, '\n'));
+    return errbuf;
+}
+
+Test(config, set_errors_name_the_override)
+{
+    const char *m = set_fails("train.steps=ten");
+    expect(m, "--set train.steps: train.steps expects an integer, got 'ten'");
+    m = set_fails("train.stpes=10");
+    expect(m, "--set train.stpes: unknown key 'stpes' in section 'train' (did you mean 'steps'?)");
+    m = set_fails("trian.steps=10");
+    expect(m, "unknown section 'trian' (did you mean 'train'?)");
+    m = set_fails("steps=10");
+    expect(m, "--set 'steps=10': expected section.key=value");
+    m = set_fails("train.steps");
+    expect(m, "expected section.key=value");
+    m = set_fails("train.lr=0");
+    expect(m, "--set train.lr: train.lr must be > 0");
+    m = set_fails("model.precision=int8");
+    expect(m, "--set model.precision: model.precision expects one of bf16|fp32");
+    m = set_fails("model.norm_topk_prob=2");
+    expect(m, "--set model.norm_topk_prob: model.norm_topk_prob expects a boolean");
+    m = set_fails("model.mlp_only_layers=[0,,1]");
+    expect(m, "--set model.mlp_only_layers:");
+    m = set_fails("model.mlp_only_layers=[0");
+    expect(m, "expects a list like [1, 2]");
+    m = set_fails("train.steps=");
+    expect(m, "train.steps expects an integer, got ''");
+    /* a cross-field problem caused by --set names it */
+    m = set_fails("data.kind=tokens");
+    expect(m, "--set data.kind: data.path is required when data.kind is tokens");
+}
+
+/* ---- layers --------------------------------------------------------------------------------- */
+
+Test(config, layer_is_moe_and_head_dim)
+{
+    struct config c;
+    config_defaults(&c);
+    struct model_config *m = &c.model;
+    m->num_hidden_layers = 6;
+    m->decoder_sparse_step = 2;
+    m->n_mlp_only_layers = 1;
+    m->mlp_only_layers[0] = 3;
+    /* (i+1) % 2 == 0 picks layers 1, 3, 5; layer 3 is listed as dense */
+    bool want[6] = { false, true, false, false, false, true };
+    for (int i = 0; i < 6; i++) cr_assert_eq(config_layer_is_moe(m, i), want[i], "layer %d", i);
+    m->num_experts = 0;
+    for (int i = 0; i < 6; i++) cr_assert_not(config_layer_is_moe(m, i));
+    m->head_dim = 0;
+    m->hidden_size = 96;
+    m->num_attention_heads = 4;
+    cr_assert_eq(config_head_dim(m), 24);
+    m->head_dim = 32;
+    cr_assert_eq(config_head_dim(m), 32);
+}
+
+/* ---- hf_config ------------------------------------------------------------------------------ */
+
+/* The Qwen3-30B-A3B values of spec section 1 in the transformers 4.x spelling... */
+static const char *json_30b_v4 =
+    "{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"attention_bias\": false,\n"
+    " \"attention_dropout\": 0.0, \"bos_token_id\": 151643, \"decoder_sparse_step\": 1,\n"
+    " \"eos_token_id\": 151645, \"head_dim\": 128, \"hidden_act\": \"silu\",\n"
+    " \"hidden_size\": 2048, \"initializer_range\": 0.02, \"intermediate_size\": 6144,\n"
+    " \"max_position_embeddings\": 40960, \"max_window_layers\": 48, \"mlp_only_layers\": [],\n"
+    " \"model_type\": \"qwen3_moe\", \"moe_intermediate_size\": 768, \"norm_topk_prob\": true,\n"
+    " \"num_attention_heads\": 32, \"num_experts\": 128, \"num_experts_per_tok\": 8,\n"
+    " \"num_hidden_layers\": 48, \"num_key_value_heads\": 4, \"output_router_logits\": false,\n"
+    " \"rms_norm_eps\": 1e-06, \"rope_scaling\": null, \"rope_theta\": 1000000.0,\n"
+    " \"router_aux_loss_coef\": 0.001, \"sliding_window\": null, \"tie_word_embeddings\": false,\n"
+    " \"torch_dtype\": \"bfloat16\", \"transformers_version\": \"4.51.0\", \"use_cache\": true,\n"
+    " \"use_sliding_window\": false, \"vocab_size\": 151936}\n";
+
+/* ...and the same values as transformers 5.x writes them */
+static const char *json_30b_v5 =
+    "{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"attention_bias\": false,\n"
+    " \"attention_dropout\": 0.0, \"decoder_sparse_step\": 1, \"dtype\": \"bfloat16\",\n"
+    " \"head_dim\": 128, \"hidden_act\": \"silu\", \"hidden_size\": 2048,\n"
+    " \"initializer_range\": 0.02, \"intermediate_size\": 6144, \"max_position_embeddings\": 40960,\n"
+    " \"mlp_only_layers\": [], \"model_type\": \"qwen3_moe\", \"moe_intermediate_size\": 768,\n"
+    " \"norm_topk_prob\": true, \"num_attention_heads\": 32, \"num_experts_per_tok\": 8,\n"
+    " \"num_hidden_layers\": 48, \"num_key_value_heads\": 4, \"num_local_experts\": 128,\n"
+    " \"rms_norm_eps\": 1e-06,\n"
+    " \"rope_parameters\": {\"rope_theta\": 1000000.0, \"rope_type\": \"default\"},\n"
+    " \"router_aux_loss_coef\": 0.001, \"tie_word_embeddings\": false,\n"
+    " \"transformers_version\": \"5.0.0\", \"use_sliding_window\": false, \"vocab_size\": 151936}\n";
+
+static void read_hf(struct model_config *m, const char *path)
+{
+    struct config c;
+    config_defaults(&c);
+    *m = c.model;
+    cr_assert(config_read_hf_json(m, path, errbuf, sizeof errbuf), "%s", errbuf);
+}
+
+/* Model section as YAML text, hf_config cleared (the two files have different paths). */
+static char *model_text(const struct model_config *m)
+{
+    struct config c;
+    config_defaults(&c);
+    c.model = *m;
+    c.model.hf_config[0] = 0;
+    return body_of(&c);
+}
+
+Test(config, hf_both_spellings_give_the_same_model)
+{
+    struct model_config a, b;
+    read_hf(&a, put("v4.json", json_30b_v4));
+    read_hf(&b, put("v5.json", json_30b_v5));
+    char *ta = model_text(&a), *tb = model_text(&b);
+    cr_assert_str_eq(ta, tb);
+    free(ta), free(tb);
+    /* the values themselves, from spec section 1 */
+    cr_assert_eq(a.num_experts, 128);
+    cr_assert_eq(a.rope_theta, 1e6);
+    cr_assert_eq(a.head_dim, 128);
+    cr_assert_eq(config_head_dim(&a), 128);  /* not 2048/32 = 64 */
+    cr_assert(a.norm_topk_prob);
+    cr_assert_eq(a.router_aux_loss_coef, 0.001);
+    cr_assert_eq(a.max_position_embeddings, 40960);
+}
+
+/* The fixture (5.x spelling) rewritten by jansson into the 4.x spelling loads identically. */
+Test(config, hf_fixture_and_its_v4_rewrite_agree)
+{
+    json_error_t je;
+    json_t *j = json_load_file(FIXTURE_JSON, 0, &je);
+    cr_assert_not_null(j, "%s", je.text);
+    cr_assert(json_object_get(j, "num_local_experts") && json_object_get(j, "rope_parameters"),
+              "the fixture is expected in the 5.x spelling");
+    json_t *rp = json_object_get(j, "rope_parameters");
+    cr_assert_eq(json_object_set(j, "num_experts", json_object_get(j, "num_local_experts")), 0);
+    cr_assert_eq(json_object_set(j, "rope_theta", json_object_get(rp, "rope_theta")), 0);
+    cr_assert_eq(json_object_del(j, "num_local_experts"), 0);
+    cr_assert_eq(json_object_del(j, "rope_parameters"), 0);
+    char v4[PATH_MAX];
+    snprintf(v4, sizeof v4, "%s/fixture_v4.json", tmpdir);
+    cr_assert_eq(json_dump_file(j, v4, JSON_INDENT(2)), 0);
+    json_decref(j);
+
+    struct model_config a, b;
+    read_hf(&a, FIXTURE_JSON);
+    read_hf(&b, v4);
+    char *ta = model_text(&a), *tb = model_text(&b);
+    cr_assert_str_eq(ta, tb);
+    free(ta), free(tb);
+}
+
+static int jint(json_t *o, const char *k)
+{
+    json_t *v = json_object_get(o, k);
+    cr_assert(json_is_integer(v), "fixture field %s", k);
+    return (int)json_integer_value(v);
+}
+
+static double jnum(json_t *o, const char *k)
+{
+    json_t *v = json_object_get(o, k);
+    cr_assert(json_is_number(v), "fixture field %s", k);
+    return json_number_value(v);
+}
+
+/* Every field compared with the fixture file read independently by jansson. */
+Test(config, hf_fixture_values)
+{
+    struct model_config m;
+    read_hf(&m, FIXTURE_JSON);
+    json_error_t je;
+    json_t *j = json_load_file(FIXTURE_JSON, 0, &je);
+    cr_assert_not_null(j);
+    cr_assert_eq(m.vocab_size, jint(j, "vocab_size"));
+    cr_assert_eq(m.hidden_size, jint(j, "hidden_size"));
+    cr_assert_eq(m.intermediate_size, jint(j, "intermediate_size"));
+    cr_assert_eq(m.moe_intermediate_size, jint(j, "moe_intermediate_size"));
+    cr_assert_eq(m.num_hidden_layers, jint(j, "num_hidden_layers"));
+    cr_assert_eq(m.num_attention_heads, jint(j, "num_attention_heads"));
+    cr_assert_eq(m.num_key_value_heads, jint(j, "num_key_value_heads"));
+    cr_assert_eq(m.head_dim, jint(j, "head_dim"));
+    cr_assert_eq(m.num_experts, jint(j, "num_local_experts"));
+    cr_assert_eq(m.num_experts_per_tok, jint(j, "num_experts_per_tok"));
+    cr_assert_eq(m.decoder_sparse_step, jint(j, "decoder_sparse_step"));
+    cr_assert_eq(m.max_position_embeddings, jint(j, "max_position_embeddings"));
+    cr_assert_eq(m.norm_topk_prob, json_is_true(json_object_get(j, "norm_topk_prob")));
+    cr_assert_eq(m.tie_word_embeddings, json_is_true(json_object_get(j, "tie_word_embeddings")));
+    cr_assert_eq(m.rms_norm_eps, jnum(j, "rms_norm_eps"));
+    cr_assert_eq(m.router_aux_loss_coef, jnum(j, "router_aux_loss_coef"));
+    cr_assert_eq(m.initializer_range, jnum(j, "initializer_range"));
+    cr_assert_eq(m.rope_theta, jnum(json_object_get(j, "rope_parameters"), "rope_theta"));
+    cr_assert_eq((size_t)m.n_mlp_only_layers, json_array_size(json_object_get(j, "mlp_only_layers")));
+    /* the fixture README: hidden 64, 8 experts, top-2 */
+    cr_assert_eq(m.hidden_size, 64);
+    cr_assert_eq(m.num_experts, 8);
+    json_decref(j);
+}
+
+Test(config, hf_defaults_when_fields_are_absent)
+{
+    /* norm_topk_prob, head_dim, decoder_sparse_step, tie_word_embeddings... absent: the class
+     * defaults (norm_topk_prob false!), head_dim = hidden / heads */
+    const char *p = put("min.json",
+                        "{\"vocab_size\": 100, \"hidden_size\": 48, \"intermediate_size\": 64,\n"
+                        " \"moe_intermediate_size\": 16, \"num_hidden_layers\": 3,\n"
+                        " \"num_attention_heads\": 6, \"num_key_value_heads\": 2,\n"
+                        " \"num_experts_per_tok\": 1, \"num_experts\": 4, \"rope_theta\": 10000}\n");
+    struct model_config m;
+    read_hf(&m, p);
+    cr_assert_not(m.norm_topk_prob);
+    cr_assert_eq(m.head_dim, 0);
+    cr_assert_eq(config_head_dim(&m), 8);
+    cr_assert_eq(m.decoder_sparse_step, 1);
+    cr_assert_eq(m.rope_theta, 10000.0);
+    cr_assert_eq(m.n_mlp_only_layers, 0);
+    cr_assert_not(m.tie_word_embeddings);
+}
+
+static const char *hf_fails(const char *name, const char *extra)
+{
+    /* the 30B file (4.x spelling) with the fields of `extra` added or replaced */
+    json_error_t je;
+    json_t *j = json_loads(json_30b_v4, 0, &je);
+    cr_assert_not_null(j);
+    json_t *x = json_loads(extra, 0, &je);
+    cr_assert_not_null(x, "%s", je.text);
+    cr_assert_eq(json_object_update(j, x), 0);
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s/%s", tmpdir, name);
+    cr_assert_eq(json_dump_file(j, path, 0), 0);
+    json_decref(j), json_decref(x);
+    struct model_config m;
+    struct config c;
+    config_defaults(&c);
+    m = c.model;
+    cr_assert_not(config_read_hf_json(&m, path, errbuf, sizeof errbuf), "%s accepted", extra);
+    cr_assert_eq(m.hidden_size, c.model.hidden_size, "a refused file must not change the struct");
+    expect(errbuf, path);
+    cr_assert_null(strchr(errbuf, '\n'));
+    return errbuf;
+}
+
+Test(config, hf_refuses_what_is_not_implemented)
+{
+    expect(hf_fails("a.json", "{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0}}"),
+           "rope_scaling");
+    expect(hf_fails("b.json", "{\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}}"),
+           "'linear'");
+    expect(hf_fails("c.json", "{\"rope_parameters\": {\"rope_type\": \"yarn\", \"rope_theta\": 1e6}}"),
+           "rope_parameters");
+    expect(hf_fails("d.json", "{\"use_sliding_window\": true, \"sliding_window\": 4096}"),
+           "use_sliding_window");
+    expect(hf_fails("e.json", "{\"attention_bias\": true}"), "attention_bias");
+    expect(hf_fails("f.json", "{\"hidden_act\": \"gelu\"}"), "hidden_act 'gelu'");
+    expect(hf_fails("g.json", "{\"model_type\": \"qwen2_moe\"}"), "model_type 'qwen2_moe'");
+    expect(hf_fails("h.json", "{\"hidden_size\": \"2048\"}"), "'hidden_size' must be an integer");
+    expect(hf_fails("i.json", "{\"num_local_experts\": 64}"),
+           "num_experts (128) and num_local_experts (64) disagree");
+    expect(hf_fails("j.json", "{\"vocab_size\": null}"), "missing field 'vocab_size'");
+    expect(hf_fails("k.json", "{\"attention_dropout\": 0.1}"), "attention_dropout");
+    expect(hf_fails("l.json", "{\"rope_parameters\": {\"rope_type\": \"default\", "
+                              "\"rope_theta\": 5e5}}"), "disagree");
+
+    /* a missing model_type is fine */
+    json_error_t je;
+    json_t *j = json_loads(json_30b_v4, 0, &je);
+    cr_assert_eq(json_object_del(j, "model_type"), 0);
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s/nomt.json", tmpdir);
+    cr_assert_eq(json_dump_file(j, path, 0), 0);
+    json_decref(j);
+    struct model_config m;
+    read_hf(&m, path);
+    cr_assert_eq(m.num_experts, 128);
+
+    /* broken JSON: file:line:column */
+    const char *bad = put("broken.json", "{\n  \"hidden_size\": 64,\n  oops\n}\n");
+    cr_assert_not(config_read_hf_json(&m, bad, errbuf, sizeof errbuf));
+    expect(errbuf, bad);
+    expect(errbuf, ":3:");
+    cr_assert_not(config_read_hf_json(&m, "/nonexistent/config.json", errbuf, sizeof errbuf));
+    expect(errbuf, "/nonexistent/config.json");
+}
+
+Test(config, hf_precedence_defaults_json_yaml_set)
+{
+    put("hf.json", json_30b_v4);
+    char sub[PATH_MAX];
+    snprintf(sub, sizeof sub, "%s/sub", tmpdir);
+    cr_assert_eq(mkdir(sub, 0755), 0);
+    /* relative to the YAML file's directory, not to the working directory */
+    const char *p = put("sub/run.yaml", "model:\n  hf_config: ../hf.json\n  hidden_size: 1024\n"
+                                        "  num_experts_per_tok: 4\n  precision: fp32\n");
+    char *sets[] = { "model.num_experts_per_tok=2" };
+    struct config c;
+    cr_assert(load(&c, p, 1, sets), "%s", errbuf);
+    cr_assert_eq(c.model.num_experts, 128);          /* JSON over the default 8 */
+    cr_assert_eq(c.model.vocab_size, 151936);        /* JSON */
+    cr_assert_eq(c.model.hidden_size, 1024);         /* YAML over JSON */
+    cr_assert_eq(c.model.num_experts_per_tok, 2);    /* --set over YAML over JSON */
+    cr_assert_eq(c.model.precision, MT_PREC_FP32);   /* not a JSON field */
+    cr_assert_eq(c.model.router_aux_loss_coef, 0.001);
+    cr_assert_eq(c.model.hf_config[0], '/', "stored absolute: %s", c.model.hf_config);
+    cr_assert_eq(c.train.steps, 100);                /* other sections keep their defaults */
+
+    /* a --set hf_config is relative to the working directory */
+    char *fx[] = { "model.hf_config=" FIXTURE_JSON };
+    cr_assert(load(&c, NULL, 1, fx), "%s", errbuf);
+    cr_assert_eq(c.model.hidden_size, 64);
+    cr_assert_eq(c.model.initializer_range, 0.05);   /* the fixture's, not the default 0.02 */
+
+    /* missing file: named with the YAML position of the key ("  hf_config: " value at 14) */
+    const char *m = fails("model:\n  hf_config: nothere.json\n");
+    expect_at(m, 2, 14);
+    expect(m, "model.hf_config: cannot open");
+    /* a problem in the merged values caused by the JSON names the JSON */
+    char arg[PATH_MAX + 32];
+    snprintf(arg, sizeof arg, "model.hf_config=%s/hf.json", tmpdir);
+    char *heads[] = { arg, "model.num_key_value_heads=3" };
+    cr_assert_not(load(&c, NULL, 2, heads));
+    expect(errbuf, "--set model.num_key_value_heads: model.num_attention_heads (32) must be a "
+                   "multiple of model.num_key_value_heads (3)");
+    char *topk[] = { arg, "model.num_experts=4" };
+    cr_assert_not(load(&c, NULL, 2, topk));
+    expect(errbuf, "--set model.num_experts: model.num_experts_per_tok (8) must be <=");
+}
+
+Test(config, hf_json_problem_is_blamed_on_the_json)
+{
+    const char *jp = put("h.json", "{\"vocab_size\": 512, \"hidden_size\": 64, \"intermediate_size\": 96,"
+                                   " \"moe_intermediate_size\": 32, \"num_hidden_layers\": 2,"
+                                   " \"num_attention_heads\": 6, \"num_key_value_heads\": 4,"
+                                   " \"num_experts_per_tok\": 2, \"num_experts\": 8,"
+                                   " \"rope_theta\": 1e6, \"head_dim\": 16}");
+    char real[PATH_MAX];
+    cr_assert_not_null(realpath(jp, real));
+    const char *m = fails("model:\n  hf_config: h.json\n");
+    char want[PATH_MAX + 8];
+    snprintf(want, sizeof want, "%s: ", real);
+    cr_assert_eq(strncmp(m, want, strlen(want)), 0, "%s", m);
+    expect(m, "must be a multiple of");
+}
+
+/* ---- round trip ----------------------------------------------------------------------------- */
+
+Test(config, to_yaml_round_trips)
+{
+    char *sets[] = {
+        "checkpoint.dir=/tmp/odd \"dir\": #1\\x",
+        "train.lr=0.30000000000000004",
+        "train.min_lr=1e-300",
+        "model.rms_norm_eps=1.2345678901234567e-7",
+        "model.num_hidden_layers=4",
+        "model.mlp_only_layers=[3, 0]",
+        "train.seed=18446744073709551615",
+        "train.load_balance=none",
+        "parallel.ep_outside=yes",
+        "model.hf_config=" FIXTURE_JSON,
+        "checkpoint.export_hf=out/hf model",
+    };
+    struct config a, b;
+    cr_assert(load(&a, "configs/tiny.yaml", (int)(sizeof sets / sizeof sets[0]), sets), "%s",
+              errbuf);
+    char *ya = yaml_of(&a);
+    const char *p = put("round.yaml", ya);
+    cr_assert(load(&b, p, 0, NULL), "%s\n%s", errbuf, ya);
+    char *ba = body_of(&a), *bb = body_of(&b);
+    cr_assert_str_eq(ba, bb);
+    /* bit-exact doubles and the odd string survive */
+    cr_assert_eq(b.train.lr, a.train.lr);
+    cr_assert_eq(b.train.min_lr, 1e-300);
+    cr_assert_eq(b.model.rms_norm_eps, a.model.rms_norm_eps);
+    cr_assert_str_eq(b.checkpoint.dir, "/tmp/odd \"dir\": #1\\x");
+    cr_assert_eq(b.train.seed, UINT64_MAX);
+    cr_assert_eq(b.model.mlp_only_layers[0], 3);
+    cr_assert_str_eq(b.model.hf_config, a.model.hf_config);
+    cr_assert_str_eq(b.checkpoint.export_hf, "out/hf model");
+    free(ya), free(ba), free(bb);
+
+    /* the in-memory variant reads the same text */
+    struct config s;
+    char *yb = yaml_of(&b);
+    cr_assert(config_load_string_checked(&s, "manifest.yaml", yb, strlen(yb), 0, NULL, errbuf,
+                                         sizeof errbuf), "%s", errbuf);
+    char *bs = body_of(&s), *bb2 = body_of(&b);
+    cr_assert_str_eq(bs, bb2);
+    free(yb), free(bs), free(bb2);
+}
+
+Test(config, table_rows_are_unique)
+{
+    for (int i = 0; i < cfg_n_keys; i++) {
+        cr_assert(cfg_section_known(cfg_keys[i].section), "%s", cfg_keys[i].section);
+        for (int j = i + 1; j < cfg_n_keys; j++) {
+            cr_assert(strcmp(cfg_keys[i].section, cfg_keys[j].section) != 0 ||
+                      strcmp(cfg_keys[i].key, cfg_keys[j].key) != 0,
+                      "%s.%s appears twice", cfg_keys[i].section, cfg_keys[i].key);
+            cr_assert(cfg_keys[i].offset != cfg_keys[j].offset || cfg_keys[i].alias ||
+                      cfg_keys[j].alias, "%s.%s and %s.%s share a field", cfg_keys[i].section,
+                      cfg_keys[i].key, cfg_keys[j].section, cfg_keys[j].key);
+        }
+    }
+}
+
+Test(config, to_yaml_truncates_like_snprintf)
+{
+    struct config c;
+    config_defaults(&c);
+    int n = config_to_yaml(&c, NULL, 0);
+    cr_assert_gt(n, 200);
+    char small[32];
+    cr_assert_eq(config_to_yaml(&c, small, sizeof small), n);
+    cr_assert_eq(strlen(small), sizeof small - 1);
+    char *full = yaml_of(&c);
+    cr_assert_eq(strncmp(full, small, sizeof small - 1), 0);
+    /* every table key appears once as "  key: " */
+    for (int i = 0; i < cfg_n_keys; i++) {
+        if (cfg_keys[i].alias) continue;
+        char want[96];
+        snprintf(want, sizeof want, "\n  %s: ", cfg_keys[i].key);
+        cr_assert_not_null(strstr(full, want), "%s missing", cfg_keys[i].key);
+    }
+    free(full);
+}
+
+/* config_load reports through mt_user_error: one line and exit status 1 */
+Test(config, config_load_exits_on_error, .exit_code = 1)
+{
+    struct config c;
+    char *sets[] = { "train.steps=ten" };
+    config_load(&c, NULL, 1, sets);
+}
