@@ -1,0 +1,253 @@
+/* The training step's pieces (lr schedule, FLOPs, aux loss, aux-free bias) and whole runs of the
+ * binary: verify on the transformers fixture, a loss that falls on the synthetic corpus, and the
+ * mesh invariance of design.md (same losses and final parameters on every mesh). */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <unistd.h>
+
+#include "../test_util.h"
+#include "config.h"
+#include "flops.h"
+#include "safetensors.h"
+#include "train.h"
+
+#define FIXTURE "tests/fixtures/qwen3moe-tiny"
+
+Test(train, lr_schedule_warmup_then_cosine)
+{
+    struct config c;
+    config_defaults(&c);
+    c.train.lr = 1e-3;
+    c.train.min_lr = 1e-4;
+    c.train.warmup_steps = 10;
+    c.train.steps = 110;
+    cr_expect_float_eq(train_lr_at(&c.train, 1), 1e-4, 1e-12);
+    cr_expect_float_eq(train_lr_at(&c.train, 5), 5e-4, 1e-12);
+    cr_expect_float_eq(train_lr_at(&c.train, 10), 1e-3, 1e-12);
+    /* halfway through the decay the cosine is at its midpoint */
+    cr_expect_float_eq(train_lr_at(&c.train, 60), 0.5 * (1e-3 + 1e-4), 1e-12);
+    cr_expect_float_eq(train_lr_at(&c.train, 110), 1e-4, 1e-12);
+    for (int s = 11; s < 110; s++) cr_expect(train_lr_at(&c.train, s + 1) <= train_lr_at(&c.train, s));
+}
+
+Test(train, flops_match_the_spec_for_qwen3_30b_a3b)
+{
+    struct config c;
+    config_defaults(&c);
+    struct model_config *m = &c.model;
+    m->vocab_size = 151936;
+    m->hidden_size = 2048;
+    m->num_hidden_layers = 48;
+    m->num_attention_heads = 32;
+    m->num_key_value_heads = 4;
+    m->head_dim = 128;
+    m->num_experts = 128;
+    m->num_experts_per_tok = 8;
+    m->moe_intermediate_size = 768;
+    /* spec §9: N = 3,041,656,832 matmul parameters per token; 6N + 1,179,648·(S+1) at S = 4096 */
+    cr_expect_eq((long long)flops_matmul_params_per_token(m), 3041656832LL);
+    cr_expect_float_eq(flops_train_per_token(m, 4096), 6.0 * 3041656832.0 + 1179648.0 * 4097, 1.0);
+}
+
+static void tiny_model(struct model_config *m, int L, int E)
+{
+    struct config c;
+    config_defaults(&c);
+    *m = c.model;
+    m->num_hidden_layers = L;
+    m->num_experts = E;
+    m->num_experts_per_tok = 2;
+}
+
+Test(train, aux_is_top_k_for_perfectly_uniform_routing)
+{
+    /* spec §6: with uniform routing aux = k */
+    struct model_config m;
+    tiny_model(&m, 3, 8);
+    const int E = 8, L = 3, T = 40, k = 2;
+    float stats[3 * 2 * 8];
+    for (int l = 0; l < L; l++)
+        for (int e = 0; e < E; e++) {
+            stats[l * 2 * E + e] = (float)T / E;          /* psum: probs average 1/E */
+            stats[l * 2 * E + E + e] = (float)T * k / E;  /* count: k choices spread evenly */
+        }
+    double aux;
+    aux_from_stats(stats, L, &m, T, &aux, NULL, NULL);
+    cr_expect_float_eq(aux, 2.0, 1e-9);
+}
+
+Test(train, aux_gradient_matches_finite_differences_of_the_statistic)
+{
+    struct model_config m;
+    tiny_model(&m, 2, 8);
+    const int E = 8, L = 2, T = 16;
+    float stats[2 * 2 * 8];
+    unsigned s = 7;
+    for (int l = 0; l < L; l++)
+        for (int e = 0; e < E; e++) {
+            s = s * 1103515245u + 12345u;
+            stats[l * 2 * E + e] = 0.5f + (float)(s >> 16) / 65536.0f * 3.0f;
+            stats[l * 2 * E + E + e] = (float)((s >> 8) % 7);
+        }
+    double aux, cnt[8];
+    aux_from_stats(stats, L, &m, T, &aux, cnt, NULL);
+    float g[8];
+    aux_grad_from_counts(cnt, E, L, T, 1.0, g);
+    for (int e = 0; e < E; e++) {
+        /* aux is linear in each psum entry: a finite difference is exact up to rounding */
+        const float h = 0.25f;
+        float saved = stats[e];
+        stats[e] = saved + h;
+        double up;
+        aux_from_stats(stats, L, &m, T, &up, NULL, NULL);
+        stats[e] = saved;
+        cr_expect(fabs((up - aux) / h - g[e]) <= 1e-6 + 1e-4 * fabs(g[e]), "expert %d: fd %g vs %g", e,
+                  (up - aux) / h, (double)g[e]);
+    }
+}
+
+Test(train, bias_update_moves_toward_balance)
+{
+    struct model_config m;
+    tiny_model(&m, 1, 4);
+    float bias[4] = {0, 0, 0, 0};
+    double counts[4] = {10, 30, 20, 20}; /* mean 20 */
+    balance_bias_update(bias, counts, &m, 0.5);
+    cr_expect_float_eq(bias[0], 0.5f, 0);
+    cr_expect_float_eq(bias[1], -0.5f, 0);
+    cr_expect_float_eq(bias[2], 0.0f, 0);
+    cr_expect_float_eq(bias[3], 0.0f, 0);
+}
+
+Test(train, verify_passes_on_the_transformers_fixture, .timeout = 120)
+{
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd, "%s/moetrain verify %s %s/reference.safetensors --backend cpu", tu_build(),
+             FIXTURE, FIXTURE);
+    int rc = tu_run(cmd, &out);
+    cr_expect_eq(rc, 0, "verify failed:\n%s", out);
+    cr_expect(strstr(out, "PASSED: 28 of 28 tensors") != NULL, "%s", out);
+    free(out);
+}
+
+/* A model directory whose weights differ from the fixture's in one expert: verify must fail. */
+Test(train, verify_fails_when_one_expert_weight_is_wrong, .timeout = 120)
+{
+    char dir[] = "/tmp/mt_verify_XXXXXX", path[512], cmd[2048], err[512], *out = NULL;
+    cr_assert(mkdtemp(dir));
+    struct st_file *f = st_open(FIXTURE "/model.safetensors", err, sizeof err);
+    cr_assert(f, "%s", err);
+    struct st_writer *w = st_writer_new();
+    float **bufs = calloc((size_t)f->n, sizeof(float *));
+    for (int i = 0; i < f->n; i++) {
+        const struct st_tensor *t = &f->t[i];
+        bufs[i] = malloc((size_t)t->numel * sizeof(float));
+        cr_assert(st_read_f32(f, t, bufs[i], t->numel, err, sizeof err), "%s", err);
+        if (!strcmp(t->name, "model.layers.1.mlp.experts.3.up_proj.weight"))
+            for (int64_t j = 0; j < t->numel; j++) bufs[i][j] *= 1.01f;
+        st_writer_add_f32(w, t->name, ST_F32, t->ndim, t->shape, bufs[i]);
+    }
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    cr_assert(st_writer_finish(w, path, err, sizeof err), "%s", err);
+    snprintf(cmd, sizeof cmd, "cp %s/config.json %s/ && %s/moetrain verify %s %s/reference.safetensors "
+             "--backend cpu", FIXTURE, dir, tu_build(), dir, FIXTURE);
+    int rc = tu_run(cmd, &out);
+    cr_expect_neq(rc, 0, "verify accepted a wrong model:\n%s", out);
+    cr_expect(strstr(out, "grad.model.layers.1.mlp.experts.gate_up_proj") && strstr(out, "FAIL"), "%s", out);
+    free(out);
+    for (int i = 0; i < f->n; i++) free(bufs[i]);
+    free(bufs);
+    st_close(f);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    tu_run(cmd, NULL);
+}
+
+Test(train, loss_falls_toward_the_corpus_entropy, .timeout = 300)
+{
+    char cmd[1024], *out = NULL;
+    const char *metrics = "/tmp/mt_loss_falls.jsonl";
+    snprintf(cmd, sizeof cmd, "%s/moetrain train configs/tiny.yaml --backend cpu --set train.steps=150 "
+             "--set log.interval=50 --set log.metrics=%s", tu_build(), metrics);
+    int rc = tu_run(cmd, &out);
+    cr_assert_eq(rc, 0, "%s", out);
+    double loss[200];
+    int n = tu_read_losses(metrics, loss, 200);
+    cr_assert_eq(n, 150);
+    /* At init the model is close to uniform over 512 tokens: ln 512 = 6.24. The corpus entropy rate
+     * is printed in the start-up table (~1.13 nats for tiny.yaml's chain). We require the mean loss
+     * of the last 10 steps to have fallen by more than 3.5 nats and to be within 1 nat of it. */
+    const char *h = strstr(out, "entropy rate ");
+    cr_assert(h, "%s", out);
+    double entropy = strtod(h + strlen("entropy rate "), NULL);
+    double tail = 0;
+    for (int i = n - 10; i < n; i++) tail += loss[i] / 10;
+    cr_expect(loss[0] > 6.0, "initial loss %g", loss[0]);
+    cr_expect(loss[0] - tail > 3.5, "loss fell only from %g to %g", loss[0], tail);
+    cr_expect(tail < entropy + 1.0, "final loss %g vs entropy rate %g", tail, entropy);
+    free(out);
+    unlink(metrics);
+}
+
+/* Same global batch on every mesh: per-step losses and the exported final weights must equal the
+ * single-rank run's to 1e-5 relative. The global micro-batch (8 sequences) is the same on every
+ * mesh, so the pooled aux statistic is too (design.md). */
+static void run_mesh(int np, int ep, const char *tag)
+{
+    char cmd[2048], *out = NULL;
+    snprintf(cmd, sizeof cmd, "rm -rf /tmp/mt_mesh_%s && timeout 240 %s -np %d %s/moetrain train configs/tiny.yaml "
+             "--backend cpu --set train.steps=5 --set train.micro_batch_size=%d "
+             "--set parallel.expert_parallel_size=%d --set log.metrics=/tmp/mt_mesh_%s.jsonl "
+             "--set checkpoint.export_hf=/tmp/mt_mesh_%s",
+             tag, tu_mpirun(), np, tu_build(), 8 / np, ep, tag, tag);
+    int rc = tu_run(cmd, &out);
+    cr_assert_eq(rc, 0, "mesh %s failed:\n%s", tag, out);
+    free(out);
+}
+
+static double tensor_rel_diff(const struct st_file *a, const struct st_file *b, const struct st_tensor *ta)
+{
+    char err[512];
+    const struct st_tensor *tb = st_find(b, ta->name);
+    cr_assert(tb && tb->numel == ta->numel, "tensor %s missing", ta->name);
+    float *x = malloc((size_t)ta->numel * sizeof(float)), *y = malloc((size_t)ta->numel * sizeof(float));
+    cr_assert(st_read_f32(a, ta, x, ta->numel, err, sizeof err) && st_read_f32(b, tb, y, tb->numel, err, sizeof err));
+    double d = 0, r = 0;
+    for (int64_t i = 0; i < ta->numel; i++) {
+        d += ((double)x[i] - y[i]) * ((double)x[i] - y[i]);
+        r += (double)x[i] * x[i];
+    }
+    free(x);
+    free(y);
+    return sqrt(d / r);
+}
+
+Test(train, every_mesh_trains_the_same_model, .timeout = 900)
+{
+    const int meshes[][2] = {{1, 1}, {2, 2}, {2, 1}, {4, 4}, {4, 2}, {8, 4}}; /* (ranks, ep) */
+    const char *names[] = {"1x1", "ep2", "fsdp2", "ep4", "ep2fsdp2", "ep4fsdp2"};
+    double ref[8], got[8];
+    char err[512], path[256];
+    run_mesh(1, 1, names[0]);
+    cr_assert_eq(tu_read_losses("/tmp/mt_mesh_1x1.jsonl", ref, 8), 5);
+    struct st_file *a = st_open("/tmp/mt_mesh_1x1/model.safetensors", err, sizeof err);
+    cr_assert(a, "%s", err);
+    for (int k = 1; k < 6; k++) {
+        run_mesh(meshes[k][0], meshes[k][1], names[k]);
+        snprintf(path, sizeof path, "/tmp/mt_mesh_%s.jsonl", names[k]);
+        cr_assert_eq(tu_read_losses(path, got, 8), 5);
+        for (int s = 0; s < 5; s++)
+            cr_expect(fabs(got[s] - ref[s]) <= 1e-5 * fabs(ref[s]), "mesh %s step %d: loss %.8f vs %.8f",
+                      names[k], s + 1, got[s], ref[s]);
+        snprintf(path, sizeof path, "/tmp/mt_mesh_%s/model.safetensors", names[k]);
+        struct st_file *b = st_open(path, err, sizeof err);
+        cr_assert(b, "%s", err);
+        cr_expect_eq(a->n, b->n);
+        for (int i = 0; i < a->n; i++) {
+            double rel = tensor_rel_diff(a, b, &a->t[i]);
+            cr_expect(rel <= 1e-5, "mesh %s: %s differs by %.3g", names[k], a->t[i].name, rel);
+        }
+        st_close(b);
+    }
+    st_close(a);
+    tu_run("rm -rf /tmp/mt_mesh_*", NULL);
+}
