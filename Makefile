@@ -43,6 +43,9 @@ ifneq ($(NVCC),)
 CU_OBJS   := $(CU_SRCS:%.cu=$(BUILD)/%.o)
 CFLAGS    += -DMT_HAVE_CUDA -I$(CUDA_HOME)/include
 LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt -lnccl -lstdc++
+ifneq ($(wildcard cuda/comm_nccl.cu),)
+CFLAGS    += -DMT_HAVE_NCCL
+endif
 NVFLAGS   ?= -O3 -lineinfo
 NVFLAGS   += -std=c++17 $(CUDA_ARCH) -Isrc -Icuda -Xcompiler -Wall,-Wno-unused-parameter \
              -I$(dir $(shell command -v mpicc))/../include $(shell mpicc --showme:compile 2>/dev/null)

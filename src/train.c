@@ -14,6 +14,9 @@
 #include "backend_select.h"
 #include "cli.h"
 #include "comm.h"
+#ifdef MT_HAVE_NCCL
+#include "comm_nccl.h"
+#endif
 #include "common.h"
 #include "config.h"
 #include "data.h"
@@ -163,6 +166,16 @@ static void export_final(const struct config *c, const struct mesh *mesh, const 
     for (int g = 0; g < TG_COUNT; g++) free(global[g]);
 }
 
+/* The comm that moves tensors living in `be`'s memory. */
+static struct comm *comm_for_backend(const struct backend *be, MPI_Comm c)
+{
+#ifdef MT_HAVE_NCCL
+    if (!strcmp(be->name, "cuda")) return comm_nccl_create(c);
+#endif
+    (void)be;
+    return comm_mpi_create(c);
+}
+
 int cmd_train(const struct cli *a)
 {
     MT_CHECK_MPI(MPI_Init(NULL, NULL));
@@ -179,6 +192,11 @@ int cmd_train(const struct cli *a)
         return 0;
     }
     if (a->resume) mt_user_error("--resume: checkpoints are not implemented yet");
+    if (*c.checkpoint.dir)
+        mt_warn0("checkpoints are not implemented yet: checkpoint.dir '%s' is ignored (use "
+                 "checkpoint.export_hf to keep the final weights)\n", c.checkpoint.dir);
+    if (c.train.activation_checkpointing)
+        mt_warn0("train.activation_checkpointing is not implemented yet: activations are kept\n");
     if (mesh.d.pp > 1)
         mt_user_error("%s: pipeline_parallel_size %d: pipeline execution is not implemented yet "
                       "(plan and --dry-run lay it out)", c.path, mesh.d.pp);
@@ -194,10 +212,13 @@ int cmd_train(const struct cli *a)
     if (!data) mt_user_error("%s", err);
     const struct backend *be = backend_select(c.parallel.backend, c.model.precision, mesh.local_rank);
 
+    /* host scalars (losses, router statistics, norms) always travel over MPI; tensors in the
+     * backend's memory over the backend's comm (NCCL for cuda) */
     struct comm *world = comm_mpi_create(MPI_COMM_WORLD);
-    struct comm *stage = comm_mpi_create(mesh.stage_comm);
-    struct comm *ep = mesh.d.ep > 1 ? comm_mpi_create(mesh.ep_comm) : NULL;
-    struct comm *fsdp = mesh.d.ep_fsdp > 1 ? comm_mpi_create(mesh.fsdp_comm) : NULL;
+    struct comm *stage_h = comm_mpi_create(mesh.stage_comm);
+    struct comm *stage = comm_for_backend(be, mesh.stage_comm);
+    struct comm *ep = comm_for_backend(be, mesh.ep_comm);
+    struct comm *fsdp = comm_for_backend(be, mesh.fsdp_comm);
     struct model m;
     model_init(&m, be, &c.model, mb, tc->seq_len, ep);
     const int E = m.E, L = m.L;
@@ -253,7 +274,7 @@ int cmd_train(const struct cli *a)
             ce_local += o.ce_sum;
             valid_local += o.n_valid;
             if (E > 0) {
-                comm_all_reduce_sum(stage, m.stats_h, nstat, COMM_F32);
+                comm_all_reduce_sum(stage_h, m.stats_h, nstat, COMM_F32);
                 double aux_m;
                 aux_from_stats(m.stats_h, L, &c.model, tokens_micro_global, &aux_m, cnt, NULL);
                 aux_sum += aux_m;
@@ -307,7 +328,7 @@ int cmd_train(const struct cli *a)
     free(tok); free(bias_h);
     params_free(&p);
     model_free(&m);
-    comm_free(world); comm_free(stage); comm_free(ep); comm_free(fsdp);
+    comm_free(world); comm_free(stage_h); comm_free(stage); comm_free(ep); comm_free(fsdp);
     data_close(data);
     mesh_free(&mesh);
     MT_CHECK_MPI(MPI_Finalize());
