@@ -39,19 +39,27 @@ static inline int tu_run(const char *cmd, char **out)
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
-/* The loss column of a metrics JSONL file: fills losses[] (up to cap), returns the count. */
-static inline int tu_read_losses(const char *path, double *losses, int cap)
+/* One numeric field ("loss", "grad_norm", ...) of every line of a metrics JSONL file: fills
+ * vals[] (up to cap), returns the count. */
+static inline int tu_read_metric(const char *path, const char *field, double *vals, int cap)
 {
     FILE *f = fopen(path, "r");
     if (!f) return 0;
-    char line[1 << 16];
+    static char line[1 << 20];
+    char key[64];
+    snprintf(key, sizeof key, "\"%s\": ", field);
     int n = 0;
     while (n < cap && fgets(line, sizeof line, f)) {
-        const char *k = strstr(line, "\"loss\": ");
-        if (k) losses[n++] = strtod(k + 8, NULL);
+        const char *k = strstr(line, key);
+        if (k) vals[n++] = strtod(k + strlen(key), NULL);
     }
     fclose(f);
     return n;
+}
+
+static inline int tu_read_losses(const char *path, double *losses, int cap)
+{
+    return tu_read_metric(path, "loss", losses, cap);
 }
 
 #endif

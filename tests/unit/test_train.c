@@ -191,14 +191,14 @@ Test(train, loss_falls_toward_the_corpus_entropy, .timeout = 300)
 /* Same global batch on every mesh: per-step losses and the exported final weights must equal the
  * single-rank run's to 1e-5 relative. The global micro-batch (8 sequences) is the same on every
  * mesh, so the pooled aux statistic is too (design.md). */
-static void run_mesh(int np, int ep, const char *tag)
+static void run_mesh(int np, int ep, const char *tag, const char *extra)
 {
     char cmd[2048], *out = NULL;
     snprintf(cmd, sizeof cmd, "rm -rf /tmp/mt_mesh_%s && timeout 240 %s -np %d %s/moetrain train configs/tiny.yaml "
              "--backend cpu --set train.steps=5 --set train.micro_batch_size=%d "
              "--set parallel.expert_parallel_size=%d --set log.metrics=/tmp/mt_mesh_%s.jsonl "
-             "--set checkpoint.export_hf=/tmp/mt_mesh_%s",
-             tag, tu_mpirun(), np, tu_build(), 8 / np, ep, tag, tag);
+             "--set checkpoint.export_hf=/tmp/mt_mesh_%s %s",
+             tag, tu_mpirun(), np, tu_build(), 8 / np, ep, tag, tag, extra);
     int rc = tu_run(cmd, &out);
     cr_assert_eq(rc, 0, "mesh %s failed:\n%s", tag, out);
     free(out);
@@ -221,23 +221,31 @@ static double tensor_rel_diff(const struct st_file *a, const struct st_file *b, 
     return sqrt(d / r);
 }
 
-Test(train, every_mesh_trains_the_same_model, .timeout = 900)
+/* Runs the single-rank reference and the given meshes with `extra` options; compares losses,
+ * gradient norms (each element counted once) and the final weights. */
+static void check_meshes(int n, const int (*meshes)[2], const char *const *names, const char *ref_name,
+                         const char *extra)
 {
-    const int meshes[][2] = {{1, 1}, {2, 2}, {2, 1}, {4, 4}, {4, 2}, {8, 4}}; /* (ranks, ep) */
-    const char *names[] = {"1x1", "ep2", "fsdp2", "ep4", "ep2fsdp2", "ep4fsdp2"};
-    double ref[8], got[8];
+    double ref[8], got[8], gref[8], ggot[8];
     char err[512], path[256];
-    run_mesh(1, 1, names[0]);
-    cr_assert_eq(tu_read_losses("/tmp/mt_mesh_1x1.jsonl", ref, 8), 5);
-    struct st_file *a = st_open("/tmp/mt_mesh_1x1/model.safetensors", err, sizeof err);
+    run_mesh(1, 1, ref_name, extra);
+    snprintf(path, sizeof path, "/tmp/mt_mesh_%s.jsonl", ref_name);
+    cr_assert_eq(tu_read_losses(path, ref, 8), 5);
+    cr_assert_eq(tu_read_metric(path, "grad_norm", gref, 8), 5);
+    snprintf(path, sizeof path, "/tmp/mt_mesh_%s/model.safetensors", ref_name);
+    struct st_file *a = st_open(path, err, sizeof err);
     cr_assert(a, "%s", err);
-    for (int k = 1; k < 6; k++) {
-        run_mesh(meshes[k][0], meshes[k][1], names[k]);
+    for (int k = 0; k < n; k++) {
+        run_mesh(meshes[k][0], meshes[k][1], names[k], extra);
         snprintf(path, sizeof path, "/tmp/mt_mesh_%s.jsonl", names[k]);
         cr_assert_eq(tu_read_losses(path, got, 8), 5);
-        for (int s = 0; s < 5; s++)
+        cr_assert_eq(tu_read_metric(path, "grad_norm", ggot, 8), 5);
+        for (int s = 0; s < 5; s++) {
             cr_expect(fabs(got[s] - ref[s]) <= 1e-5 * fabs(ref[s]), "mesh %s step %d: loss %.8f vs %.8f",
                       names[k], s + 1, got[s], ref[s]);
+            cr_expect(fabs(ggot[s] - gref[s]) <= 1e-5 * fabs(gref[s]),
+                      "mesh %s step %d: grad norm %.8f vs %.8f", names[k], s + 1, ggot[s], gref[s]);
+        }
         snprintf(path, sizeof path, "/tmp/mt_mesh_%s/model.safetensors", names[k]);
         struct st_file *b = st_open(path, err, sizeof err);
         cr_assert(b, "%s", err);
@@ -249,5 +257,48 @@ Test(train, every_mesh_trains_the_same_model, .timeout = 900)
         st_close(b);
     }
     st_close(a);
-    tu_run("rm -rf /tmp/mt_mesh_*", NULL);
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "rm -rf /tmp/mt_mesh_%s*", ref_name);
+    for (int k = 0; k < n; k++)
+        snprintf(cmd + strlen(cmd), sizeof cmd - strlen(cmd), " /tmp/mt_mesh_%s*", names[k]);
+    tu_run(cmd, NULL);
+}
+
+Test(train, every_mesh_trains_the_same_model, .timeout = 900)
+{
+    const int meshes[][2] = {{2, 2}, {2, 1}, {4, 4}, {4, 2}, {8, 4}}; /* (ranks, ep) */
+    const char *names[] = {"ep2", "fsdp2", "ep4", "ep2fsdp2", "ep4fsdp2"};
+    check_meshes(5, meshes, names, "plain1x1", "");
+}
+
+/* Aux-loss-free balancing pools token counts over the whole step and every rank: mesh-invariant
+ * too. The rate is large so the bias changes the routing within 5 steps. */
+Test(train, bias_balancing_is_mesh_invariant, .timeout = 600)
+{
+    const int meshes[][2] = {{4, 2}, {8, 4}};
+    const char *names[] = {"bias_ep2fsdp2", "bias_ep4fsdp2"};
+    check_meshes(2, meshes, names, "bias1x1", "--set train.load_balance=bias --set train.bias_update_rate=0.05");
+}
+
+/* With the router frozen its weights stay at their initial values: 1 and 3 steps give the same
+ * router and different everything else. */
+Test(train, freeze_router_keeps_router_weights, .timeout = 300)
+{
+    char cmd[1024], err[512], *out = NULL;
+    snprintf(cmd, sizeof cmd, "rm -rf /tmp/mt_frz1 /tmp/mt_frz3; for s in 1 3; do %s/moetrain train "
+             "configs/tiny.yaml --backend cpu --set train.steps=$s --set model.freeze_router=true "
+             "--set checkpoint.export_hf=/tmp/mt_frz$s || exit 1; done", tu_build());
+    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+    free(out);
+    struct st_file *a = st_open("/tmp/mt_frz1/model.safetensors", err, sizeof err);
+    struct st_file *b = st_open("/tmp/mt_frz3/model.safetensors", err, sizeof err);
+    cr_assert(a && b, "%s", err);
+    for (int i = 0; i < a->n; i++) {
+        double rel = tensor_rel_diff(a, b, &a->t[i]);
+        if (strstr(a->t[i].name, "mlp.gate.weight")) cr_expect(rel == 0, "%s moved by %g", a->t[i].name, rel);
+        else cr_expect(rel > 0, "%s did not train", a->t[i].name);
+    }
+    st_close(a);
+    st_close(b);
+    tu_run("rm -rf /tmp/mt_frz1 /tmp/mt_frz3", NULL);
 }
