@@ -18,31 +18,70 @@
 #include "safetensors.h"
 #include "train.h"
 
+/* One compared tensor: ‖ours − ref‖ and ‖ref‖. */
+struct cmp {
+    char name[256];
+    double diff, ref;
+    int64_t n;
+};
+
 struct verify_ctx {
     const struct st_file *ref;
     double tol;
-    int n_checked, n_failed;
-    double worst;
+    struct cmp *rows;
+    int n_rows, cap;
 };
 
-static double rel_err(const float *ours, const float *ref, int64_t n)
+static void compare(struct verify_ctx *v, const char *name, const float *ours, const float *ref, int64_t n)
 {
+    if (v->n_rows == v->cap) {
+        v->cap = v->cap ? 2 * v->cap : 64;
+        v->rows = mt_realloc(v->rows, (size_t)v->cap * sizeof *v->rows);
+    }
+    struct cmp *c = &v->rows[v->n_rows++];
+    snprintf(c->name, sizeof c->name, "%s", name);
     double d = 0, r = 0;
     for (int64_t i = 0; i < n; i++) {
         double x = (double)ours[i] - ref[i];
         d += x * x;
         r += (double)ref[i] * ref[i];
     }
-    return r > 0 ? sqrt(d / r) : sqrt(d);
+    c->diff = sqrt(d);
+    c->ref = sqrt(r);
+    c->n = n;
 }
 
-static void report(struct verify_ctx *v, const char *what, double err)
+/* Prints the table and returns the number of failures. A tensor passes when its relative error is
+ * within tol, or when the reference itself is rounding noise: a gradient that is exactly zero in
+ * exact arithmetic (e.g. the router of a top-1 layer with norm_topk_prob, whose weight p/p is
+ * constant) comes out of autograd as ~1e-10 noise. Such a tensor passes if ‖ours − ref‖ is within
+ * tol × sqrt(numel) × the RMS of all reference gradients, i.e. 1e4 times smaller than a typical
+ * gradient of its size. */
+static int report(const struct verify_ctx *v, int first_grad, double *worst)
 {
-    bool ok = err <= v->tol && isfinite(err);
-    printf("  %-60s %10.3e  %s\n", what, err, ok ? "ok" : "FAIL");
-    v->n_checked++;
-    v->n_failed += !ok;
-    if (!(err <= v->worst)) v->worst = err;
+    double r2 = 0, n = 0;
+    for (int i = first_grad; i < v->n_rows; i++) {
+        r2 += v->rows[i].ref * v->rows[i].ref;
+        n += (double)v->rows[i].n;
+    }
+    double rms = n > 0 ? sqrt(r2 / n) : 0;
+    int failed = 0;
+    *worst = 0;
+    for (int i = 0; i < v->n_rows; i++) {
+        const struct cmp *c = &v->rows[i];
+        double rel = c->ref > 0 ? c->diff / c->ref : c->diff;
+        bool ok = rel <= v->tol; /* false for NaN */
+        bool noise = !ok && i >= first_grad && c->diff <= v->tol * sqrt((double)c->n) * rms;
+        if (noise) {
+            printf("  %-60s %10.3e  ok (reference is rounding noise: |ref| %.2e, |diff| %.2e)\n",
+                   c->name, rel, c->ref, c->diff);
+            continue;
+        }
+        printf("  %-60s %10.3e  %s\n", c->name, rel, ok ? "ok" : "FAIL");
+        failed += !ok;
+        if (!(rel <= *worst)) *worst = rel;
+    }
+    return failed;
 }
 
 /* Reads reference tensor `name` (fp32 values) into a new buffer of n elements; NULL if absent. */
@@ -59,16 +98,18 @@ static float *ref_read(const struct st_file *ref, const char *name, int64_t n)
     return buf;
 }
 
-static void compare_grads(struct verify_ctx *v, const struct model *m, float *const grad[TG_COUNT])
+/* Returns the number of tensors the reference lacks. */
+static int compare_grads(struct verify_ctx *v, const struct model *m, float *const grad[TG_COUNT])
 {
     char name[256];
+    int missing = 0;
     for (int i = 0; i < m->tt.n; i++) {
         const struct tensor_spec *s = &m->tt.t[i];
         const float *ours = grad[tensor_group_of(s)] + m->work_off[i];
         snprintf(name, sizeof name, "grad.%s", s->name);
         float *ref = ref_read(v->ref, name, s->numel);
         if (ref) {
-            report(v, name, rel_err(ours, ref, s->numel));
+            compare(v, name, ours, ref, s->numel);
             free(ref);
             continue;
         }
@@ -82,15 +123,15 @@ static void compare_grads(struct verify_ctx *v, const struct model *m, float *co
                 found = false;
                 break;
             }
-            report(v, name, rel_err(ours + p * part, ref, part));
+            compare(v, name, ours + p * part, ref, part);
             free(ref);
         }
         if (!found) {
-            printf("  %-60s %10s  MISSING\n", s->name, "-");
-            v->n_checked++;
-            v->n_failed++;
+            printf("  %-60s %10s  MISSING from the reference\n", s->name, "-");
+            missing++;
         }
     }
+    return missing;
 }
 
 int cmd_verify(const struct cli *a)
@@ -154,25 +195,27 @@ int cmd_verify(const struct cli *a)
     model_backward(&m, (float)(1.0 / o.n_valid), with_aux ? aux_dp : NULL);
 
     struct verify_ctx v = {.ref = ref, .tol = a->tolerance};
+    int first_grad;
     printf("moetrain verify %s against %s (backend %s, batch %dx%d, tolerance %.1e)\n", dir,
            a->reference, be->name, B, S, a->tolerance);
     printf("  %-60s %10s\n", "tensor", "rel error");
     float *rl = ref_read(ref, "logits", (int64_t)T * m.V);
     if (!rl) mt_user_error("%s: no tensor 'logits'", a->reference);
-    report(&v, "logits", rel_err(logits, rl, (int64_t)T * m.V));
+    compare(&v, "logits", logits, rl, (int64_t)T * m.V);
     free(rl);
     float *rloss = ref_read(ref, "loss", 1);
     if (!rloss) mt_user_error("%s: no tensor 'loss'", a->reference);
     float floss = (float)loss;
-    report(&v, "loss", rel_err(&floss, rloss, 1));
+    compare(&v, "loss", &floss, rloss, 1);
     if (with_aux) {
         float *raux = ref_read(ref, "aux_loss", 1), faux = (float)aux;
-        report(&v, "aux_loss", rel_err(&faux, raux, 1));
+        compare(&v, "aux_loss", &faux, raux, 1);
         free(raux);
     }
-    printf("  (loss %.6f = ce %.6f + %.3g x aux %.6f; reference %.6f)\n", loss, ce,
+    printf("  loss %.6f = ce %.6f + %.3g x aux %.6f; reference %.6f\n", loss, ce,
            with_aux ? c.model.router_aux_loss_coef : 0.0, aux, rloss[0]);
     free(rloss);
+    first_grad = v.n_rows;
 
     float *grad[TG_COUNT];
     for (int g = 0; g < TG_COUNT; g++) {
@@ -180,9 +223,12 @@ int cmd_verify(const struct cli *a)
         grad[g] = mt_malloc(n * sizeof(float));
         be->download(grad[g], m.g[g], (size_t)m.work_numel[g] * sizeof(float));
     }
-    compare_grads(&v, &m, grad);
-    printf("%s: %d of %d tensors within %.1e (worst %.3e)\n", v.n_failed ? "FAILED" : "PASSED",
-           v.n_checked - v.n_failed, v.n_checked, v.tol, v.worst);
+    int missing = compare_grads(&v, &m, grad);
+    double worst;
+    int failed = report(&v, first_grad, &worst) + missing;
+    int checked = v.n_rows + missing;
+    printf("%s: %d of %d tensors within %.1e (worst %.3e)\n", failed ? "FAILED" : "PASSED",
+           checked - failed, checked, v.tol, worst);
 
     for (int g = 0; g < TG_COUNT; g++) {
         free(grad[g]);
@@ -191,6 +237,7 @@ int cmd_verify(const struct cli *a)
     free(logits); free(cnt); free(aux_dp); free(ids64); free(lab64); free(ids); free(labels);
     params_free(&p);
     model_free(&m);
+    free(v.rows);
     st_close(ref);
-    return v.n_failed ? 1 : 0;
+    return failed ? 1 : 0;
 }

@@ -130,6 +130,33 @@ Test(train, verify_passes_on_the_transformers_fixture, .timeout = 120)
     free(out);
 }
 
+/* Fixtures made by tools/make_reference.py with transformers for config variants (README there). */
+static void verify_passes(const char *dir)
+{
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd, "%s/moetrain verify %s %s/reference.safetensors --backend cpu", tu_build(),
+             dir, dir);
+    int rc = tu_run(cmd, &out);
+    cr_expect_eq(rc, 0, "verify of %s failed:\n%s", dir, out);
+    cr_expect(strstr(out, "PASSED:") != NULL, "%s", out);
+    free(out);
+}
+
+Test(train, verify_passes_with_a_dense_layer_between_moe_layers, .timeout = 120)
+{
+    verify_passes("tests/fixtures/qwen3moe-dense-mixed");
+}
+
+Test(train, verify_passes_with_tied_embeddings_and_unnormalised_top_k, .timeout = 120)
+{
+    verify_passes("tests/fixtures/qwen3moe-untied-free");
+}
+
+Test(train, verify_passes_with_sparse_step_top1_and_ignored_labels, .timeout = 120)
+{
+    verify_passes("tests/fixtures/qwen3moe-sparse-step");
+}
+
 /* A model directory whose weights differ from the fixture's in one expert: verify must fail. */
 Test(train, verify_fails_when_one_expert_weight_is_wrong, .timeout = 120)
 {
