@@ -208,6 +208,30 @@ void params_load_global(struct params *p, const float *const global[TG_COUNT])
 
 void params_init_random(struct params *p, uint64_t seed) { fill_masters(p, fill_random, NULL, seed); }
 
+/* Copies expert row blocks between `packed` ([F][expert shard]: what the all-gather returns and the
+ * reduce-scatter takes) and the model's working layout ([n_local, d1, d2] per expert tensor), in
+ * the direction given; es = element size. */
+static void expert_blocks_copy(const struct params *p, void *packed, void *working, size_t es,
+                               bool to_working)
+{
+    const struct model *m = p->m;
+    const struct tensor_table *tt = &m->tt;
+    const int64_t shard = p->g[TG_EXPERT].numel;
+    for (int i = 0; i < tt->n; i++) {
+        const struct tensor_spec *s = &tt->t[i];
+        if (tensor_group_of(s) != TG_EXPERT) continue;
+        int64_t d1 = s->shape[1], d2 = s->shape[2], rows = p->exp_rows[i];
+        for (int r = 0; r < p->F; r++) {
+            int64_t r0 = rows * r, nr = MT_MAX(0, MT_MIN(d1, r0 + rows) - r0);
+            for (int64_t e = 0; nr > 0 && e < m->n_local_experts; e++) {
+                char *pk = (char *)packed + (size_t)(r * shard + p->exp_shard_off[i] + e * rows * d2) * es;
+                char *wk = (char *)working + (size_t)(m->work_off[i] + (e * d1 + r0) * d2) * es;
+                m->be->copy(to_working ? wk : pk, to_working ? pk : wk, (size_t)(nr * d2) * es);
+            }
+        }
+    }
+}
+
 void params_gather_weights(struct params *p)
 {
     struct model *m = p->m;
@@ -217,22 +241,7 @@ void params_gather_weights(struct params *p)
     be->copy(m->w[TG_DENSE], gd->gather_x, (size_t)m->work_numel[TG_DENSE] * be->x_size);
     if (ge->numel == 0) return;
     comm_all_gather(p->fsdp, ge->gather_x, ge->param_x, (size_t)ge->numel, x_dtype(be));
-    const struct tensor_table *tt = &m->tt;
-    for (int i = 0; i < tt->n; i++) {
-        const struct tensor_spec *s = &tt->t[i];
-        if (tensor_group_of(s) != TG_EXPERT) continue;
-        int64_t d1 = s->shape[1], d2 = s->shape[2], rows = p->exp_rows[i];
-        for (int r = 0; r < p->F; r++) {
-            int64_t r0 = rows * r, nr = MT_MAX(0, MT_MIN(d1, r0 + rows) - r0);
-            if (nr == 0) continue;
-            for (int64_t e = 0; e < m->n_local_experts; e++) {
-                int64_t src = (int64_t)r * ge->numel + p->exp_shard_off[i] + e * rows * d2;
-                int64_t dst = m->work_off[i] + (e * d1 + r0) * d2;
-                be->copy(xat(be, m->w[TG_EXPERT], dst), xat(be, ge->gather_x, src),
-                         (size_t)(nr * d2) * be->x_size);
-            }
-        }
-    }
+    expert_blocks_copy(p, ge->gather_x, m->w[TG_EXPERT], be->x_size, true);
 }
 
 double params_reduce_grads(struct params *p, struct comm *world)
@@ -245,21 +254,7 @@ double params_reduce_grads(struct params *p, struct comm *world)
     comm_reduce_scatter_sum(p->stage, gd->grad, gd->scatter_f, (size_t)gd->numel, COMM_F32);
     if (ge->numel > 0) {
         be->zero(ge->scatter_f, (size_t)ge->numel * p->F * sizeof(float));
-        const struct tensor_table *tt = &m->tt;
-        for (int i = 0; i < tt->n; i++) {
-            const struct tensor_spec *s = &tt->t[i];
-            if (tensor_group_of(s) != TG_EXPERT) continue;
-            int64_t d1 = s->shape[1], d2 = s->shape[2], rows = p->exp_rows[i];
-            for (int r = 0; r < p->F; r++) {
-                int64_t r0 = rows * r, nr = MT_MAX(0, MT_MIN(d1, r0 + rows) - r0);
-                if (nr == 0) continue;
-                for (int64_t e = 0; e < m->n_local_experts; e++) {
-                    int64_t dst = (int64_t)r * ge->numel + p->exp_shard_off[i] + e * rows * d2;
-                    int64_t src = m->work_off[i] + (e * d1 + r0) * d2;
-                    be->copy(ge->scatter_f + dst, m->g[TG_EXPERT] + src, (size_t)(nr * d2) * sizeof(float));
-                }
-            }
-        }
+        expert_blocks_copy(p, ge->scatter_f, m->g[TG_EXPERT], sizeof(float), false);
         comm_reduce_scatter_sum(p->fsdp, ge->grad, ge->scatter_f, (size_t)ge->numel, COMM_F32);
     }
     double ss = be->sumsq_f32(gd->grad, (size_t)gd->numel) + be->sumsq_f32(ge->grad, (size_t)ge->numel);
