@@ -9,20 +9,30 @@
 static enum comm_dtype x_dtype(const struct backend *be) { return be->x_size == 4 ? COMM_F32 : COMM_BF16; }
 static void *xat(const struct backend *be, void *p, int64_t i) { return (char *)p + (size_t)i * be->x_size; }
 
-static void alloc_group(const struct backend *be, struct param_group_shard *g, int group_size)
+/* A group of one rank holds its whole working layout as its shard (same order, no padding), so
+ * the shard's compute copy and gradient ARE the model's working weights and gradients: no staging
+ * buffers, no copies (this is what lets 8 full Qwen3-30B layers fit one GPU). */
+static void alloc_group(const struct backend *be, struct param_group_shard *g, int group_size,
+                        void *work_x, float *work_g)
 {
     size_t n = (size_t)MT_MAX(g->numel, 1);
     g->master = be->alloc(n * sizeof(float));
     g->m1 = be->alloc(n * sizeof(float));
     g->m2 = be->alloc(n * sizeof(float));
-    g->grad = be->alloc(n * sizeof(float));
-    g->param_x = be->alloc(n * be->x_size);
-    g->gather_x = be->alloc(n * (size_t)group_size * be->x_size);
-    g->scatter_f = be->alloc(n * (size_t)group_size * sizeof(float));
     be->zero(g->master, n * sizeof(float));
     be->zero(g->m1, n * sizeof(float));
     be->zero(g->m2, n * sizeof(float));
+    g->aliased = group_size == 1;
+    if (g->aliased) {
+        g->param_x = work_x;
+        g->grad = work_g;
+        return;
+    }
+    g->grad = be->alloc(n * sizeof(float));
     be->zero(g->grad, n * sizeof(float));
+    g->param_x = be->alloc(n * be->x_size);
+    g->gather_x = be->alloc(n * (size_t)group_size * be->x_size);
+    g->scatter_f = be->alloc(n * (size_t)group_size * sizeof(float));
 }
 
 static void add_segment(struct param_group_shard *g, int *cap, int64_t off, int64_t len,
@@ -68,8 +78,9 @@ void params_init(struct params *p, struct model *m, struct comm *stage, struct c
             ge->numel += len;
         }
     }
-    alloc_group(m->be, gd, p->S);
-    alloc_group(m->be, ge, p->F);
+    MT_CHECK(p->S > 1 || gd->numel == m->work_numel[TG_DENSE], "dense shard layout");
+    alloc_group(m->be, gd, p->S, m->w[TG_DENSE], m->g[TG_DENSE]);
+    alloc_group(m->be, ge, p->F, m->w[TG_EXPERT], m->g[TG_EXPERT]);
 }
 
 void params_free(struct params *p)
@@ -77,8 +88,10 @@ void params_free(struct params *p)
     const struct backend *be = p->m->be;
     for (int k = 0; k < TG_COUNT; k++) {
         struct param_group_shard *g = &p->g[k];
-        void *bufs[] = {g->master, g->m1, g->m2, g->grad, g->param_x, g->gather_x, g->scatter_f};
-        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->free(bufs[i]);
+        void *bufs[] = {g->master, g->m1, g->m2, g->aliased ? NULL : g->grad,
+                        g->aliased ? NULL : g->param_x, g->gather_x, g->scatter_f};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+            if (bufs[i]) be->free(bufs[i]);
         free(g->seg);
     }
     free(p->exp_rows);
@@ -237,9 +250,11 @@ void params_gather_weights(struct params *p)
     struct model *m = p->m;
     const struct backend *be = m->be;
     struct param_group_shard *gd = &p->g[TG_DENSE], *ge = &p->g[TG_EXPERT];
-    comm_all_gather(p->stage, gd->gather_x, gd->param_x, (size_t)gd->numel, x_dtype(be));
-    be->copy(m->w[TG_DENSE], gd->gather_x, (size_t)m->work_numel[TG_DENSE] * be->x_size);
-    if (ge->numel == 0) return;
+    if (!gd->aliased) {
+        comm_all_gather(p->stage, gd->gather_x, gd->param_x, (size_t)gd->numel, x_dtype(be));
+        be->copy(m->w[TG_DENSE], gd->gather_x, (size_t)m->work_numel[TG_DENSE] * be->x_size);
+    }
+    if (ge->numel == 0 || ge->aliased) return;
     comm_all_gather(p->fsdp, ge->gather_x, ge->param_x, (size_t)ge->numel, x_dtype(be));
     expert_blocks_copy(p, ge->gather_x, m->w[TG_EXPERT], be->x_size, true);
 }
@@ -249,10 +264,12 @@ double params_reduce_grads(struct params *p, struct comm *world)
     struct model *m = p->m;
     const struct backend *be = m->be;
     struct param_group_shard *gd = &p->g[TG_DENSE], *ge = &p->g[TG_EXPERT];
-    be->zero(gd->scatter_f, (size_t)gd->numel * p->S * sizeof(float));
-    be->copy(gd->scatter_f, m->g[TG_DENSE], (size_t)m->work_numel[TG_DENSE] * sizeof(float));
-    comm_reduce_scatter_sum(p->stage, gd->grad, gd->scatter_f, (size_t)gd->numel, COMM_F32);
-    if (ge->numel > 0) {
+    if (!gd->aliased) {
+        be->zero(gd->scatter_f, (size_t)gd->numel * p->S * sizeof(float));
+        be->copy(gd->scatter_f, m->g[TG_DENSE], (size_t)m->work_numel[TG_DENSE] * sizeof(float));
+        comm_reduce_scatter_sum(p->stage, gd->grad, gd->scatter_f, (size_t)gd->numel, COMM_F32);
+    }
+    if (ge->numel > 0 && !ge->aliased) {
         be->zero(ge->scatter_f, (size_t)ge->numel * p->F * sizeof(float));
         expert_blocks_copy(p, ge->scatter_f, m->g[TG_EXPERT], sizeof(float), false);
         comm_reduce_scatter_sum(p->fsdp, ge->grad, ge->scatter_f, (size_t)ge->numel, COMM_F32);
@@ -322,4 +339,10 @@ void params_gather_global(const struct params *p, const struct mesh *mesh, float
         free(mine[k]);
         free(all[k]);
     }
+}
+
+void params_for_each_run_of(const struct params *p, int s_rank, int f_rank, int64_t expert0,
+                            params_run_fn fn, void *ctx)
+{
+    for_each_shard_run_of(p, s_rank, f_rank, expert0, fn, ctx);
 }

@@ -29,6 +29,8 @@ struct param_group_shard {
     void *param_x;          /* compute-dtype copy of master, [numel] */
     void *gather_x;         /* compute-dtype receive buffer, [group size * numel] */
     float *scatter_f;       /* fp32 send buffer for the reduce-scatter, [group size * numel] */
+    bool aliased;           /* group of one: param_x and grad are the model's working buffers and
+                             * gather_x / scatter_f are not allocated */
     struct param_segment *seg;
     int n_seg;
 };
@@ -71,5 +73,15 @@ void params_gather_global(const struct params *p, const struct mesh *mesh, float
 /* Copy the full working weights of the model (fp32, working layout) into host buffers; for tests
  * and verify. */
 void params_working_to_host(const struct params *p, float *host[TG_COUNT]);
+
+/* Calls fn for every run of the shard held by the rank at stage position s_rank, EP_FSDP position
+ * f_rank with experts from expert0: `len` elements of tensor i starting at element `gidx` of its
+ * flattened global layout sit at shard offset `soff` of group g (padding is in no run). Every
+ * rank's shard has the same size and layout; only the runs' sources differ. For checkpoints and
+ * tests. */
+typedef void (*params_run_fn)(void *ctx, enum tensor_group g, int i, int64_t gidx, int64_t soff,
+                              int64_t len);
+void params_for_each_run_of(const struct params *p, int s_rank, int f_rank, int64_t expert0,
+                            params_run_fn fn, void *ctx);
 
 #endif
