@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# `make bench` on a GPU machine: moetrain on configs/bench-qwen3-30b-8l.yaml on 1 GPU and (with 2+
+# GPUs) with EP=2 on 2 GPUs, then the PyTorch baseline (tools/hf_baseline.py, torch.compile'd
+# transformers, same shapes and tokens per step) in the same job. Prints one table; logs and JSON
+# lines go to BENCH_OUT (default build/bench).
+set -euo pipefail
+BUILD=${1:-build}
+OUT=${BENCH_OUT:-$BUILD/bench}
+CONFIG=${BENCH_CONFIG:-configs/bench-qwen3-30b-8l.yaml}
+STEPS=${BENCH_STEPS:-8}
+mkdir -p "$OUT"
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+[ "$ngpu" -gt 0 ] || { echo "bench: no GPU here"; exit 1; }
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+
+# peak device memory of a command: nvidia-smi sampled every 200 ms, max over GPUs and time
+run_sampled() {
+    local tag=$1; shift
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$OUT/$tag.mem" 2>/dev/null &
+    local smi=$!
+    set +e
+    "$@" > "$OUT/$tag.log" 2>&1
+    local rc=$?
+    set -e
+    kill $smi 2>/dev/null || true
+    wait $smi 2>/dev/null || true
+    return $rc
+}
+
+summary() {  # tag ngpu -> "tok/s per GPU | mfu | peak GiB"
+    python3 - "$OUT/$1.jsonl" "$OUT/$1.mem" "$2" <<'PY'
+import json, sys, statistics
+rows = [json.loads(l) for l in open(sys.argv[1])]
+steady = rows[2:] or rows            # the first steps include allocation and warm-up
+ms = statistics.median(r["step_ms"] for r in steady)
+tps = statistics.median(r["tokens_per_s"] for r in steady) / int(sys.argv[3])
+mfu = statistics.median(r.get("mfu", -1) for r in steady)
+mem = max((int(x) for x in open(sys.argv[2]) if x.strip().isdigit()), default=0) / 1024
+print(json.dumps({"step_ms": ms, "tok_s_per_gpu": tps, "mfu": mfu, "peak_gib": mem, "loss": rows[-1]["loss"]}))
+PY
+}
+
+declare -A res
+for n in 1 2; do
+    [ "$n" -le "$ngpu" ] || continue
+    tag=moetrain_${n}gpu
+    echo "bench: moetrain on $n GPU(s) ..."
+    if run_sampled "$tag" mpirun --oversubscribe -np "$n" "$BUILD/moetrain" train "$CONFIG" \
+            --set train.global_batch_size=$((16 * n)) --set parallel.expert_parallel_size="$n" \
+            --set train.steps="$STEPS" --set log.metrics="$OUT/$tag.jsonl"; then
+        res[$tag]=$(summary "$tag" "$n")
+    else
+        res[$tag]='{"error": "failed, see '"$OUT/$tag.log"'"}'
+        tail -5 "$OUT/$tag.log"
+    fi
+    echo "  ${res[$tag]}"
+done
+
+echo "bench: PyTorch baseline (torch.compile, grouped_mm) ..."
+if run_sampled baseline env LAYERS=8 SEQ=4096 BATCH=2 ACCUM=8 COMPILE="${BASELINE_COMPILE:-1}" \
+        python3 tools/hf_baseline.py; then
+    res[baseline]=$(tail -1 "$OUT/baseline.log")
+else
+    res[baseline]='{"error": "failed"}'
+    tail -5 "$OUT/baseline.log"
+fi
+echo "  ${res[baseline]}"
+
+python3 - "$gpu_name" "${res[moetrain_1gpu]:-{\}}" "${res[moetrain_2gpu]:-{\}}" "${res[baseline]}" <<'PY' | tee "$OUT/summary.txt"
+import json, sys
+gpu, one, two, base = sys.argv[1], *(json.loads(a) for a in sys.argv[2:])
+b = base.get("tok_s")
+print(f"bench on {gpu}: Qwen3-30B-A3B shapes, 8 layers, seq 4096, 65,536 tokens/step/GPU")
+print(f"{'run':<22}{'tok/s/GPU':>12}{'MFU':>8}{'peak GiB':>10}{'vs baseline':>13}")
+for name, r, key in (("moetrain 1 GPU", one, "tok_s_per_gpu"), ("moetrain 2 GPU EP=2", two, "tok_s_per_gpu"),
+                     ("PyTorch baseline", base, "tok_s")):
+    t = r.get(key)
+    if t is None:
+        print(f"{name:<22}{'-':>12}  {r.get('error', 'not run')}")
+        continue
+    mfu = r.get("mfu", r.get("model_tflops", 0) * 1e12 / 989e12 if "model_tflops" in r else -1)
+    mem = r.get("peak_gib", r.get("peak_mem_gib", 0))
+    ratio = f"{t / b:.2f}x" if b else "-"
+    print(f"{name:<22}{t:>12.0f}{100 * mfu:>7.1f}%{mem:>10.1f}{ratio:>13}")
+PY
