@@ -34,6 +34,8 @@ struct comm_ops {
                          const int64_t *send_counts, enum comm_dtype t);
     /* fixed all-to-all of n elements per rank pair (host or device memory per the backend) */
     void (*all_to_all)(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t);
+    /* optional (NULL for MPI): releases c->impl; comm_free calls it before freeing c */
+    void (*destroy)(struct comm *c);
 };
 
 size_t comm_dtype_size(enum comm_dtype t);

@@ -105,7 +105,11 @@ struct comm *comm_mpi_create(MPI_Comm mpi)
     return c;
 }
 
-void comm_free(struct comm *c) { free(c); }
+void comm_free(struct comm *c)
+{
+    if (c && c->ops && c->ops->destroy) c->ops->destroy(c);
+    free(c);
+}
 
 /* NULL is a host-memory group of one; a real comm (even of size 1) runs its own implementation,
  * which knows where its buffers live (host for MPI, device for NCCL). */

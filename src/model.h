@@ -145,4 +145,20 @@ void mlp_backward(struct model *m, int l);
 /* Compute-dtype pointer arithmetic. */
 #define MT_XP(m, p, i) ((void *)((char *)(p) + (size_t)(i) * (m)->be->x_size))
 
+/* Testing hooks (moe.c; used by tests/mpi/dispatch_check.c, never by the model): MoE layer l's
+ * dispatch and combine driven by a routing the caller chooses instead of the router. Thin
+ * wrappers over what moe_forward / moe_backward run. Pointers other than *_host are backend memory.
+ *  - moe_dispatch_for_test: topk_idx/topk_w HOST [T, k] (any order of a token's k distinct
+ *    experts) and rows x [T, H] -> the route m->layers[l].route (re-sorted top-k included), the
+ *    expert-major rows m->layers[l].x_exp [R_recv, H] with route.expert_off; returns R_recv.
+ *  - moe_combine_for_test: expert outputs y_exp [R_recv, H] (expert-major, as x_exp) -> out [T, H].
+ *  - moe_combine_backward_for_test: dL/d out [T, H] -> m->d_y_exp [R_recv, H] (expert-major) and
+ *    m->d_topk_w [T, k] (in the re-sorted order of route.topk_idx_h).
+ *  - moe_dispatch_backward_for_test: dL/d x_exp [R_recv, H] -> dx [T, H] (overwritten). */
+int64_t moe_dispatch_for_test(struct model *m, int l, const int32_t *topk_idx_host,
+                              const float *topk_w_host, const void *x);
+void moe_combine_for_test(struct model *m, int l, const void *y_exp, void *out);
+void moe_combine_backward_for_test(struct model *m, int l, const void *dout);
+void moe_dispatch_backward_for_test(struct model *m, int l, const void *d_x_exp, void *dx);
+
 #endif

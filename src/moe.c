@@ -177,6 +177,67 @@ static void dense_mlp_backward(struct model *m, struct layer_acts *a, int l)
                         H, 2 * Id, false);
 }
 
+/* Token side -> expert side: the layer's norm output rows in dispatch order (x_send), then with
+ * ep > 1 the all-to-all and the regroup into expert-major x_exp. */
+static void dispatch_rows(struct model *m, struct layer_acts *a)
+{
+    const struct backend *be = m->be;
+    const int H = m->H;
+    struct moe_route *r = &a->route;
+    be->gather_rows(a->x_send, a->m, r->src_row, (int)r->R_send, H);
+    if (m->ep > 1) {
+        /* y_exp is free until the experts run: it holds the received rows until the regroup */
+        exchange_rows(m, a->y_exp, r->recv_counts, a->x_send, r->send_counts);
+        be->gather_rows(a->x_exp, a->y_exp, r->regroup, (int)r->R_recv, H);
+    }
+}
+
+/* Expert side -> token side: expert outputs y_exp back to their tokens' ranks (y_send, dispatch
+ * order), then the weighted combine into out. */
+static void combine_rows(struct model *m, struct layer_acts *a, void *out)
+{
+    const struct backend *be = m->be;
+    const int T = m->T, H = m->H, K = m->K;
+    struct moe_route *r = &a->route;
+    if (m->ep > 1) {
+        /* the backward scratch d_x_exp is free during the forward */
+        be->zero(m->d_x_exp, (size_t)r->R_recv * H * be->x_size);
+        be->gather_rows_backward(m->d_x_exp, a->y_exp, r->regroup, (int)r->R_recv, H);
+        exchange_rows(m, a->y_send, r->send_counts, m->d_x_exp, r->recv_counts);
+    }
+    be->moe_combine_forward(out, a->y_send, r->slot_row, a->topk_w, T, K, H);
+}
+
+/* Backward of combine_rows: m->d_h (dL/d out) -> m->d_topk_w and m->d_y_exp (expert-major). */
+static void combine_rows_backward(struct model *m, struct layer_acts *a)
+{
+    const struct backend *be = m->be;
+    const int T = m->T, H = m->H, K = m->K;
+    struct moe_route *r = &a->route;
+    be->moe_combine_backward(m->d_y_send, m->d_topk_w, m->d_h, a->y_send, r->slot_row, a->topk_w, T,
+                             K, H);
+    if (m->ep > 1) {
+        exchange_rows(m, m->d_x_exp, r->recv_counts, m->d_y_send, r->send_counts);
+        be->gather_rows(m->d_y_exp, m->d_x_exp, r->regroup, (int)r->R_recv, H);
+    }
+}
+
+/* Backward of dispatch_rows: m->d_x_exp (expert-major) -> m->d_t1 = dL/d(norm output) through the
+ * experts (overwritten; the router term is added after). */
+static void dispatch_rows_backward(struct model *m, struct layer_acts *a)
+{
+    const struct backend *be = m->be;
+    const int T = m->T, H = m->H;
+    struct moe_route *r = &a->route;
+    if (m->ep > 1) {
+        be->zero(m->d_y_exp, (size_t)r->R_recv * H * be->x_size);
+        be->gather_rows_backward(m->d_y_exp, m->d_x_exp, r->regroup, (int)r->R_recv, H);
+        exchange_rows(m, m->d_x_send, r->send_counts, m->d_y_exp, r->recv_counts);
+    }
+    be->zero(m->d_t1, (size_t)T * H * be->x_size);
+    be->gather_rows_backward(m->d_t1, m->d_x_send, r->src_row, (int)r->R_send, H);
+}
+
 static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out)
 {
     const struct backend *be = m->be;
@@ -189,22 +250,11 @@ static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out)
     be->router_stats(st, st + E, a->probs, a->topk_idx, T, E, K);
     route_plan(m, a);
 
-    be->gather_rows(a->x_send, a->m, r->src_row, (int)r->R_send, H);
-    if (m->ep > 1) {
-        /* y_exp is free until the experts run: it holds the received rows until the regroup */
-        exchange_rows(m, a->y_exp, r->recv_counts, a->x_send, r->send_counts);
-        be->gather_rows(a->x_exp, a->y_exp, r->regroup, (int)r->R_recv, H);
-    }
+    dispatch_rows(m, a);
     be->expert_matmul_forward(a->gu, a->x_exp, W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
     be->swiglu_forward(a->act, a->gu, (int)r->R_recv, I);
     be->expert_matmul_forward(a->y_exp, a->act, W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H);
-    if (m->ep > 1) {
-        /* the backward scratch d_x_exp is free during the forward */
-        be->zero(m->d_x_exp, (size_t)r->R_recv * H * be->x_size);
-        be->gather_rows_backward(m->d_x_exp, a->y_exp, r->regroup, (int)r->R_recv, H);
-        exchange_rows(m, a->y_send, r->send_counts, m->d_x_exp, r->recv_counts);
-    }
-    be->moe_combine_forward(out, a->y_send, r->slot_row, a->topk_w, T, K, H);
+    combine_rows(m, a, out);
 }
 
 static void moe_backward(struct model *m, struct layer_acts *a, int l)
@@ -212,24 +262,13 @@ static void moe_backward(struct model *m, struct layer_acts *a, int l)
     const struct backend *be = m->be;
     const int T = m->T, H = m->H, E = m->E, K = m->K, I = m->I, nl = m->n_local_experts;
     struct moe_route *r = &a->route;
-    be->moe_combine_backward(m->d_y_send, m->d_topk_w, m->d_h, a->y_send, r->slot_row, a->topk_w, T,
-                             K, H);
-    if (m->ep > 1) {
-        exchange_rows(m, m->d_x_exp, r->recv_counts, m->d_y_send, r->send_counts);
-        be->gather_rows(m->d_y_exp, m->d_x_exp, r->regroup, (int)r->R_recv, H);
-    }
+    combine_rows_backward(m, a);
     be->expert_matmul_backward(m->d_act, G(m, TR_EXP_DOWN, l), m->d_y_exp, a->act,
                                W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H);
     be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)r->R_recv, I);
     be->expert_matmul_backward(m->d_x_exp, G(m, TR_EXP_GATE_UP, l), m->d_gu, a->x_exp,
                                W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
-    if (m->ep > 1) {
-        be->zero(m->d_y_exp, (size_t)r->R_recv * H * be->x_size);
-        be->gather_rows_backward(m->d_y_exp, m->d_x_exp, r->regroup, (int)r->R_recv, H);
-        exchange_rows(m, m->d_x_send, r->send_counts, m->d_y_exp, r->recv_counts);
-    }
-    be->zero(m->d_t1, (size_t)T * H * be->x_size);
-    be->gather_rows_backward(m->d_t1, m->d_x_send, r->src_row, (int)r->R_send, H);
+    dispatch_rows_backward(m, a);
     be->router_backward(m->d_logits_r, m->d_topk_w, a->probs, a->topk_idx,
                         m->aux_active ? m->aux_dp : NULL, T, E, K, m->cfg.norm_topk_prob);
     int ri = tensor_lookup(&m->tt, TR_ROUTER, l);
@@ -255,4 +294,56 @@ void mlp_backward(struct model *m, int l)
     else dense_mlp_backward(m, a, l);
     m->be->rmsnorm_backward(m->d_h, G(m, TR_MLP_NORM, l), m->d_t1, a->h_mid, W(m, TR_MLP_NORM, l),
                             a->rstd_m, m->T, m->H, true);
+}
+
+/* ---- Testing hooks (tests/mpi/dispatch_check.c) ------------------------------------------------
+ * The dispatch and combine of MoE layer l driven by a routing the caller chooses instead of the
+ * router. Thin wrappers over the functions moe_forward / moe_backward run; the model never calls
+ * them. Buffers are backend memory. */
+
+static struct layer_acts *test_layer(struct model *m, int l)
+{
+    MT_CHECK(l >= 0 && l < m->L && config_layer_is_moe(&m->cfg, l), "layer %d is not an MoE layer", l);
+    return &m->layers[l];
+}
+
+static void copy_in(const struct model *m, void *dst, const void *src, int64_t rows)
+{
+    if (dst != src && rows > 0) m->be->copy(dst, src, (size_t)rows * m->H * m->be->x_size);
+}
+
+int64_t moe_dispatch_for_test(struct model *m, int l, const int32_t *topk_idx_host,
+                              const float *topk_w_host, const void *x)
+{
+    struct layer_acts *a = test_layer(m, l);
+    const struct backend *be = m->be;
+    const size_t tk = (size_t)m->T * m->K;
+    be->upload(a->topk_idx, topk_idx_host, tk * sizeof(int32_t));
+    be->upload(a->topk_w, topk_w_host, tk * sizeof(float));
+    copy_in(m, a->m, x, m->T);
+    route_plan(m, a);
+    dispatch_rows(m, a);
+    return a->route.R_recv;
+}
+
+void moe_combine_for_test(struct model *m, int l, const void *y_exp, void *out)
+{
+    struct layer_acts *a = test_layer(m, l);
+    copy_in(m, a->y_exp, y_exp, a->route.R_recv);
+    combine_rows(m, a, out);
+}
+
+void moe_combine_backward_for_test(struct model *m, int l, const void *dout)
+{
+    struct layer_acts *a = test_layer(m, l);
+    copy_in(m, m->d_h, dout, m->T);
+    combine_rows_backward(m, a);
+}
+
+void moe_dispatch_backward_for_test(struct model *m, int l, const void *d_x_exp, void *dx)
+{
+    struct layer_acts *a = test_layer(m, l);
+    copy_in(m, m->d_x_exp, d_x_exp, a->route.R_recv);
+    dispatch_rows_backward(m, a);
+    copy_in(m, dx, m->d_t1, m->T);
 }
