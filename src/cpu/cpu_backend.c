@@ -176,10 +176,12 @@ static const struct backend cpu_backend = {
 
 const struct backend *backend_cpu(void) { return &cpu_backend; }
 
-/* Linking fallback for CPU-only builds; the CUDA backend's strong definition replaces it. */
-__attribute__((weak)) const struct backend *backend_cuda(bool fp32, int local_rank)
+#ifndef MT_HAVE_CUDA
+/* Built without nvcc: there is no CUDA backend (cuda/backend_cuda.cu defines it otherwise). */
+const struct backend *backend_cuda(bool fp32, int local_rank)
 {
     (void)fp32;
     (void)local_rank;
     return NULL;
 }
+#endif

@@ -1,0 +1,12 @@
+/* AdamW on fp32 master weights and moments; writes the compute-dtype parameter copy. */
+#ifndef MT_CUDA_ADAMW_CUH
+#define MT_CUDA_ADAMW_CUH
+
+#include "cuda_common.cuh"
+
+template <typename T>
+void cu_adamw_update(float *master, void *param, const float *grad, float *m, float *v, size_t n,
+                     float lr, float beta1, float beta2, float eps, float weight_decay, int t,
+                     float grad_scale);
+
+#endif

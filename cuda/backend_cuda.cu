@@ -1,0 +1,112 @@
+/* The CUDA backend table. backend_cuda() sets up the device context once per process (device
+ * local_rank % count, one stream, cuBLAS + cuBLASLt handles and their workspace) and returns one of
+ * two static tables: bf16 compute (x_size 2) or fp32 compute (x_size 4, for parity runs). Both
+ * tables point at the same kernels instantiated for the two element types. */
+#include "adamw.cuh"
+#include "attention.cuh"
+#include "elementwise.cuh"
+#include "embedding.cuh"
+#include "expert_matmul.cuh"
+#include "loss.cuh"
+#include "matmul.cuh"
+#include "memory.cuh"
+#include "moe_rows.cuh"
+#include "rmsnorm.cuh"
+#include "rope.cuh"
+#include "router.cuh"
+#include "swiglu.cuh"
+
+#include <string.h>
+
+struct cuda_ctx g_cuda;
+
+enum { WORKSPACE_BYTES = 32 << 20 };
+
+/* Dense bf16 tensor-core peak of the H100/H200 (SXM) for MFU, and its fp32 (non-tensor) rate;
+ * unknown (0) on other GPUs. */
+static double peak_flops(bool fp32, const cudaDeviceProp *p)
+{
+    if (p->major != 9) return 0.0;
+    return fp32 ? 67e12 : 989e12;
+}
+
+template <typename T> static struct backend make_table(double peak)
+{
+    struct backend b;
+    memset(&b, 0, sizeof b);
+    b.name = "cuda";
+    b.x_size = sizeof(T);
+    b.peak_flops = peak;
+    b.alloc = cu_alloc;
+    b.free = cu_free;
+    b.zero = cu_zero;
+    b.copy = cu_copy;
+    b.upload = cu_upload;
+    b.download = cu_download;
+    b.sync = cu_sync;
+    b.cast_f32_to_x = cu_cast_f32_to_x<T>;
+    b.cast_x_to_f32 = cu_cast_x_to_f32<T>;
+    b.add_inplace = cu_add_inplace<T>;
+    b.scale_f32 = cu_scale_f32;
+    b.sumsq_f32 = cu_sumsq_f32;
+    b.embedding_forward = cu_embedding_forward<T>;
+    b.embedding_backward = cu_embedding_backward<T>;
+    b.rmsnorm_forward = cu_rmsnorm_forward<T>;
+    b.rmsnorm_backward = cu_rmsnorm_backward<T>;
+    b.matmul_forward = cu_matmul_forward<T>;
+    b.matmul_backward = cu_matmul_backward<T>;
+    b.rope_forward = cu_rope_forward<T>;
+    b.rope_backward = cu_rope_backward<T>;
+    b.attention_forward = cu_attention_forward<T>;
+    b.attention_backward = cu_attention_backward<T>;
+    b.router_forward = cu_router_forward<T>;
+    b.router_backward = cu_router_backward<T>;
+    b.router_stats = cu_router_stats;
+    b.gather_rows = cu_gather_rows<T>;
+    b.gather_rows_backward = cu_gather_rows_backward<T>;
+    b.moe_combine_forward = cu_moe_combine_forward<T>;
+    b.moe_combine_backward = cu_moe_combine_backward<T>;
+    b.expert_matmul_forward = cu_expert_matmul_forward<T>;
+    b.expert_matmul_backward = cu_expert_matmul_backward<T>;
+    b.swiglu_forward = cu_swiglu_forward<T>;
+    b.swiglu_backward = cu_swiglu_backward<T>;
+    b.cross_entropy_forward = cu_cross_entropy_forward<T>;
+    b.cross_entropy_backward = cu_cross_entropy_backward<T>;
+    b.adamw_update = cu_adamw_update<T>;
+    return b;
+}
+
+static struct backend table_bf16, table_fp32;
+
+static void context_init(int local_rank, int count)
+{
+    g_cuda.device = local_rank % count;
+    CUDA_CHECK(cudaSetDevice(g_cuda.device));
+    cudaDeviceProp prop;
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, g_cuda.device));
+    g_cuda.num_sms = prop.multiProcessorCount;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&g_cuda.stream, cudaStreamNonBlocking));
+    CUBLAS_CHECK(cublasCreate(&g_cuda.blas));
+    CUBLAS_CHECK(cublasSetStream(g_cuda.blas, g_cuda.stream));
+    CUBLAS_CHECK(cublasLtCreate(&g_cuda.lt));
+    g_cuda.workspace_bytes = WORKSPACE_BYTES;
+    CUDA_CHECK(cudaMalloc(&g_cuda.workspace, g_cuda.workspace_bytes));
+    CUBLAS_CHECK(cublasSetWorkspace(g_cuda.blas, g_cuda.workspace, g_cuda.workspace_bytes));
+    table_bf16 = make_table<bf16>(peak_flops(false, &prop));
+    table_fp32 = make_table<float>(peak_flops(true, &prop));
+    g_cuda.ready = true;
+}
+
+extern "C" const struct backend *backend_cuda(bool fp32, int local_rank)
+{
+    if (!g_cuda.ready) {
+        int count = 0;
+        if (cudaGetDeviceCount(&count) != cudaSuccess || count <= 0) {
+            (void)cudaGetLastError(); /* no driver or no device: the CPU backend takes over */
+            return NULL;
+        }
+        MT_CHECK(local_rank >= 0, "backend_cuda: negative local rank %d", local_rank);
+        context_init(local_rank, count);
+    }
+    return fp32 ? &table_fp32 : &table_bf16;
+}

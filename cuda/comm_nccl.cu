@@ -1,0 +1,189 @@
+/* The comm table over NCCL (src/comm_nccl.h): collectives on device buffers, on the CUDA
+ * backend's stream. Variable all-to-all is one NCCL group of point-to-point sends and receives
+ * (the block to self is a device copy). Buffers that are all host memory go to the MPI twin of the
+ * same communicator. NVLink multicast (NVLS) is never asked for: NCCL_NVLS_ENABLE is forced to 0
+ * unless the environment already sets it. */
+#include "cuda_common.cuh"
+
+#include <stdlib.h>
+#include <string.h>
+
+extern "C" {
+#include "comm.h"
+}
+#include "comm_nccl.h"
+
+struct nccl_impl {
+    ncclComm_t nccl;
+    struct comm *host; /* MPI implementation of the same communicator, for host buffers */
+};
+
+static struct nccl_impl *impl_of(struct comm *c) { return (struct nccl_impl *)c->impl; }
+
+static ncclDataType_t nccl_type(enum comm_dtype t)
+{
+    switch (t) {
+    case COMM_F32: return ncclFloat32;
+    case COMM_F64: return ncclFloat64;
+    case COMM_I32: return ncclInt32;
+    case COMM_I64: return ncclInt64;
+    case COMM_BYTE: return ncclUint8;
+    case COMM_BF16: return ncclBfloat16;
+    }
+    mt_fatal("comm_nccl: unknown dtype %d", (int)t);
+}
+
+static bool is_device(const void *p)
+{
+    if (!p) return false;
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+/* true when the call's buffers are host memory (the MPI twin runs it); a zero-sized side (NULL
+ * or an unused pointer) follows the other */
+static bool on_host(const char *what, const void *a, size_t na, const void *b, size_t nb)
+{
+    if (na == 0 && nb == 0) return !is_device(a) && !is_device(b);
+    if (na == 0) return !is_device(b);
+    if (nb == 0) return !is_device(a);
+    const bool da = is_device(a), db = is_device(b);
+    MT_CHECK(da == db, "%s: one buffer is device memory and the other host memory", what);
+    return !da;
+}
+
+static void nccl_all_gather(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t)
+{
+    struct nccl_impl *im = impl_of(c);
+    if (on_host("all_gather", recv, n, send, n)) {
+        im->host->ops->all_gather(im->host, recv, send, n, t);
+        return;
+    }
+    const size_t es = comm_dtype_size(t);
+    /* send == recv means "in place": this rank's block already sits at recv[rank·n] (MPI_IN_PLACE) */
+    const void *src = send == recv ? (const char *)recv + (size_t)c->rank * n * es : send;
+    NCCL_CHECK(ncclAllGather(src, recv, n, nccl_type(t), im->nccl, g_cuda.stream));
+}
+
+static void nccl_reduce_scatter_sum(struct comm *c, void *recv, const void *send, size_t n,
+                                    enum comm_dtype t)
+{
+    struct nccl_impl *im = impl_of(c);
+    if (on_host("reduce_scatter_sum", recv, n, send, n)) {
+        im->host->ops->reduce_scatter_sum(im->host, recv, send, n, t);
+        return;
+    }
+    NCCL_CHECK(ncclReduceScatter(send, recv, n, nccl_type(t), ncclSum, im->nccl, g_cuda.stream));
+}
+
+static void nccl_all_reduce_sum(struct comm *c, void *buf, size_t n, enum comm_dtype t)
+{
+    struct nccl_impl *im = impl_of(c);
+    if (on_host("all_reduce_sum", buf, n, buf, n)) {
+        im->host->ops->all_reduce_sum(im->host, buf, n, t);
+        return;
+    }
+    NCCL_CHECK(ncclAllReduce(buf, buf, n, nccl_type(t), ncclSum, im->nccl, g_cuda.stream));
+}
+
+/* counts are elements; blocks packed back to back in rank order on both sides */
+static void exchange(struct comm *c, void *recv, const int64_t *recv_counts, const void *send,
+                     const int64_t *send_counts, size_t fixed, enum comm_dtype t)
+{
+    struct nccl_impl *im = impl_of(c);
+    const size_t es = comm_dtype_size(t);
+    const ncclDataType_t nt = nccl_type(t);
+    size_t so = 0, ro = 0;
+    NCCL_CHECK(ncclGroupStart());
+    for (int p = 0; p < c->size; p++) {
+        const size_t sn = send_counts ? (size_t)send_counts[p] : fixed;
+        const size_t rn = recv_counts ? (size_t)recv_counts[p] : fixed;
+        const char *sp = (const char *)send + so * es;
+        char *rp = (char *)recv + ro * es;
+        if (p == c->rank) {
+            MT_CHECK(sn == rn, "all_to_all_v: rank %d sends %zu elements to itself but expects %zu",
+                     p, sn, rn);
+            if (sn && sp != rp)
+                CUDA_CHECK(cudaMemcpyAsync(rp, sp, sn * es, cudaMemcpyDeviceToDevice, g_cuda.stream));
+        } else {
+            if (sn) NCCL_CHECK(ncclSend(sp, sn, nt, p, im->nccl, g_cuda.stream));
+            if (rn) NCCL_CHECK(ncclRecv(rp, rn, nt, p, im->nccl, g_cuda.stream));
+        }
+        so += sn;
+        ro += rn;
+    }
+    NCCL_CHECK(ncclGroupEnd());
+}
+
+static size_t total(const int64_t *counts, int n)
+{
+    size_t s = 0;
+    for (int i = 0; i < n; i++) {
+        MT_CHECK(counts[i] >= 0, "all_to_all_v: negative count %lld for rank %d", (long long)counts[i], i);
+        s += (size_t)counts[i];
+    }
+    return s;
+}
+
+static void nccl_all_to_all_v(struct comm *c, void *recv, const int64_t *recv_counts,
+                              const void *send, const int64_t *send_counts, enum comm_dtype t)
+{
+    struct nccl_impl *im = impl_of(c);
+    if (on_host("all_to_all_v", recv, total(recv_counts, c->size), send, total(send_counts, c->size))) {
+        im->host->ops->all_to_all_v(im->host, recv, recv_counts, send, send_counts, t);
+        return;
+    }
+    exchange(c, recv, recv_counts, send, send_counts, 0, t);
+}
+
+static void nccl_all_to_all(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t)
+{
+    struct nccl_impl *im = impl_of(c);
+    if (on_host("all_to_all", recv, n, send, n)) {
+        im->host->ops->all_to_all(im->host, recv, send, n, t);
+        return;
+    }
+    exchange(c, recv, NULL, send, NULL, n, t);
+}
+
+static void nccl_destroy(struct comm *c)
+{
+    struct nccl_impl *im = impl_of(c);
+    if (!im) return;
+    CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
+    NCCL_CHECK(ncclCommFinalize(im->nccl));
+    NCCL_CHECK(ncclCommDestroy(im->nccl));
+    comm_free(im->host);
+    free(im);
+    c->impl = NULL;
+}
+
+static const struct comm_ops nccl_ops = {
+    nccl_all_gather, nccl_reduce_scatter_sum, nccl_all_reduce_sum, nccl_all_to_all_v,
+    nccl_all_to_all, nccl_destroy,
+};
+
+extern "C" struct comm *comm_nccl_create(MPI_Comm mpi)
+{
+    MT_CHECK(g_cuda.ready, "comm_nccl_create: the CUDA backend is not set up (call backend_cuda first)");
+    setenv("NCCL_NVLS_ENABLE", "0", 0);
+    struct comm *c = (struct comm *)mt_calloc(1, sizeof *c);
+    c->mpi = mpi;
+    MT_CHECK_MPI(MPI_Comm_rank(mpi, &c->rank));
+    MT_CHECK_MPI(MPI_Comm_size(mpi, &c->size));
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    if (c->rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));
+    MT_CHECK_MPI(MPI_Bcast(&id, (int)sizeof id, MPI_BYTE, 0, mpi));
+    struct nccl_impl *im = (struct nccl_impl *)mt_calloc(1, sizeof *im);
+    CUDA_CHECK(cudaSetDevice(g_cuda.device));
+    NCCL_CHECK(ncclCommInitRank(&im->nccl, c->size, id, c->rank));
+    im->host = comm_mpi_create(mpi);
+    c->ops = &nccl_ops;
+    c->impl = im;
+    return c;
+}

@@ -1,0 +1,159 @@
+/* Shared by every CUDA source file: the checked-call macros, the backend's device context (one stream,
+ * the cuBLAS/cuBLASLt handles and their workspace), grow-only scratch buffers, the element-type
+ * helpers that let each kernel be written once as a template on T (float or __nv_bfloat16), and
+ * deterministic warp/block reductions.
+ *
+ * Every op runs on g_cuda.stream; nothing here synchronises except where ops.h says an op waits. */
+#ifndef MT_CUDA_COMMON_CUH
+#define MT_CUDA_COMMON_CUH
+
+#define OMPI_SKIP_MPICXX 1 /* comm.h includes mpi.h: keep Open MPI's C++ bindings out */
+#define MPICH_SKIP_MPICXX 1
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* common.h spells the C11 keyword _Noreturn, which nvcc's C++ front end does not accept. */
+#define _Noreturn __attribute__((noreturn))
+extern "C" {
+#include "common.h"
+#include "ops.h"
+}
+#undef _Noreturn
+
+typedef __nv_bfloat16 bf16;
+
+/* ---------------------------------------------------------------- checked calls
+ * Each prints the call, file:line and rank (mt_fatal) with the library's own message, then aborts
+ * every rank. */
+#define CUDA_CHECK(call)                                                                        \
+    do {                                                                                        \
+        cudaError_t mt_ce_ = (call);                                                            \
+        if (mt_ce_ != cudaSuccess)                                                              \
+            mt_fatal("%s: CUDA error %s: %s", #call, cudaGetErrorName(mt_ce_),                 \
+                     cudaGetErrorString(mt_ce_));                                               \
+    } while (0)
+
+#define CUBLAS_CHECK(call)                                                                      \
+    do {                                                                                        \
+        cublasStatus_t mt_cs_ = (call);                                                         \
+        if (mt_cs_ != CUBLAS_STATUS_SUCCESS)                                                    \
+            mt_fatal("%s: cuBLAS error %d: %s", #call, (int)mt_cs_,                            \
+                     cublasGetStatusString(mt_cs_));                                            \
+    } while (0)
+
+#define NCCL_CHECK(call)                                                                        \
+    do {                                                                                        \
+        ncclResult_t mt_nr_ = (call);                                                           \
+        if (mt_nr_ != ncclSuccess)                                                              \
+            mt_fatal("%s: NCCL error %d: %s (%s)", #call, (int)mt_nr_,                         \
+                     ncclGetErrorString(mt_nr_), ncclGetLastError(NULL));                      \
+    } while (0)
+
+/* After every kernel launch: a bad configuration or an earlier asynchronous fault shows here. */
+#define CUDA_LAUNCH_CHECK(what) CUDA_CHECK(cudaGetLastError())
+
+/* ---------------------------------------------------------------- device context */
+struct cuda_ctx {
+    bool ready;
+    int device;
+    int num_sms;
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    cublasLtHandle_t lt;
+    void *workspace; /* shared by cuBLAS and cuBLASLt: every call is ordered on the one stream */
+    size_t workspace_bytes;
+};
+extern struct cuda_ctx g_cuda; /* backend_cuda.cu */
+
+/* Grow-only device scratch, one buffer per slot. Reuse across ops is safe because every op is
+ * ordered on the one stream; an op never holds two pointers from the same slot. Growing frees the
+ * old buffer after a stream sync. */
+enum cuda_scratch_slot {
+    SCRATCH_REDUCE,     /* sumsq partials, column-sum partials */
+    SCRATCH_SORT_KEYS,  /* scatter: sorted destination rows */
+    SCRATCH_SORT_VALS,  /* scatter: source rows, iota then sorted */
+    SCRATCH_SORT_TEMP,  /* scatter: CUB temporary storage */
+    SCRATCH_ATTN,       /* attention backward: rowsum(dO ⊙ O) */
+    SCRATCH_HIST,       /* router_stats: integer counts */
+    SCRATCH_COUNT
+};
+void *cuda_scratch(enum cuda_scratch_slot slot, size_t bytes);
+
+/* Launch helpers: a 1-D grid for n items at `block` threads, capped (kernels use grid-stride
+ * loops, so the cap only limits parallelism, never coverage). */
+static inline unsigned cuda_grid(size_t n, int block)
+{
+    size_t g = (n + (size_t)block - 1) / (size_t)block;
+    if (g < 1) g = 1;
+    if (g > 65536) g = 65536;
+    return (unsigned)g;
+}
+
+/* ---------------------------------------------------------------- element types
+ * to_f / from_f convert a compute-dtype element to and from fp32 (round to nearest even for
+ * bf16); round_x rounds an fp32 value to the compute dtype and back (a no-op for float), used at
+ * the bf16 rounding points of spec §7. */
+template <typename T> struct xtype;
+template <> struct xtype<float> {
+    static constexpr cudaDataType_t cuda = CUDA_R_32F;
+};
+template <> struct xtype<bf16> {
+    static constexpr cudaDataType_t cuda = CUDA_R_16BF;
+};
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16_rn(x); }
+
+template <typename T> __device__ __forceinline__ float round_x(float x) { return to_f(from_f<T>(x)); }
+
+/* ---------------------------------------------------------------- reductions
+ * Fixed shuffle trees: the result depends only on the block shape, never on timing. */
+template <typename V> __device__ __forceinline__ V warp_sum(V v)
+{
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v)
+{
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* Sum over the block (blockDim.x a multiple of 32, at most 1024), returned to every thread.
+ * `sh` is 32 elements of shared memory; the leading barrier lets callers reuse it back to back. */
+template <typename V> __device__ V block_sum(V v, V *sh)
+{
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) sh[wid] = v;
+    __syncthreads();
+    v = lane < nw ? sh[lane] : (V)0;
+    return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float *sh)
+{
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) sh[wid] = v;
+    __syncthreads();
+    v = lane < nw ? sh[lane] : -INFINITY;
+    return warp_max(v);
+}
+
+#endif

@@ -1,0 +1,106 @@
+/* Casts and elementwise ops. Grid-stride loops over size_t indices; sumsq_f32 reduces in double
+ * through fixed per-block partials, so its result does not depend on scheduling. */
+#include "elementwise.cuh"
+
+enum { EW_BLOCK = 256, SUMSQ_BLOCKS = 1024 };
+
+template <typename O, typename I>
+__global__ void convert_kernel(O *__restrict__ out, const I *__restrict__ in, size_t n)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        out[i] = from_f<O>(to_f(in[i]));
+}
+
+template <typename T> void cu_cast_f32_to_x(void *out, const float *in, size_t n)
+{
+    if (n == 0) return;
+    if ((const void *)out == (const void *)in) {
+        /* in place is only meaningful when the dtypes match (fp32 mode): nothing to do */
+        MT_CHECK(sizeof(T) == sizeof(float), "cast_f32_to_x: in-place cast to bf16 is not supported");
+        return;
+    }
+    convert_kernel<T, float><<<cuda_grid(n, EW_BLOCK), EW_BLOCK, 0, g_cuda.stream>>>((T *)out, in, n);
+    CUDA_LAUNCH_CHECK("convert");
+}
+
+template <typename T> void cu_cast_x_to_f32(float *out, const void *in, size_t n)
+{
+    if (n == 0) return;
+    if ((const void *)out == in) {
+        MT_CHECK(sizeof(T) == sizeof(float), "cast_x_to_f32: in-place cast from bf16 is not supported");
+        return;
+    }
+    convert_kernel<float, T><<<cuda_grid(n, EW_BLOCK), EW_BLOCK, 0, g_cuda.stream>>>(out, (const T *)in, n);
+    CUDA_LAUNCH_CHECK("convert");
+}
+
+template <typename T> __global__ void add_kernel(T *y, const T *x, size_t n)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        y[i] = from_f<T>(to_f(y[i]) + to_f(x[i]));
+}
+
+template <typename T> void cu_add_inplace(void *y, const void *x, size_t n)
+{
+    if (n == 0) return;
+    add_kernel<T><<<cuda_grid(n, EW_BLOCK), EW_BLOCK, 0, g_cuda.stream>>>((T *)y, (const T *)x, n);
+    CUDA_LAUNCH_CHECK("add_inplace");
+}
+
+__global__ void scale_kernel(float *x, size_t n, float s)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        x[i] *= s;
+}
+
+void cu_scale_f32(float *x, size_t n, float s)
+{
+    if (n == 0) return;
+    scale_kernel<<<cuda_grid(n, EW_BLOCK), EW_BLOCK, 0, g_cuda.stream>>>(x, n, s);
+    CUDA_LAUNCH_CHECK("scale_f32");
+}
+
+__global__ void sumsq_partial_kernel(double *partial, const float *x, size_t n)
+{
+    __shared__ double sh[32];
+    double s = 0.0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        s += (double)x[i] * x[i];
+    s = block_sum(s, sh);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+__global__ void sumsq_final_kernel(double *partial, int nparts)
+{
+    __shared__ double sh[32];
+    double s = 0.0;
+    for (int i = threadIdx.x; i < nparts; i += blockDim.x) s += partial[i];
+    s = block_sum(s, sh);
+    if (threadIdx.x == 0) partial[0] = s;
+}
+
+double cu_sumsq_f32(const float *x, size_t n)
+{
+    if (n == 0) return 0.0;
+    const unsigned blocks = cuda_grid(n, EW_BLOCK) < SUMSQ_BLOCKS ? cuda_grid(n, EW_BLOCK) : SUMSQ_BLOCKS;
+    double *partial = (double *)cuda_scratch(SCRATCH_REDUCE, SUMSQ_BLOCKS * sizeof(double));
+    sumsq_partial_kernel<<<blocks, EW_BLOCK, 0, g_cuda.stream>>>(partial, x, n);
+    CUDA_LAUNCH_CHECK("sumsq partial");
+    sumsq_final_kernel<<<1, 1024, 0, g_cuda.stream>>>(partial, (int)blocks);
+    CUDA_LAUNCH_CHECK("sumsq final");
+    double r = 0.0;
+    CUDA_CHECK(cudaMemcpyAsync(&r, partial, sizeof r, cudaMemcpyDeviceToHost, g_cuda.stream));
+    CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
+    return r;
+}
+
+template void cu_cast_f32_to_x<float>(void *, const float *, size_t);
+template void cu_cast_f32_to_x<bf16>(void *, const float *, size_t);
+template void cu_cast_x_to_f32<float>(float *, const void *, size_t);
+template void cu_cast_x_to_f32<bf16>(float *, const void *, size_t);
+template void cu_add_inplace<float>(void *, const void *, size_t);
+template void cu_add_inplace<bf16>(void *, const void *, size_t);

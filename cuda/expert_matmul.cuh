@@ -1,0 +1,14 @@
+/* Grouped expert matmul: rows [off[e], off[e+1]) go through expert e's weight W[e] ([O,I]). */
+#ifndef MT_CUDA_EXPERT_MATMUL_CUH
+#define MT_CUDA_EXPERT_MATMUL_CUH
+
+#include "cuda_common.cuh"
+
+template <typename T>
+void cu_expert_matmul_forward(void *out, const void *in, const void *w, const int64_t *off,
+                              int n_exp, int I, int O);
+template <typename T>
+void cu_expert_matmul_backward(void *din, float *dw, const void *dout, const void *in,
+                               const void *w, const int64_t *off, int n_exp, int I, int O);
+
+#endif

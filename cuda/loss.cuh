@@ -1,0 +1,13 @@
+/* Token cross-entropy on fp32-upcast logits, with MT_IGNORE_INDEX (ops.h, spec §3.9). */
+#ifndef MT_CUDA_LOSS_CUH
+#define MT_CUDA_LOSS_CUH
+
+#include "cuda_common.cuh"
+
+template <typename T>
+void cu_cross_entropy_forward(float *losses, const void *logits, const int32_t *targets, int N, int V);
+template <typename T>
+void cu_cross_entropy_backward(void *dlogits, const void *logits, const int32_t *targets, int N,
+                               int V, float scale);
+
+#endif

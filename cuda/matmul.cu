@@ -1,0 +1,175 @@
+/* Dense matmuls through cuBLASLt.
+ *
+ * With row-major x[N,I], W[O,I], y[N,O] seen as column-major xᵀ (I×N), Wᵀ (I×O), yᵀ (O×N):
+ *   forward  yᵀ[O,N]  = (Wᵀ)ᵀ · xᵀ        A = W  (I×O, ld I) transposed, B = x  (I×N, ld I)
+ *   din      dinᵀ[I,N] = Wᵀ · dyᵀ          A = W  (I×O, ld I),            B = dy (O×N, ld O)
+ *   dw       dwᵀ[I,O] += xᵀ · (dyᵀ)ᵀ       A = x  (I×N, ld I),            B = dy (O×N, ld O) transposed
+ * dw is fp32 and accumulated by beta = 1 inside the GEMM (bf16 A/B with fp32 C/D). */
+#include "matmul.cuh"
+
+#include <string.h>
+
+/* ---------------------------------------------------------------- cuBLASLt plans */
+
+enum { LT_PLANS = 64 };
+
+struct lt_plan {
+    bool used;
+    int m, n, k, lda, ldb, ldc;
+    cublasOperation_t ta, tb;
+    cudaDataType_t ab, c;
+    uint32_t align_a, align_b, align_c;
+    bool have_algo;
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t la, lb, lc;
+    cublasLtMatmulAlgo_t algo;
+};
+
+static struct lt_plan plans[LT_PLANS];
+static int plan_victim;
+
+/* The largest power of two (up to 256) dividing the address: cuBLASLt kernels may assume the
+ * alignment their heuristic was told, and weights are views at arbitrary offsets of flat buffers. */
+static uint32_t align_of(const void *p)
+{
+    uint32_t a = 256;
+    while (a > 1 && ((uintptr_t)p % a)) a >>= 1;
+    return a;
+}
+
+static void plan_destroy(struct lt_plan *p)
+{
+    if (!p->used) return;
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->la));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->lb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->lc));
+    CUBLAS_CHECK(cublasLtMatmulDescDestroy(p->desc));
+    p->used = false;
+}
+
+static struct lt_plan *plan_get(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                                int lda, int ldb, int ldc, cudaDataType_t ab, cudaDataType_t c,
+                                uint32_t aa, uint32_t alb, uint32_t ac)
+{
+    for (int i = 0; i < LT_PLANS; i++) {
+        struct lt_plan *p = &plans[i];
+        if (p->used && p->m == m && p->n == n && p->k == k && p->lda == lda && p->ldb == ldb &&
+            p->ldc == ldc && p->ta == ta && p->tb == tb && p->ab == ab && p->c == c &&
+            p->align_a == aa && p->align_b == alb && p->align_c == ac)
+            return p;
+    }
+    struct lt_plan *p = &plans[plan_victim];
+    plan_victim = (plan_victim + 1) % LT_PLANS;
+    plan_destroy(p);
+    p->m = m, p->n = n, p->k = k, p->lda = lda, p->ldb = ldb, p->ldc = ldc;
+    p->ta = ta, p->tb = tb, p->ab = ab, p->c = c;
+    p->align_a = aa, p->align_b = alb, p->align_c = ac;
+
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    const bool an = ta == CUBLAS_OP_N, bn = tb == CUBLAS_OP_N;
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, ab, an ? m : k, an ? k : m, lda));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, ab, bn ? k : n, bn ? n : k, ldb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lc, c, m, n, ldc));
+    p->used = true;
+
+    cublasLtMatmulPreference_t pref;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    uint64_t ws = g_cuda.workspace_bytes;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                      &ws, sizeof ws));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                                      &aa, sizeof aa));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                      &alb, sizeof alb));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                                      &ac, sizeof ac));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                                      &ac, sizeof ac));
+    cublasLtMatmulHeuristicResult_t res;
+    memset(&res, 0, sizeof res);
+    int nres = 0;
+    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g_cuda.lt, p->desc, p->la, p->lb, p->lc,
+                                                       p->lc, pref, 1, &res, &nres);
+    CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+    /* No algorithm for this combination (whatever the status says) is not fatal: the plan then
+     * routes to cublasGemmEx, whose own errors are checked. */
+    p->have_algo = st == CUBLAS_STATUS_SUCCESS && nres > 0;
+    if (p->have_algo) p->algo = res.algo;
+    return p;
+}
+
+/* ---------------------------------------------------------------- GEMM entry points */
+
+/* k == 0: C = beta·C, which for beta 0 means zeros (cuBLAS would leave C untouched). */
+static bool gemm_trivial(int m, int n, int k, void *C, int ldc, cudaDataType_t c, float beta)
+{
+    MT_CHECK(m >= 0 && n >= 0 && k >= 0, "gemm: negative size m=%d n=%d k=%d", m, n, k);
+    if (m == 0 || n == 0) return true;
+    if (k > 0) return false;
+    if (beta == 0.0f) {
+        const size_t es = c == CUDA_R_32F ? 4 : 2;
+        CUDA_CHECK(cudaMemset2DAsync(C, (size_t)ldc * es, 0, (size_t)m * es, (size_t)n, g_cuda.stream));
+    } else {
+        MT_CHECK(beta == 1.0f, "gemm: k == 0 with beta %g is not supported", beta);
+    }
+    return true;
+}
+
+void cuda_gemm_ex(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *A,
+                  int lda, const void *B, int ldb, cudaDataType_t ab, void *C, int ldc,
+                  cudaDataType_t c, float beta)
+{
+    if (gemm_trivial(m, n, k, C, ldc, c, beta)) return;
+    const float alpha = 1.0f;
+    CUBLAS_CHECK(cublasGemmEx(g_cuda.blas, ta, tb, m, n, k, &alpha, A, ab, lda, B, ab, ldb, &beta, C,
+                              c, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+void cuda_gemm_lt(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *A,
+                  int lda, const void *B, int ldb, cudaDataType_t ab, void *C, int ldc,
+                  cudaDataType_t c, float beta)
+{
+    if (gemm_trivial(m, n, k, C, ldc, c, beta)) return;
+    struct lt_plan *p = plan_get(ta, tb, m, n, k, lda, ldb, ldc, ab, c, align_of(A), align_of(B),
+                                 align_of(C));
+    if (!p->have_algo) {
+        cuda_gemm_ex(ta, tb, m, n, k, A, lda, B, ldb, ab, C, ldc, c, beta);
+        return;
+    }
+    const float alpha = 1.0f;
+    CUBLAS_CHECK(cublasLtMatmul(g_cuda.lt, p->desc, &alpha, A, p->la, B, p->lb, &beta, C, p->lc, C,
+                                p->lc, &p->algo, g_cuda.workspace, g_cuda.workspace_bytes,
+                                g_cuda.stream));
+}
+
+/* ---------------------------------------------------------------- the ops */
+
+template <typename T>
+void cu_matmul_forward(void *out, const void *in, const void *w, int N, int I, int O)
+{
+    cuda_gemm_lt(CUBLAS_OP_T, CUBLAS_OP_N, O, N, I, w, I, in, I, xtype<T>::cuda, out, O,
+                 xtype<T>::cuda, 0.0f);
+}
+
+template <typename T>
+void cu_matmul_backward(void *din, float *dw, const void *dout, const void *in, const void *w,
+                        int N, int I, int O, bool accumulate)
+{
+    MT_CHECK(N >= 0 && I >= 0 && O >= 0, "matmul backward: negative size N=%d I=%d O=%d", N, I, O);
+    if (N == 0) return; /* no rows: din has none, and dw must stay exactly as it is */
+    if (din)
+        cuda_gemm_lt(CUBLAS_OP_N, CUBLAS_OP_N, I, N, O, w, I, dout, O, xtype<T>::cuda, din, I,
+                     xtype<T>::cuda, accumulate ? 1.0f : 0.0f);
+    if (dw)
+        cuda_gemm_lt(CUBLAS_OP_N, CUBLAS_OP_T, I, O, N, in, I, dout, O, xtype<T>::cuda, dw, I,
+                     CUDA_R_32F, 1.0f);
+}
+
+template void cu_matmul_forward<float>(void *, const void *, const void *, int, int, int);
+template void cu_matmul_forward<bf16>(void *, const void *, const void *, int, int, int);
+template void cu_matmul_backward<float>(void *, float *, const void *, const void *, const void *,
+                                        int, int, int, bool);
+template void cu_matmul_backward<bf16>(void *, float *, const void *, const void *, const void *,
+                                       int, int, int, bool);

@@ -1,0 +1,29 @@
+/* Dense matmuls through cuBLASLt (y = x Wᵀ and its backward), and the GEMM helpers that the
+ * expert matmul shares. All GEMMs take compute-dtype A/B, accumulate in fp32 (CUBLAS_COMPUTE_32F,
+ * never TF32) and write C in the compute dtype or fp32.
+ *
+ * Row-major to column-major: a row-major X[r, c] is the column-major matrix Xᵀ (c × r, ld c), so
+ * every row-major product is issued as its transpose (see matmul.cu). */
+#ifndef MT_CUDA_MATMUL_CUH
+#define MT_CUDA_MATMUL_CUH
+
+#include "cuda_common.cuh"
+
+/* Column-major C[m,n] = op(A)[m,k] · op(B)[k,n] + beta·C, A and B of type ab, C of type c.
+ * cuda_gemm_lt plans through cuBLASLt (plans cached by shape, type and pointer alignment) and
+ * falls back to cuda_gemm_ex when cuBLASLt offers no algorithm; cuda_gemm_ex is cublasGemmEx.
+ * k == 0 leaves beta·C (C zeroed when beta is 0); m == 0 or n == 0 does nothing. */
+void cuda_gemm_lt(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *A,
+                  int lda, const void *B, int ldb, cudaDataType_t ab, void *C, int ldc,
+                  cudaDataType_t c, float beta);
+void cuda_gemm_ex(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *A,
+                  int lda, const void *B, int ldb, cudaDataType_t ab, void *C, int ldc,
+                  cudaDataType_t c, float beta);
+
+template <typename T>
+void cu_matmul_forward(void *out, const void *in, const void *w, int N, int I, int O);
+template <typename T>
+void cu_matmul_backward(void *din, float *dw, const void *dout, const void *in, const void *w,
+                        int N, int I, int O, bool accumulate);
+
+#endif

@@ -1,0 +1,78 @@
+/* Device memory, copies and the grow-only scratch buffers of the CUDA backend. */
+#include "memory.cuh"
+
+#include <string.h>
+
+void *cu_alloc(size_t bytes)
+{
+    /* A zero-byte request still gets a distinct, valid pointer, as malloc-style callers expect. */
+    const size_t n = bytes ? bytes : 256;
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, n);
+    if (e != cudaSuccess) {
+        size_t free_b = 0, total_b = 0;
+        (void)cudaGetLastError();
+        (void)cudaMemGetInfo(&free_b, &total_b);
+        mt_fatal("cudaMalloc(%zu bytes) on device %d: %s (%.2f GiB free of %.2f GiB)", n,
+                 g_cuda.device, cudaGetErrorString(e), free_b / 1073741824.0,
+                 total_b / 1073741824.0);
+    }
+    /* All-ones bytes are NaN in fp32 and bf16 (and -1 in int32), as in the CPU backend: a buffer
+     * read before it is written is loud. */
+    CUDA_CHECK(cudaMemsetAsync(p, 0xff, n, g_cuda.stream));
+    return p;
+}
+
+void cu_free(void *p)
+{
+    if (!p) return;
+    CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream)); /* queued work may still use p */
+    CUDA_CHECK(cudaFree(p));
+}
+
+void cu_zero(void *p, size_t bytes)
+{
+    if (bytes) CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, g_cuda.stream));
+}
+
+void cu_copy(void *dst, const void *src, size_t bytes)
+{
+    if (bytes && dst != src)
+        CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, g_cuda.stream));
+}
+
+/* From pageable memory the call returns once the source has been staged, so the caller may reuse
+ * host_src at once. */
+void cu_upload(void *dst, const void *host_src, size_t bytes)
+{
+    if (bytes)
+        CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, g_cuda.stream));
+}
+
+void cu_download(void *host_dst, const void *src, size_t bytes)
+{
+    if (bytes)
+        CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, g_cuda.stream));
+    CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
+}
+
+void cu_sync(void) { CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream)); }
+
+static void *scratch_buf[SCRATCH_COUNT];
+static size_t scratch_cap[SCRATCH_COUNT];
+
+void *cuda_scratch(enum cuda_scratch_slot slot, size_t bytes)
+{
+    if (bytes > scratch_cap[slot]) {
+        if (scratch_buf[slot]) {
+            CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
+            CUDA_CHECK(cudaFree(scratch_buf[slot]));
+        }
+        size_t cap = scratch_cap[slot] + scratch_cap[slot] / 2;
+        if (cap < bytes) cap = bytes;
+        if (cap < 4096) cap = 4096;
+        CUDA_CHECK(cudaMalloc(&scratch_buf[slot], cap));
+        scratch_cap[slot] = cap;
+    }
+    return scratch_buf[slot];
+}

@@ -1,0 +1,216 @@
+/* The router, one block per token row. Softmax: fp32 exponentials around the row max, their sum
+ * in double, one fp32 division, as src/cpu/cpu_router.c. Top-k: k rounds of a block arg-max over
+ * the experts not yet taken, ordered by (score descending, expert id ascending), so ties go to the
+ * lower id exactly as the CPU's strict '>' scan. The small sequential parts (renormalisation,
+ * the backward through it) run on one thread in the CPU's order. */
+#include "router.cuh"
+#include "rmsnorm.cuh"
+
+enum { RT_BLOCK = 128, STATS_MAX_CHUNKS = 4096 };
+
+/* (s2, e2) ranks before (s1, e1): a higher score, or the same score and a lower id */
+__device__ __forceinline__ bool ranks_before(float s2, int e2, float s1, int e1)
+{
+    return e2 >= 0 && (e1 < 0 || s2 > s1 || (s2 == s1 && e2 < e1));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(RT_BLOCK)
+router_fwd_kernel(int32_t *topk_idx, float *topk_w, float *probs, const T *logits,
+                  const float *bias, int E, int k, bool norm_topk)
+{
+    extern __shared__ float sp[];          /* p[E] */
+    int *sel_idx = (int *)(sp + E);        /* [k] */
+    float *sel_w = (float *)(sel_idx + k); /* [k] */
+    unsigned char *taken = (unsigned char *)(sel_w + k); /* [E] */
+    __shared__ float shf[32];
+    __shared__ double shd[32];
+    __shared__ float warp_s[32];
+    __shared__ int warp_e[32];
+    const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+    const T *z = logits + (size_t)t * E;
+
+    float mx = -INFINITY;
+    for (int e = tid; e < E; e += blockDim.x) mx = fmaxf(mx, to_f(z[e]));
+    mx = block_max(mx, shf);
+    double sum = 0.0;
+    for (int e = tid; e < E; e += blockDim.x) {
+        const float pe = expf(to_f(z[e]) - mx);
+        sp[e] = pe;
+        sum += pe;
+    }
+    sum = block_sum(sum, shd);
+    const float denom = (float)sum;
+    for (int e = tid; e < E; e += blockDim.x) {
+        sp[e] /= denom;
+        probs[(size_t)t * E + e] = sp[e];
+        taken[e] = 0;
+    }
+    __syncthreads();
+
+    for (int j = 0; j < k; j++) {
+        float bs = 0.0f;
+        int be = -1;
+        for (int e = tid; e < E; e += blockDim.x) {
+            if (taken[e]) continue;
+            const float s = bias ? sp[e] + bias[e] : sp[e];
+            if (ranks_before(s, e, bs, be)) bs = s, be = e;
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float os = __shfl_xor_sync(0xffffffffu, bs, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+            if (ranks_before(os, oe, bs, be)) bs = os, be = oe;
+        }
+        if (lane == 0) warp_s[wid] = bs, warp_e[wid] = be;
+        __syncthreads();
+        if (tid == 0) {
+            for (int w = 1; w < (int)(blockDim.x >> 5); w++)
+                if (ranks_before(warp_s[w], warp_e[w], bs, be)) bs = warp_s[w], be = warp_e[w];
+            taken[be] = 1;
+            sel_idx[j] = be;
+            sel_w[j] = sp[be];
+        }
+        __syncthreads();
+    }
+
+    if (tid == 0) {
+        float ws = 1.0f;
+        if (norm_topk) {
+            double wsum = 0.0;
+            for (int j = 0; j < k; j++) wsum += sel_w[j];
+            ws = (float)wsum;
+        }
+        for (int j = 0; j < k; j++) {
+            topk_idx[(size_t)t * k + j] = sel_idx[j];
+            topk_w[(size_t)t * k + j] = norm_topk ? sel_w[j] / ws : sel_w[j];
+        }
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(RT_BLOCK)
+router_bwd_kernel(T *dlogits, const float *dtopk_w, const float *probs, const int32_t *topk_idx,
+                  const float *aux_dp, int E, int k, bool norm_topk)
+{
+    extern __shared__ float dp[]; /* [E] */
+    __shared__ double shd[32];
+    const int t = blockIdx.x, tid = threadIdx.x;
+    const float *p = probs + (size_t)t * E;
+    for (int e = tid; e < E; e += blockDim.x) dp[e] = aux_dp ? aux_dp[e] : 0.0f;
+    __syncthreads();
+    if (tid == 0) {
+        const int32_t *idx = topk_idx + (size_t)t * k;
+        const float *dw = dtopk_w + (size_t)t * k;
+        if (norm_topk) {
+            /* ŵ_j = p_j / S_k: dp_m = (dŵ_m − Σ_j dŵ_j ŵ_j) / S_k for the selected m */
+            double sk = 0.0;
+            for (int j = 0; j < k; j++) sk += p[idx[j]];
+            const float s = (float)sk;
+            double proj = 0.0;
+            for (int j = 0; j < k; j++) proj += (double)dw[j] * (p[idx[j]] / s);
+            const float pr = (float)proj;
+            for (int j = 0; j < k; j++) dp[idx[j]] += (dw[j] - pr) / s;
+        } else {
+            for (int j = 0; j < k; j++) dp[idx[j]] += dw[j];
+        }
+    }
+    __syncthreads();
+    double pdp = 0.0;
+    for (int e = tid; e < E; e += blockDim.x) pdp += (double)p[e] * dp[e];
+    pdp = block_sum(pdp, shd);
+    const float c = (float)pdp;
+    T *dz = dlogits + (size_t)t * E;
+    for (int e = tid; e < E; e += blockDim.x) dz[e] = from_f<T>(p[e] * (dp[e] - c));
+}
+
+/* partial[chunk, e] = Σ over the chunk's rows of probs[t, e]; block (32 experts × 8 rows) */
+__global__ void probs_partial_kernel(double *partial, const float *probs, int T_, int E,
+                                     int rows_per_chunk)
+{
+    __shared__ double sh[8][33];
+    const int e = blockIdx.x * 32 + threadIdx.x;
+    const int r0 = blockIdx.y * rows_per_chunk, r1 = min(T_, r0 + rows_per_chunk);
+    double acc = 0.0;
+    if (e < E)
+        for (int t = r0 + threadIdx.y; t < r1; t += 8) acc += probs[(size_t)t * E + e];
+    sh[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && e < E) {
+        double s = 0.0;
+        for (int i = 0; i < 8; i++) s += sh[i][threadIdx.x];
+        partial[(size_t)blockIdx.y * E + e] = s;
+    }
+}
+
+/* count[e] += #(t, j) with idx = e: integer counts in shared memory (exact, order-free), added
+ * once; indices outside [0, E) are not counted. */
+__global__ void count_kernel(float *count, const int32_t *topk_idx, size_t n, int E)
+{
+    extern __shared__ int hist[];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
+    __syncthreads();
+    for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const int32_t e = topk_idx[i];
+        if (e >= 0 && e < E) atomicAdd(&hist[e], 1);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] += (float)hist[e];
+}
+
+static void check_router(const char *what, int T_, int E, int k)
+{
+    MT_CHECK(T_ >= 0 && E > 0 && k > 0 && k <= E, "%s: need T >= 0 and 0 < k <= E, got T=%d k=%d E=%d",
+             what, T_, k, E);
+}
+
+template <typename T>
+void cu_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const void *logits,
+                       const float *bias, int T_, int E, int k, bool norm_topk)
+{
+    check_router("router", T_, E, k);
+    if (T_ == 0) return;
+    const size_t smem = (size_t)E * sizeof(float) + (size_t)k * 8 + (size_t)E;
+    MT_CHECK(smem <= 48 * 1024, "router: %d experts do not fit the kernel's shared memory", E);
+    router_fwd_kernel<T><<<T_, RT_BLOCK, smem, g_cuda.stream>>>(topk_idx, topk_w, probs,
+                                                                 (const T *)logits, bias, E, k,
+                                                                 norm_topk);
+    CUDA_LAUNCH_CHECK("router forward");
+}
+
+template <typename T>
+void cu_router_backward(void *dlogits, const float *dtopk_w, const float *probs,
+                        const int32_t *topk_idx, const float *aux_dp, int T_, int E, int k,
+                        bool norm_topk)
+{
+    check_router("router backward", T_, E, k);
+    if (T_ == 0) return;
+    router_bwd_kernel<T><<<T_, RT_BLOCK, (size_t)E * sizeof(float), g_cuda.stream>>>(
+        (T *)dlogits, dtopk_w, probs, topk_idx, aux_dp, E, k, norm_topk);
+    CUDA_LAUNCH_CHECK("router backward");
+}
+
+void cu_router_stats(float *psum, float *count, const float *probs, const int32_t *topk_idx, int T_,
+                     int E, int k)
+{
+    check_router("router_stats", T_, E, k);
+    if (T_ == 0) return;
+    const int rows_per_chunk = MT_MAX(256, (T_ + STATS_MAX_CHUNKS - 1) / STATS_MAX_CHUNKS);
+    const int nchunks = (T_ + rows_per_chunk - 1) / rows_per_chunk;
+    double *partial = (double *)cuda_scratch(SCRATCH_REDUCE, (size_t)nchunks * E * sizeof(double));
+    probs_partial_kernel<<<dim3((E + 31) / 32, nchunks), dim3(32, 8), 0, g_cuda.stream>>>(
+        partial, probs, T_, E, rows_per_chunk);
+    CUDA_LAUNCH_CHECK("router_stats psum");
+    cuda_add_column_partials(psum, partial, nchunks, E);
+    count_kernel<<<1, 1024, (size_t)E * sizeof(int), g_cuda.stream>>>(count, topk_idx,
+                                                                       (size_t)T_ * k, E);
+    CUDA_LAUNCH_CHECK("router_stats count");
+}
+
+template void cu_router_forward<float>(int32_t *, float *, float *, const void *, const float *, int,
+                                       int, int, bool);
+template void cu_router_forward<bf16>(int32_t *, float *, float *, const void *, const float *, int,
+                                      int, int, bool);
+template void cu_router_backward<float>(void *, const float *, const float *, const int32_t *,
+                                        const float *, int, int, int, bool);
+template void cu_router_backward<bf16>(void *, const float *, const float *, const int32_t *,
+                                       const float *, int, int, int, bool);

@@ -1,0 +1,18 @@
+/* The MoE router: fp32 softmax, top-k (ties to the lower expert id), renormalisation, backward and
+ * load statistics (ops.h, spec §3.6, §5). */
+#ifndef MT_CUDA_ROUTER_CUH
+#define MT_CUDA_ROUTER_CUH
+
+#include "cuda_common.cuh"
+
+template <typename T>
+void cu_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const void *logits,
+                       const float *bias, int T_, int E, int k, bool norm_topk);
+template <typename T>
+void cu_router_backward(void *dlogits, const float *dtopk_w, const float *probs,
+                        const int32_t *topk_idx, const float *aux_dp, int T_, int E, int k,
+                        bool norm_topk);
+void cu_router_stats(float *psum, float *count, const float *probs, const int32_t *topk_idx, int T_,
+                     int E, int k);
+
+#endif

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# `make test-gpu` on a GPU machine: the CUDA backend against the CPU reference, NCCL against MPI,
+# the model against the transformers reference dumps, and short training runs against each other.
+#
+#   scripts/test-gpu.sh BUILD_DIR
+#
+# Prints one PASS/FAIL line per step and a summary; exits non-zero if any step failed. Logs (and
+# the metrics files of the training runs) go to $MT_GPU_LOGS (default BUILD_DIR/test-gpu).
+# Tolerances (relative), with what 2x H200 measured on 2026-11-22 (docs/gpu.md):
+#   verify fp32   1e-4, every logit, loss and gradient: the CPU backend's own bar (worst 1.7e-6)
+#   verify bf16   VERIFY_BF16_TOL = 1e-1: a bf16 model (bf16 weights and activations) against the
+#                 fp32 transformers dump. Worst measured 7.4e-2 (qwen3moe-tiny, layer-1 k_proj
+#                 gradient), typical 3e-2 .. 5e-2: each bf16 rounding is ~2e-3 and a perturbed
+#                 router flips some tokens' top-k choice, which moves the gradients of everything
+#                 upstream. A real bug (wrong index, missing term) gives O(1).
+#   train bf16, 1 GPU vs 2 GPUs with expert_parallel_size=2: per-step loss within
+#                 TRAIN_BF16_TOL = 1e-2 (measured 1.5e-5 over 5 steps)
+#   train fp32, CPU vs 1 GPU: per-step loss within TRAIN_FP32_TOL = 1e-3 (measured 0 at the 8
+#                 digits the metrics file keeps)
+set -u
+B=${1:-build}
+LOG=${MT_GPU_LOGS:-$B/test-gpu}
+MPIRUN=${MT_MPIRUN:-mpirun}
+VERIFY_BF16_TOL=${VERIFY_BF16_TOL:-1e-1}
+TRAIN_BF16_TOL=${TRAIN_BF16_TOL:-1e-2}
+TRAIN_FP32_TOL=${TRAIN_FP32_TOL:-1e-3}
+STEPS=5
+STEP_TIMEOUT=${MT_GPU_STEP_TIMEOUT:-300}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} # never NVLink multicast
+
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [ "${NGPU:-0}" -eq 0 ]; then
+    echo "test-gpu: SKIPPED: no GPU visible (nvidia-smi lists none)"
+    exit 0
+fi
+mkdir -p "$LOG" || exit 1
+echo "test-gpu: $NGPU GPU(s), build $B, logs in $LOG"
+
+NAMES=()
+RESULTS=()
+record() { # NAME STATUS
+    NAMES+=("$1")
+    RESULTS+=("$2")
+    echo "test-gpu: $2  $1"
+}
+
+# run_step NAME LOGFILE CMD...: runs CMD with its output shown and kept in LOGFILE; a step that
+# hangs (a collective waiting forever) is killed after STEP_TIMEOUT seconds and counts as failed
+run_step() {
+    local name=$1 log=$2
+    shift 2
+    echo "test-gpu: --- $name: $*"
+    timeout "$STEP_TIMEOUT" "$@" 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]}
+    if [ "$rc" -eq 0 ]; then record "$name" PASS
+    elif [ "$rc" -eq 124 ]; then record "$name" "FAIL (timed out after ${STEP_TIMEOUT}s)"
+    else record "$name" "FAIL (exit $rc)"; fi
+    return "$rc"
+}
+
+# compare_losses NAME A.jsonl B.jsonl TOL: the "loss" of every step, |a - b| <= TOL * |b|
+compare_losses() {
+    local name=$1 a=$2 b=$3 tol=$4
+    local la lb
+    la=$(grep -o '"loss": [-0-9.eE+naif]*' "$a" 2>/dev/null | awk '{print $2}')
+    lb=$(grep -o '"loss": [-0-9.eE+naif]*' "$b" 2>/dev/null | awk '{print $2}')
+    if [ -z "$la" ] || [ "$(echo "$la" | wc -l)" -ne "$STEPS" ] || [ "$(echo "$lb" | wc -l)" -ne "$STEPS" ]; then
+        record "$name" "FAIL (missing loss lines: $(echo "$la" | grep -c .) and $(echo "$lb" | grep -c .) of $STEPS)"
+        return
+    fi
+    local out
+    out=$(paste <(echo "$la") <(echo "$lb") | awk -v tol="$tol" '
+        { d = $1 - $2; if (d < 0) d = -d; r = $2 < 0 ? -$2 : $2; rel = r > 0 ? d / r : d;
+          if (rel > worst || NR == 1) worst = rel;
+          printf "  step %d: %.6f vs %.6f  rel diff %.2e\n", NR, $1, $2, rel;
+          if (!(rel <= tol)) bad = 1 }
+        END { printf "  worst rel diff %.2e (tol %s)\n", worst, tol; exit bad }')
+    local rc=$?
+    echo "$out"
+    if [ "$rc" -eq 0 ]; then record "$name" PASS; else record "$name" FAIL; fi
+}
+
+MAKE_CMD=${MAKE:-make}
+if ! $MAKE_CMD --no-print-directory BUILD="$B" "$B/moetrain" "$B/tests/unit_tests" \
+    "$B/tests/mpi/gpu_comm_check"; then
+    echo "test-gpu: FAIL: build"
+    exit 1
+fi
+
+# 1. every CUDA op against the CPU op (a missing GPU is a failure here, not a skip)
+MT_REQUIRE_GPU=1 MT_BUILD="$B" run_step "unit tests gpu/* (CUDA ops vs CPU)" "$LOG/unit_gpu.log" \
+    "$B/tests/unit_tests" --filter 'gpu/*' --jobs 1
+
+# 2. NCCL against MPI, one rank per GPU
+if [ "$NGPU" -ge 2 ]; then
+    run_step "NCCL vs MPI comm ($NGPU ranks)" "$LOG/gpu_comm_check.log" \
+        $MPIRUN -np "$NGPU" "$B/tests/mpi/gpu_comm_check"
+else
+    record "NCCL vs MPI comm" "SKIPPED (one GPU)"
+fi
+
+# 3. the whole model against the transformers reference dumps
+for fx in tests/fixtures/qwen3moe-*/; do
+    fx=${fx%/}
+    n=$(basename "$fx")
+    run_step "verify $n fp32 (tol 1e-4)" "$LOG/verify_${n}_fp32.log" \
+        "$B/moetrain" verify "$fx" "$fx/reference.safetensors" --backend cuda \
+        --set model.precision=fp32
+    run_step "verify $n bf16 (tol $VERIFY_BF16_TOL)" "$LOG/verify_${n}_bf16.log" \
+        "$B/moetrain" verify "$fx" "$fx/reference.safetensors" --backend cuda \
+        --set model.precision=bf16 --tolerance "$VERIFY_BF16_TOL"
+done
+
+# 4. training: 1 GPU vs 2 GPUs with experts split over them (bf16), CPU vs GPU (fp32)
+T="train configs/tiny.yaml --set train.steps=$STEPS --set log.interval=1"
+rm -f "$LOG"/train_*.jsonl
+run_step "train bf16, 1 GPU" "$LOG/train_1gpu_bf16.log" \
+    "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+    --set log.metrics="$LOG/train_1gpu_bf16.jsonl"
+if [ "$NGPU" -ge 2 ]; then
+    run_step "train bf16, 2 GPUs, EP=2" "$LOG/train_2gpu_ep2_bf16.log" \
+        $MPIRUN -np 2 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+        --set parallel.expert_parallel_size=2 --set log.metrics="$LOG/train_2gpu_ep2_bf16.jsonl"
+    compare_losses "losses 1 GPU vs 2 GPUs EP=2, bf16 (tol $TRAIN_BF16_TOL)" \
+        "$LOG/train_2gpu_ep2_bf16.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+else
+    record "losses 1 GPU vs 2 GPUs EP=2" "SKIPPED (one GPU)"
+fi
+run_step "train fp32, CPU" "$LOG/train_cpu_fp32.log" \
+    "$B/moetrain" $T --backend cpu --set log.metrics="$LOG/train_cpu_fp32.jsonl"
+run_step "train fp32, 1 GPU" "$LOG/train_1gpu_fp32.log" \
+    "$B/moetrain" $T --backend cuda --set model.precision=fp32 \
+    --set log.metrics="$LOG/train_1gpu_fp32.jsonl"
+compare_losses "losses CPU vs 1 GPU, fp32 (tol $TRAIN_FP32_TOL)" \
+    "$LOG/train_1gpu_fp32.jsonl" "$LOG/train_cpu_fp32.jsonl" "$TRAIN_FP32_TOL"
+
+echo
+echo "test-gpu summary ($NGPU GPU(s)):"
+fails=0
+for i in "${!NAMES[@]}"; do
+    printf '  %-8s %s\n' "${RESULTS[$i]%% *}" "${NAMES[$i]}"
+    case "${RESULTS[$i]}" in FAIL*) fails=$((fails + 1)) ;; esac
+done
+if [ "$fails" -gt 0 ]; then
+    echo "test-gpu: FAIL ($fails of ${#NAMES[@]} steps failed)"
+    exit 1
+fi
+echo "test-gpu: PASS (${#NAMES[@]} steps)"

@@ -1,0 +1,264 @@
+/* NCCL vs MPI: runs every operation of the comm table through comm_mpi (host buffers) and
+ * comm_nccl (device buffers of the CUDA backend) on the same random data and compares, on
+ * MPI_COMM_WORLD and on a split of it (halves by rank parity: size-1 groups when run on 2 ranks).
+ * Run under `mpirun -np N` with one GPU per rank (scripts/test-gpu.sh). Data movement (gathers,
+ * all-to-alls, every dtype including BF16 and BYTE) must match bit for bit; sums must match
+ * exactly for integers and to 1e-6 relative for floats (NCCL may add the ranks' contributions in
+ * another order than MPI: for 2 ranks a + b is the same either way, for more the rounding of the
+ * order differs by a few ulp). Also checks that an NCCL comm handed HOST buffers gives the MPI
+ * result. Prints "skipped: no GPU" and exits 0 without a GPU or without CUDA in the build. */
+#include <mpi.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm.h"
+#include "common.h"
+#include "ops.h"
+#ifdef MT_HAVE_NCCL
+#include <cuda_runtime_api.h>
+
+#include "comm_nccl.h"
+#endif
+
+#ifdef MT_HAVE_NCCL
+
+static int n_checks, n_fail;
+
+static void report(const char *tag, const char *op, enum comm_dtype t, bool ok, const char *detail)
+{
+    static const char *names[] = {"f32", "f64", "i32", "i64", "byte", "bf16"};
+    n_checks++;
+    if (!ok) {
+        n_fail++;
+        fprintf(stderr, "[rank %d] FAIL %s %s %s: %s\n", mt_rank(), tag, op, names[t], detail);
+    }
+}
+
+static void fill(mt_rng *r, void *buf, size_t n, enum comm_dtype t)
+{
+    for (size_t i = 0; i < n; i++) {
+        switch (t) {
+        case COMM_F32: ((float *)buf)[i] = (float)mt_rng_normal(r); break;
+        case COMM_F64: ((double *)buf)[i] = mt_rng_normal(r); break;
+        case COMM_I32: ((int32_t *)buf)[i] = (int32_t)(mt_rng_next(r) % 2001) - 1000; break;
+        case COMM_I64: ((int64_t *)buf)[i] = (int64_t)(mt_rng_next(r) % 2000000000001ull) - 1000000000000ll; break;
+        case COMM_BYTE: ((uint8_t *)buf)[i] = (uint8_t)mt_rng_next(r); break;
+        case COMM_BF16: ((uint16_t *)buf)[i] = (uint16_t)mt_rng_next(r); break;
+        }
+    }
+}
+
+/* a (device result) against b (MPI result): bytes, or 1e-6 relative for float sums */
+static bool same(const void *a, const void *b, size_t n, enum comm_dtype t, bool is_sum, char *why,
+                 size_t cap)
+{
+    if (is_sum && (t == COMM_F32 || t == COMM_F64)) {
+        for (size_t i = 0; i < n; i++) {
+            double x = t == COMM_F32 ? ((const float *)a)[i] : ((const double *)a)[i];
+            double y = t == COMM_F32 ? ((const float *)b)[i] : ((const double *)b)[i];
+            if (!(fabs(x - y) <= 1e-6 * (fabs(x) + fabs(y)) + 1e-30)) {
+                snprintf(why, cap, "element %zu: nccl %.9g, mpi %.9g", i, x, y);
+                return false;
+            }
+        }
+        return true;
+    }
+    const size_t es = comm_dtype_size(t);
+    for (size_t i = 0; i < n * es; i++)
+        if (((const uint8_t *)a)[i] != ((const uint8_t *)b)[i]) {
+            snprintf(why, cap, "byte %zu (element %zu) differs", i, i / es);
+            return false;
+        }
+    return true;
+}
+
+static void *dev_from(const struct backend *g, const void *h, size_t bytes)
+{
+    void *d = g->alloc(bytes ? bytes : 1);
+    if (bytes) g->upload(d, h, bytes);
+    return d;
+}
+
+/* device output, poisoned */
+static void *dev_out(const struct backend *g, size_t bytes)
+{
+    void *d = g->alloc(bytes ? bytes : 1);
+    if (bytes) {
+        void *p = mt_malloc(bytes);
+        memset(p, 0xa5, bytes);
+        g->upload(d, p, bytes);
+        free(p);
+    }
+    return d;
+}
+
+static void *host_of(const struct backend *g, const void *d, size_t bytes)
+{
+    void *h = mt_malloc(bytes ? bytes : 1);
+    g->download(h, d, bytes); /* waits: the collective on the stream has finished */
+    return h;
+}
+
+static void suite(const struct backend *g, struct comm *hc, struct comm *dc, const char *tag, int seed)
+{
+    const int P = hc->size, me = hc->rank;
+    char why[256];
+    for (int ti = 0; ti <= COMM_BF16; ti++) {
+        const enum comm_dtype t = (enum comm_dtype)ti;
+        const size_t es = comm_dtype_size(t);
+        const bool summable = t == COMM_F32 || t == COMM_F64 || t == COMM_I32 || t == COMM_I64;
+        mt_rng r;
+        mt_rng_seed(&r, (uint64_t)seed * 1000 + (uint64_t)me * 17 + (uint64_t)ti);
+
+        /* all_gather, out of place and in place */
+        {
+            const size_t n = 1537;
+            void *send = mt_malloc(n * es), *ref = mt_malloc(P * n * es);
+            fill(&r, send, n, t);
+            hc->ops->all_gather(hc, ref, send, n, t);
+            void *ds = dev_from(g, send, n * es), *dr = dev_out(g, P * n * es);
+            dc->ops->all_gather(dc, dr, ds, n, t);
+            void *got = host_of(g, dr, P * n * es);
+            report(tag, "all_gather", t, same(got, ref, P * n, t, false, why, sizeof why), why);
+            free(got);
+            /* in place: this rank's block already at recv[me·n], the rest poisoned */
+            g->free(dr);
+            dr = dev_out(g, P * n * es);
+            g->upload((char *)dr + (size_t)me * n * es, send, n * es);
+            dc->ops->all_gather(dc, dr, dr, n, t);
+            got = host_of(g, dr, P * n * es);
+            report(tag, "all_gather in place", t, same(got, ref, P * n, t, false, why, sizeof why), why);
+            free(got), free(send), free(ref);
+            g->free(ds), g->free(dr);
+        }
+        /* reduce_scatter_sum and all_reduce_sum */
+        if (summable) {
+            const size_t n = 2049;
+            void *send = mt_malloc(P * n * es), *ref = mt_malloc(n * es);
+            fill(&r, send, P * n, t);
+            hc->ops->reduce_scatter_sum(hc, ref, send, n, t);
+            void *ds = dev_from(g, send, P * n * es), *dr = dev_out(g, n * es);
+            dc->ops->reduce_scatter_sum(dc, dr, ds, n, t);
+            void *got = host_of(g, dr, n * es);
+            report(tag, "reduce_scatter_sum", t, same(got, ref, n, t, true, why, sizeof why), why);
+            free(got), free(send), free(ref);
+            g->free(ds), g->free(dr);
+
+            const size_t m = 100003;
+            void *buf = mt_malloc(m * es);
+            fill(&r, buf, m, t);
+            void *db = dev_from(g, buf, m * es);
+            hc->ops->all_reduce_sum(hc, buf, m, t);
+            dc->ops->all_reduce_sum(dc, db, m, t);
+            got = host_of(g, db, m * es);
+            report(tag, "all_reduce_sum", t, same(got, buf, m, t, true, why, sizeof why), why);
+            free(got), free(buf);
+            g->free(db);
+        }
+        /* all_to_all: n elements per rank pair */
+        {
+            const size_t n = 333;
+            void *send = mt_malloc(P * n * es), *ref = mt_malloc(P * n * es);
+            fill(&r, send, P * n, t);
+            hc->ops->all_to_all(hc, ref, send, n, t);
+            void *ds = dev_from(g, send, P * n * es), *dr = dev_out(g, P * n * es);
+            dc->ops->all_to_all(dc, dr, ds, n, t);
+            void *got = host_of(g, dr, P * n * es);
+            report(tag, "all_to_all", t, same(got, ref, P * n, t, false, why, sizeof why), why);
+            free(got), free(send), free(ref);
+            g->free(ds), g->free(dr);
+        }
+        /* all_to_all_v: uneven counts, some zero (the counts are exchanged over MPI first) */
+        {
+            int64_t *sc = mt_calloc(P, sizeof(int64_t)), *rc = mt_calloc(P, sizeof(int64_t));
+            size_t stot = 0, rtot = 0;
+            for (int p = 0; p < P; p++) {
+                sc[p] = (me + p + ti) % 3 == 0 ? 0 : (int64_t)(mt_rng_next(&r) % 700);
+                stot += (size_t)sc[p];
+            }
+            MT_CHECK_MPI(MPI_Alltoall(sc, 1, MPI_INT64_T, rc, 1, MPI_INT64_T, hc->mpi));
+            for (int p = 0; p < P; p++) rtot += (size_t)rc[p];
+            void *send = mt_malloc(stot * es + 1), *ref = mt_malloc(rtot * es + 1);
+            fill(&r, send, stot, t);
+            hc->ops->all_to_all_v(hc, ref, rc, send, sc, t);
+            void *ds = dev_from(g, send, stot * es), *dr = dev_out(g, rtot * es);
+            dc->ops->all_to_all_v(dc, dr, rc, ds, sc, t);
+            void *got = host_of(g, dr, rtot * es);
+            report(tag, "all_to_all_v", t, same(got, ref, rtot, t, false, why, sizeof why), why);
+            free(got), free(send), free(ref), free(sc), free(rc);
+            g->free(ds), g->free(dr);
+        }
+    }
+    /* an NCCL comm given host buffers behaves as MPI */
+    {
+        double h1[5], h2[5];
+        mt_rng r;
+        mt_rng_seed(&r, (uint64_t)seed + 99 + (uint64_t)me);
+        for (int i = 0; i < 5; i++) h1[i] = h2[i] = mt_rng_normal(&r);
+        hc->ops->all_reduce_sum(hc, h1, 5, COMM_F64);
+        dc->ops->all_reduce_sum(dc, h2, 5, COMM_F64);
+        report(tag, "all_reduce_sum (host buffers)", COMM_F64,
+               same(h2, h1, 5, COMM_F64, false, why, sizeof why), why);
+    }
+}
+
+int main(int argc, char **argv)
+{
+    MT_CHECK_MPI(MPI_Init(&argc, &argv));
+    int rank, size;
+    MT_CHECK_MPI(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+    MT_CHECK_MPI(MPI_Comm_size(MPI_COMM_WORLD, &size));
+    MPI_Comm node;
+    int local_rank, local_size;
+    MT_CHECK_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
+    MT_CHECK_MPI(MPI_Comm_rank(node, &local_rank));
+    MT_CHECK_MPI(MPI_Comm_size(node, &local_size));
+
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+    int usable = count >= local_size, all_usable = 0;
+    MT_CHECK_MPI(MPI_Allreduce(&usable, &all_usable, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+    if (!all_usable) {
+        if (rank == 0)
+            printf("gpu_comm_check: skipped: no GPU (or fewer GPUs than ranks on a node: %d for %d)\n",
+                   count, local_size);
+        MT_CHECK_MPI(MPI_Comm_free(&node));
+        MT_CHECK_MPI(MPI_Finalize());
+        return 0;
+    }
+    const struct backend *g = backend_cuda(false, local_rank);
+    MT_CHECK(g != NULL, "backend_cuda returned NULL although %d devices are visible", count);
+
+    struct comm *hw = comm_mpi_create(MPI_COMM_WORLD), *dw = comm_nccl_create(MPI_COMM_WORLD);
+    suite(g, hw, dw, "world", 1);
+    MPI_Comm half;
+    MT_CHECK_MPI(MPI_Comm_split(MPI_COMM_WORLD, rank % 2, rank, &half));
+    struct comm *hh = comm_mpi_create(half), *dh = comm_nccl_create(half);
+    suite(g, hh, dh, "half", 2);
+
+    comm_free(dh), comm_free(hh), comm_free(dw), comm_free(hw);
+    int fails = 0, checks = 0;
+    MT_CHECK_MPI(MPI_Allreduce(&n_fail, &fails, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD));
+    MT_CHECK_MPI(MPI_Allreduce(&n_checks, &checks, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD));
+    if (rank == 0)
+        printf("gpu_comm_check: %s (%d checks on %d ranks, %d failed)\n", fails ? "FAIL" : "PASS",
+               checks, size, fails);
+    MT_CHECK_MPI(MPI_Comm_free(&half));
+    MT_CHECK_MPI(MPI_Comm_free(&node));
+    MT_CHECK_MPI(MPI_Finalize());
+    return fails ? 1 : 0;
+}
+
+#else /* built without CUDA / NCCL */
+
+int main(int argc, char **argv)
+{
+    MT_CHECK_MPI(MPI_Init(&argc, &argv));
+    if (mt_rank() == 0) printf("gpu_comm_check: skipped: no GPU (built without CUDA/NCCL)\n");
+    MT_CHECK_MPI(MPI_Finalize());
+    return 0;
+}
+
+#endif

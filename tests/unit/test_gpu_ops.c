@@ -1,0 +1,916 @@
+/* GPU parity tests (suite "gpu"): every op of the CUDA backend, forward and backward, against the
+ * fp32 CPU reference (src/cpu/) on the same fresh random inputs, in both CUDA modes.
+ *
+ * Method. Inputs are drawn in fp32 on the host, uploaded and cast to the compute dtype on the
+ * device, then cast back and downloaded, so the CPU reference sees exactly the (bf16-rounded)
+ * values the GPU sees. Every GPU output buffer is poisoned with NaN bytes before the op runs, so an
+ * element the op forgot to write fails the check (a NaN makes the error infinite). The measure is
+ * ‖gpu − cpu‖ / ‖cpu‖ over the whole output (for accumulating outputs, over what the op added).
+ *
+ * Tolerances (each check prints its measured error to stderr):
+ *  - TOL_F32 = 1e-5, fp32 mode. Both backends compute in fp32 with the same formulas; they differ
+ *    only in summation order and in the last ulp of expf/sinf/cosf (CUDA's are within 2 ulp), so
+ *    errors are a few ulp (~1e-7 … 1e-6). 1e-5 leaves an order of magnitude.
+ *  - TOL_F32_LONG = 1e-4, fp32 mode, outputs that are long reductions of products whose terms
+ *    cancel (attention backward: dP − Di, sums over every visible key and query), where the
+ *    order-dependent rounding relative to a small result grows to ~1e-5.
+ *  - TOL_BF16 = 1e-2, bf16 mode. bf16 keeps 8 significant bits, so one rounding of an output is a
+ *    relative error up to 2^-9 ≈ 2e-3 (≈1.1e-3 rms); the GPU rounds at the points of spec §7
+ *    (e.g. the RMSNorm value before the weight, cos/sin, SiLU) while the CPU stays in fp32, which
+ *    puts the expected error at 1e-3 … 5e-3. 1e-2 is about 2^-7: any real bug (a wrong index, a
+ *    missing term, a wrong scale) gives O(1).
+ * Exact checks: gathers and copies move bits (error 0); top-k indices must match exactly (the
+ * same inputs give the same fp32 probabilities up to an ulp, and ties, which bf16 inputs make
+ * common, are broken toward the lower id by both); experts with no rows keep dw bit for bit.
+ *
+ * Without a CUDA device (backend_cuda returns NULL) every test reports itself skipped; with
+ * MT_REQUIRE_GPU=1 (scripts/test-gpu.sh) that is a failure instead. */
+#include <criterion/criterion.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "ops.h"
+
+#define TOL_F32 1e-5
+#define TOL_F32_LONG 1e-4
+#define TOL_BF16 1e-2
+
+struct mode {
+    const struct backend *g; /* the CUDA backend of this mode */
+    const struct backend *c; /* the CPU reference */
+    const char *name;        /* "fp32" or "bf16" */
+    double tol, tol_long;
+};
+
+/* mode 0 is fp32, mode 1 bf16 */
+static void mode_get(int i, struct mode *m)
+{
+    const bool fp32 = i == 0;
+    m->g = backend_cuda(fp32, 0);
+    if (!m->g) {
+        const char *req = getenv("MT_REQUIRE_GPU");
+        if (req && *req && strcmp(req, "0"))
+            cr_assert_fail("MT_REQUIRE_GPU is set but backend_cuda() returned NULL (no usable GPU)");
+        cr_skip_test("no CUDA device: backend_cuda() returned NULL");
+    }
+    m->c = backend_cpu();
+    m->name = fp32 ? "fp32" : "bf16";
+    m->tol = fp32 ? TOL_F32 : TOL_BF16;
+    m->tol_long = fp32 ? TOL_F32_LONG : TOL_BF16;
+    cr_assert_str_eq(m->g->name, "cuda");
+    cr_assert_eq(m->g->x_size, fp32 ? 4u : 2u);
+}
+
+/* ---------------------------------------------------------------- host helpers */
+
+static float *fnew(size_t n) { return mt_calloc(n ? n : 1, sizeof(float)); }
+
+static float *hrand(mt_rng *r, size_t n, double scale)
+{
+    float *x = fnew(n);
+    for (size_t i = 0; i < n; i++) {
+        double v = mt_rng_normal(r) * scale;
+        if (v == 0.0) v = 0.5 * scale; /* never zeros */
+        x[i] = (float)v;
+    }
+    return x;
+}
+
+static float *hdup(const float *x, size_t n)
+{
+    float *y = fnew(n);
+    memcpy(y, x, n * sizeof(float));
+    return y;
+}
+
+static int irand(mt_rng *r, int n) { return (int)(mt_rng_uniform(r) * n) % n; }
+
+static void shuffle(mt_rng *r, int32_t *a, int n)
+{
+    for (int i = n - 1; i > 0; i--) {
+        int j = irand(r, i + 1);
+        int32_t t = a[i];
+        a[i] = a[j];
+        a[j] = t;
+    }
+}
+
+/* ‖got − ref‖ / ‖ref‖ (the plain norm of the difference if ref is zero); infinite if got holds a
+ * NaN or an infinity */
+static double rel_err(const float *got, const float *ref, size_t n)
+{
+    double d = 0.0, r = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(got[i])) return INFINITY;
+        const double x = (double)got[i] - ref[i];
+        d += x * x;
+        r += (double)ref[i] * ref[i];
+    }
+    return r > 0.0 ? sqrt(d / r) : sqrt(d);
+}
+
+static void check_close(const struct mode *m, const char *what, const float *got, const float *ref,
+                        size_t n, double tol)
+{
+    const double e = rel_err(got, ref, n);
+    fprintf(stderr, "gpu %s %-44s rel err %.2e (tol %.0e)\n", m->name, what, e, tol);
+    cr_expect(e <= tol, "%s [%s]: relative error %.3e exceeds %.1e", what, m->name, e, tol);
+}
+
+static void check_exact(const struct mode *m, const char *what, const void *got, const void *ref,
+                        size_t bytes)
+{
+    const bool same = memcmp(got, ref, bytes) == 0;
+    fprintf(stderr, "gpu %s %-44s %s\n", m->name, what, same ? "bit-exact" : "DIFFERS");
+    cr_expect(same, "%s [%s]: expected bit-identical results", what, m->name);
+}
+
+/* a - b elementwise (what an accumulating op added) */
+static float *diff(const float *a, const float *b, size_t n)
+{
+    float *d = fnew(n);
+    for (size_t i = 0; i < n; i++) d[i] = a[i] - b[i];
+    return d;
+}
+
+/* ---------------------------------------------------------------- device helpers */
+
+/* A device buffer of n compute-dtype elements holding h; h is overwritten with exactly the values
+ * the device holds (rounded to bf16 in bf16 mode) so that the CPU reference uses the same input. */
+static void *dx_from(const struct mode *m, float *h, size_t n)
+{
+    const struct backend *g = m->g;
+    float *tmp = g->alloc(n * sizeof(float));
+    void *x = g->alloc(n * g->x_size);
+    g->upload(tmp, h, n * sizeof(float));
+    g->cast_f32_to_x(x, tmp, n);
+    g->cast_x_to_f32(tmp, x, n);
+    g->download(h, tmp, n * sizeof(float));
+    g->free(tmp);
+    return x;
+}
+
+static float *df_from(const struct mode *m, const float *h, size_t n)
+{
+    float *d = m->g->alloc(n * sizeof(float));
+    m->g->upload(d, h, n * sizeof(float));
+    return d;
+}
+
+static int32_t *di_from(const struct mode *m, const int32_t *h, size_t n)
+{
+    int32_t *d = m->g->alloc(n * sizeof(int32_t));
+    m->g->upload(d, h, n * sizeof(int32_t));
+    return d;
+}
+
+/* NaN bytes over a device output before the op under test runs */
+static void poison(const struct mode *m, void *d, size_t bytes)
+{
+    void *h = mt_malloc(bytes);
+    memset(h, 0xff, bytes);
+    m->g->upload(d, h, bytes);
+    free(h);
+}
+
+static void *dx_poisoned(const struct mode *m, size_t n)
+{
+    void *d = m->g->alloc(n * m->g->x_size);
+    poison(m, d, n * m->g->x_size);
+    return d;
+}
+
+static float *df_poisoned(const struct mode *m, size_t n)
+{
+    float *d = m->g->alloc(n * sizeof(float));
+    poison(m, d, n * sizeof(float));
+    return d;
+}
+
+/* host fp32 copies of device results */
+static float *hx_of(const struct mode *m, const void *dx, size_t n)
+{
+    const struct backend *g = m->g;
+    float *tmp = g->alloc(n * sizeof(float));
+    float *h = fnew(n);
+    g->cast_x_to_f32(tmp, dx, n);
+    g->download(h, tmp, n * sizeof(float));
+    g->free(tmp);
+    return h;
+}
+
+static float *hf_of(const struct mode *m, const float *d, size_t n)
+{
+    float *h = fnew(n);
+    m->g->download(h, d, n * sizeof(float));
+    return h;
+}
+
+/* ---------------------------------------------------------------- table, memory, elementwise */
+
+Test(gpu, backend_table_is_complete)
+{
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        const char *p = (const char *)M.g + offsetof(struct backend, alloc);
+        const char *end = (const char *)M.g + sizeof *M.g;
+        for (int s = 0; p < end; p += sizeof(void (*)(void)), s++) {
+            void (*fn)(void);
+            memcpy(&fn, p, sizeof fn);
+            cr_expect_not_null(fn, "backend_cuda(%s) leaves function slot %d NULL", M.name, s);
+        }
+    }
+}
+
+/* round-to-nearest-even fp32 -> bf16 -> fp32, written from the format's definition */
+static float bf16_round(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    u &= 0xffff0000u;
+    float y;
+    memcpy(&y, &u, 4);
+    return y;
+}
+
+Test(gpu, memory_and_elementwise)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 101);
+    const size_t n = 100003;
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        const struct backend *g = M.g;
+        float *x = hrand(&rng, n, 3.0), *y = hrand(&rng, n, 1.0);
+
+        /* raw bytes round-trip; a fresh buffer reads as NaN */
+        float *d = g->alloc(n * sizeof(float)), *h = fnew(n);
+        g->download(h, d, n * sizeof(float));
+        cr_expect(isnan(h[0]) && isnan(h[n - 1]), "[%s] fresh device buffers are NaN-filled", M.name);
+        g->upload(d, x, n * sizeof(float));
+        g->download(h, d, n * sizeof(float));
+        check_exact(&M, "upload/download", h, x, n * sizeof(float));
+
+        /* cast to the compute dtype rounds to nearest even (identity in fp32) */
+        void *dx = g->alloc(n * g->x_size);
+        g->cast_f32_to_x(dx, d, n);
+        float *back = hx_of(&M, dx, n), *want = fnew(n);
+        for (size_t k = 0; k < n; k++) want[k] = g->x_size == 4 ? x[k] : bf16_round(x[k]);
+        check_exact(&M, "cast f32 -> x -> f32", back, want, n * sizeof(float));
+
+        /* copy and zero */
+        void *dx2 = dx_poisoned(&M, n);
+        g->copy(dx2, dx, n * g->x_size);
+        float *cp = hx_of(&M, dx2, n);
+        check_exact(&M, "copy", cp, want, n * sizeof(float));
+        g->zero(dx2, n * g->x_size);
+        float *zz = hx_of(&M, dx2, n), *zeros = fnew(n);
+        check_exact(&M, "zero", zz, zeros, n * sizeof(float));
+
+        /* add_inplace: y += x in the compute dtype */
+        float *yh = hdup(y, n);
+        void *dy = dx_from(&M, yh, n);
+        g->add_inplace(dy, dx, n);
+        float *sum = hx_of(&M, dy, n), *ref = fnew(n);
+        for (size_t k = 0; k < n; k++) ref[k] = yh[k] + want[k];
+        check_close(&M, "add_inplace", sum, ref, n, g->x_size == 4 ? 0.0 : TOL_BF16);
+
+        /* scale_f32 and sumsq_f32 (fp32 in both modes) */
+        g->scale_f32(d, n, 0.37f);
+        float *sc = hf_of(&M, d, n);
+        double ss = 0.0;
+        for (size_t k = 0; k < n; k++) {
+            ref[k] = x[k] * 0.37f;
+            ss += (double)ref[k] * ref[k];
+        }
+        check_exact(&M, "scale_f32", sc, ref, n * sizeof(float));
+        const double got = g->sumsq_f32(d, n);
+        /* both sum the same fp32 squares in double, in different orders: ~n·2^-53 relative */
+        fprintf(stderr, "gpu %s %-44s rel err %.2e (tol 1e-12)\n", M.name, "sumsq_f32",
+                fabs(got - ss) / ss);
+        cr_expect(fabs(got - ss) <= 1e-12 * ss, "[%s] sumsq_f32 %.17g, expected %.17g", M.name, got, ss);
+        cr_expect(g->sumsq_f32(d, 0) == 0.0);
+
+        g->free(d), g->free(dx), g->free(dx2), g->free(dy);
+        free(x), free(y), free(h), free(back), free(want), free(cp), free(zz), free(zeros);
+        free(yh), free(sum), free(ref), free(sc);
+    }
+}
+
+/* ---------------------------------------------------------------- embedding */
+
+Test(gpu, embedding)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 102);
+    enum { V = 300, H = 256, T = 512 };
+    int32_t ids[T];
+    for (int t = 0; t < T; t++) ids[t] = irand(&rng, V); /* 512 draws of 300: many repeats */
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        float *wte = hrand(&rng, (size_t)V * H, 0.5), *dout = hrand(&rng, (size_t)T * H, 1.0);
+        void *d_wte = dx_from(&M, wte, (size_t)V * H), *d_dout = dx_from(&M, dout, (size_t)T * H);
+        int32_t *d_ids = di_from(&M, ids, T);
+
+        void *d_out = dx_poisoned(&M, (size_t)T * H);
+        M.g->embedding_forward(d_out, d_ids, d_wte, T, H);
+        float *out = hx_of(&M, d_out, (size_t)T * H), *ref = fnew((size_t)T * H);
+        M.c->embedding_forward(ref, ids, wte, T, H);
+        check_exact(&M, "embedding forward", out, ref, (size_t)T * H * sizeof(float));
+
+        float *dw0 = hrand(&rng, (size_t)V * H, 1.0), *dw_ref = hdup(dw0, (size_t)V * H);
+        float *d_dw = df_from(&M, dw0, (size_t)V * H);
+        M.g->embedding_backward(d_dw, d_dout, d_ids, T, H);
+        M.c->embedding_backward(dw_ref, dout, ids, T, H);
+        float *dw = hf_of(&M, d_dw, (size_t)V * H);
+        float *add = diff(dw, dw0, (size_t)V * H), *add_ref = diff(dw_ref, dw0, (size_t)V * H);
+        /* same fp32 adds in the same order as the CPU: expected bit-exact, tolerance for safety */
+        check_close(&M, "embedding backward dwte (added)", add, add_ref, (size_t)V * H, M.tol);
+
+        M.g->free(d_wte), M.g->free(d_dout), M.g->free(d_ids), M.g->free(d_out), M.g->free(d_dw);
+        free(wte), free(dout), free(out), free(ref), free(dw0), free(dw_ref), free(dw), free(add),
+            free(add_ref);
+    }
+}
+
+/* ---------------------------------------------------------------- rmsnorm */
+
+static void rmsnorm_case(const struct mode *M, mt_rng *rng, int N, int C, bool accumulate)
+{
+    char what[96];
+    const size_t nc = (size_t)N * C;
+    const float eps = 1e-6f;
+    float *in = hrand(rng, nc, 2.0), *w = hrand(rng, C, 1.0), *dout = hrand(rng, nc, 1.0);
+    void *d_in = dx_from(M, in, nc), *d_w = dx_from(M, w, C), *d_dout = dx_from(M, dout, nc);
+
+    void *d_out = dx_poisoned(M, nc);
+    float *d_rstd = df_poisoned(M, N);
+    M->g->rmsnorm_forward(d_out, d_rstd, d_in, d_w, N, C, eps);
+    float *out = hx_of(M, d_out, nc), *rstd = hf_of(M, d_rstd, N);
+    float *ref = fnew(nc), *rstd_ref = fnew(N);
+    M->c->rmsnorm_forward(ref, rstd_ref, in, w, N, C, eps);
+    snprintf(what, sizeof what, "rmsnorm forward out %dx%d", N, C);
+    check_close(M, what, out, ref, nc, M->tol);
+    snprintf(what, sizeof what, "rmsnorm forward rstd %dx%d", N, C);
+    check_close(M, what, rstd, rstd_ref, N, TOL_F32); /* fp32 in both modes */
+
+    /* backward from the CPU's rstd (the same input for both) */
+    float *d_rstd_in = df_from(M, rstd_ref, N);
+    float *din0 = hrand(rng, nc, 1.0), *dw0 = hrand(rng, C, 1.0);
+    void *d_din = accumulate ? dx_from(M, din0, nc) : dx_poisoned(M, nc);
+    float *d_dw = df_from(M, dw0, C);
+    M->g->rmsnorm_backward(d_din, d_dw, d_dout, d_in, d_w, d_rstd_in, N, C, accumulate);
+    float *din = hx_of(M, d_din, nc), *dw = hf_of(M, d_dw, C);
+    float *din_ref = hdup(din0, nc), *dw_ref = hdup(dw0, C);
+    M->c->rmsnorm_backward(din_ref, dw_ref, dout, in, w, rstd_ref, N, C, accumulate);
+    snprintf(what, sizeof what, "rmsnorm backward din %dx%d%s", N, C, accumulate ? " (acc)" : "");
+    check_close(M, what, din, din_ref, nc, M->tol);
+    float *add = diff(dw, dw0, C), *add_ref = diff(dw_ref, dw0, C);
+    snprintf(what, sizeof what, "rmsnorm backward dw %dx%d (added)", N, C);
+    check_close(M, what, add, add_ref, C, M->tol_long);
+
+    M->g->free(d_in), M->g->free(d_w), M->g->free(d_dout), M->g->free(d_out), M->g->free(d_rstd);
+    M->g->free(d_rstd_in), M->g->free(d_din), M->g->free(d_dw);
+    free(in), free(w), free(dout), free(out), free(rstd), free(ref), free(rstd_ref), free(din0);
+    free(dw0), free(din), free(dw), free(din_ref), free(dw_ref), free(add), free(add_ref);
+}
+
+Test(gpu, rmsnorm)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 103);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        rmsnorm_case(&M, &rng, 256, 512, false);
+        rmsnorm_case(&M, &rng, 1030, 128, true); /* per-head norm shape, rows not a multiple of 8 */
+    }
+}
+
+/* ---------------------------------------------------------------- matmul */
+
+/* w_off shifts the weight by that many elements inside its buffer, so cuBLASLt sees a pointer that
+ * is not 16-byte aligned (weights are views into flat parameter buffers). */
+static void matmul_case(const struct mode *M, mt_rng *rng, int N, int I, int O, int w_off)
+{
+    char what[96];
+    const size_t ni = (size_t)N * I, no = (size_t)N * O, oi = (size_t)O * I;
+    float *in = hrand(rng, ni, 1.0), *wfull = hrand(rng, oi + w_off, 0.05), *dout = hrand(rng, no, 1.0);
+    void *d_in = dx_from(M, in, ni), *d_dout = dx_from(M, dout, no);
+    void *d_wfull = dx_from(M, wfull, oi + w_off);
+    const float *w = wfull + w_off;
+    const void *d_w = (const char *)d_wfull + (size_t)w_off * M->g->x_size;
+
+    void *d_out = dx_poisoned(M, no);
+    M->g->matmul_forward(d_out, d_in, d_w, N, I, O);
+    float *out = hx_of(M, d_out, no), *ref = fnew(no);
+    M->c->matmul_forward(ref, in, w, N, I, O);
+    snprintf(what, sizeof what, "matmul forward %dx%dx%d%s", N, I, O, w_off ? " (unaligned w)" : "");
+    check_close(M, what, out, ref, no, M->tol);
+
+    for (int acc = 0; acc < 2; acc++) {
+        float *din0 = hrand(rng, ni, 1.0), *dw0 = hrand(rng, oi, 1.0);
+        void *d_din = acc ? dx_from(M, din0, ni) : dx_poisoned(M, ni);
+        float *d_dw = df_from(M, dw0, oi);
+        M->g->matmul_backward(d_din, d_dw, d_dout, d_in, d_w, N, I, O, acc);
+        float *din = hx_of(M, d_din, ni), *dw = hf_of(M, d_dw, oi);
+        float *din_ref = hdup(din0, ni), *dw_ref = hdup(dw0, oi);
+        M->c->matmul_backward(din_ref, dw_ref, dout, in, w, N, I, O, acc);
+        snprintf(what, sizeof what, "matmul backward din %dx%dx%d%s", N, I, O, acc ? " (acc)" : "");
+        check_close(M, what, din, din_ref, ni, M->tol);
+        float *add = diff(dw, dw0, oi), *add_ref = diff(dw_ref, dw0, oi);
+        snprintf(what, sizeof what, "matmul backward dw %dx%dx%d (added)", N, I, O);
+        check_close(M, what, add, add_ref, oi, M->tol);
+        M->g->free(d_din), M->g->free(d_dw);
+        free(din0), free(dw0), free(din), free(dw), free(din_ref), free(dw_ref), free(add), free(add_ref);
+    }
+
+    /* only din, only dw (the other NULL); N == 0 leaves dw bit for bit */
+    float *dw0 = hrand(rng, oi, 1.0);
+    float *d_dw = df_from(M, dw0, oi);
+    M->g->matmul_backward(NULL, d_dw, d_dout, d_in, d_w, 0, I, O, false);
+    float *dw = hf_of(M, d_dw, oi);
+    check_exact(M, "matmul backward N=0 leaves dw", dw, dw0, oi * sizeof(float));
+    void *d_din = dx_poisoned(M, ni);
+    M->g->matmul_backward(d_din, NULL, d_dout, d_in, d_w, N, I, O, false);
+    float *din = hx_of(M, d_din, ni), *din_ref = fnew(ni);
+    M->c->matmul_backward(din_ref, NULL, dout, in, w, N, I, O, false);
+    check_close(M, "matmul backward din only", din, din_ref, ni, M->tol);
+
+    M->g->free(d_in), M->g->free(d_dout), M->g->free(d_wfull), M->g->free(d_out), M->g->free(d_dw);
+    M->g->free(d_din);
+    free(in), free(wfull), free(dout), free(out), free(ref), free(dw0), free(dw), free(din),
+        free(din_ref);
+}
+
+Test(gpu, matmul)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 104);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        matmul_case(&M, &rng, 256, 512, 384, 0);
+        matmul_case(&M, &rng, 37, 72, 40, 1);
+    }
+}
+
+/* ---------------------------------------------------------------- rope */
+
+Test(gpu, rope)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 105);
+    enum { T = 96, NH = 6, D = 64 };
+    const size_t n = (size_t)T * NH * D;
+    const float theta = 1e6f;
+    int32_t pos[T];
+    for (int t = 0; t < T; t++) pos[t] = irand(&rng, 4096);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        float *in = hrand(&rng, n, 1.0);
+        void *d_in = dx_from(&M, in, n);
+        int32_t *d_pos = di_from(&M, pos, T);
+        float *ref = fnew(n);
+
+        void *d_out = dx_poisoned(&M, n);
+        M.g->rope_forward(d_out, d_in, d_pos, T, NH, D, theta);
+        float *out = hx_of(&M, d_out, n);
+        M.c->rope_forward(ref, in, pos, T, NH, D, theta);
+        check_close(&M, "rope forward", out, ref, n, M.tol);
+
+        M.g->rope_backward(d_out, d_in, d_pos, T, NH, D, theta);
+        float *back = hx_of(&M, d_out, n);
+        M.c->rope_backward(ref, in, pos, T, NH, D, theta);
+        check_close(&M, "rope backward", back, ref, n, M.tol);
+
+        /* in place gives the same bits as out of place */
+        M.g->rope_forward(d_out, d_in, d_pos, T, NH, D, theta);
+        float *oop = hx_of(&M, d_out, n);
+        M.g->rope_forward(d_in, d_in, d_pos, T, NH, D, theta);
+        float *inp = hx_of(&M, d_in, n);
+        check_exact(&M, "rope in place", inp, oop, n * sizeof(float));
+
+        M.g->free(d_in), M.g->free(d_pos), M.g->free(d_out);
+        free(in), free(ref), free(out), free(back), free(oop), free(inp);
+    }
+}
+
+/* ---------------------------------------------------------------- attention */
+
+static void attention_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int Hkv, int D)
+{
+    char what[96];
+    const size_t nq = (size_t)B * S * Hq * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * Hq * S;
+    float *q = hrand(rng, nq, 1.0), *k = hrand(rng, nk, 1.0), *v = hrand(rng, nk, 1.0);
+    float *dout = hrand(rng, nq, 1.0);
+    void *d_q = dx_from(M, q, nq), *d_k = dx_from(M, k, nk), *d_v = dx_from(M, v, nk);
+    void *d_dout = dx_from(M, dout, nq);
+
+    void *d_out = dx_poisoned(M, nq);
+    float *d_lse = df_poisoned(M, nl);
+    M->g->attention_forward(d_out, d_lse, d_q, d_k, d_v, B, S, Hq, Hkv, D);
+    float *out = hx_of(M, d_out, nq), *lse = hf_of(M, d_lse, nl);
+    float *out_ref = fnew(nq), *lse_ref = fnew(nl);
+    M->c->attention_forward(out_ref, lse_ref, q, k, v, B, S, Hq, Hkv, D);
+    snprintf(what, sizeof what, "attention forward out B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
+    check_close(M, what, out, out_ref, nq, M->tol);
+    snprintf(what, sizeof what, "attention forward lse B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
+    check_close(M, what, lse, lse_ref, nl, TOL_F32); /* fp32 scores from the same inputs */
+
+    /* the backward takes the GPU's own forward outputs (out, lse), as the model does */
+    void *d_dq = dx_poisoned(M, nq), *d_dk = dx_poisoned(M, nk), *d_dv = dx_poisoned(M, nk);
+    M->g->attention_backward(d_dq, d_dk, d_dv, d_dout, d_q, d_k, d_v, d_out, d_lse, B, S, Hq, Hkv, D);
+    float *dq = hx_of(M, d_dq, nq), *dk = hx_of(M, d_dk, nk), *dv = hx_of(M, d_dv, nk);
+    float *dq_ref = fnew(nq), *dk_ref = fnew(nk), *dv_ref = fnew(nk);
+    M->c->attention_backward(dq_ref, dk_ref, dv_ref, dout, q, k, v, out_ref, lse_ref, B, S, Hq, Hkv, D);
+    snprintf(what, sizeof what, "attention backward dq B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
+    check_close(M, what, dq, dq_ref, nq, M->tol_long);
+    snprintf(what, sizeof what, "attention backward dk B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
+    check_close(M, what, dk, dk_ref, nk, M->tol_long);
+    snprintf(what, sizeof what, "attention backward dv B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
+    check_close(M, what, dv, dv_ref, nk, M->tol_long);
+
+    M->g->free(d_q), M->g->free(d_k), M->g->free(d_v), M->g->free(d_dout), M->g->free(d_out);
+    M->g->free(d_lse), M->g->free(d_dq), M->g->free(d_dk), M->g->free(d_dv);
+    free(q), free(k), free(v), free(dout), free(out), free(lse), free(out_ref), free(lse_ref);
+    free(dq), free(dk), free(dv), free(dq_ref), free(dk_ref), free(dv_ref);
+}
+
+Test(gpu, attention_d64_d128)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 106);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        attention_case(&M, &rng, 2, 128, 8, 2, 64);
+        attention_case(&M, &rng, 2, 128, 8, 2, 128);
+    }
+}
+
+/* sequence lengths that are not a multiple of the 64-row tile, no grouping, D = 16 and 32, and head
+ * dims that run zero-padded in a wider kernel (12 as in the fixture variants, 80) */
+Test(gpu, attention_ragged_small_heads)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 107);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        attention_case(&M, &rng, 1, 100, 4, 4, 32);
+        attention_case(&M, &rng, 2, 70, 6, 2, 16);
+        attention_case(&M, &rng, 1, 1, 2, 1, 64);
+        attention_case(&M, &rng, 2, 65, 4, 2, 12);
+        attention_case(&M, &rng, 1, 64, 2, 1, 80);
+    }
+}
+
+/* ---------------------------------------------------------------- router */
+
+static void router_case(const struct mode *M, mt_rng *rng, int T, int E, int K, bool norm,
+                        bool with_bias, bool with_aux)
+{
+    char tag[64], what[128];
+    snprintf(tag, sizeof tag, "T%d E%d k%d%s%s%s", T, E, K, norm ? " norm" : "",
+             with_bias ? " bias" : "", with_aux ? " aux" : "");
+    const size_t te = (size_t)T * E, tk = (size_t)T * K;
+    float *logits = hrand(rng, te, 2.0);
+    /* row 0: all equal (every choice is a tie); row 1: equal pairs */
+    for (int e = 0; e < E; e++) logits[e] = 0.25f;
+    for (int e = 0; e < E; e++) logits[E + e] = (float)(e / 2) * 0.125f;
+    float *bias = with_bias ? hrand(rng, E, 0.01) : NULL;
+    void *d_logits = dx_from(M, logits, te);
+    float *d_bias = with_bias ? df_from(M, bias, E) : NULL;
+
+    int32_t *d_idx = M->g->alloc(tk * sizeof(int32_t));
+    poison(M, d_idx, tk * sizeof(int32_t));
+    float *d_w = df_poisoned(M, tk), *d_probs = df_poisoned(M, te);
+    M->g->router_forward(d_idx, d_w, d_probs, d_logits, d_bias, T, E, K, norm);
+    int32_t *idx = mt_malloc(tk * sizeof(int32_t)), *idx_ref = mt_malloc(tk * sizeof(int32_t));
+    M->g->download(idx, d_idx, tk * sizeof(int32_t));
+    float *w = hf_of(M, d_w, tk), *probs = hf_of(M, d_probs, te);
+    float *w_ref = fnew(tk), *probs_ref = fnew(te);
+    M->c->router_forward(idx_ref, w_ref, probs_ref, logits, bias, T, E, K, norm);
+    snprintf(what, sizeof what, "router forward topk_idx %s", tag);
+    check_exact(M, what, idx, idx_ref, tk * sizeof(int32_t));
+    snprintf(what, sizeof what, "router forward probs %s", tag);
+    check_close(M, what, probs, probs_ref, te, TOL_F32);
+    snprintf(what, sizeof what, "router forward topk_w %s", tag);
+    check_close(M, what, w, w_ref, tk, TOL_F32);
+
+    /* backward from the CPU's forward outputs, so both see the same selection */
+    float *dtw = hrand(rng, tk, 1.0), *aux = with_aux ? hrand(rng, E, 0.1) : NULL;
+    float *d_dtw = df_from(M, dtw, tk), *d_aux = with_aux ? df_from(M, aux, E) : NULL;
+    float *d_probs_ref = df_from(M, probs_ref, te);
+    int32_t *d_idx_ref = di_from(M, idx_ref, tk);
+    void *d_dlogits = dx_poisoned(M, te);
+    M->g->router_backward(d_dlogits, d_dtw, d_probs_ref, d_idx_ref, d_aux, T, E, K, norm);
+    float *dl = hx_of(M, d_dlogits, te), *dl_ref = fnew(te);
+    M->c->router_backward(dl_ref, dtw, probs_ref, idx_ref, aux, T, E, K, norm);
+    snprintf(what, sizeof what, "router backward dlogits %s", tag);
+    check_close(M, what, dl, dl_ref, te, M->tol);
+
+    /* statistics accumulate onto starting values (counts start at whole numbers) */
+    float *psum0 = hrand(rng, E, 1.0), *cnt0 = fnew(E);
+    for (int e = 0; e < E; e++) cnt0[e] = (float)irand(rng, 50);
+    float *d_psum = df_from(M, psum0, E), *d_cnt = df_from(M, cnt0, E);
+    M->g->router_stats(d_psum, d_cnt, d_probs_ref, d_idx_ref, T, E, K);
+    float *psum = hf_of(M, d_psum, E), *cnt = hf_of(M, d_cnt, E);
+    float *psum_ref = hdup(psum0, E), *cnt_ref = hdup(cnt0, E);
+    M->c->router_stats(psum_ref, cnt_ref, probs_ref, idx_ref, T, E, K);
+    float *add = diff(psum, psum0, E), *add_ref = diff(psum_ref, psum0, E);
+    snprintf(what, sizeof what, "router_stats psum (added) %s", tag);
+    check_close(M, what, add, add_ref, E, TOL_F32_LONG); /* T-long fp32 sums on the CPU */
+    snprintf(what, sizeof what, "router_stats count %s", tag);
+    check_exact(M, what, cnt, cnt_ref, E * sizeof(float));
+
+    M->g->free(d_logits), M->g->free(d_bias), M->g->free(d_idx), M->g->free(d_w);
+    M->g->free(d_probs), M->g->free(d_dtw), M->g->free(d_aux), M->g->free(d_probs_ref);
+    M->g->free(d_idx_ref), M->g->free(d_dlogits), M->g->free(d_psum), M->g->free(d_cnt);
+    free(logits), free(bias), free(idx), free(idx_ref), free(w), free(probs), free(w_ref);
+    free(probs_ref), free(dtw), free(aux), free(dl), free(dl_ref), free(psum0), free(cnt0);
+    free(psum), free(cnt), free(psum_ref), free(cnt_ref), free(add), free(add_ref);
+}
+
+Test(gpu, router)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 108);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        router_case(&M, &rng, 256, 64, 8, true, false, true);
+        router_case(&M, &rng, 256, 64, 8, true, true, false);
+        router_case(&M, &rng, 300, 8, 2, false, false, true);
+        router_case(&M, &rng, 64, 200, 5, true, true, true); /* E above the block size */
+    }
+}
+
+/* ---------------------------------------------------------------- gather / scatter */
+
+static void gather_case(const struct mode *M, mt_rng *rng, const char *tag, const int32_t *idx,
+                        int R, int n_in, int H)
+{
+    char what[96];
+    const size_t nr = (size_t)R * H, ni = (size_t)n_in * H;
+    float *in = hrand(rng, ni, 1.0), *dout = hrand(rng, nr, 1.0);
+    void *d_in = dx_from(M, in, ni), *d_dout = dx_from(M, dout, nr);
+    int32_t *d_idx = di_from(M, idx, R);
+
+    void *d_out = dx_poisoned(M, nr);
+    M->g->gather_rows(d_out, d_in, d_idx, R, H);
+    float *out = hx_of(M, d_out, nr), *ref = fnew(nr);
+    M->c->gather_rows(ref, in, idx, R, H);
+    snprintf(what, sizeof what, "gather_rows forward %s", tag);
+    check_exact(M, what, out, ref, nr * sizeof(float));
+
+    float *din0 = hrand(rng, ni, 1.0), *din_ref = hdup(din0, ni);
+    void *d_din = dx_from(M, din0, ni);
+    M->g->gather_rows_backward(d_din, d_dout, d_idx, R, H);
+    M->c->gather_rows_backward(din_ref, dout, idx, R, H);
+    float *din = hx_of(M, d_din, ni);
+    snprintf(what, sizeof what, "gather_rows backward %s", tag);
+    check_close(M, what, din, din_ref, ni, M->tol);
+
+    /* deterministic: a second run from the same start gives the same bits */
+    void *d_din2 = dx_from(M, din0, ni);
+    M->g->gather_rows_backward(d_din2, d_dout, d_idx, R, H);
+    float *din2 = hx_of(M, d_din2, ni);
+    snprintf(what, sizeof what, "gather_rows backward repeatable %s", tag);
+    check_exact(M, what, din2, din, ni * sizeof(float));
+
+    M->g->free(d_in), M->g->free(d_dout), M->g->free(d_idx), M->g->free(d_out), M->g->free(d_din);
+    M->g->free(d_din2);
+    free(in), free(dout), free(out), free(ref), free(din0), free(din_ref), free(din), free(din2);
+}
+
+Test(gpu, gather_rows)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 109);
+    enum { R = 512, H = 256, FEW = 64 };
+    int32_t perm[R], many[R];
+    for (int r = 0; r < R; r++) perm[r] = r;
+    shuffle(&rng, perm, R);
+    for (int r = 0; r < R; r++) many[r] = irand(&rng, FEW); /* ~8 sources per destination */
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        gather_case(&M, &rng, "permutation", perm, R, R, H);
+        gather_case(&M, &rng, "many-to-one", many, R, FEW, H);
+    }
+}
+
+/* ---------------------------------------------------------------- moe combine */
+
+Test(gpu, moe_combine)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 110);
+    enum { T = 128, K = 4, H = 256, R = T * K };
+    int32_t slot[R];
+    for (int r = 0; r < R; r++) slot[r] = r;
+    shuffle(&rng, slot, R);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        float *y = hrand(&rng, (size_t)R * H, 1.0), *dout = hrand(&rng, (size_t)T * H, 1.0);
+        float *w = fnew(R);
+        for (int r = 0; r < R; r++) w[r] = (float)mt_rng_uniform(&rng) + 0.05f;
+        void *d_y = dx_from(&M, y, (size_t)R * H), *d_dout = dx_from(&M, dout, (size_t)T * H);
+        float *d_w = df_from(&M, w, R);
+        int32_t *d_slot = di_from(&M, slot, R);
+
+        void *d_out = dx_poisoned(&M, (size_t)T * H);
+        M.g->moe_combine_forward(d_out, d_y, d_slot, d_w, T, K, H);
+        float *out = hx_of(&M, d_out, (size_t)T * H), *ref = fnew((size_t)T * H);
+        M.c->moe_combine_forward(ref, y, slot, w, T, K, H);
+        check_close(&M, "moe_combine forward", out, ref, (size_t)T * H, M.tol);
+
+        void *d_dy = dx_poisoned(&M, (size_t)R * H);
+        float *d_dw = df_poisoned(&M, R);
+        M.g->moe_combine_backward(d_dy, d_dw, d_dout, d_y, d_slot, d_w, T, K, H);
+        float *dy = hx_of(&M, d_dy, (size_t)R * H), *dw = hf_of(&M, d_dw, R);
+        float *dy_ref = fnew((size_t)R * H), *dw_ref = fnew(R);
+        M.c->moe_combine_backward(dy_ref, dw_ref, dout, y, slot, w, T, K, H);
+        check_close(&M, "moe_combine backward dy", dy, dy_ref, (size_t)R * H, M.tol);
+        check_close(&M, "moe_combine backward dw", dw, dw_ref, R, M.tol);
+
+        M.g->free(d_y), M.g->free(d_dout), M.g->free(d_w), M.g->free(d_slot), M.g->free(d_out);
+        M.g->free(d_dy), M.g->free(d_dw);
+        free(y), free(dout), free(w), free(out), free(ref), free(dy), free(dw), free(dy_ref),
+            free(dw_ref);
+    }
+}
+
+/* ---------------------------------------------------------------- expert matmul */
+
+Test(gpu, expert_matmul)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 111);
+    enum { NE = 6, I = 256, O = 192 };
+    const int rows[NE] = {40, 0, 17, 64, 0, 35}; /* experts 1 and 4 get no rows */
+    int64_t off[NE + 1] = {0};
+    for (int e = 0; e < NE; e++) off[e + 1] = off[e] + rows[e];
+    const int R = (int)off[NE];
+    const size_t ri = (size_t)R * I, ro = (size_t)R * O, wn = (size_t)NE * O * I;
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        float *in = hrand(&rng, ri, 1.0), *w = hrand(&rng, wn, 0.05), *dout = hrand(&rng, ro, 1.0);
+        void *d_in = dx_from(&M, in, ri), *d_w = dx_from(&M, w, wn), *d_dout = dx_from(&M, dout, ro);
+
+        void *d_out = dx_poisoned(&M, ro);
+        M.g->expert_matmul_forward(d_out, d_in, d_w, off, NE, I, O);
+        float *out = hx_of(&M, d_out, ro), *ref = fnew(ro);
+        M.c->expert_matmul_forward(ref, in, w, off, NE, I, O);
+        check_close(&M, "expert_matmul forward", out, ref, ro, M.tol);
+
+        float *dw0 = hrand(&rng, wn, 1.0), *dw_ref = hdup(dw0, wn);
+        float *d_dw = df_from(&M, dw0, wn);
+        void *d_din = dx_poisoned(&M, ri);
+        M.g->expert_matmul_backward(d_din, d_dw, d_dout, d_in, d_w, off, NE, I, O);
+        float *din = hx_of(&M, d_din, ri), *dw = hf_of(&M, d_dw, wn), *din_ref = fnew(ri);
+        M.c->expert_matmul_backward(din_ref, dw_ref, dout, in, w, off, NE, I, O);
+        check_close(&M, "expert_matmul backward din", din, din_ref, ri, M.tol);
+        float *add = diff(dw, dw0, wn), *add_ref = diff(dw_ref, dw0, wn);
+        check_close(&M, "expert_matmul backward dw (added)", add, add_ref, wn, M.tol);
+        for (int e = 0; e < NE; e++)
+            if (rows[e] == 0) {
+                const size_t o = (size_t)e * O * I;
+                check_exact(&M, "expert_matmul empty expert keeps dw", dw + o, dw0 + o,
+                            (size_t)O * I * sizeof(float));
+            }
+
+        M.g->free(d_in), M.g->free(d_w), M.g->free(d_dout), M.g->free(d_out), M.g->free(d_dw);
+        M.g->free(d_din);
+        free(in), free(w), free(dout), free(out), free(ref), free(dw0), free(dw_ref), free(din);
+        free(dw), free(din_ref), free(add), free(add_ref);
+    }
+}
+
+/* ---------------------------------------------------------------- swiglu */
+
+Test(gpu, swiglu)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 112);
+    enum { R = 300, I = 384 };
+    const size_t n = (size_t)R * I, n2 = 2 * n;
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        float *gu = hrand(&rng, n2, 2.0), *dout = hrand(&rng, n, 1.0);
+        void *d_gu = dx_from(&M, gu, n2), *d_dout = dx_from(&M, dout, n);
+
+        void *d_out = dx_poisoned(&M, n);
+        M.g->swiglu_forward(d_out, d_gu, R, I);
+        float *out = hx_of(&M, d_out, n), *ref = fnew(n);
+        M.c->swiglu_forward(ref, gu, R, I);
+        check_close(&M, "swiglu forward", out, ref, n, M.tol);
+
+        void *d_dgu = dx_poisoned(&M, n2);
+        M.g->swiglu_backward(d_dgu, d_dout, d_gu, R, I);
+        float *dgu = hx_of(&M, d_dgu, n2), *dgu_ref = fnew(n2);
+        M.c->swiglu_backward(dgu_ref, dout, gu, R, I);
+        check_close(&M, "swiglu backward", dgu, dgu_ref, n2, M.tol);
+
+        /* dgu may alias gu */
+        M.g->swiglu_backward(d_gu, d_dout, d_gu, R, I);
+        float *alias = hx_of(&M, d_gu, n2);
+        check_exact(&M, "swiglu backward in place", alias, dgu, n2 * sizeof(float));
+
+        M.g->free(d_gu), M.g->free(d_dout), M.g->free(d_out), M.g->free(d_dgu);
+        free(gu), free(dout), free(out), free(ref), free(dgu), free(dgu_ref), free(alias);
+    }
+}
+
+/* ---------------------------------------------------------------- cross-entropy */
+
+Test(gpu, cross_entropy)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 113);
+    enum { N = 96, V = 5000 };
+    const size_t nv = (size_t)N * V;
+    int32_t tgt[N];
+    int valid = 0;
+    for (int n = 0; n < N; n++) {
+        tgt[n] = irand(&rng, 6) == 0 ? MT_IGNORE_INDEX : irand(&rng, V);
+        valid += tgt[n] != MT_IGNORE_INDEX;
+    }
+    const float scale = 1.0f / (float)valid;
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        float *z = hrand(&rng, nv, 3.0);
+        void *d_z = dx_from(&M, z, nv);
+        int32_t *d_tgt = di_from(&M, tgt, N);
+
+        float *d_loss = df_poisoned(&M, N);
+        M.g->cross_entropy_forward(d_loss, d_z, d_tgt, N, V);
+        float *loss = hf_of(&M, d_loss, N), *loss_ref = fnew(N);
+        M.c->cross_entropy_forward(loss_ref, z, tgt, N, V);
+        check_close(&M, "cross_entropy forward", loss, loss_ref, N, TOL_F32); /* fp32 inside */
+
+        void *d_dz = dx_poisoned(&M, nv);
+        M.g->cross_entropy_backward(d_dz, d_z, d_tgt, N, V, scale);
+        float *dz = hx_of(&M, d_dz, nv), *dz_ref = fnew(nv);
+        M.c->cross_entropy_backward(dz_ref, z, tgt, N, V, scale);
+        check_close(&M, "cross_entropy backward", dz, dz_ref, nv, M.tol);
+
+        /* dlogits may alias logits */
+        M.g->cross_entropy_backward(d_z, d_z, d_tgt, N, V, scale);
+        float *alias = hx_of(&M, d_z, nv);
+        check_exact(&M, "cross_entropy backward in place", alias, dz, nv * sizeof(float));
+
+        M.g->free(d_z), M.g->free(d_tgt), M.g->free(d_loss), M.g->free(d_dz);
+        free(z), free(loss), free(loss_ref), free(dz), free(dz_ref), free(alias);
+    }
+}
+
+/* ---------------------------------------------------------------- adamw */
+
+Test(gpu, adamw)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 114);
+    const size_t n = 50000;
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        float *master = hrand(&rng, n, 1.0), *grad = hrand(&rng, n, 0.1), *m = hrand(&rng, n, 0.01);
+        float *v = hrand(&rng, n, 0.001);
+        for (size_t k = 0; k < n; k++) v[k] = fabsf(v[k]);
+        float *d_master = df_from(&M, master, n), *d_grad = df_from(&M, grad, n);
+        float *d_m = df_from(&M, m, n), *d_v = df_from(&M, v, n);
+        void *d_param = dx_poisoned(&M, n);
+        const float lr = 1e-3f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f, gs = 0.7f;
+        const int t = 3;
+        M.g->adamw_update(d_master, d_param, d_grad, d_m, d_v, n, lr, b1, b2, eps, wd, t, gs);
+        float *param_ref = fnew(n);
+        M.c->adamw_update(master, param_ref, grad, m, v, n, lr, b1, b2, eps, wd, t, gs);
+        float *gm = hf_of(&M, d_master, n), *g1 = hf_of(&M, d_m, n), *g2 = hf_of(&M, d_v, n);
+        float *gp = hx_of(&M, d_param, n);
+        /* elementwise fp32: a few ulp at most (fused multiply-adds on the GPU) */
+        check_close(&M, "adamw master", gm, master, n, TOL_F32);
+        check_close(&M, "adamw m", g1, m, n, TOL_F32);
+        check_close(&M, "adamw v", g2, v, n, TOL_F32);
+        check_close(&M, "adamw param (compute dtype)", gp, param_ref, n, M.tol);
+
+        M.g->free(d_master), M.g->free(d_grad), M.g->free(d_m), M.g->free(d_v), M.g->free(d_param);
+        free(master), free(grad), free(m), free(v), free(param_ref), free(gm), free(g1), free(g2),
+            free(gp);
+    }
+}
