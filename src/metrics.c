@@ -6,11 +6,11 @@
 
 #include "common.h"
 
-void metrics_open(struct metrics_log *ml, const char *path)
+void metrics_open(struct metrics_log *ml, const char *path, bool append)
 {
     ml->jsonl = NULL;
     if (mt_rank() != 0 || !path || !*path) return;
-    ml->jsonl = fopen(path, "w");
+    ml->jsonl = fopen(path, append ? "a" : "w");
     if (!ml->jsonl) mt_fatal("%s: cannot open the metrics file for writing: %s", path, strerror(errno));
 }
 

@@ -27,8 +27,9 @@ struct metrics_log {
     FILE *jsonl;          /* NULL = no file */
 };
 
-/* Opens log.metrics on rank 0 (path "" = none). An unwritable path: mt_user_error. */
-void metrics_open(struct metrics_log *ml, const char *path);
+/* Opens log.metrics on rank 0 (path "" = none); append keeps the lines of the run being resumed.
+ * An unwritable path: mt_fatal. */
+void metrics_open(struct metrics_log *ml, const char *path, bool append);
 void metrics_close(struct metrics_log *ml);
 /* Rank 0: prints the step line (when print is true) and writes the JSONL record. */
 void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool print);

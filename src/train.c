@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "backend_select.h"
+#include "checkpoint.h"
 #include "cli.h"
 #include "comm.h"
 #ifdef MT_HAVE_NCCL
@@ -87,7 +88,8 @@ void balance_bias_update(float *bias, const double *counts, const struct model_c
 }
 
 static void print_startup(const struct config *c, const struct mesh *mesh, const struct backend *be,
-                          const struct data_source *data, int n_micro, const struct model *m)
+                          const struct data_source *data, int n_micro, const struct model *m,
+                          const char *init)
 {
     if (mt_rank() != 0) return;
     const struct model_config *mc = &c->model;
@@ -116,7 +118,7 @@ static void print_startup(const struct config *c, const struct mesh *mesh, const
     double h = data_entropy_rate(data);
     if (isfinite(h))
         printf("              best achievable loss ~ %.4f nats/token (the corpus entropy rate)\n", h);
-    printf("  init        %s\n", *mc->init_from ? mc->init_from : "random (seeded)");
+    printf("  init        %s\n", init);
     fflush(stdout);
 }
 
@@ -191,10 +193,9 @@ int cmd_train(const struct cli *a)
         MT_CHECK_MPI(MPI_Finalize());
         return 0;
     }
-    if (a->resume) mt_user_error("--resume: checkpoints are not implemented yet");
-    if (*c.checkpoint.dir)
-        mt_warn0("checkpoints are not implemented yet: checkpoint.dir '%s' is ignored (use "
-                 "checkpoint.export_hf to keep the final weights)\n", c.checkpoint.dir);
+    ckpt_check_dir(&c, &mesh);
+    char resume_dir[2 * MT_PATH_MAX];
+    const bool resuming = ckpt_resume_dir(a->resume, &c, &mesh, resume_dir, sizeof resume_dir);
     if (c.train.activation_checkpointing)
         mt_warn0("train.activation_checkpointing is not implemented yet: activations are kept\n");
     if (mesh.d.pp > 1)
@@ -226,9 +227,19 @@ int cmd_train(const struct cli *a)
         m.bias = be->alloc((size_t)L * E * sizeof(float));
         be->zero(m.bias, (size_t)L * E * sizeof(float));
     }
+    float *bias_h = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(float));
     struct params p;
     params_init(&p, &m, stage, fsdp);
-    if (*c.model.init_from) {
+    int start_step = 0;
+    if (resuming) {
+        ckpt_load(resume_dir, &p, &mesh, &c, bias_h, &start_step);
+        if (m.bias) be->upload(m.bias, bias_h, (size_t)L * E * sizeof(float));
+    } else if (*c.model.init_from && ckpt_is_checkpoint(c.model.init_from)) {
+        /* weights (and balancing bias) of a checkpoint, fresh optimizer state, step 0 */
+        if (!ckpt_load_checked(c.model.init_from, &p, &mesh, &c, bias_h, NULL, true, err, sizeof err))
+            mt_user_error("%s", err);
+        if (m.bias) be->upload(m.bias, bias_h, (size_t)L * E * sizeof(float));
+    } else if (*c.model.init_from) {
         float *global[TG_COUNT];
         for (int g = 0; g < TG_COUNT; g++)
             global[g] = mt_calloc((size_t)MT_MAX(m.tt.group_numel[g], 1), sizeof(float));
@@ -240,10 +251,14 @@ int cmd_train(const struct cli *a)
     }
     params_gather_weights(&p);
     plan_print_mesh(stdout, &c, &mesh);
-    print_startup(&c, &mesh, be, data, n_micro, &m);
+    char init[3 * MT_PATH_MAX];
+    if (resuming) snprintf(init, sizeof init, "resumed from %s (step %d)", resume_dir, start_step);
+    else if (*c.model.init_from) snprintf(init, sizeof init, "weights from %s", c.model.init_from);
+    else snprintf(init, sizeof init, "random (seed %llu)", (unsigned long long)tc->seed);
+    print_startup(&c, &mesh, be, data, n_micro, &m, init);
 
     struct metrics_log ml;
-    metrics_open(&ml, c.log.metrics);
+    metrics_open(&ml, c.log.metrics, resuming);
     const int64_t tokens_micro_global = (int64_t)dp * mb * tc->seq_len;
     const int64_t n_valid_global = (int64_t)tc->global_batch_size * (tc->seq_len - 1);
     const double coef = c.model.router_aux_loss_coef;
@@ -256,11 +271,10 @@ int cmd_train(const struct cli *a)
     double *lmin = mt_calloc((size_t)L + 1, sizeof(double)), *lmax = mt_calloc((size_t)L + 1, sizeof(double));
     double *lcv = mt_calloc((size_t)L + 1, sizeof(double));
     double *tok = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(double));
-    float *bias_h = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(float));
     const double flops_tok = flops_train_per_token(&c.model, tc->seq_len);
     double t_start = mt_now(), first_step_s = 0;
 
-    for (int step = 1; step <= tc->steps; step++) {
+    for (int step = start_step + 1; step <= tc->steps; step++) {
         double t0 = mt_now();
         model_zero_grad(&m);
         double ce_local = 0, aux_sum = 0;
@@ -301,7 +315,7 @@ int cmd_train(const struct cli *a)
             be->upload(m.bias, bias_h, (size_t)L * E * sizeof(float));
         }
         double step_s = mt_now() - t0;
-        if (step == 1) first_step_s = step_s;
+        if (step == start_step + 1) first_step_s = step_s;
         double ce = sums[0] / n_valid_global, aux = aux_sum / n_micro;
         int n_moe = 0;
         if (E > 0) {
@@ -309,7 +323,7 @@ int cmd_train(const struct cli *a)
             n_moe = m.n_moe_layers;
         }
         double elapsed = mt_now() - t_start;
-        double avg = step > 1 ? (elapsed - first_step_s) / (step - 1) : step_s;
+        double avg = step > start_step + 1 ? (elapsed - first_step_s) / (step - start_step - 1) : step_s;
         double tps = (double)tc->global_batch_size * tc->seq_len / step_s;
         struct step_metrics sm = {
             .step = step, .steps = tc->steps, .loss = ce + (use_aux ? coef * aux : 0), .ce_loss = ce,
@@ -320,8 +334,9 @@ int cmd_train(const struct cli *a)
         };
         bool print = step == 1 || step == tc->steps || step % MT_MAX(c.log.interval, 1) == 0;
         metrics_step(&ml, &sm, print);
+        if (ckpt_due(&c, step)) ckpt_save(c.checkpoint.dir, step, &p, &mesh, &c, m.bias ? bias_h : NULL);
     }
-    mt_log0("done: %d steps in %.1f s\n", tc->steps, mt_now() - t_start);
+    mt_log0("done: %d steps in %.1f s\n", tc->steps - start_step, mt_now() - t_start);
     if (*c.checkpoint.export_hf) export_final(&c, &mesh, &p);
     metrics_close(&ml);
     free(ids); free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv);

@@ -1,0 +1,266 @@
+/* The filesystem side of checkpoints: directory names, fsync, recursive removal, finding the
+ * newest complete checkpoint, keeping the newest few. */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "checkpoint.h"
+#include "checkpoint_internal.h"
+#include "common.h"
+
+void ck_path(char *out, size_t cap, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(out, cap, fmt, ap);
+    va_end(ap);
+    if (n < 0 || (size_t)n >= cap) mt_fatal("checkpoint: path too long (%s...)", out);
+}
+
+void ck_step_dir(char *out, size_t cap, const char *root, int step, bool tmp)
+{
+    int n = snprintf(out, cap, "%s/step_%08d%s", root, step, tmp ? ".tmp" : "");
+    if (n < 0 || (size_t)n >= cap) mt_fatal("checkpoint path too long: %s/step_%08d", root, step);
+}
+
+void ck_rank_file(char *out, size_t cap, const char *dir, int rank)
+{
+    int n = snprintf(out, cap, "%s/rank_%05d.h5", dir, rank);
+    if (n < 0 || (size_t)n >= cap) mt_fatal("checkpoint path too long: %s/rank_%05d.h5", dir, rank);
+}
+
+bool ck_file_exists(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+static bool is_dir(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+bool ck_fsync_path(const char *path)
+{
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return false;
+    int rc = fsync(fd);
+    int saved = errno;
+    /* some filesystems cannot fsync a directory (EINVAL): nothing more can be done there */
+    bool ok = rc == 0 || (saved == EINVAL && is_dir(path));
+    if (close(fd) != 0 && ok) return false;
+    errno = saved;
+    return ok;
+}
+
+bool ck_remove_tree(const char *path)
+{
+    struct stat st;
+    if (lstat(path, &st) != 0) return errno == ENOENT;
+    if (!S_ISDIR(st.st_mode)) return unlink(path) == 0;
+    DIR *d = opendir(path);
+    if (!d) return false;
+    bool ok = true;
+    struct dirent *e;
+    while (ok && (e = readdir(d)) != NULL) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        char child[MT_PATH_MAX * 2];
+        int n = snprintf(child, sizeof child, "%s/%s", path, e->d_name);
+        ok = n > 0 && (size_t)n < sizeof child && ck_remove_tree(child);
+    }
+    int saved = errno;
+    if (closedir(d) != 0) ok = false;
+    errno = saved;
+    return ok && rmdir(path) == 0;
+}
+
+/* The step of a directory entry named step_<digits> or step_<digits>.<anything>.tmp (*tmp set:
+ * a save in progress or the leftover of one); -1 for anything else. */
+static int step_of_name(const char *name, bool *tmp)
+{
+    if (strncmp(name, "step_", 5) != 0) return -1;
+    const char *d = name + 5;
+    size_t nd = strspn(d, "0123456789"), rest = strlen(d + nd);
+    if (nd == 0 || nd > 9) return -1;
+    *tmp = d[nd] == '.' && rest >= 4 && !strcmp(d + nd + rest - 4, ".tmp");
+    if (d[nd] && !*tmp) return -1;
+    return atoi(d);
+}
+
+static bool is_complete(const char *root, const char *name)
+{
+    char p[MT_PATH_MAX * 2];
+    ck_path(p, sizeof p, "%s/%s/%s", root, name, CK_COMPLETE);
+    return ck_file_exists(p);
+}
+
+int ckpt_latest(const char *root, char *dir_out, int cap)
+{
+    DIR *d = root && *root ? opendir(root) : NULL;
+    if (!d) return -1;
+    int best = -1;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        bool tmp = false;
+        int s = step_of_name(e->d_name, &tmp);
+        if (s > best && !tmp && is_complete(root, e->d_name)) best = s;
+    }
+    if (closedir(d) != 0) mt_fatal("closedir(%s): %s", root, strerror(errno));
+    if (best >= 0 && dir_out) {
+        char p[MT_PATH_MAX * 2];
+        ck_step_dir(p, sizeof p, root, best, false);
+        if (!mt_strlcpy(dir_out, p, (size_t)cap)) mt_fatal("checkpoint path too long: %s", p);
+    }
+    return best;
+}
+
+bool ckpt_is_checkpoint(const char *dir)
+{
+    char p[MT_PATH_MAX * 2];
+    ck_path(p, sizeof p, "%s/%s", dir, CK_MANIFEST);
+    return ck_file_exists(p);
+}
+
+bool ckpt_due(const struct config *c, int step)
+{
+    const struct ckpt_config *k = &c->checkpoint;
+    if (!*k->dir) return false;
+    return step == c->train.steps || (k->interval > 0 && step % k->interval == 0);
+}
+
+bool ck_mkdir_p(const char *path)
+{
+    char buf[MT_PATH_MAX * 2];
+    if (!mt_strlcpy(buf, path, sizeof buf)) {
+        errno = ENAMETOOLONG;
+        return false;
+    }
+    for (char *c = buf + 1;; c++) {
+        if (*c != '/' && *c) continue;
+        char saved = *c;
+        *c = 0;
+        if (mkdir(buf, 0777) != 0 && errno != EEXIST) return false;
+        if (!is_dir(buf)) {
+            errno = ENOTDIR;
+            return false;
+        }
+        *c = saved;
+        if (!saved) return true;
+    }
+}
+
+bool ck_every_rank_sees(const struct mesh *mesh, const char *path, const char *what, char *err, int cap)
+{
+    for (int tries = 0; !is_dir(path) && tries < 50; tries++) usleep(100 * 1000);
+    if (!is_dir(path))
+        ck_errf(err, cap, "%s '%s' was created by rank 0 but rank %d does not see it: checkpoints need a "
+                "directory on a filesystem shared by every rank", what, path, mesh->rank);
+    return ck_agree(mesh, err, cap);
+}
+
+void ckpt_check_dir(const struct config *c, const struct mesh *mesh)
+{
+    const char *root = c->checkpoint.dir;
+    if (!*root) return;
+    char err[CK_ERR_CAP] = "";
+    if (mesh->rank == 0) {
+        char probe[MT_PATH_MAX * 2];
+        ck_path(probe, sizeof probe, "%s/.moetrain_write_test", root);
+        FILE *f = NULL;
+        if (!ck_mkdir_p(root))
+            ck_errf(err, sizeof err, "checkpoint.dir '%s': cannot create the directory: %s", root, strerror(errno));
+        else if (!(f = fopen(probe, "w")))
+            ck_errf(err, sizeof err, "checkpoint.dir '%s': cannot write there: %s", root, strerror(errno));
+        if (f && (fclose(f) != 0 || unlink(probe) != 0))
+            ck_errf(err, sizeof err, "checkpoint.dir '%s': cannot write there: %s", root, strerror(errno));
+    }
+    if (!ck_agree(mesh, err, sizeof err) || !ck_every_rank_sees(mesh, root, "checkpoint.dir", err, sizeof err))
+        mt_user_error("%s", err);
+}
+
+bool ckpt_resume_dir(const char *resume, const struct config *c, const struct mesh *mesh,
+                     char *dir_out, int cap)
+{
+    if (!resume) return false;
+    if (strcmp(resume, "auto") != 0) {
+        if (!mt_strlcpy(dir_out, resume, (size_t)cap)) mt_user_error("--resume %s: path too long", resume);
+        return true;
+    }
+    if (!*c->checkpoint.dir)
+        mt_user_error("--resume auto needs checkpoint.dir (the directory the checkpoints are in)");
+    char dir[MT_PATH_MAX * 2] = "";
+    int step = mesh->rank == 0 ? ckpt_latest(c->checkpoint.dir, dir, (int)sizeof dir) : -1;
+    if (ck_use_mpi(mesh)) {
+        MT_CHECK_MPI(MPI_Bcast(&step, 1, MPI_INT, 0, mesh->world_comm));
+        MT_CHECK_MPI(MPI_Bcast(dir, (int)sizeof dir, MPI_CHAR, 0, mesh->world_comm));
+    }
+    if (step < 0) {
+        mt_log0("--resume auto: no complete checkpoint under %s, starting from step 0\n", c->checkpoint.dir);
+        return false;
+    }
+    if (!mt_strlcpy(dir_out, dir, (size_t)cap)) mt_fatal("checkpoint path too long: %s", dir);
+    return true;
+}
+
+static void remove_or_warn(const char *root, const char *name, const char *why)
+{
+    char p[MT_PATH_MAX * 2];
+    ck_path(p, sizeof p, "%s/%s", root, name);
+    if (!ck_remove_tree(p)) mt_warn0("checkpoint: cannot remove %s %s: %s\n", why, p, strerror(errno));
+}
+
+static int cmp_desc(const void *a, const void *b)
+{
+    int x = *(const int *)a, y = *(const int *)b;
+    return (x < y) - (x > y);
+}
+
+void ck_cleanup(const char *root, int keep, int current)
+{
+    DIR *d = opendir(root);
+    if (!d) {
+        mt_warn0("checkpoint: cannot list %s to remove old checkpoints: %s\n", root, strerror(errno));
+        return;
+    }
+    int n = 0, cap = 16, *steps = mt_malloc((size_t)cap * sizeof(int));
+    int n_stale = 0, cap_stale = 4;
+    char **stale = mt_malloc((size_t)cap_stale * sizeof(char *));
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        bool tmp = false;
+        int s = step_of_name(e->d_name, &tmp);
+        if (s < 0) continue;
+        if (tmp || !is_complete(root, e->d_name)) {
+            if (n_stale == cap_stale) stale = mt_realloc(stale, (size_t)(cap_stale *= 2) * sizeof(char *));
+            stale[n_stale++] = mt_strdup(e->d_name);
+        } else if (s != current) {
+            if (n + 1 >= cap) steps = mt_realloc(steps, (size_t)(cap *= 2) * sizeof(int));
+            steps[n++] = s;
+        }
+    }
+    if (closedir(d) != 0) mt_fatal("closedir(%s): %s", root, strerror(errno));
+    for (int i = 0; i < n_stale; i++) {
+        remove_or_warn(root, stale[i], "the unfinished checkpoint");
+        free(stale[i]);
+    }
+    free(stale);
+    if (keep > 0) {
+        /* newest first by step number, `current` counted among them but never removed */
+        steps[n++] = current;
+        qsort(steps, (size_t)n, sizeof(int), cmp_desc);
+        for (int i = keep; i < n; i++) {
+            if (steps[i] == current) continue;
+            char name[64];
+            snprintf(name, sizeof name, "step_%08d", steps[i]);
+            remove_or_warn(root, name, "the old checkpoint");
+        }
+    }
+    free(steps);
+}

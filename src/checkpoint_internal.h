@@ -1,0 +1,119 @@
+/* Private to checkpoint*.c: the HDF5 layer (checked calls, attributes, error text), names of the
+ * files of a checkpoint directory, the filesystem steps of a crash-safe save, and the collective
+ * error agreement of the loader. */
+#ifndef MT_CKPT_INTERNAL_H
+#define MT_CKPT_INTERNAL_H
+
+#include <hdf5.h>
+#include <mpi.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "mesh.h"
+#include "params.h"
+
+#define CK_MANIFEST "manifest.h5"
+#define CK_COMPLETE "COMPLETE"
+#define CK_FORMAT_MANIFEST "moetrain checkpoint manifest"
+#define CK_FORMAT_RANK "moetrain checkpoint rank file"
+#define CK_ERR_CAP 1024
+
+/* the three shard buffers saved, in this order: p->g[k].master, .m1, .m2 */
+enum { CK_MASTER, CK_ADAM_M, CK_ADAM_V, CK_N_BUFS };
+extern const char *const ck_buf_group[CK_N_BUFS];   /* "master", "adam_m", "adam_v" */
+
+/* --- HDF5 --------------------------------------------------------------------------------- */
+
+/* Turns off HDF5's own error printing (errors become our one-line messages); idempotent. */
+void ck_h5_init(void);
+/* "api message: innermost message" of HDF5's current error stack (call right after a failure). */
+void ck_h5_message(char *buf, size_t cap);
+/* The file named in fatal HDF5 errors (NULL = none). */
+void ck_h5_context(const char *path);
+/* Checked call for failures that mean something broke (not a bad checkpoint): names the call,
+ * file:line, rank, the file in context and HDF5's message, then mt_fatal. Returns the value. */
+int64_t ck_h5_check(int64_t rc, const char *call, const char *file, int line);
+#define CK_H5(call) ck_h5_check((int64_t)(call), #call, __FILE__, __LINE__)
+
+/* File access properties: no file locking (it fails on some parallel filesystems and every
+ * writer owns its file), and the caller closes them. */
+hid_t ck_fapl(void);
+
+/* Writers (fatal on failure). */
+void ck_write_attr_i64(hid_t obj, const char *name, const int64_t *v, int n);
+void ck_write_attr_str(hid_t obj, const char *name, const char *s);
+void ck_write_string_dataset(hid_t loc, const char *name, const char *s, size_t len);
+
+/* fp32 data of a dataset of rank 1 or 3 (dims: its shape), seen flattened: moves n elements
+ * between buf (contiguous) and the flattened positions [start, start + n), as row hyperslabs.
+ * False when H5Dread / H5Dwrite fails, with HDF5's reason in msg. */
+bool ck_flat_io(hid_t dset, int ndim, const hsize_t *dims, int64_t start, int64_t n, float *buf,
+                bool write, char *msg, size_t msgcap);
+
+/* Readers for files that may be bad: false with "what: problem" in err. */
+/* n_out NULL: the attribute must hold exactly n integers; else up to n, the count in *n_out. */
+bool ck_read_attr_i64(hid_t obj, const char *name, int64_t *v, int n, int *n_out, const char *what,
+                      char *err, int cap);
+bool ck_read_attr_str(hid_t obj, const char *name, char *s, size_t cap_s, const char *what,
+                      char *err, int cap);
+
+/* --- shard runs (params_for_each_run_of), grouped by tensor -------------------------------- */
+
+struct ck_run {
+    int64_t gidx, soff, len;   /* global flat element, shard offset, elements */
+};
+struct ck_runs {
+    struct ck_run *r;
+    int n, cap;
+};
+/* params_run_fn appending to ((struct ck_runs *)ctx)[tensor] */
+void ck_collect_run(void *ctx, enum tensor_group g, int i, int64_t gidx, int64_t soff, int64_t len);
+
+/* --- messages and paths ------------------------------------------------------------------ */
+
+/* Writes the message into err unless it already holds one (the first problem is reported);
+ * returns false, for `return ck_errf(...)`. */
+bool ck_errf(char *err, int cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* snprintf for paths: mt_fatal when it does not fit */
+void ck_path(char *out, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* --- the collective error agreement ------------------------------------------------------- */
+
+/* Every rank passes its own error (empty = fine). True on every rank when no rank failed;
+ * otherwise false on every rank, err holding the message of the lowest failing rank. */
+bool ck_agree(const struct mesh *mesh, char *err, int cap);
+bool ck_use_mpi(const struct mesh *mesh);
+
+/* --- paths and files ---------------------------------------------------------------------- */
+
+void ck_step_dir(char *out, size_t cap, const char *root, int step, bool tmp);
+void ck_rank_file(char *out, size_t cap, const char *dir, int rank);
+bool ck_file_exists(const char *path);
+/* fsync a file or directory by path; false with errno set on failure (EINVAL for a directory on
+ * a filesystem without directory fsync counts as success) */
+bool ck_fsync_path(const char *path);
+/* rm -rf; false on the first failure (errno set) */
+bool ck_remove_tree(const char *path);
+/* mkdir -p; false with errno set on failure */
+bool ck_mkdir_p(const char *path);
+/* Collective, after rank 0 created directory `path`: every rank must see it (waits a few seconds
+ * for a slow shared filesystem). False on every rank with a message otherwise. */
+bool ck_every_rank_sees(const struct mesh *mesh, const char *path, const char *what, char *err, int cap);
+/* Rank 0 after checkpoint `current` is complete: drops stale .tmp and unfinished directories, and
+ * the complete checkpoints beyond the newest `keep` by step number (never `current`). */
+void ck_cleanup(const char *root, int keep, int current);
+
+/* --- the model shape recorded in the manifest --------------------------------------------- */
+
+/* The fields of the model section that decide tensor shapes. `relevant` is false for those that
+ * shape nothing in this model (intermediate_size without dense layers, expert sizes without MoE
+ * layers), which are then not compared. */
+struct ck_field {
+    const char *name;
+    int64_t value;
+    bool relevant;
+};
+#define CK_MAX_FIELDS 16
+int ck_model_fields(const struct model_config *m, struct ck_field *out);
+
+#endif
