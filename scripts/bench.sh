@@ -56,6 +56,12 @@ for n in 1 2; do
     echo "  ${res[$tag]}"
 done
 
+echo "bench: moetrain on 1 GPU, profiled (every op timed between syncs) ..."
+mpirun --oversubscribe -np 1 "$BUILD/moetrain" train "$CONFIG" --set train.steps=3 \
+    --set log.profile=true > "$OUT/moetrain_profile.log" 2>&1 || true
+split=$(grep '^    time:' "$OUT/moetrain_profile.log" | tail -1 | sed 's/^    time: //')
+echo "  time split: ${split:-unavailable}"
+
 echo "bench: PyTorch baseline (torch.compile, grouped_mm) ..."
 if run_sampled baseline env LAYERS=8 SEQ=4096 BATCH=2 ACCUM=8 COMPILE="${BASELINE_COMPILE:-1}" \
         python3 tools/hf_baseline.py; then
@@ -83,3 +89,4 @@ for name, r, key in (("moetrain 1 GPU", one, "tok_s_per_gpu"), ("moetrain 2 GPU 
     ratio = f"{t / b:.2f}x" if b else "-"
     print(f"{name:<22}{t:>12.0f}{100 * mfu:>7.1f}%{mem:>10.1f}{ratio:>13}")
 PY
+echo "moetrain 1 GPU time split (profiled step): ${split:-unavailable}" | tee -a "$OUT/summary.txt"

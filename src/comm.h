@@ -40,6 +40,9 @@ struct comm_ops {
 
 size_t comm_dtype_size(enum comm_dtype t);
 
+/* Profiling (profile.c): when set, every collective below runs between begin() and end(). */
+void comm_set_timer(void (*begin)(void), void (*end)(void));
+
 /* Wrap an MPI communicator with the MPI (host memory) implementation. */
 struct comm *comm_mpi_create(MPI_Comm mpi);
 void comm_free(struct comm *c);

@@ -111,6 +111,21 @@ void comm_free(struct comm *c)
     free(c);
 }
 
+static void (*timer_begin)(void), (*timer_end)(void);
+
+void comm_set_timer(void (*begin)(void), void (*end)(void))
+{
+    timer_begin = begin;
+    timer_end = end;
+}
+
+#define TIMED(call)                      \
+    do {                                 \
+        if (timer_begin) timer_begin();  \
+        call;                            \
+        if (timer_end) timer_end();      \
+    } while (0)
+
 /* NULL is a host-memory group of one; a real comm (even of size 1) runs its own implementation,
  * which knows where its buffers live (host for MPI, device for NCCL). */
 static int single(const struct comm *c) { return c == NULL; }
@@ -121,7 +136,7 @@ void comm_all_gather(struct comm *c, void *recv, const void *send, size_t n, enu
         if (recv != send) memmove(recv, send, n * comm_dtype_size(t));
         return;
     }
-    c->ops->all_gather(c, recv, send, n, t);
+    TIMED(c->ops->all_gather(c, recv, send, n, t));
 }
 
 void comm_reduce_scatter_sum(struct comm *c, void *recv, const void *send, size_t n,
@@ -131,12 +146,12 @@ void comm_reduce_scatter_sum(struct comm *c, void *recv, const void *send, size_
         if (recv != send) memmove(recv, send, n * comm_dtype_size(t));
         return;
     }
-    c->ops->reduce_scatter_sum(c, recv, send, n, t);
+    TIMED(c->ops->reduce_scatter_sum(c, recv, send, n, t));
 }
 
 void comm_all_reduce_sum(struct comm *c, void *buf, size_t n, enum comm_dtype t)
 {
-    if (!single(c)) c->ops->all_reduce_sum(c, buf, n, t);
+    if (!single(c)) TIMED(c->ops->all_reduce_sum(c, buf, n, t));
 }
 
 void comm_all_to_all_v(struct comm *c, void *recv, const int64_t *recv_counts, const void *send,
@@ -146,7 +161,7 @@ void comm_all_to_all_v(struct comm *c, void *recv, const int64_t *recv_counts, c
         if (recv != send) memmove(recv, send, (size_t)send_counts[0] * comm_dtype_size(t));
         return;
     }
-    c->ops->all_to_all_v(c, recv, recv_counts, send, send_counts, t);
+    TIMED(c->ops->all_to_all_v(c, recv, recv_counts, send, send_counts, t));
 }
 
 void comm_all_to_all(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t)
@@ -155,5 +170,5 @@ void comm_all_to_all(struct comm *c, void *recv, const void *send, size_t n, enu
         if (recv != send) memmove(recv, send, n * comm_dtype_size(t));
         return;
     }
-    c->ops->all_to_all(c, recv, send, n, t);
+    TIMED(c->ops->all_to_all(c, recv, send, n, t));
 }

@@ -88,6 +88,7 @@ struct ckpt_config {
 struct log_config {
     int interval;                 /* steps between step lines */
     char metrics[MT_PATH_MAX];    /* JSONL file, "" = none */
+    bool profile;                 /* time every op by category (synchronises after each op) */
 };
 
 struct config {

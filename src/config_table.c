@@ -100,6 +100,7 @@ const struct cfg_key cfg_keys[] = {
 
     INT("log", "interval", log.interval, POS),
     STR("log", "metrics", log.metrics),
+    BOOL("log", "profile", log.profile),
 
     /* transformers 5.x's name for num_experts, so model sections copied from a 5.x config.json load */
     { "model", "num_local_experts", CFG_INT, FIELD(model.num_experts), 0, NONNEG, NULL, 0, true },

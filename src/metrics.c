@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "profile.h"
 
 void metrics_open(struct metrics_log *ml, const char *path, bool append)
 {
@@ -46,6 +47,11 @@ void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool pri
                "%.0f ms%s | eta %s\n",
                (int)floor(log10(s->steps)) + 1, s->step, s->steps, s->loss, s->aux_loss, s->grad_norm,
                s->lr, s->tokens_per_s, mfu, s->step_ms, load, eta);
+        if (s->time_split) {
+            char split[512];
+            profile_format(split, sizeof split, s->time_split, s->step_ms / 1e3);
+            printf("    time: %s\n", split);
+        }
         fflush(stdout);
     }
     if (!ml->jsonl) return;
@@ -60,6 +66,12 @@ void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool pri
         fprintf(f, ", \"%s\": [", names[k]);
         for (int l = 0; l < s->n_layers; l++) fprintf(f, "%s%.6g", l ? ", " : "", vals[k][l]);
         fputc(']', f);
+    }
+    if (s->time_split) {
+        fputs(", \"time_split_s\": {", f);
+        for (int c = 0; c < PROF_COUNT; c++)
+            fprintf(f, "%s\"%s\": %.6g", c ? ", " : "", profile_cat_name((enum prof_cat)c), s->time_split[c]);
+        fputc('}', f);
     }
     fputs(", \"expert_tokens\": [", f);
     for (int l = 0; l < s->n_layers; l++) {

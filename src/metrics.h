@@ -21,6 +21,7 @@ struct step_metrics {
     const double *load_min, *load_max, *load_cv; /* [n_layers]: tokens per expert / mean */
     int n_experts;
     const double *expert_tokens;  /* [n_layers, n_experts]: routed tokens this step, whole job */
+    const double *time_split;     /* [PROF_COUNT] seconds by category (rank 0), NULL = not profiled */
 };
 
 struct metrics_log {

@@ -29,6 +29,7 @@
 #include "model.h"
 #include "params.h"
 #include "plan.h"
+#include "profile.h"
 #include "train.h"
 
 double train_lr_at(const struct train_config *t, int step)
@@ -212,6 +213,7 @@ int cmd_train(const struct cli *a)
     struct data_source *data = data_open(&c.data, tc, c.model.vocab_size, err, sizeof err);
     if (!data) mt_user_error("%s", err);
     const struct backend *be = backend_select(c.parallel.backend, c.model.precision, mesh.local_rank);
+    if (c.log.profile) be = profile_wrap(be);
 
     /* host scalars (losses, router statistics, norms) always travel over MPI; tensors in the
      * backend's memory over the backend's comm (NCCL for cuda) */
@@ -276,6 +278,8 @@ int cmd_train(const struct cli *a)
 
     for (int step = start_step + 1; step <= tc->steps; step++) {
         double t0 = mt_now();
+        double split[PROF_COUNT];
+        profile_reset();
         model_zero_grad(&m);
         double ce_local = 0, aux_sum = 0;
         int64_t valid_local = 0;
@@ -331,7 +335,9 @@ int cmd_train(const struct cli *a)
             .mfu = be->peak_flops > 0 ? tps * flops_tok / (be->peak_flops * mesh.d.world) : -1,
             .step_ms = 1e3 * step_s, .eta_s = avg * (tc->steps - step), .n_layers = n_moe,
             .load_min = lmin, .load_max = lmax, .load_cv = lcv, .n_experts = E, .expert_tokens = tok,
+            .time_split = c.log.profile ? split : NULL,
         };
+        profile_read(split);
         bool print = step == 1 || step == tc->steps || step % MT_MAX(c.log.interval, 1) == 0;
         metrics_step(&ml, &sm, print);
         if (ckpt_due(&c, step)) ckpt_save(c.checkpoint.dir, step, &p, &mesh, &c, m.bias ? bias_h : NULL);

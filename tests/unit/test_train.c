@@ -329,3 +329,20 @@ Test(train, freeze_router_keeps_router_weights, .timeout = 300)
     st_close(b);
     tu_run("rm -rf /tmp/mt_frz1 /tmp/mt_frz3", NULL);
 }
+
+/* log.profile: the step line is followed by the time split and the metrics carry it. */
+Test(train, profile_reports_a_time_split, .timeout = 120)
+{
+    char cmd[1024], *out = NULL;
+    const char *metrics = "/tmp/mt_profile.jsonl";
+    snprintf(cmd, sizeof cmd, "%s/moetrain train configs/tiny.yaml --backend cpu --set train.steps=2 "
+             "--set log.profile=true --set log.metrics=%s", tu_build(), metrics);
+    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+    cr_expect(strstr(out, "    time: attention ") && strstr(out, "| host/idle "), "%s", out);
+    double att[4], gemm[4];
+    cr_expect_eq(tu_read_metric(metrics, "attention", att, 4), 2);
+    cr_expect_eq(tu_read_metric(metrics, "expert GEMMs", gemm, 4), 2);
+    cr_expect(att[0] > 0 && gemm[0] > 0, "attention %g s, expert GEMMs %g s", att[0], gemm[0]);
+    free(out);
+    unlink(metrics);
+}

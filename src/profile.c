@@ -1,0 +1,162 @@
+#include "profile.h"
+
+#include <string.h>
+
+#include "comm.h"
+#include "common.h"
+
+static const struct backend *inner;
+static struct backend wrapped;
+static double acc[PROF_COUNT];
+static double t_begin;
+
+static void begin(void)
+{
+    inner->sync();
+    t_begin = mt_now();
+}
+
+static void end(enum prof_cat c)
+{
+    inner->sync();
+    acc[c] += mt_now() - t_begin;
+}
+
+static void comm_begin(void) { begin(); }
+static void comm_end(void) { end(PROF_COMM); }
+
+/* One wrapper per op: W(op, category, (params), (args)) for void ops. */
+#define W(op, cat, params, args)       \
+    static void p_##op params          \
+    {                                  \
+        begin();                       \
+        inner->op args;                \
+        end(cat);                      \
+    }
+
+W(zero, PROF_OTHER, (void *p, size_t b), (p, b))
+W(copy, PROF_OTHER, (void *d, const void *s, size_t b), (d, s, b))
+W(upload, PROF_OTHER, (void *d, const void *s, size_t b), (d, s, b))
+W(download, PROF_OTHER, (void *d, const void *s, size_t b), (d, s, b))
+W(cast_f32_to_x, PROF_OTHER, (void *o, const float *i, size_t n), (o, i, n))
+W(cast_x_to_f32, PROF_OTHER, (float *o, const void *i, size_t n), (o, i, n))
+W(add_inplace, PROF_OTHER, (void *y, const void *x, size_t n), (y, x, n))
+W(scale_f32, PROF_OTHER, (float *x, size_t n, float s), (x, n, s))
+W(embedding_forward, PROF_OTHER, (void *o, const int32_t *ids, const void *w, int T, int H),
+  (o, ids, w, T, H))
+W(embedding_backward, PROF_OTHER, (float *dw, const void *d, const int32_t *ids, int T, int H),
+  (dw, d, ids, T, H))
+W(rmsnorm_forward, PROF_OTHER,
+  (void *o, float *r, const void *i, const void *w, int N, int C, float eps), (o, r, i, w, N, C, eps))
+W(rmsnorm_backward, PROF_OTHER,
+  (void *di, float *dw, const void *d, const void *i, const void *w, const float *r, int N, int C,
+   bool acc_),
+  (di, dw, d, i, w, r, N, C, acc_))
+W(matmul_forward, PROF_DENSE_GEMM, (void *o, const void *i, const void *w, int N, int I, int O),
+  (o, i, w, N, I, O))
+W(matmul_backward, PROF_DENSE_GEMM,
+  (void *di, float *dw, const void *d, const void *i, const void *w, int N, int I, int O, bool acc_),
+  (di, dw, d, i, w, N, I, O, acc_))
+W(rope_forward, PROF_OTHER,
+  (void *o, const void *i, const int32_t *pos, int T, int nh, int D, float th),
+  (o, i, pos, T, nh, D, th))
+W(rope_backward, PROF_OTHER,
+  (void *o, const void *i, const int32_t *pos, int T, int nh, int D, float th),
+  (o, i, pos, T, nh, D, th))
+W(attention_forward, PROF_ATTN,
+  (void *o, float *lse, const void *q, const void *k, const void *v, int B, int S, int Hq, int Hkv,
+   int D),
+  (o, lse, q, k, v, B, S, Hq, Hkv, D))
+W(attention_backward, PROF_ATTN,
+  (void *dq, void *dk, void *dv, const void *d, const void *q, const void *k, const void *v,
+   const void *o, const float *lse, int B, int S, int Hq, int Hkv, int D),
+  (dq, dk, dv, d, q, k, v, o, lse, B, S, Hq, Hkv, D))
+W(router_forward, PROF_MOE_ROWS,
+  (int32_t *ti, float *tw, float *p, const void *l, const float *b, int T, int E, int k, bool n),
+  (ti, tw, p, l, b, T, E, k, n))
+W(router_backward, PROF_MOE_ROWS,
+  (void *dl, const float *dtw, const float *p, const int32_t *ti, const float *a, int T, int E,
+   int k, bool n),
+  (dl, dtw, p, ti, a, T, E, k, n))
+W(router_stats, PROF_MOE_ROWS,
+  (float *ps, float *c, const float *p, const int32_t *ti, int T, int E, int k),
+  (ps, c, p, ti, T, E, k))
+W(gather_rows, PROF_MOE_ROWS, (void *o, const void *i, const int32_t *idx, int R, int H),
+  (o, i, idx, R, H))
+W(gather_rows_backward, PROF_MOE_ROWS, (void *di, const void *d, const int32_t *idx, int R, int H),
+  (di, d, idx, R, H))
+W(moe_combine_forward, PROF_MOE_ROWS,
+  (void *o, const void *y, const int32_t *s, const float *w, int T, int k, int H),
+  (o, y, s, w, T, k, H))
+W(moe_combine_backward, PROF_MOE_ROWS,
+  (void *dy, float *dw, const void *d, const void *y, const int32_t *s, const float *w, int T,
+   int k, int H),
+  (dy, dw, d, y, s, w, T, k, H))
+W(expert_matmul_forward, PROF_EXPERT_GEMM,
+  (void *o, const void *i, const void *w, const int64_t *off, int n, int I, int O),
+  (o, i, w, off, n, I, O))
+W(expert_matmul_backward, PROF_EXPERT_GEMM,
+  (void *di, float *dw, const void *d, const void *i, const void *w, const int64_t *off, int n,
+   int I, int O),
+  (di, dw, d, i, w, off, n, I, O))
+W(swiglu_forward, PROF_OTHER, (void *o, const void *gu, int R, int I), (o, gu, R, I))
+W(swiglu_backward, PROF_OTHER, (void *d, const void *o, const void *gu, int R, int I),
+  (d, o, gu, R, I))
+W(cross_entropy_forward, PROF_OTHER, (float *l, const void *z, const int32_t *t, int N, int V),
+  (l, z, t, N, V))
+W(cross_entropy_backward, PROF_OTHER,
+  (void *d, const void *z, const int32_t *t, int N, int V, float s), (d, z, t, N, V, s))
+W(adamw_update, PROF_OPTIM,
+  (float *ms, void *p, const float *g, float *m, float *v, size_t n, float lr, float b1, float b2,
+   float eps, float wd, int t, float gs),
+  (ms, p, g, m, v, n, lr, b1, b2, eps, wd, t, gs))
+#undef W
+
+static double p_sumsq_f32(const float *x, size_t n)
+{
+    begin();
+    double r = inner->sumsq_f32(x, n);
+    end(PROF_OPTIM);
+    return r;
+}
+
+const struct backend *profile_wrap(const struct backend *be)
+{
+    inner = be;
+    wrapped = *be;
+#define SET(op) wrapped.op = p_##op
+    SET(zero); SET(copy); SET(upload); SET(download); SET(cast_f32_to_x); SET(cast_x_to_f32);
+    SET(add_inplace); SET(scale_f32); SET(sumsq_f32); SET(embedding_forward);
+    SET(embedding_backward); SET(rmsnorm_forward); SET(rmsnorm_backward); SET(matmul_forward);
+    SET(matmul_backward); SET(rope_forward); SET(rope_backward); SET(attention_forward);
+    SET(attention_backward); SET(router_forward); SET(router_backward); SET(router_stats);
+    SET(gather_rows); SET(gather_rows_backward); SET(moe_combine_forward);
+    SET(moe_combine_backward); SET(expert_matmul_forward); SET(expert_matmul_backward);
+    SET(swiglu_forward); SET(swiglu_backward); SET(cross_entropy_forward);
+    SET(cross_entropy_backward); SET(adamw_update);
+#undef SET
+    comm_set_timer(comm_begin, comm_end);
+    return &wrapped;
+}
+
+void profile_read(double secs[PROF_COUNT]) { memcpy(secs, acc, sizeof acc); }
+void profile_reset(void) { memset(acc, 0, sizeof acc); }
+
+const char *profile_cat_name(enum prof_cat c)
+{
+    static const char *names[PROF_COUNT] = {"attention", "expert GEMMs", "dense GEMMs",
+                                            "router+rows", "comm", "optimizer", "other"};
+    return names[c];
+}
+
+void profile_format(char *buf, size_t cap, const double secs[PROF_COUNT], double step_s)
+{
+    size_t n = 0;
+    double sum = 0;
+    for (int c = 0; c < PROF_COUNT; c++) {
+        sum += secs[c];
+        n += (size_t)snprintf(buf + n, n < cap ? cap - n : 0, "%s%s %.0f%%", c ? " | " : "",
+                              profile_cat_name((enum prof_cat)c), 100 * secs[c] / step_s);
+    }
+    snprintf(buf + n, n < cap ? cap - n : 0, " | host/idle %.0f%%", 100 * (step_s - sum) / step_s);
+}
