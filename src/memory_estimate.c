@@ -1,14 +1,16 @@
-/* Memory estimate per stage. Assumptions (design.md "Memory layout", "Precision"):
- *  - weights are held sharded (non-expert tensors split along dim 0 across the S ranks of the stage,
- *    expert tensors dim 0 across EP and dim 1 across EP_FSDP), padded to equal shards;
- *  - gradients: backward reduce-scatters each layer's gradient into an fp32 accumulation buffer of
- *    shard size that lives for the whole step (fp32 accumulation across micro-batches), so gradients
- *    cost 4 bytes per held element whatever the weight precision;
- *  - fp32 master weights and Adam moments (m and v) are sharded like the weights;
- *  - one layer at a time is all-gathered for compute; its unsharded gradient (fp32) exists until it
- *    is reduce-scattered. Both count as "buffers" (no prefetch double-buffering assumed);
+/* Memory estimate per stage, as src/params.c and src/model.c allocate it today:
+ *  - the shard: fp32 master weights and Adam moments (m and v) for the rank's piece of every tensor
+ *    (non-expert tensors split across the S ranks of the stage, expert tensors dim 0 across EP and
+ *    dim 1 across EP_FSDP, padded to equal shards), plus, where the group has more than one rank,
+ *    the shard's compute-dtype copy and its reduced fp32 gradient (a group of one uses the working
+ *    buffers themselves);
+ *  - the working set: every tensor of the stage's layers gathered once per step (the local experts
+ *    whole along dim 1) in the compute dtype, with its fp32 gradient accumulated over micro-batches;
+ *  - buffers: the all-gather receive (compute dtype) and reduce-scatter send (fp32) staging of each
+ *    group with more than one rank (group size x shard);
  *  - the embedding lives on stage 0, final norm and lm_head on the last stage; with tied embeddings
- *    and pp > 1 the last stage keeps its own copy of the embedding for the head. */
+ *    and pp > 1 the last stage keeps its own copy of the embedding for the head.
+ * Gathering one layer at a time (design.md) would replace the working set by a layer's worth. */
 #include "memory_estimate.h"
 
 #include <stdlib.h>
@@ -122,18 +124,22 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
         else if (s->role == TR_EMBED && e->has_embed) unit[n] += gathered;
         else unit[n + 1] += gathered;  /* final norm, lm_head, tied embedding copy on the last stage */
     }
-    for (int u = 0; u < n + 2; u++) e->gather_numel = MT_MAX(e->gather_numel, unit[u]);
+    for (int u = 0; u < n + 2; u++) e->work_numel += unit[u];
     free(unit);
 
     const bool fp32 = m->precision == MT_PREC_FP32;
     const double held = (double)(e->dense_numel + e->expert_numel);
     const double param_b = fp32 ? 4 : 2;
-    e->param_bytes = held * param_b;
-    e->grad_bytes = held * 4;
-    e->master_bytes = fp32 ? 0 : held * 4;
+    /* shard elements that need their own copy / gradient / staging: groups of more than one rank */
+    const double own = (d->S > 1 ? (double)e->dense_numel : 0) + (d->ep_fsdp > 1 ? (double)e->expert_numel : 0);
+    const double staged = (d->S > 1 ? (double)d->S * e->dense_numel : 0) +
+                          (d->ep_fsdp > 1 ? (double)d->ep_fsdp * e->expert_numel : 0);
+    e->param_bytes = ((double)e->work_numel + own) * param_b;
+    e->grad_bytes = ((double)e->work_numel + own) * 4;
+    e->master_bytes = held * 4;
     e->adam_bytes = held * 8;
     e->act_bytes = estimate_activation_bytes(c, e->layer0, e->layer1, e->has_embed, e->has_head);
-    e->buffer_bytes = (double)e->gather_numel * (param_b + 4);
+    e->buffer_bytes = staged * (param_b + 4);
     e->total_bytes = e->param_bytes + e->grad_bytes + e->master_bytes + e->adam_bytes + e->act_bytes +
                      e->buffer_bytes;
 }

@@ -29,13 +29,13 @@ struct stage_estimate {
     bool has_embed, has_head;     /* embedding / final norm + lm_head live here */
     int64_t dense_numel;          /* non-expert shard of one rank, padded elements */
     int64_t expert_numel;         /* expert shard of one rank, padded elements */
-    int64_t gather_numel;         /* largest working set gathered for one layer (see .c) */
-    double param_bytes;           /* weights (bf16, or fp32 in precision fp32) */
-    double grad_bytes;            /* fp32 sharded gradient accumulation buffers */
-    double master_bytes;          /* fp32 master weights (0 in precision fp32) */
+    int64_t work_numel;           /* the stage's working set: every tensor gathered (see .c) */
+    double param_bytes;           /* working weights + the shard's copy (compute dtype) */
+    double grad_bytes;            /* fp32 working gradients + the shard's reduced gradient */
+    double master_bytes;          /* fp32 master weights of the shard */
     double adam_bytes;            /* Adam first and second moments, fp32 */
     double act_bytes;             /* activations saved for backward, one micro-batch */
-    double buffer_bytes;          /* all-gather / reduce-scatter buffers of one layer */
+    double buffer_bytes;          /* all-gather / reduce-scatter staging */
     double total_bytes;
 };
 

@@ -248,13 +248,15 @@ void plan_print(FILE *f, const struct config *c, const struct mesh_dims *d, cons
     fprintf(f, "legend: experts = experts held [a,b); gate_up/down shard = experts x dim-1 rows held x dim 2 "
             "(dim 1 split across ep_fsdp); non-expert = elements of the non-expert shard (dim 0 split across "
             "the stage, padded)\n");
-    fprintf(f, "  params = weights (%s); grads = fp32 accumulation buffers, sharded; master = fp32 master "
-            "weights%s; adam = two fp32 moments\n", fp32 ? "fp32" : "bf16",
-            fp32 ? " (none: the fp32 weights are the master copy)" : "");
+    fprintf(f, "  params = the stage's weights gathered for compute (%s) plus the shard's own copy where its "
+            "group has several ranks; grads = fp32 gradients of those, accumulated over micro-batches; "
+            "master = fp32 master weights of the shard; adam = two fp32 moments of the shard\n",
+            fp32 ? "fp32" : "bf16");
     fprintf(f, "  acts = activations saved for backward of one micro-batch (%d x %d tokens) by the stage's "
             "layers, plus logits on the last stage (a pipeline schedule may keep up to pp - stage "
             "micro-batches in flight)\n", c->train.micro_batch_size, c->train.seq_len);
-    fprintf(f, "  buffers = one layer's weights all-gathered plus its unsharded fp32 gradient\n");
+    fprintf(f, "  buffers = all-gather and reduce-scatter staging (group size x shard) of the groups with "
+            "several ranks\n");
 
     print_groups(f, d);
     print_ep_node_warning(f, d, node_of_rank);

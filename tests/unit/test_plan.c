@@ -110,28 +110,40 @@ Test(plan, shard_and_optimizer_bytes_by_hand)
     cr_assert(s0.layer0 == 0 && s0.layer1 == 2 && s1.layer0 == 2 && s1.layer1 == 3);
     cr_assert(s0.has_embed && !s0.has_head && !s1.has_embed && s1.has_head);
 
-    /* bf16 weights, fp32 grads, fp32 master, 2 fp32 Adam moments per held element */
+    /* The shard: fp32 master and 2 fp32 Adam moments per held element. Every group here has
+     * several ranks (S = 4, ep_fsdp = 2), so the shard also has its own bf16 copy and fp32 gradient. */
     const double h0 = 416 + 2 * 186 + 480, h1 = 606 + 240;
-    cr_assert_float_eq(s0.param_bytes, 2 * h0, 1e-9);
-    cr_assert_float_eq(s0.grad_bytes, 4 * h0, 1e-9);
     cr_assert_float_eq(s0.master_bytes, 4 * h0, 1e-9);
     cr_assert_float_eq(s0.adam_bytes, 8 * h0, 1e-9);
-    cr_assert_float_eq(s1.param_bytes, 2 * h1, 1e-9);
     cr_assert_float_eq(s1.adam_bytes, 8 * h1, 1e-9);
-    /* Largest working set: stage 0's embedding 1616 > a layer (678 + 2 experts x (160 + 160) = 1158);
-     * stage 1's head: final norm 16 + lm_head 1616. Gathered bf16 plus fp32 gradient. */
-    cr_assert_eq(s0.gather_numel, 1616);
-    cr_assert_eq(s1.gather_numel, 1632);
-    cr_assert_float_eq(s0.buffer_bytes, 1616.0 * 6, 1e-9);
+    /* The working set gathered for compute: stage 0 = embedding 1616 + 2 layers of 678 non-expert +
+     * 2 local experts x (gate_up 10x16 + down 16x5 = 240) = 1158 each; stage 1 = one layer 1158 +
+     * final norm 16 + lm_head 1616. bf16 weights and fp32 gradients of it, plus the shard's. */
+    cr_assert_eq(s0.work_numel, 1616 + 2 * 1158);
+    cr_assert_eq(s1.work_numel, 1158 + 16 + 1616);
+    cr_assert_float_eq(s0.param_bytes, 2 * (3932 + h0), 1e-9);
+    cr_assert_float_eq(s0.grad_bytes, 4 * (3932 + h0), 1e-9);
+    cr_assert_float_eq(s1.param_bytes, 2 * (2790 + h1), 1e-9);
+    /* staging: 4 x the dense shard and 2 x the expert shard, bf16 receive + fp32 send */
+    cr_assert_float_eq(s0.buffer_bytes, (4.0 * 788 + 2.0 * 480) * 6, 1e-9);
     cr_assert_float_eq(s0.total_bytes, s0.param_bytes + s0.grad_bytes + s0.master_bytes + s0.adam_bytes +
                                            s0.act_bytes + s0.buffer_bytes, 1e-6);
 
-    /* precision fp32: 4-byte weights that are their own master copy */
+    /* precision fp32: 4-byte weights and staging, the master copy kept apart */
     c.model.precision = MT_PREC_FP32;
     estimate_stage(&c, &tt, &d, 0, &s0);
-    cr_assert_float_eq(s0.param_bytes, 4 * h0, 1e-9);
-    cr_assert_float_eq(s0.master_bytes, 0, 1e-9);
-    cr_assert_float_eq(s0.grad_bytes, 4 * h0, 1e-9);
+    cr_assert_float_eq(s0.param_bytes, 4 * (3932 + h0), 1e-9);
+    cr_assert_float_eq(s0.master_bytes, 4 * h0, 1e-9);
+    cr_assert_float_eq(s0.buffer_bytes, (4.0 * 788 + 2.0 * 480) * 8, 1e-9);
+
+    /* one rank: the shard is the working set itself (no copy, no staging) */
+    struct mesh_dims d1;
+    hand_config(&c, 1, 1);
+    dims(&c, 1, &d1);
+    estimate_stage(&c, &tt, &d1, 0, &s0);
+    cr_assert_float_eq(s0.param_bytes, 2.0 * s0.work_numel, 1e-9);
+    cr_assert_float_eq(s0.buffer_bytes, 0, 1e-9);
+    cr_assert_float_eq(s0.master_bytes, 4.0 * s0.work_numel, 1e-9);
     tensor_table_free(&tt);
 }
 
