@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# Installs the Debian/Ubuntu packages moetrain builds and tests with, skipping what is present.
+# Makes sure moetrain's build and test dependencies are usable, installing the missing Debian/Ubuntu
+# packages (as root or through sudo). A library counts as present when the compiler can find it
+# (pkg-config, headers), however it got there: a machine without a package registry can provide
+# them some other way (e.g. unpacked .debs on PKG_CONFIG_PATH/CPATH) and needs no install.
 set -euo pipefail
-pkgs=(build-essential pkg-config openmpi-bin libopenmpi-dev libyaml-dev libjansson-dev
-      libhdf5-dev libcriterion-dev)
 missing=()
-for p in "${pkgs[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
+have_pc() { pkg-config --exists "$1" 2>/dev/null; }
+command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+command -v cc >/dev/null 2>&1 && command -v make >/dev/null 2>&1 || missing+=(build-essential)
+command -v mpicc >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin libopenmpi-dev)
+have_pc yaml-0.1 || missing+=(libyaml-dev)
+have_pc jansson || missing+=(libjansson-dev)
+have_pc criterion || missing+=(libcriterion-dev)
+have_pc hdf5 || [ -f /usr/include/hdf5/serial/hdf5.h ] || missing+=(libhdf5-dev)
 [ ${#missing[@]} -eq 0 ] && exit 0
 echo "moetrain: installing missing packages: ${missing[*]}"
 sudo=""
