@@ -1,10 +1,13 @@
 /* Grouped expert matmul as a loop of cublasGemmEx calls, one per expert that has rows (the same
  * column-major mapping as matmul.cu). cublasGemmEx rather than cuBLASLt because the row count of
  * each expert changes every step, which would defeat a plan cache keyed by shape. Experts with
- * no rows are skipped: their dw is not touched. A grouped kernel of our own is the later speed-up
- * (see docs/gpu.md). */
+ * no rows are skipped: their dw is not touched. In bf16 the grouped Hopper kernel of
+ * grouped_gemm.cu does the work instead wherever it supports the shapes; fp32 stays on cuBLAS. */
 #include "expert_matmul.cuh"
+#include "grouped_gemm.cuh"
 #include "matmul.cuh"
+
+#include <type_traits>
 
 static void check_offsets(const char *what, const int64_t *off, int n_exp)
 {
@@ -22,6 +25,8 @@ void cu_expert_matmul_forward(void *out, const void *in, const void *w, const in
                               int n_exp, int I, int O)
 {
     check_offsets("expert_matmul", off, n_exp);
+    /* bf16: the grouped Hopper kernel, unless the shapes are outside what it handles */
+    if (std::is_same<T, bf16>::value && grouped_gemm_forward(out, in, w, off, n_exp, I, O)) return;
     const cudaDataType_t dt = xtype<T>::cuda;
     for (int e = 0; e < n_exp; e++) {
         const int64_t r0 = off[e], n = off[e + 1] - off[e];
@@ -36,6 +41,10 @@ void cu_expert_matmul_backward(void *din, float *dw, const void *dout, const voi
                                const void *w, const int64_t *off, int n_exp, int I, int O)
 {
     check_offsets("expert_matmul backward", off, n_exp);
+    if (std::is_same<T, bf16>::value) { /* what the grouped kernel did, the loop below skips */
+        if (din && grouped_gemm_dgrad(din, dout, w, off, n_exp, I, O)) din = NULL;
+        if (dw && grouped_gemm_wgrad(dw, dout, in, off, n_exp, I, O)) dw = NULL;
+    }
     const cudaDataType_t dt = xtype<T>::cuda;
     for (int e = 0; e < n_exp; e++) {
         const int64_t r0 = off[e], n = off[e + 1] - off[e];

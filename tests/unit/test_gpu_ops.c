@@ -35,6 +35,10 @@
 #include "common.h"
 #include "ops.h"
 
+#ifdef MT_HAVE_CUDA
+#include "../../cuda/grouped_gemm.cuh"
+#endif
+
 #define TOL_F32 1e-5
 #define TOL_F32_LONG 1e-4
 #define TOL_BF16 1e-2
@@ -797,6 +801,129 @@ Test(gpu, expert_matmul)
         M.g->free(d_din);
         free(in), free(w), free(dout), free(out), free(ref), free(dw0), free(dw_ref), free(din);
         free(dw), free(din_ref), free(add), free(add_ref);
+    }
+}
+
+/* The grouped Hopper kernel behind the bf16 expert_matmul (cuda/grouped_gemm.cu), case by case:
+ * every output is checked per expert, so a tile that reads or writes a neighbour's rows (the
+ * ragged edges: 0, 1, 127, 129 rows; the wgrad K loop stopping at the expert's end) shows even
+ * when the neighbour is much larger. w_off shifts the weights off 16-byte alignment, which the
+ * kernel does not take for forward and dgrad (cuBLAS does the work then). In bf16 mode the
+ * kernel is also called directly: it must accept exactly the cases `kernel` (forward, dgrad) and
+ * `kernel_wgrad` say, and give the same bits as the backend op (the same deterministic kernel).
+ * dw tolerance: fp32 sums of exact products of bf16 values, differing from the CPU only in
+ * order, ~1e-6; 1e-4 in both modes. */
+static void grouped_case(const struct mode *M, mt_rng *rng, const char *tag, int NE, const int *rows,
+                         int I, int O, int w_off, bool kernel, bool kernel_wgrad)
+{
+    char what[128];
+    int64_t *off = mt_calloc((size_t)NE + 1, sizeof *off);
+    for (int e = 0; e < NE; e++) off[e + 1] = off[e] + rows[e];
+    const int R = (int)off[NE];
+    const size_t ri = (size_t)R * I, ro = (size_t)R * O, wn = (size_t)NE * O * I;
+    const size_t xs = M->g->x_size;
+    float *in = hrand(rng, ri, 1.0), *wfull = hrand(rng, wn + w_off, 0.05), *dout = hrand(rng, ro, 1.0);
+    void *d_in = dx_from(M, in, ri), *d_dout = dx_from(M, dout, ro);
+    void *d_wfull = dx_from(M, wfull, wn + w_off);
+    const float *w = wfull + w_off;
+    const void *d_w = (const char *)d_wfull + (size_t)w_off * xs;
+
+    /* forward */
+    void *d_out = dx_poisoned(M, ro);
+    M->g->expert_matmul_forward(d_out, d_in, d_w, off, NE, I, O);
+    float *out = hx_of(M, d_out, ro), *ref = fnew(ro);
+    M->c->expert_matmul_forward(ref, in, w, off, NE, I, O);
+
+    /* backward: din overwritten, dw accumulated onto random values */
+    float *dw0 = hrand(rng, wn, 1.0), *dw_ref = hdup(dw0, wn);
+    float *d_dw = df_from(M, dw0, wn);
+    void *d_din = dx_poisoned(M, ri);
+    M->g->expert_matmul_backward(d_din, d_dw, d_dout, d_in, d_w, off, NE, I, O);
+    float *din = hx_of(M, d_din, ri), *dw = hf_of(M, d_dw, wn), *din_ref = fnew(ri);
+    M->c->expert_matmul_backward(din_ref, dw_ref, dout, in, w, off, NE, I, O);
+    float *add = diff(dw, dw0, wn), *add_ref = diff(dw_ref, dw0, wn);
+
+    double e_out = 0.0, e_din = 0.0, e_dw = 0.0;
+    bool empty_kept = true;
+    for (int e = 0; e < NE; e++) {
+        const size_t oi = (size_t)e * O * I;
+        if (rows[e] == 0) {
+            empty_kept = empty_kept && memcmp(dw + oi, dw0 + oi, (size_t)O * I * sizeof(float)) == 0;
+            continue;
+        }
+        const double a = rel_err(out + off[e] * O, ref + off[e] * O, (size_t)rows[e] * O);
+        const double b = rel_err(din + off[e] * I, din_ref + off[e] * I, (size_t)rows[e] * I);
+        const double c = rel_err(add + oi, add_ref + oi, (size_t)O * I);
+        cr_expect(a <= M->tol && b <= M->tol && c <= TOL_F32_LONG,
+                  "grouped %s [%s] expert %d (%d rows): rel err out %.2e din %.2e dw %.2e", tag,
+                  M->name, e, rows[e], a, b, c);
+        e_out = fmax(e_out, a), e_din = fmax(e_din, b), e_dw = fmax(e_dw, c);
+    }
+    fprintf(stderr, "gpu %s grouped %-36s worst expert: out %.2e din %.2e dw %.2e\n", M->name, tag,
+            e_out, e_din, e_dw);
+    snprintf(what, sizeof what, "grouped %s: empty experts keep dw", tag);
+    fprintf(stderr, "gpu %s %-44s %s\n", M->name, what, empty_kept ? "bit-exact" : "DIFFERS");
+    cr_expect(empty_kept, "%s [%s]", what, M->name);
+
+    /* dw alone (din NULL): a second backward adds the same gradient again */
+    M->g->expert_matmul_backward(NULL, d_dw, d_dout, d_in, d_w, off, NE, I, O);
+    float *dw2 = hf_of(M, d_dw, wn), *add2 = diff(dw2, dw, wn);
+    snprintf(what, sizeof what, "grouped %s: dw += again (din NULL)", tag);
+    check_close(M, what, add2, add_ref, wn, TOL_F32_LONG);
+    float *din_again = hx_of(M, d_din, ri);
+    snprintf(what, sizeof what, "grouped %s: din NULL leaves din", tag);
+    check_exact(M, what, din_again, din, ri * sizeof(float));
+
+#ifdef MT_HAVE_CUDA
+    if (xs == 2) {
+        void *d_out2 = dx_poisoned(M, ro), *d_din2 = dx_poisoned(M, ri);
+        float *d_dw2 = df_from(M, dw0, wn);
+        const bool f = grouped_gemm_forward(d_out2, d_in, d_w, off, NE, I, O);
+        const bool g = grouped_gemm_dgrad(d_din2, d_dout, d_w, off, NE, I, O);
+        const bool h = grouped_gemm_wgrad(d_dw2, d_dout, d_in, off, NE, I, O);
+        cr_expect(f == kernel && g == kernel && h == kernel_wgrad,
+                  "grouped %s: kernel took fwd %d dgrad %d wgrad %d, expected %d %d %d", tag, f, g,
+                  h, kernel, kernel, kernel_wgrad);
+        if (kernel && kernel_wgrad) {
+            float *out2 = hx_of(M, d_out2, ro), *din2 = hx_of(M, d_din2, ri), *dw3 = hf_of(M, d_dw2, wn);
+            snprintf(what, sizeof what, "grouped %s: direct call = op (fwd)", tag);
+            check_exact(M, what, out2, out, ro * sizeof(float));
+            snprintf(what, sizeof what, "grouped %s: direct call = op (dgrad)", tag);
+            check_exact(M, what, din2, din, ri * sizeof(float));
+            snprintf(what, sizeof what, "grouped %s: direct call = op (wgrad)", tag);
+            check_exact(M, what, dw3, dw, wn * sizeof(float));
+            free(out2), free(din2), free(dw3);
+        }
+        M->g->free(d_out2), M->g->free(d_din2), M->g->free(d_dw2);
+    }
+#endif
+
+    M->g->free(d_in), M->g->free(d_wfull), M->g->free(d_dout), M->g->free(d_out), M->g->free(d_dw);
+    M->g->free(d_din);
+    free(off), free(in), free(wfull), free(dout), free(out), free(ref), free(dw0), free(dw_ref);
+    free(din), free(dw), free(din_ref), free(add), free(add_ref), free(dw2), free(add2), free(din_again);
+}
+
+Test(gpu, expert_matmul_grouped)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 115);
+    /* tile edges: 128 rows per tile, 64 rows per wgrad K block, 256 columns per tile */
+    const int edges[] = {0, 1, 127, 129, 300, 0, 64, 65};
+    const int odd[] = {70, 0, 1, 200, 33};
+    const int few[] = {5, 0, 40};
+    enum { MANY = 300 }; /* more experts than one launch's schedule holds (256) */
+    int many[MANY];
+    for (int e = 0; e < MANY; e++) many[e] = irand(&rng, 5);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        grouped_case(&M, &rng, "tile edges 256->512", 8, edges, 256, 512, 0, true, true);
+        grouped_case(&M, &rng, "I, O not /64 (200->136)", 5, odd, 200, 136, 0, true, true);
+        grouped_case(&M, &rng, "300 experts 64->72", MANY, many, 64, 72, 0, true, true);
+        grouped_case(&M, &rng, "I, O not /8 (fallback)", 3, few, 100, 60, 0, false, false);
+        /* wgrad does not read w, so only forward and dgrad fall back */
+        grouped_case(&M, &rng, "unaligned w (fallback)", 3, few, 64, 64, 1, false, true);
     }
 }
 

@@ -1,0 +1,553 @@
+/* Grouped bf16 expert GEMMs on Hopper: a persistent, warp-specialised TMA + wgmma kernel.
+ *
+ * Every GEMM is D[M,N] (+)= A[M,K] · B[N,K]ᵀ with bf16 operands and fp32 accumulation, over a
+ * flat list of 128×256 output tiles covering all experts (the host builds the per-expert tile
+ * prefix sums; a CTA finds its tile's expert by binary search). The three expert GEMMs map as:
+ *   forward  Y[rows,O]  = X[rows,I] · W[e]ᵀ     A = X  (K-major), B = W[e]  (K-major)
+ *   dgrad    dX[rows,I] = dY[rows,O] · W[e]     A = dY (K-major), B = W[e]  (N-major: W is [O,I])
+ *   wgrad    dW[e]     += dYᵀ · X  over rows   A = dY (M-major), B = X     (N-major), K = rows
+ * Row matrices are one TMA tensor over all rows ([R, cols]); the rows of an expert are a row range
+ * of it. The weights are one 3-D tensor [n_exp, O, I], so a tile never reads another expert's
+ * weights: its edges are out of bounds and TMA fills zeros. The row ranges are not so protected:
+ *  - forward/dgrad (rows = M): a tile's last rows may be the next expert's; they only feed output
+ *    rows that the epilogue does not store;
+ *  - wgrad (rows = K): the last K block may hold the next expert's rows, which would be summed in;
+ *    the consumers zero those rows of both operands in shared memory before the MMA.
+ *
+ * CTA: 3 warpgroups. Warpgroup 0 is the producer (one thread issues the TMA loads into a 4-stage
+ * ring, each stage guarded by a "full" mbarrier the TMA completes and an "empty" one the consumers
+ * release); warpgroups 1 and 2 each compute 64 rows × 256 columns of the tile with
+ * wgmma.m64n256k16 (128 fp32 accumulators a thread) and store straight from registers: bf16 rows
+ * for forward/dgrad, fp32 read-add-write of dw for wgrad (each dw element belongs to exactly one
+ * tile, so the += needs no atomics and is deterministic).
+ *
+ * Shared-memory layouts are the TMA's 128-byte swizzle, which is what wgmma's SW128 descriptors
+ * read: a K-major operand tile is rows of 64 K-elements (128 B), 8-row groups 1024 B apart; an
+ * MN-major tile is boxes of 64 MN-elements × 64 K-rows (8 KB each), the boxes LBO = 8 KB apart
+ * along MN and 8-K-row groups SBO = 1024 B apart. */
+#include "grouped_gemm.cuh"
+
+#include "cuda_common.cuh"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <string.h>
+
+namespace {
+
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
+constexpr int THREADS = 384;                 /* producer warpgroup + 2 consumer warpgroups */
+constexpr int A_BYTES = BM * BK * 2;         /* 16 KB */
+constexpr int B_BYTES = BN * BK * 2;         /* 32 KB */
+constexpr int BOX_BYTES = 64 * BK * 2;       /* one 64×64 MN-major box, 8 KB */
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024 /* alignment slack */ + 2 * STAGES * 8;
+constexpr int MAX_EXPERTS = 256;             /* per launch (the schedule is a kernel parameter) */
+
+enum { KIND_FWD, KIND_DGRAD, KIND_WGRAD };
+
+struct gg_params {
+    CUtensorMap map_a, map_b;
+    void *out;          /* bf16 [R, N] (forward, dgrad) or fp32 dw [n_exp, M, N] (wgrad) */
+    int M, N, K;        /* wgrad: M = O, N = I; forward/dgrad: N, K (M is the expert's rows) */
+    int n_exp, e_base;  /* experts [e_base, e_base + n_exp) in this launch */
+    int total_tiles;
+    int row_off[MAX_EXPERTS + 1];    /* absolute row offsets */
+    int tile_start[MAX_EXPERTS + 1]; /* prefix sums of tiles per expert */
+};
+
+/* ---------------------------------------------------------------- PTX wrappers */
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes)
+{
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}"
+                 ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar)
+{
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar)
+                 : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity)
+{
+    uint32_t ok;
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 "selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(ok)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+    return ok != 0;
+}
+
+__device__ __forceinline__ uint64_t global_ns()
+{
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* A wait that never returns is a bug in this file (a miscounted barrier); trap after 10 s so it
+ * surfaces as a launch failure instead of a hung process. */
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity)
+{
+    if (mbar_try_wait(bar, parity)) return;
+    const uint64_t t0 = global_ns();
+    for (uint32_t n = 1; !mbar_try_wait(bar, parity); n++)
+        if ((n & 0xffffu) == 0 && global_ns() - t0 > 10000000000ull) __trap();
+}
+
+__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1,
+                                       uint32_t bar)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
+                 : "memory");
+}
+
+__device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap *map, int c0, int c1, int c2,
+                                       uint32_t bar)
+{
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+                 : "memory");
+}
+
+/* wgmma shared-memory descriptor, 128-byte swizzle (layout type 1 in bits 62-63) */
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo)
+{
+    return (uint64_t)((addr & 0x3ffffu) >> 4) | ((uint64_t)(lbo >> 4) << 16) |
+           ((uint64_t)(sbo >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence()
+{
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit()
+{
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void wgmma_wait()
+{
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+/* keeps the compiler from moving accumulator reads across the asynchronous MMA's completion */
+__device__ __forceinline__ void fence_operand(float &x) { asm volatile("" : "+f"(x)::"memory"); }
+
+/* D[64×256] += A[64×16] · B[256×16]ᵀ; TA/TB: 0 = K-major, 1 = MN-major operand */
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db)
+{
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %132, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, %130, %131;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1) /* scale-d: D += A·B */
+        : "memory");
+}
+
+/* ---------------------------------------------------------------- tile schedule */
+
+struct tile_info {
+    int e;     /* expert, relative to the launch's e_base */
+    int r0;    /* the expert's first row */
+    int rows;  /* its row count (>= 1) */
+    int mi, ni; /* tile coordinates. Forward/dgrad: M fastest, so CTAs running together share
+                 * a weight slab (measured on H100: 5-25% faster than N fastest, skewed rows
+                 * included); wgrad: N fastest (measured only that way) */
+};
+
+template <int KIND> __device__ __forceinline__ tile_info decode(const gg_params &p, int t)
+{
+    /* the largest e with tile_start[e] <= t: an expert with no tiles shares its start with the
+     * next one, so the search always lands on an expert that has tile t */
+    int lo = 0, hi = p.n_exp - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (p.tile_start[mid] <= t) lo = mid;
+        else hi = mid - 1;
+    }
+    tile_info ti;
+    ti.e = lo;
+    ti.r0 = p.row_off[lo];
+    ti.rows = p.row_off[lo + 1] - ti.r0;
+    const int local = t - p.tile_start[lo];
+    if (KIND == KIND_WGRAD) {
+        const int nt = (p.N + BN - 1) / BN;
+        ti.ni = local % nt;
+        ti.mi = local / nt;
+    } else {
+        const int mt = (ti.rows + BM - 1) / BM;
+        ti.mi = local % mt;
+        ti.ni = local / mt;
+    }
+    return ti;
+}
+
+template <int KIND> __device__ __forceinline__ int k_blocks(const gg_params &p, const tile_info &ti)
+{
+    return KIND == KIND_WGRAD ? (ti.rows + BK - 1) / BK : (p.K + BK - 1) / BK;
+}
+
+/* ---------------------------------------------------------------- the kernel */
+
+template <int KIND>
+__global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_constant__ gg_params p)
+{
+    constexpr int TA = KIND == KIND_WGRAD ? 1 : 0; /* A MN-major */
+    constexpr int TB = KIND == KIND_FWD ? 0 : 1;   /* B MN-major */
+    constexpr uint32_t A_KSTEP = TA ? 16 * 128 : 32, B_KSTEP = TB ? 16 * 128 : 32;
+    constexpr uint32_t A_LBO = TA ? BOX_BYTES : 16, B_LBO = TB ? BOX_BYTES : 16;
+
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u; /* SW128 atoms: 1024-aligned */
+    const uint32_t bars = base + STAGES * STAGE_BYTES;
+    auto full_bar = [&](int s) { return bars + 8u * s; };
+    auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(full_bar(s), 1);  /* the producer's expect_tx arrival (+ the TMA bytes) */
+            mbar_init(empty_bar(s), 8); /* one arrival per consumer warp */
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        /* ------------------------------------------------ producer */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (threadIdx.x != 0) return;
+        int stage = 0;
+        uint32_t phase = 0;
+        for (int t = blockIdx.x; t < p.total_tiles; t += gridDim.x) {
+            const tile_info ti = decode<KIND>(p, t);
+            const int nk = k_blocks<KIND>(p, ti), e = p.e_base + ti.e;
+            for (int kb = 0; kb < nk; kb++) {
+                const uint32_t sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES, fb = full_bar(stage);
+                mbar_wait(empty_bar(stage), phase ^ 1);
+                mbar_expect_tx(fb, STAGE_BYTES); /* out-of-bounds box parts count too */
+                if (KIND == KIND_FWD) {
+                    tma_2d(sa, &p.map_a, kb * BK, ti.r0 + ti.mi * BM, fb);
+                    tma_3d(sb, &p.map_b, kb * BK, ti.ni * BN, e, fb);
+                } else if (KIND == KIND_DGRAD) {
+                    tma_2d(sa, &p.map_a, kb * BK, ti.r0 + ti.mi * BM, fb);
+                    for (int j = 0; j < BN / 64; j++)
+                        tma_3d(sb + j * BOX_BYTES, &p.map_b, ti.ni * BN + 64 * j, kb * BK, e, fb);
+                } else {
+                    const int k0 = ti.r0 + kb * BK;
+                    for (int j = 0; j < BM / 64; j++)
+                        tma_2d(sa + j * BOX_BYTES, &p.map_a, ti.mi * BM + 64 * j, k0, fb);
+                    for (int j = 0; j < BN / 64; j++)
+                        tma_2d(sb + j * BOX_BYTES, &p.map_b, ti.ni * BN + 64 * j, k0, fb);
+                }
+                if (++stage == STAGES) stage = 0, phase ^= 1;
+            }
+        }
+        return;
+    }
+
+    /* ---------------------------------------------------- consumers */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int ctid = threadIdx.x - 128;   /* 0..255 over both consumer warpgroups */
+    const int w = wg - 1;                 /* this warpgroup's 64-row half of the tile */
+    const int lane = threadIdx.x & 31;
+    const int row_in_tile = w * 64 + ((threadIdx.x / 32) & 3) * 16 + (lane >> 2);
+    const int col_in_tile = 2 * (lane & 3);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < p.total_tiles; t += gridDim.x) {
+        const tile_info ti = decode<KIND>(p, t);
+        const int nk = k_blocks<KIND>(p, ti);
+        if (KIND == KIND_WGRAD) {
+            /* pull this tile's dw (128 rows × 1 KB) into L2 now, so that the read half of the
+             * epilogue's read-add-write overlaps the MMAs instead of following them */
+            const int row = ti.mi * BM + (ctid >> 1), col = ti.ni * BN + (ctid & 1) * (BN / 2);
+            if (row < p.M && col < p.N) {
+                const int bytes = (p.N - col < BN / 2 ? p.N - col : BN / 2) * 4; /* N % 8 == 0 */
+                const float *src = (const float *)p.out + ((size_t)(p.e_base + ti.e) * p.M + row) * p.N + col;
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+            }
+        }
+        float acc[128];
+#pragma unroll
+        for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+
+        int prev = -1;
+        for (int kb = 0; kb < nk; kb++) {
+            const uint32_t sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES;
+            mbar_wait(full_bar(stage), phase);
+            if (KIND == KIND_WGRAD && ti.rows - kb * BK < BK) {
+                /* K rows past the expert's end (the next expert's rows): zero them in all six
+                 * 8 KB boxes of the stage (A's 2 then B's 4, contiguous). Swizzling permutes
+                 * 16-byte chunks within a 128-byte K row, so whole rows stay whole. */
+                const int valid = ti.rows - kb * BK;
+                const int per_box = (BK - valid) * 8; /* 16-byte chunks */
+                for (int i = ctid; i < 6 * per_box; i += 256) {
+                    const int box = i / per_box, c = i - box * per_box;
+                    const uint32_t a = sa + box * BOX_BYTES + valid * 128 + c * 16;
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(a), "r"(0) : "memory");
+                }
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* for wgmma's reads */
+                asm volatile("bar.sync 1, 256;" ::: "memory");
+            }
+            const uint32_t a0 = sa + w * (A_BYTES / 2); /* rows 64w.. (K-major) or box w (MN-major) */
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; kk++)
+                wgmma_m64n256k16<TA, TB>(acc, smem_desc(a0 + kk * A_KSTEP, A_LBO, 1024),
+                                         smem_desc(sb + kk * B_KSTEP, B_LBO, 1024));
+            wgmma_commit();
+            wgmma_wait<1>(); /* the previous block's MMAs are done: release its stage */
+            if (prev >= 0 && lane == 0) mbar_arrive(empty_bar(prev));
+            prev = stage;
+            if (++stage == STAGES) stage = 0, phase ^= 1;
+        }
+        wgmma_wait<0>();
+        if (lane == 0) mbar_arrive(empty_bar(prev));
+#pragma unroll
+        for (int i = 0; i < 128; i++) fence_operand(acc[i]);
+
+        /* ------------------------------------------------ epilogue, straight from registers.
+         * Accumulator j·4 + {0,1}: row row_in_tile, columns 8j + col_in_tile + {0,1};
+         * j·4 + {2,3}: the same columns 8 rows down. N is even, so a pair is in or out whole. */
+        const int n0 = ti.ni * BN + col_in_tile;
+        if (KIND == KIND_WGRAD) {
+            /* dw += acc: the loads of a batch of 8 column groups are all issued before the first
+             * store, so 16 are in flight (one at a time, the read latency dominated this GEMM) */
+            float *dw = (float *)p.out + (size_t)(p.e_base + ti.e) * p.M * p.N;
+            const int m = ti.mi * BM + row_in_tile;
+            constexpr int JB = 8;
+#pragma unroll
+            for (int jb = 0; jb < BN / 8; jb += JB) {
+                float2 v[JB][2];
+#pragma unroll
+                for (int j = 0; j < JB; j++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        if (n0 + 8 * (jb + j) < p.N && m + 8 * h < p.M)
+                            v[j][h] = *(const float2 *)(dw + (size_t)(m + 8 * h) * p.N + n0 + 8 * (jb + j));
+#pragma unroll
+                for (int j = 0; j < JB; j++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        if (n0 + 8 * (jb + j) < p.N && m + 8 * h < p.M) {
+                            v[j][h].x += acc[4 * (jb + j) + 2 * h];
+                            v[j][h].y += acc[4 * (jb + j) + 2 * h + 1];
+                            *(float2 *)(dw + (size_t)(m + 8 * h) * p.N + n0 + 8 * (jb + j)) = v[j][h];
+                        }
+            }
+        } else {
+            bf16 *out = (bf16 *)p.out;
+            const int valid_m = ti.rows - ti.mi * BM;
+            const size_t r = (size_t)ti.r0 + (size_t)ti.mi * BM + row_in_tile;
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++) {
+                const int n = n0 + 8 * j;
+                if (n >= p.N) continue;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    if (row_in_tile + 8 * h >= valid_m) continue;
+                    *(__nv_bfloat162 *)(out + (r + 8 * h) * p.N + n) =
+                        __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                }
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- host side */
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled()
+{
+    static PFN_cuTensorMapEncodeTiled_v12000 fn;
+    if (!fn) {
+        void *ptr = NULL;
+        cudaDriverEntryPointQueryResult q;
+        CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                                    cudaEnableDefault, &q));
+        MT_CHECK(q == cudaDriverEntryPointSuccess && ptr,
+                 "grouped_gemm: the driver has no cuTensorMapEncodeTiled");
+        fn = (PFN_cuTensorMapEncodeTiled_v12000)ptr;
+    }
+    return fn;
+}
+
+/* A bf16 tensor map, 128-byte swizzle, zeros out of bounds. dims innermost first; strides in
+ * bytes for dims 1.. */
+void make_map(CUtensorMap *m, const void *base, int rank, const cuuint64_t *dims,
+              const cuuint64_t *strides, const cuuint32_t *box)
+{
+    const cuuint32_t elem_strides[3] = {1, 1, 1};
+    const CUresult r = encode_tiled()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank,
+                                      const_cast<void *>(base), dims, strides, box, elem_strides,
+                                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    MT_CHECK(r == CUDA_SUCCESS, "grouped_gemm: cuTensorMapEncodeTiled failed (CUresult %d)", (int)r);
+}
+
+bool is_sm90()
+{
+    static int v = -1;
+    if (v < 0) {
+        int major = 0, minor = 0;
+        CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, g_cuda.device));
+        CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, g_cuda.device));
+        v = major == 9 && minor == 0; /* the build holds sm_90a machine code only */
+    }
+    return v == 1;
+}
+
+bool aligned16(const void *q) { return ((uintptr_t)q & 15u) == 0; }
+
+/* What the kernel handles: TMA wants 16-byte aligned bases and row strides (I, O multiples of 8),
+ * coordinates are int32. */
+bool supported(int I, int O, const int64_t *off, int n_exp, const void *a, const void *b,
+               const void *c)
+{
+    if (I <= 0 || O <= 0 || I % 8 || O % 8) return false;
+    if (n_exp > 0 && off[n_exp] > INT32_MAX) return false;
+    if (!aligned16(a) || !aligned16(b) || !aligned16(c)) return false;
+    return g_cuda.ready && is_sm90();
+}
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+template <int KIND>
+void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64_t *off, int n_exp,
+            int M, int N, int K)
+{
+    static bool attr_set;
+    if (!attr_set) {
+        CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<KIND>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+        attr_set = true;
+    }
+    static gg_params p; /* 2.4 KB: kept off the stack; the launch copies it */
+    memset(&p, 0, sizeof p);
+    p.map_a = ma;
+    p.map_b = mb;
+    p.out = out;
+    p.M = M, p.N = N, p.K = K;
+    for (int e0 = 0; e0 < n_exp; e0 += MAX_EXPERTS) {
+        const int ne = n_exp - e0 < MAX_EXPERTS ? n_exp - e0 : MAX_EXPERTS;
+        int64_t total = 0;
+        for (int i = 0; i < ne; i++) {
+            const int64_t rows = off[e0 + i + 1] - off[e0 + i];
+            p.row_off[i] = (int)off[e0 + i];
+            p.tile_start[i] = (int)total;
+            if (rows > 0) total += (KIND == KIND_WGRAD ? cdiv(M, BM) : cdiv(rows, BM)) * cdiv(N, BN);
+            MT_CHECK(total <= INT32_MAX, "grouped_gemm: too many tiles");
+        }
+        p.row_off[ne] = (int)off[e0 + ne];
+        p.tile_start[ne] = (int)total;
+        if (total == 0) continue;
+        p.n_exp = ne;
+        p.e_base = e0;
+        p.total_tiles = (int)total;
+        const int grid = total < g_cuda.num_sms ? (int)total : g_cuda.num_sms;
+        grouped_gemm_kernel<KIND><<<grid, THREADS, SMEM_BYTES, g_cuda.stream>>>(p);
+        CUDA_LAUNCH_CHECK("grouped_gemm_kernel");
+    }
+}
+
+} // namespace
+
+extern "C" bool grouped_gemm_forward(void *out, const void *in, const void *w, const int64_t *off,
+                                     int n_exp, int I, int O)
+{
+    if (!supported(I, O, off, n_exp, out, in, w)) return false;
+    if (n_exp <= 0 || off[n_exp] == off[0]) return true; /* no rows */
+    const cuuint64_t R = (cuuint64_t)off[n_exp];
+    CUtensorMap ma, mb;
+    const cuuint64_t da[2] = {(cuuint64_t)I, R}, sa[1] = {(cuuint64_t)I * 2};
+    const cuuint32_t ba[2] = {64, BM};
+    make_map(&ma, in, 2, da, sa, ba);
+    const cuuint64_t db[3] = {(cuuint64_t)I, (cuuint64_t)O, (cuuint64_t)n_exp};
+    const cuuint64_t sb[2] = {(cuuint64_t)I * 2, (cuuint64_t)O * I * 2};
+    const cuuint32_t bb[3] = {64, BN, 1};
+    make_map(&mb, w, 3, db, sb, bb);
+    launch<KIND_FWD>(ma, mb, out, off, n_exp, 0, O, I);
+    return true;
+}
+
+extern "C" bool grouped_gemm_dgrad(void *din, const void *dout, const void *w, const int64_t *off,
+                                   int n_exp, int I, int O)
+{
+    if (!supported(I, O, off, n_exp, din, dout, w)) return false;
+    if (n_exp <= 0 || off[n_exp] == off[0]) return true;
+    const cuuint64_t R = (cuuint64_t)off[n_exp];
+    CUtensorMap ma, mb;
+    const cuuint64_t da[2] = {(cuuint64_t)O, R}, sa[1] = {(cuuint64_t)O * 2};
+    const cuuint32_t ba[2] = {64, BM};
+    make_map(&ma, dout, 2, da, sa, ba);
+    const cuuint64_t db[3] = {(cuuint64_t)I, (cuuint64_t)O, (cuuint64_t)n_exp};
+    const cuuint64_t sb[2] = {(cuuint64_t)I * 2, (cuuint64_t)O * I * 2};
+    const cuuint32_t bb[3] = {64, 64, 1};
+    make_map(&mb, w, 3, db, sb, bb);
+    launch<KIND_DGRAD>(ma, mb, din, off, n_exp, 0, I, O);
+    return true;
+}
+
+extern "C" bool grouped_gemm_wgrad(float *dw, const void *dout, const void *in, const int64_t *off,
+                                   int n_exp, int I, int O)
+{
+    if (!supported(I, O, off, n_exp, dw, dout, in)) return false;
+    if (n_exp <= 0 || off[n_exp] == off[0]) return true;
+    const cuuint64_t R = (cuuint64_t)off[n_exp];
+    CUtensorMap ma, mb;
+    const cuuint64_t da[2] = {(cuuint64_t)O, R}, sa[1] = {(cuuint64_t)O * 2};
+    const cuuint32_t box[2] = {64, 64};
+    make_map(&ma, dout, 2, da, sa, box);
+    const cuuint64_t db[2] = {(cuuint64_t)I, R}, sb[1] = {(cuuint64_t)I * 2};
+    make_map(&mb, in, 2, db, sb, box);
+    launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0);
+    return true;
+}
+
+extern "C" void *grouped_gemm_stream(void) { return (void *)g_cuda.stream; }

@@ -1,0 +1,44 @@
+/* Grouped bf16 expert GEMMs for Hopper (sm_90a): one persistent launch per GEMM covers every
+ * expert, through TMA loads into a 4-stage shared-memory pipeline and wgmma with fp32 accumulation
+ * (grouped_gemm.cu says how). Same contract as ops.h's expert_matmul: rows [off[e], off[e+1]) of
+ * the row matrices belong to expert e; off is HOST memory and already validated (non-decreasing,
+ * off[0] >= 0); experts with no rows are skipped entirely (their dw is not touched).
+ *
+ * Each call returns false, having done nothing, when the shapes or pointers are outside what the
+ * kernel handles (I or O not a positive multiple of 8, a pointer not 16-byte aligned, more than
+ * 2^31 - 1 rows, a device that is not sm_90): the caller then takes its cuBLAS path.
+ *
+ * Plain C declarations so that C tools (tools/bench_grouped_gemm.c) can call them too. */
+#ifndef MT_GROUPED_GEMM_CUH
+#define MT_GROUPED_GEMM_CUH
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* out[r] = in[r] · W[e]ᵀ for r in expert e's rows */
+bool grouped_gemm_forward(void *out /*[R,O] bf16*/, const void *in /*[R,I] bf16*/,
+                          const void *w /*[n_exp,O,I] bf16*/, const int64_t *off /*[n_exp+1]*/,
+                          int n_exp, int I, int O);
+
+/* din[r] = dout[r] · W[e] (overwritten) */
+bool grouped_gemm_dgrad(void *din /*[R,I] bf16*/, const void *dout /*[R,O] bf16*/,
+                        const void *w /*[n_exp,O,I] bf16*/, const int64_t *off /*[n_exp+1]*/,
+                        int n_exp, int I, int O);
+
+/* dw[e] += dout[rows of e]ᵀ · in[rows of e] (fp32 accumulate) */
+bool grouped_gemm_wgrad(float *dw /*[n_exp,O,I] fp32*/, const void *dout /*[R,O] bf16*/,
+                        const void *in /*[R,I] bf16*/, const int64_t *off /*[n_exp+1]*/, int n_exp,
+                        int I, int O);
+
+/* The backend's stream (a cudaStream_t), for callers that time or order work around these. */
+void *grouped_gemm_stream(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
