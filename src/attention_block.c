@@ -8,7 +8,7 @@ static float *G(const struct model *m, enum tensor_role r, int l) { return model
 void attention_forward(struct model *m, int l)
 {
     const struct backend *be = m->be;
-    struct layer_acts *a = &m->layers[l];
+    struct layer_acts *a = model_acts(m, l);
     const int T = m->T, H = m->H, D = m->D, Hq = m->Hq, Hkv = m->Hkv;
     const float eps = (float)m->cfg.rms_norm_eps, theta = (float)m->cfg.rope_theta;
 
@@ -28,7 +28,7 @@ void attention_forward(struct model *m, int l)
 void attention_backward(struct model *m, int l)
 {
     const struct backend *be = m->be;
-    struct layer_acts *a = &m->layers[l];
+    struct layer_acts *a = model_acts(m, l);
     const int T = m->T, H = m->H, D = m->D, Hq = m->Hq, Hkv = m->Hkv;
     const float theta = (float)m->cfg.rope_theta;
 

@@ -24,10 +24,11 @@ void *model_weight(const struct model *m, int i)
 
 float *model_grad(const struct model *m, int i) { return m->g[tensor_group_of(&m->tt.t[i])] + m->work_off[i]; }
 
-static void alloc_layer(struct model *m, struct layer_acts *a, bool moe)
+/* Activations of a layer (all but h_in, which each layer owns). A shared set used by MoE and
+ * dense layers alike gets both parts; moe.c grows gu/act to cover both shapes. */
+static void alloc_layer(struct model *m, struct layer_acts *a, bool moe, bool dense)
 {
     const int64_t T = m->T, H = m->H, D = m->D;
-    a->h_in = xalloc(m, T * H);
     a->a = xalloc(m, T * H);
     a->rstd_a = falloc(m, T);
     a->q_pre = xalloc(m, T * m->Hq * D);
@@ -62,14 +63,16 @@ static void alloc_layer(struct model *m, struct layer_acts *a, bool moe)
         r->src_row = ialloc(m, T * K);
         r->slot_row = ialloc(m, T * K);
         /* expert-side buffers (x_exp, gu, act, y_exp, regroup) are sized on demand in moe.c */
-    } else {
+    }
+    if (dense) {
         a->gu = xalloc(m, T * 2 * m->Id);
         a->act = xalloc(m, T * m->Id);
+        a->cap_rows = 0;
     }
 }
 
 void model_init(struct model *m, const struct backend *be, const struct model_config *cfg, int B,
-                int S, struct comm *ep_comm)
+                int S, struct comm *ep_comm, bool recompute)
 {
     memset(m, 0, sizeof *m);
     m->be = be;
@@ -116,8 +119,17 @@ void model_init(struct model *m, const struct backend *be, const struct model_co
     be->upload(m->pos, pos, (size_t)T * sizeof(int32_t));
     free(pos);
 
+    m->recompute = recompute;
     m->layers = mt_calloc((size_t)m->L, sizeof *m->layers);
-    for (int l = 0; l < m->L; l++) alloc_layer(m, &m->layers[l], config_layer_is_moe(cfg, l));
+    bool any_moe = false, any_dense = false;
+    for (int l = 0; l < m->L; l++) {
+        bool moe = config_layer_is_moe(cfg, l);
+        any_moe |= moe;
+        any_dense |= !moe;
+        m->layers[l].h_in = xalloc(m, T * H);
+        if (!recompute) alloc_layer(m, &m->layers[l], moe, !moe);
+    }
+    if (recompute) alloc_layer(m, &m->shared, any_moe, any_dense);
     m->h_final = xalloc(m, T * H);
     m->hf = xalloc(m, T * H);
     m->rstd_f = falloc(m, T);
@@ -148,6 +160,13 @@ void model_init(struct model *m, const struct backend *be, const struct model_co
     m->stats_h = mt_calloc((size_t)nstat, sizeof(float));
 }
 
+struct layer_acts *model_acts(struct model *m, int l)
+{
+    if (!m->recompute) return &m->layers[l];
+    m->shared.h_in = m->layers[l].h_in;
+    return &m->shared;
+}
+
 static void free_layer(const struct model *m, struct layer_acts *a)
 {
     const struct backend *be = m->be;
@@ -176,6 +195,10 @@ void model_free(struct model *m)
 {
     const struct backend *be = m->be;
     for (int l = 0; l < m->L; l++) free_layer(m, &m->layers[l]);
+    if (m->recompute) {
+        m->shared.h_in = NULL; /* owned by a layer, freed above */
+        free_layer(m, &m->shared);
+    }
     free(m->layers);
     for (int g = 0; g < TG_COUNT; g++) {
         be->free(m->w[g]);
@@ -275,6 +298,14 @@ void model_backward(struct model *m, float ce_scale, const float *aux_dp_host)
     be->rmsnorm_backward(m->d_h, model_grad(m, fn), m->d_t1, m->h_final, model_weight(m, fn),
                          m->rstd_f, T, H, false);
     for (int l = m->L - 1; l >= 0; l--) {
+        if (m->recompute) {
+            /* rebuild layer l's activations from its saved input; the layer output is not needed
+             * (d_t2 is free until attention_backward) */
+            m->recomputing = true;
+            attention_forward(m, l);
+            mlp_forward(m, l, m->d_t2);
+            m->recomputing = false;
+        }
         mlp_backward(m, l);
         attention_backward(m, l);
     }

@@ -86,7 +86,11 @@ struct model {
     int32_t *ids;               /* dev [T] */
     int32_t *targets;           /* dev [T] (shifted labels, MT_IGNORE_INDEX where none) */
     int32_t *pos;               /* dev [T] */
-    struct layer_acts *layers;  /* [L] */
+    struct layer_acts *layers;  /* [L]; with recompute only layers[l].h_in are allocated and
+                                 * `shared` holds the rest */
+    struct layer_acts shared;   /* recompute: one layer's activations, reused by every layer */
+    bool recompute;             /* activation checkpointing */
+    bool recomputing;           /* inside a backward's recompute: router statistics are not added */
     void *h_final;              /* [T, H] residual after the last layer */
     void *hf;                   /* [T, H] final norm output */
     float *rstd_f;              /* [T] */
@@ -111,9 +115,15 @@ struct model_step_out {
 };
 
 /* Builds the model structure and allocates working weights, gradients and activations for
- * micro-batches of B sequences × S tokens. ep_comm: the EP group (NULL for ep = 1). */
+ * micro-batches of B sequences × S tokens. ep_comm: the EP group (NULL for ep = 1).
+ * recompute (train.activation_checkpointing): keep only each layer's input and one shared set of
+ * layer activations; the backward recomputes a layer's forward from its input before its backward
+ * (the same deterministic ops, so the gradients are bit-identical to a run that kept everything). */
 void model_init(struct model *m, const struct backend *be, const struct model_config *cfg,
-                int B, int S, struct comm *ep_comm);
+                int B, int S, struct comm *ep_comm, bool recompute);
+/* The activations of layer l: its own, or the shared set holding layer l's input when
+ * recomputing. */
+struct layer_acts *model_acts(struct model *m, int l);
 void model_free(struct model *m);
 
 /* Pointers to tensor i's working weight (compute dtype) and gradient. */

@@ -44,8 +44,9 @@ static void ensure_rows(struct model *m, struct layer_acts *a, int64_t R)
             regrow(m, (void **)&a->route.regroup, cap, sizeof(int32_t));
             a->route.regroup_h = mt_realloc(a->route.regroup_h, (size_t)cap * sizeof(int32_t));
         }
-        regrow(m, &a->gu, cap * 2 * I, xs);
-        regrow(m, &a->act, cap * I, xs);
+        /* a shared (recompute) set also serves dense layers: [T, 2 Id] and [T, Id] */
+        regrow(m, &a->gu, MT_MAX(cap * 2 * I, (int64_t)m->T * 2 * m->Id), xs);
+        regrow(m, &a->act, MT_MAX(cap * I, (int64_t)m->T * m->Id), xs);
         a->cap_rows = cap;
     }
     if (R > m->d_cap_rows) {
@@ -247,7 +248,7 @@ static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out)
     be->router_forward(a->topk_idx, a->topk_w, a->probs, a->logits,
                        m->bias ? m->bias + (size_t)l * E : NULL, T, E, K, m->cfg.norm_topk_prob);
     float *st = m->stats + (size_t)l * 2 * E;
-    be->router_stats(st, st + E, a->probs, a->topk_idx, T, E, K);
+    if (!m->recomputing) be->router_stats(st, st + E, a->probs, a->topk_idx, T, E, K);
     route_plan(m, a);
 
     dispatch_rows(m, a);
@@ -278,7 +279,7 @@ static void moe_backward(struct model *m, struct layer_acts *a, int l)
 
 void mlp_forward(struct model *m, int l, void *out)
 {
-    struct layer_acts *a = &m->layers[l];
+    struct layer_acts *a = model_acts(m, l);
     m->be->rmsnorm_forward(a->m, a->rstd_m, a->h_mid, W(m, TR_MLP_NORM, l), m->T, m->H,
                            (float)m->cfg.rms_norm_eps);
     if (config_layer_is_moe(&m->cfg, l)) moe_forward(m, a, l, out);
@@ -288,7 +289,7 @@ void mlp_forward(struct model *m, int l, void *out)
 
 void mlp_backward(struct model *m, int l)
 {
-    struct layer_acts *a = &m->layers[l];
+    struct layer_acts *a = model_acts(m, l);
     /* both paths leave dL/d(norm output) in d_t1 */
     if (config_layer_is_moe(&m->cfg, l)) moe_backward(m, a, l);
     else dense_mlp_backward(m, a, l);
@@ -304,7 +305,7 @@ void mlp_backward(struct model *m, int l)
 static struct layer_acts *test_layer(struct model *m, int l)
 {
     MT_CHECK(l >= 0 && l < m->L && config_layer_is_moe(&m->cfg, l), "layer %d is not an MoE layer", l);
-    return &m->layers[l];
+    return model_acts(m, l);
 }
 
 static void copy_in(const struct model *m, void *dst, const void *src, int64_t rows)

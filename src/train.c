@@ -197,8 +197,7 @@ int cmd_train(const struct cli *a)
     ckpt_check_dir(&c, &mesh);
     char resume_dir[2 * MT_PATH_MAX];
     const bool resuming = ckpt_resume_dir(a->resume, &c, &mesh, resume_dir, sizeof resume_dir);
-    if (c.train.activation_checkpointing)
-        mt_warn0("train.activation_checkpointing is not implemented yet: activations are kept\n");
+
     if (mesh.d.pp > 1)
         mt_user_error("%s: pipeline_parallel_size %d: pipeline execution is not implemented yet "
                       "(plan and --dry-run lay it out)", c.path, mesh.d.pp);
@@ -223,7 +222,7 @@ int cmd_train(const struct cli *a)
     struct comm *ep = comm_for_backend(be, mesh.ep_comm);
     struct comm *fsdp = comm_for_backend(be, mesh.fsdp_comm);
     struct model m;
-    model_init(&m, be, &c.model, mb, tc->seq_len, ep);
+    model_init(&m, be, &c.model, mb, tc->seq_len, ep, tc->activation_checkpointing);
     const int E = m.E, L = m.L;
     if (tc->load_balance == MT_LB_BIAS && E > 0) {
         m.bias = be->alloc((size_t)L * E * sizeof(float));

@@ -164,7 +164,7 @@ int cmd_verify(const struct cli *a)
 
     const struct backend *be = backend_select(c.parallel.backend, c.model.precision, 0);
     struct model m;
-    model_init(&m, be, &c.model, B, S, NULL);
+    model_init(&m, be, &c.model, B, S, NULL, false);
     struct params p;
     params_init(&p, &m, NULL, NULL);
     float *global[TG_COUNT];

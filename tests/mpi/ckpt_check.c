@@ -230,7 +230,7 @@ int main(int argc, char **argv)
     struct comm *stage = comm_mpi_create(mesh.stage_comm), *ep = comm_mpi_create(mesh.ep_comm);
     struct comm *fsdp = comm_mpi_create(mesh.fsdp_comm);
     struct model m;
-    model_init(&m, backend_cpu(), mc, 1, 8, ep);
+    model_init(&m, backend_cpu(), mc, 1, 8, ep, false);
     struct params p;
     params_init(&p, &m, stage, fsdp);
     const int L = mc->num_hidden_layers, E = mc->num_experts;

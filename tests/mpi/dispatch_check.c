@@ -332,7 +332,7 @@ int main(int argc, char **argv)
     mc->intermediate_size = 8;
     struct comm *ep = comm_mpi_create(MPI_COMM_WORLD);
     struct model m;
-    model_init(&m, backend_cpu(), mc, 2, tokens_of(me) / 2, ep);
+    model_init(&m, backend_cpu(), mc, 2, tokens_of(me) / 2, ep, false);
     MT_CHECK(m.T == tokens_of(me) && m.T <= TMAX, "model has %d tokens", m.T);
 
     int32_t *idx = mt_malloc((size_t)m.T * K * sizeof(int32_t));

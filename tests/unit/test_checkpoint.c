@@ -63,7 +63,7 @@ static void rig_init_e(struct rig *r, int hidden, int experts, uint64_t seed, fl
 {
     memset(r, 0, sizeof *r);
     small_config(&r->c, hidden, experts);
-    model_init(&r->m, backend_cpu(), &r->c.model, 2, 8, NULL);
+    model_init(&r->m, backend_cpu(), &r->c.model, 2, 8, NULL, false);
     params_init(&r->p, &r->m, NULL, NULL);
     params_init_random(&r->p, seed);
     /* moments that look used: distinct per element, per buffer */

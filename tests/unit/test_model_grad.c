@@ -155,7 +155,7 @@ static void grad_check(const struct model_config *mc, struct grad_report *r)
     struct grad_ctx *g = mt_calloc(1, sizeof *g);
     struct model *m = &g->m;
     memset(r, 0, sizeof *r);
-    model_init(m, backend_cpu(), mc, GB, GS, NULL);
+    model_init(m, backend_cpu(), mc, GB, GS, NULL, false);
     params_init(&g->p, m, NULL, NULL);
     params_init_random(&g->p, 7);
     params_gather_weights(&g->p);
