@@ -4,6 +4,7 @@
  * tables point at the same kernels instantiated for the two element types. */
 #include "adamw.cuh"
 #include "attention.cuh"
+#include "attention_tc.cuh"
 #include "elementwise.cuh"
 #include "embedding.cuh"
 #include "expert_matmul.cuh"
@@ -57,8 +58,8 @@ template <typename T> static struct backend make_table(double peak)
     b.matmul_backward = cu_matmul_backward<T>;
     b.rope_forward = cu_rope_forward<T>;
     b.rope_backward = cu_rope_backward<T>;
-    b.attention_forward = cu_attention_forward<T>;
-    b.attention_backward = cu_attention_backward<T>;
+    b.attention_forward = cu_attention_tc_forward<T>;   /* bf16: tensor cores; fp32: attention.cu */
+    b.attention_backward = cu_attention_tc_backward<T>;
     b.router_forward = cu_router_forward<T>;
     b.router_backward = cu_router_backward<T>;
     b.router_stats = cu_router_stats;

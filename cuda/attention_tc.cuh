@@ -1,0 +1,57 @@
+/* Causal GQA flash attention on the tensor cores (bf16 mma.sync m16n8k16, fp32 accumulation), for
+ * sm_80 and later; same contract as ops.h's attention_forward / attention_backward. Handles bf16
+ * with head_dim 64 or 128 and 16-byte-aligned tensors; everything else is left to the fp32
+ * CUDA-core kernels of attention.cu (attention_tc.cu says how the kernels work).
+ *
+ * The plain C entry points (the unit tests and tools/bench_attention.c call them) need the CUDA
+ * backend initialised (backend_cuda()) and run on its stream:
+ *   attention_tc_forward / _backward   the tensor-core kernels; return false, having done
+ *                                      nothing, when the case is outside what they handle.
+ *   attention_simt_forward / _backward the fp32 CUDA-core kernels on bf16 tensors (what the bf16
+ *                                      backend ran before), kept callable for comparison.
+ * The C++ templates below are what backend_cuda.cu puts in its table: bf16 tries the tensor-core
+ * kernels first, float always takes the CUDA-core kernels. */
+#ifndef MT_CUDA_ATTENTION_TC_CUH
+#define MT_CUDA_ATTENTION_TC_CUH
+
+#include <stdbool.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* out, q: [B,S,Hq,D] bf16; k, v: [B,S,Hkv,D] bf16; lse: [B,Hq,S] fp32 */
+bool attention_tc_forward(void *out, float *lse, const void *q, const void *k, const void *v, int B,
+                          int S, int Hq, int Hkv, int D);
+/* dq: [B,S,Hq,D], dk, dv: [B,S,Hkv,D] (overwritten); dout, out: [B,S,Hq,D]; lse from the forward */
+bool attention_tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
+                           const void *k, const void *v, const void *out, const float *lse, int B,
+                           int S, int Hq, int Hkv, int D);
+
+void attention_simt_forward(void *out, float *lse, const void *q, const void *k, const void *v,
+                            int B, int S, int Hq, int Hkv, int D);
+void attention_simt_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
+                             const void *k, const void *v, const void *out, const float *lse,
+                             int B, int S, int Hq, int Hkv, int D);
+
+/* The backend's stream (a cudaStream_t), for callers that time work around these. */
+void *attention_tc_stream(void);
+
+/* Selects the forward tiling (0 = 32 query rows per warp × 4 warps, the default; 1 = 16 × 4;
+ * 2 = 16 × 8) for tests and benchmarks; out-of-range values change nothing. Returns the previous
+ * one. Not thread-safe: call it between ops. */
+int attention_tc_set_variant(int fwd);
+
+#ifdef __cplusplus
+}
+
+template <typename T>
+void cu_attention_tc_forward(void *out, float *lse, const void *q, const void *k, const void *v,
+                             int B, int S, int Hq, int Hkv, int D);
+template <typename T>
+void cu_attention_tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
+                              const void *k, const void *v, const void *out, const float *lse,
+                              int B, int S, int Hq, int Hkv, int D);
+#endif
+
+#endif
