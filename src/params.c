@@ -1,8 +1,10 @@
 #include "params.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common.h"
 
@@ -219,7 +221,67 @@ void params_load_global(struct params *p, const float *const global[TG_COUNT])
     fill_masters(p, copy_from_global, global, 0);
 }
 
-void params_init_random(struct params *p, uint64_t seed) { fill_masters(p, fill_random, NULL, seed); }
+/* Random init of a large shard is billions of hashed normals: collect the runs, cut them into
+ * pieces and let every core of the machine take some (the values depend only on the element's
+ * index, so the split changes nothing). */
+struct init_piece {
+    enum tensor_group g;
+    int i;
+    int64_t gidx, soff, len;
+};
+
+struct init_work {
+    struct host_fill *f;
+    struct init_piece *pc;
+    int64_t n, cap;
+    int n_threads, thread;
+};
+
+static void collect_piece(void *ctx, enum tensor_group g, int i, int64_t gidx, int64_t soff, int64_t len)
+{
+    struct init_work *w = ctx;
+    const int64_t piece = 1 << 20;
+    for (int64_t o = 0; o < len; o += piece) {
+        if (w->n == w->cap) {
+            w->cap = w->cap ? 2 * w->cap : 256;
+            w->pc = mt_realloc(w->pc, (size_t)w->cap * sizeof *w->pc);
+        }
+        w->pc[w->n++] = (struct init_piece){g, i, gidx + o, soff + o, MT_MIN(piece, len - o)};
+    }
+}
+
+static void *init_thread(void *arg)
+{
+    struct init_work *w = arg;
+    for (int64_t k = w->thread; k < w->n; k += w->n_threads) {
+        const struct init_piece *q = &w->pc[k];
+        fill_random(w->f, q->g, q->i, q->gidx, q->soff, q->len);
+    }
+    return NULL;
+}
+
+void params_init_random(struct params *p, uint64_t seed)
+{
+    struct host_fill f = {.p = p, .seed = seed};
+    for (int k = 0; k < TG_COUNT; k++) f.host[k] = mt_calloc((size_t)MT_MAX(p->g[k].numel, 1), sizeof(float));
+    struct init_work all = {.f = &f};
+    for_each_shard_run(p, collect_piece, &all);
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int n_threads = (int)MT_MAX(1, MT_MIN(MT_MIN(cores, 64), all.n));
+    pthread_t tid[64];
+    struct init_work w[64];
+    for (int t = 0; t < n_threads; t++) {
+        w[t] = all;
+        w[t].n_threads = n_threads;
+        w[t].thread = t;
+        if (t > 0 && pthread_create(&tid[t], NULL, init_thread, &w[t]) != 0)
+            mt_fatal("pthread_create for the parameter init failed");
+    }
+    if (n_threads > 0) init_thread(&w[0]);
+    for (int t = 1; t < n_threads; t++) pthread_join(tid[t], NULL);
+    free(all.pc);
+    upload_masters(p, &f);
+}
 
 /* Copies expert row blocks between `packed` ([F][expert shard]: what the all-gather returns and the
  * reduce-scatter takes) and the model's working layout ([n_local, d1, d2] per expert tensor), in
