@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "../test_util.h"
 #include "common.h"
 #include "config.h"
 #include "data.h"
@@ -513,16 +514,10 @@ Test(data, token_file_checked_on_read)
 
 /* ---------------- tools/make_tokens ---------------- */
 
-static const char *build_dir(void)
-{
-    const char *b = getenv("MT_BUILD");
-    return b && *b ? b : "build";
-}
-
 Test(data, make_tokens_from_text_and_synthetic)
 {
     char tool[512];
-    snprintf(tool, sizeof tool, "%s/tools/make_tokens", build_dir());
+    snprintf(tool, sizeof tool, "%s/tools/make_tokens", tu_build());
     if (access(tool, X_OK) != 0) cr_skip_test("%s not built", tool);
     char dir[64], txt[128], out[128], out2[128], cmd[1024], err[ERRCAP];
     make_tmpdir(dir);

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "../test_util.h"
 #include "mesh.h"
 
 static void small_config(struct config *c, int pp, int ep, bool outside, int layers, int experts)
@@ -223,18 +224,12 @@ Test(mesh, constraint_violations_rejected_with_reason)
 
 /* ---- real communicators under mpirun (tests/mpi/mesh_check.c) ---- */
 
-static const char *env_or(const char *name, const char *dflt)
-{
-    const char *v = getenv(name);
-    return v && *v ? v : dflt;
-}
-
 /* Runs mesh_check under mpirun; returns its exit status, stderr copied to errpath if not NULL. */
 static int run_mesh_check(int np, const char *args, const char *errpath)
 {
     char cmd[1024];
     snprintf(cmd, sizeof cmd, "timeout 120 %s -np %d %s/tests/mpi/mesh_check %s > /dev/null 2> %s",
-             env_or("MT_MPIRUN", "mpirun --oversubscribe"), np, env_or("MT_BUILD", "build"), args,
+             tu_mpirun(), np, tu_build(), args,
              errpath ? errpath : "/dev/null");
     int st = system(cmd);
     cr_assert(st != -1 && WIFEXITED(st), "could not run: %s", cmd);

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "../test_util.h"
 #include "common.h"
 #include "memory_estimate.h"
 #include "mesh.h"
@@ -327,12 +328,6 @@ Test(plan, full_table_and_groups_small_world)
 
 /* ---- the command line (needs build/moetrain and configs/) ---- */
 
-static const char *env_or(const char *name, const char *dflt)
-{
-    const char *v = getenv(name);
-    return v && *v ? v : dflt;
-}
-
 static int sh(const char *cmd)
 {
     int st = system(cmd);
@@ -365,7 +360,7 @@ Test(plan_cli, dry_run_equals_plan, .timeout = 240)
 {
     char plan_out[] = "/tmp/mt_plan_XXXXXX", dry_out[] = "/tmp/mt_dry_XXXXXX";
     cr_assert(mkstemp(plan_out) >= 0 && mkstemp(dry_out) >= 0);
-    const char *b = env_or("MT_BUILD", "build"), *mpirun = env_or("MT_MPIRUN", "mpirun --oversubscribe");
+    const char *b = tu_build(), *mpirun = tu_mpirun();
     char cmd[2048];
     snprintf(cmd, sizeof cmd,
              "%s/moetrain plan configs/tiny.yaml --world 8 --set parallel.expert_parallel_size=2 > %s",
@@ -391,7 +386,7 @@ Test(plan_cli, impossible_world_is_one_line_error)
     char cmd[1024];
     snprintf(cmd, sizeof cmd,
              "%s/moetrain plan configs/tiny.yaml --world 6 --set parallel.pipeline_parallel_size=4 "
-             ">/dev/null 2> %s", env_or("MT_BUILD", "build"), err);
+             ">/dev/null 2> %s", tu_build(), err);
     cr_assert_eq(sh(cmd), 1);
     char *text = slurp(err);
     unlink(err);
