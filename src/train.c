@@ -5,11 +5,14 @@
  *   loss = Σ token CE over the global batch / (labelled tokens in it) + coef · mean_m aux_m
  * where aux_m is transformers' load-balancing statistic pooled over every MoE layer and over the
  * global micro-batch m (all data-parallel ranks). Every gradient is the gradient of that number. */
+#include <errno.h>
 #include <math.h>
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "backend_select.h"
 #include "checkpoint.h"
@@ -169,6 +172,23 @@ static void export_final(const struct config *c, const struct mesh *mesh, const 
     for (int g = 0; g < TG_COUNT; g++) free(global[g]);
 }
 
+/* checkpoint.export_hf is written after the last step: find out now, not hours later, that it
+ * cannot be. Rank 0 creates the directory; every rank learns the verdict. */
+static void check_export_dir(const struct config *c, const struct mesh *mesh)
+{
+    const char *dir = c->checkpoint.export_hf;
+    if (!*dir) return;
+    char err[MT_PATH_MAX + 128] = "";
+    if (mesh->rank == 0) {
+        if (mkdir(dir, 0777) != 0 && errno != EEXIST)
+            snprintf(err, sizeof err, "%s: cannot create the export directory: %s", dir, strerror(errno));
+        else if (access(dir, W_OK) != 0)
+            snprintf(err, sizeof err, "%s: the export directory is not writable: %s", dir, strerror(errno));
+    }
+    MT_CHECK_MPI(MPI_Bcast(err, (int)sizeof err, MPI_CHAR, 0, mesh->world_comm));
+    if (*err) mt_user_error("%s (checkpoint.export_hf)", err);
+}
+
 /* The comm that moves tensors living in `be`'s memory. */
 static struct comm *comm_for_backend(const struct backend *be, MPI_Comm c)
 {
@@ -195,6 +215,7 @@ int cmd_train(const struct cli *a)
         return 0;
     }
     ckpt_check_dir(&c, &mesh);
+    check_export_dir(&c, &mesh);
     char resume_dir[2 * MT_PATH_MAX];
     const bool resuming = ckpt_resume_dir(a->resume, &c, &mesh, resume_dir, sizeof resume_dir);
 
