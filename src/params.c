@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "common.h"
+#include "hf_load.h"
 
 static enum comm_dtype x_dtype(const struct backend *be) { return be->x_size == 4 ? COMM_F32 : COMM_BF16; }
 static void *xat(const struct backend *be, void *p, int64_t i) { return (char *)p + (size_t)i * be->x_size; }
@@ -140,17 +141,8 @@ static void for_each_shard_run(const struct params *p, shard_run_fn fn, void *ct
 struct host_fill {
     const struct params *p;
     float *host[TG_COUNT];
-    const float *const *global;
     uint64_t seed;
 };
-
-static void copy_from_global(void *ctx, enum tensor_group g, int i, int64_t gidx, int64_t soff,
-                             int64_t len)
-{
-    struct host_fill *f = ctx;
-    const struct tensor_spec *s = &f->p->m->tt.t[i];
-    memcpy(f->host[g] + soff, f->global[g] + s->offset + gidx, (size_t)len * sizeof(float));
-}
 
 struct global_fill {
     const struct params *p;
@@ -208,17 +200,53 @@ static void upload_masters(struct params *p, struct host_fill *f)
     p->step = 0;
 }
 
-static void fill_masters(struct params *p, shard_run_fn fn, const float *const *global, uint64_t seed)
+/* Loading from Hugging Face files reads, tensor by tensor, only what this rank's shard needs: the
+ * whole tensor for the non-expert runs (at most an embedding's worth of host memory) and only the
+ * local experts for the expert runs; a 30B checkpoint never sits whole in any rank's memory. */
+struct hf_fill {
+    struct host_fill *f;
+    int tensor;            /* copy only the runs of this tensor */
+    const float *src;      /* its data: the whole tensor, or the local experts [n_local, d1, d2] */
+    int64_t base;          /* global element index of src[0] */
+};
+
+static void copy_from_tensor(void *ctx, enum tensor_group g, int i, int64_t gidx, int64_t soff,
+                             int64_t len)
 {
-    struct host_fill f = {.p = p, .global = global, .seed = seed};
-    for (int k = 0; k < TG_COUNT; k++) f.host[k] = mt_calloc((size_t)MT_MAX(p->g[k].numel, 1), sizeof(float));
-    for_each_shard_run(p, fn, &f);
-    upload_masters(p, &f);
+    struct hf_fill *h = ctx;
+    if (i != h->tensor) return;
+    memcpy(h->f->host[g] + soff, h->src + (gidx - h->base), (size_t)len * sizeof(float));
 }
 
-void params_load_global(struct params *p, const float *const global[TG_COUNT])
+bool params_load_hf(struct params *p, const char *model_dir, char *err, int errcap)
 {
-    fill_masters(p, copy_from_global, global, 0);
+    const struct model *m = p->m;
+    struct hf_source *src = hf_open(model_dir, err, errcap);
+    if (!src) return false;
+    struct host_fill f = {.p = p};
+    for (int k = 0; k < TG_COUNT; k++) f.host[k] = mt_calloc((size_t)MT_MAX(p->g[k].numel, 1), sizeof(float));
+    bool ok = true;
+    for (int i = 0; i < m->tt.n && ok; i++) {
+        const struct tensor_spec *s = &m->tt.t[i];
+        bool expert = s->kind == TK_EXPERT;
+        int64_t n = expert ? s->numel / s->shape[0] * m->n_local_experts : s->numel;
+        float *buf = mt_malloc((size_t)MT_MAX(n, 1) * sizeof(float));
+        ok = hf_read_tensor(src, s, expert ? m->expert0 : 0, expert ? m->n_local_experts : 1, buf, err, errcap);
+        if (ok) {
+            struct hf_fill h = {&f, i, buf, expert ? (int64_t)m->expert0 * s->shape[1] * s->shape[2] : 0};
+            for_each_shard_run(p, copy_from_tensor, &h);
+        }
+        free(buf);
+    }
+    int unused = hf_count_unused(src);
+    hf_close(src);
+    if (!ok) {
+        for (int k = 0; k < TG_COUNT; k++) free(f.host[k]);
+        return false;
+    }
+    if (unused > 0) mt_warn0("%s: %d tensor(s) in the files are not used by this model\n", model_dir, unused);
+    upload_masters(p, &f);
+    return true;
 }
 
 /* Random init of a large shard is billions of hashed normals: collect the runs, cut them into

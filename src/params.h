@@ -49,9 +49,9 @@ struct params {
 void params_init(struct params *p, struct model *m, struct comm *stage, struct comm *fsdp);
 void params_free(struct params *p);
 
-/* Fill the master shards from fp32 tensors in the GLOBAL layout of the tensor table (every expert,
- * host memory, group buffers as tt offsets), e.g. loaded Hugging Face weights. */
-void params_load_global(struct params *p, const float *const global[TG_COUNT]);
+/* Fill the master shards from a Hugging Face model directory (or .safetensors file), reading only
+ * the tensors' parts this rank holds. false + one-line message in err on any problem. */
+bool params_load_hf(struct params *p, const char *model_dir, char *err, int errcap);
 /* Seeded random init as transformers does it: normal(0, initializer_range) for matrices, the
  * router and experts; 1 for norms. Each element's value depends only on (seed, tensor, index),
  * so every mesh initialises the same model. */

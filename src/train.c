@@ -6,6 +6,7 @@
  * where aux_m is transformers' load-balancing statistic pooled over every MoE layer and over the
  * global micro-batch m (all data-parallel ranks). Every gradient is the gradient of that number. */
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <mpi.h>
 #include <stdio.h>
@@ -189,6 +190,19 @@ static void check_export_dir(const struct config *c, const struct mesh *mesh)
     if (*err) mt_user_error("%s (checkpoint.export_hf)", err);
 }
 
+/* A check some ranks may fail alone (each reads different parts of a file): every rank learns the
+ * lowest failing rank's one-line message and exits with it, so none is left waiting. */
+static void agree_or_exit(const struct mesh *mesh, bool ok, const char *err)
+{
+    int mine = ok ? INT_MAX : mesh->rank, first = INT_MAX;
+    MT_CHECK_MPI(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, mesh->world_comm));
+    if (first == INT_MAX) return;
+    char msg[1024];
+    if (mesh->rank == first) mt_strlcpy(msg, err, sizeof msg);
+    MT_CHECK_MPI(MPI_Bcast(msg, (int)sizeof msg, MPI_CHAR, first, mesh->world_comm));
+    mt_user_error("%s", msg);
+}
+
 /* The comm that moves tensors living in `be`'s memory. */
 static struct comm *comm_for_backend(const struct backend *be, MPI_Comm c)
 {
@@ -262,12 +276,8 @@ int cmd_train(const struct cli *a)
             mt_user_error("%s", err);
         if (m.bias) be->upload(m.bias, bias_h, (size_t)L * E * sizeof(float));
     } else if (*c.model.init_from) {
-        float *global[TG_COUNT];
-        for (int g = 0; g < TG_COUNT; g++)
-            global[g] = mt_calloc((size_t)MT_MAX(m.tt.group_numel[g], 1), sizeof(float));
-        if (!hf_load_weights(c.model.init_from, &m.tt, global, err, sizeof err)) mt_fatal("%s", err);
-        params_load_global(&p, (const float *const *)global);
-        for (int g = 0; g < TG_COUNT; g++) free(global[g]);
+        err[0] = 0;
+        agree_or_exit(&mesh, params_load_hf(&p, c.model.init_from, err, sizeof err), err);
     } else {
         params_init_random(&p, tc->seed);
     }

@@ -167,10 +167,7 @@ int cmd_verify(const struct cli *a)
     model_init(&m, be, &c.model, B, S, NULL, false);
     struct params p;
     params_init(&p, &m, NULL, NULL);
-    float *global[TG_COUNT];
-    for (int g = 0; g < TG_COUNT; g++) global[g] = mt_calloc((size_t)MT_MAX(m.tt.group_numel[g], 1), sizeof(float));
-    if (!hf_load_weights(dir, &m.tt, global, err, sizeof err)) mt_user_error("%s", err);
-    params_load_global(&p, (const float *const *)global);
+    if (!params_load_hf(&p, dir, err, sizeof err)) mt_user_error("%s", err);
     params_gather_weights(&p);
 
     struct model_step_out o;
@@ -230,10 +227,7 @@ int cmd_verify(const struct cli *a)
     printf("%s: %d of %d tensors within %.1e (worst %.3e)\n", failed ? "FAILED" : "PASSED",
            checked - failed, checked, v.tol, worst);
 
-    for (int g = 0; g < TG_COUNT; g++) {
-        free(grad[g]);
-        free(global[g]);
-    }
+    for (int g = 0; g < TG_COUNT; g++) free(grad[g]);
     free(logits); free(cnt); free(aux_dp); free(ids64); free(lab64); free(ids); free(labels);
     params_free(&p);
     model_free(&m);

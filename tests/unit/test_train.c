@@ -376,3 +376,39 @@ Test(train, activation_checkpointing_changes_nothing, .timeout = 300)
     st_close(y);
     tu_run("rm -rf /tmp/mt_ac_*", NULL);
 }
+
+/* model.init_from a Hugging Face directory: each rank reads only its shard's parts (its experts,
+ * its rows); 4 ranks as EP=2 x EP_FSDP=2 start from, and train like, the single-rank run. */
+Test(train, init_from_hf_is_the_same_model_on_every_mesh, .timeout = 300)
+{
+    char cmd[2048], *out = NULL;
+    double one[4], four[4];
+    for (int np = 1; np <= 4; np += 3) {
+        snprintf(cmd, sizeof cmd, "timeout 240 %s -np %d %s/moetrain train configs/tiny.yaml --backend cpu "
+                 "--set model.hf_config=" FIXTURE "/config.json --set model.init_from=" FIXTURE " "
+                 "--set parallel.expert_parallel_size=%d --set train.steps=3 --set train.global_batch_size=8 "
+                 "--set train.micro_batch_size=%d --set log.metrics=/tmp/mt_hfinit_%d.jsonl",
+                 tu_mpirun(), np, tu_build(), np == 1 ? 1 : 2, 8 / np, np);
+        cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+        cr_expect(strstr(out, "weights from " FIXTURE), "%s", out);
+        free(out);
+    }
+    cr_assert_eq(tu_read_losses("/tmp/mt_hfinit_1.jsonl", one, 4), 3);
+    cr_assert_eq(tu_read_losses("/tmp/mt_hfinit_4.jsonl", four, 4), 3);
+    for (int s = 0; s < 3; s++)
+        cr_expect(fabs(one[s] - four[s]) <= 1e-5 * one[s], "step %d: %.8f vs %.8f", s + 1, one[s], four[s]);
+    tu_run("rm -f /tmp/mt_hfinit_*.jsonl", NULL);
+}
+
+Test(train, init_from_a_missing_directory_is_one_line_on_every_rank, .timeout = 120)
+{
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd, "timeout 100 %s -np 2 %s/moetrain train configs/tiny.yaml --backend cpu "
+             "--set model.init_from=/nonexistent/model --set parallel.expert_parallel_size=2",
+             tu_mpirun(), tu_build());
+    int rc = tu_run(cmd, &out);
+    cr_expect(rc != 0 && rc != 124, "rc %d:\n%s", rc, out);
+    const char *hit = strstr(out, "moetrain: error: /nonexistent/model");
+    cr_expect(hit && !strstr(hit + 1, "moetrain: error:"), "expected exactly one error line:\n%s", out);
+    free(out);
+}
