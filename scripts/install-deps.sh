@@ -6,13 +6,15 @@
 set -euo pipefail
 missing=()
 have_pc() { pkg-config --exists "$1" 2>/dev/null; }
+# a header the C compiler finds (CPATH and the HDF5 serial include dir count)
+have_h() { printf '#include <%s>\n' "$1" | cc -E -x c - -I/usr/include/hdf5/serial >/dev/null 2>&1; }
 command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 command -v cc >/dev/null 2>&1 && command -v make >/dev/null 2>&1 || missing+=(build-essential)
 command -v mpicc >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin libopenmpi-dev)
-have_pc yaml-0.1 || missing+=(libyaml-dev)
-have_pc jansson || missing+=(libjansson-dev)
-have_pc criterion || missing+=(libcriterion-dev)
-have_pc hdf5 || [ -f /usr/include/hdf5/serial/hdf5.h ] || missing+=(libhdf5-dev)
+have_pc yaml-0.1 || have_h yaml.h || missing+=(libyaml-dev)
+have_pc jansson || have_h jansson.h || missing+=(libjansson-dev)
+have_pc criterion || have_h criterion/criterion.h || missing+=(libcriterion-dev)
+have_pc hdf5 || have_h hdf5.h || missing+=(libhdf5-dev)
 [ ${#missing[@]} -eq 0 ] && exit 0
 echo "moetrain: installing missing packages: ${missing[*]}"
 sudo=""
