@@ -74,5 +74,7 @@ bool ckpt_load_checked(const char *dir, struct params *p, const struct mesh *mes
 /* Not collective: whether dir looks like a checkpoint directory (holds a manifest.h5), e.g. to
  * tell a checkpoint from a Hugging Face directory in model.init_from. */
 bool ckpt_is_checkpoint(const char *dir);
+/* The config a checkpoint was saved with (its manifest's YAML), with `sets` applied after it. */
+bool ckpt_read_config(const char *dir, int n_sets, char **sets, struct config *c, char *err, int cap);
 
 #endif

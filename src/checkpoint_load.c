@@ -168,6 +168,33 @@ static bool read_manifest(const char *dir, const struct config *c, struct manife
     return ok;
 }
 
+bool ckpt_read_config(const char *dir, int n_sets, char **sets, struct config *c, char *err, int cap)
+{
+    char path[MT_PATH_MAX * 2], marker[MT_PATH_MAX * 2];
+    ck_path(path, sizeof path, "%s/%s", dir, CK_MANIFEST);
+    ck_path(marker, sizeof marker, "%s/%s", dir, CK_COMPLETE);
+    if (!ck_file_exists(path) || !ck_file_exists(marker))
+        return ck_errf(err, cap, "%s is not a complete checkpoint (no %s or %s)", dir, CK_MANIFEST, CK_COMPLETE);
+    hid_t f = open_ro(path, "the manifest", err, cap);
+    if (f < 0) return false;
+    bool ok = false;
+    if (!link_exists(f, "config_yaml")) {
+        ck_errf(err, cap, "%s: no 'config_yaml' dataset", path);
+    } else {
+        hid_t d = CK_H5(H5Dopen2(f, "config_yaml", H5P_DEFAULT));
+        hid_t t = CK_H5(H5Dget_type(d));
+        size_t len = H5Tget_size(t);
+        char *yaml = mt_calloc(len + 1, 1);
+        CK_H5(H5Dread(d, t, H5S_ALL, H5S_ALL, H5P_DEFAULT, yaml));
+        ok = config_load_string_checked(c, path, yaml, strlen(yaml), n_sets, sets, err, cap);
+        free(yaml);
+        CK_H5(H5Tclose(t));
+        CK_H5(H5Dclose(d));
+    }
+    CK_H5(H5Fclose(f));
+    return ok;
+}
+
 /* --- phase 2: the index of the old rank files ---------------------------------------------- */
 
 struct name_slot {

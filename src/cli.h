@@ -22,5 +22,7 @@ struct cli {
 int cmd_train(const struct cli *a);
 int cmd_plan(const struct cli *a);
 int cmd_verify(const struct cli *a);
+/* export CHECKPOINT OUT_DIR: model_dir = the checkpoint, reference = the output directory */
+int cmd_export(const struct cli *a);
 
 #endif

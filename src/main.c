@@ -13,6 +13,7 @@ static void usage(FILE *f)
             "  moetrain train  CONFIG.yaml [--set section.key=value ...] [--resume auto|DIR] [--dry-run]\n"
             "  moetrain plan   CONFIG.yaml --world N [--gpus-per-node G] [--set ...]\n"
             "  moetrain verify MODEL_DIR REFERENCE.safetensors [--tolerance X] [--set ...]\n"
+            "  moetrain export CHECKPOINT_DIR OUT_DIR           (checkpoint -> Hugging Face directory)\n"
             "common options: --backend cpu|cuda|auto   --help\n"
             "Launch on many ranks with: mpirun -np N moetrain train CONFIG.yaml (or srun).\n");
 }
@@ -91,8 +92,13 @@ int main(int argc, char **argv)
         a.model_dir = pos[0];
         a.reference = pos[1];
         rc = cmd_verify(&a);
+    } else if (!strcmp(a.command, "export")) {
+        if (npos != 2) mt_user_error("export needs CHECKPOINT_DIR and OUT_DIR (see moetrain --help)");
+        a.model_dir = pos[0];
+        a.reference = pos[1];
+        rc = cmd_export(&a);
     } else {
-        mt_user_error("unknown command '%s' (expected train, plan or verify)", a.command);
+        mt_user_error("unknown command '%s' (expected train, plan, verify or export)", a.command);
     }
     free(a.sets);
     return rc;

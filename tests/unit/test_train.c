@@ -412,3 +412,23 @@ Test(train, init_from_a_missing_directory_is_one_line_on_every_rank, .timeout = 
     cr_expect(hit && !strstr(hit + 1, "moetrain: error:"), "expected exactly one error line:\n%s", out);
     free(out);
 }
+
+/* `moetrain export`: a checkpoint saved by 4 ranks (EP=2 x EP_FSDP=2) becomes the same Hugging Face
+ * files, byte for byte, as the training run's own export of the same step. */
+Test(train, export_a_checkpoint_to_hf, .timeout = 300)
+{
+    char cmd[2048], *out = NULL;
+    snprintf(cmd, sizeof cmd, "rm -rf /tmp/mt_export && timeout 240 %s -np 4 %s/moetrain train configs/tiny.yaml "
+             "--backend cpu --set train.steps=3 --set parallel.expert_parallel_size=2 "
+             "--set checkpoint.dir=/tmp/mt_export/ck --set checkpoint.export_hf=/tmp/mt_export/final && "
+             "%s/moetrain export /tmp/mt_export/ck/step_00000003 /tmp/mt_export/conv && "
+             "cmp /tmp/mt_export/conv/model.safetensors /tmp/mt_export/final/model.safetensors && "
+             "%s/moetrain export /tmp/mt_export/ck /tmp/mt_export/bad", tu_mpirun(), tu_build(), tu_build(), tu_build());
+    int rc = tu_run(cmd, &out);
+    /* everything up to the last command succeeds; exporting the checkpoint ROOT is a one-line error */
+    cr_expect_eq(rc, 1, "%s", out);
+    cr_expect(strstr(out, "exported step 3 of /tmp/mt_export/ck/step_00000003"), "%s", out);
+    cr_expect(strstr(out, "moetrain: error: /tmp/mt_export/ck is not a complete checkpoint"), "%s", out);
+    free(out);
+    tu_run("rm -rf /tmp/mt_export", NULL);
+}
