@@ -62,6 +62,14 @@ mpirun --oversubscribe -np 1 "$BUILD/moetrain" train "$CONFIG" --set train.steps
 split=$(grep '^    time:' "$OUT/moetrain_profile.log" | tail -1 | sed 's/^    time: //')
 echo "  time split: ${split:-unavailable}"
 
+a2a=""
+if [ "$ngpu" -ge 2 ]; then
+    echo "bench: dispatch all-to-all micro-benchmark on 2 GPUs ..."
+    make --no-print-directory BUILD="$BUILD" "$BUILD/tools/bench_alltoall" > /dev/null
+    a2a=$(mpirun --oversubscribe -np 2 "$BUILD/tools/bench_alltoall" 8192 20 2>&1 | tail -1)
+    echo "  $a2a"
+fi
+
 echo "bench: PyTorch baseline (torch.compile, grouped_mm) ..."
 if run_sampled baseline env LAYERS=8 SEQ=4096 BATCH=2 ACCUM=8 COMPILE="${BASELINE_COMPILE:-1}" \
         python3 tools/hf_baseline.py; then
@@ -90,3 +98,4 @@ for name, r, key in (("moetrain 1 GPU", one, "tok_s_per_gpu"), ("moetrain 2 GPU 
     print(f"{name:<22}{t:>12.0f}{100 * mfu:>7.1f}%{mem:>10.1f}{ratio:>13}")
 PY
 echo "moetrain 1 GPU time split (profiled step): ${split:-unavailable}" | tee -a "$OUT/summary.txt"
+[ -n "$a2a" ] && echo "$a2a" | tee -a "$OUT/summary.txt"

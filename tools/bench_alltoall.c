@@ -1,0 +1,109 @@
+/* Micro-benchmark of the MoE dispatch traffic: the variable all-to-all of token rows through the
+ * comm layer (NCCL on GPUs, MPI on the CPU), at the size of one Qwen3-30B-A3B layer's dispatch:
+ * T tokens x top-8 rows of hidden 2048 in bf16 per rank, spread evenly over the EP ranks.
+ *
+ *   mpirun -np 2 build/tools/bench_alltoall [tokens_per_rank [reps]]   (default 8192 tokens, 20)
+ *
+ * Reports, per rank pair direction, the bytes that cross to OTHER ranks over the median time of
+ * one all-to-all (the issue's "GB/s per direction"). Payloads are random and checked once: every
+ * received row carries its sender's tag. Without a GPU the MPI implementation is measured. */
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm.h"
+#include "common.h"
+#include "ops.h"
+#ifdef MT_HAVE_NCCL
+#include "comm_nccl.h"
+#endif
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int main(int argc, char **argv)
+{
+    MT_CHECK_MPI(MPI_Init(&argc, &argv));
+    int rank = mt_rank(), P = mt_world();
+    const int64_t tokens = argc > 1 ? atoll(argv[1]) : 8192;
+    const int reps = argc > 2 ? atoi(argv[2]) : 20;
+    const int64_t H = 2048, K = 8, rows = tokens * K;
+    MPI_Comm node;
+    int local = 0;
+    MT_CHECK_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+    MT_CHECK_MPI(MPI_Comm_rank(node, &local));
+    const struct backend *be = backend_cuda(false, local);
+    struct comm *c = NULL;
+#ifdef MT_HAVE_NCCL
+    if (be) c = comm_nccl_create(MPI_COMM_WORLD);
+#endif
+    if (!be) be = backend_cpu();
+    if (!c) c = comm_mpi_create(MPI_COMM_WORLD);
+    enum comm_dtype dt = be->x_size == 2 ? COMM_BF16 : COMM_F32;
+    size_t es = be->x_size;
+
+    int64_t *counts = mt_malloc((size_t)P * sizeof(int64_t));
+    for (int r = 0; r < P; r++) counts[r] = (rows / P + (r < rows % P)) * H;
+    int64_t total = 0;
+    for (int r = 0; r < P; r++) total += counts[r];
+    /* every rank sends the same split, so what a rank receives from each peer is counts[rank] */
+    int64_t *recv_counts = mt_malloc((size_t)P * sizeof(int64_t));
+    for (int r = 0; r < P; r++) recv_counts[r] = counts[rank];
+    int64_t recv_total = (int64_t)P * counts[rank];
+
+    /* payload: fp32 tag = sender rank + 0.25 * (destination block), cast to the compute dtype */
+    float *host = mt_malloc((size_t)MT_MAX(total, recv_total) * sizeof(float));
+    int64_t o = 0;
+    for (int r = 0; r < P; r++)
+        for (int64_t i = 0; i < counts[r]; i++) host[o++] = (float)rank + 0.25f * (float)(r % 4);
+    float *tmp = be->alloc((size_t)total * sizeof(float));
+    void *send = be->alloc((size_t)total * es), *recv = be->alloc((size_t)recv_total * es);
+    be->upload(tmp, host, (size_t)total * sizeof(float));
+    be->cast_f32_to_x(send, tmp, (size_t)total);
+    be->free(tmp);
+
+    comm_all_to_all_v(c, recv, recv_counts, send, counts, dt);
+    float *back = be->alloc((size_t)recv_total * sizeof(float));
+    be->cast_x_to_f32(back, recv, (size_t)recv_total);
+    be->download(host, back, (size_t)recv_total * sizeof(float));
+    be->free(back);
+    int64_t bad = 0;
+    o = 0;
+    for (int s = 0; s < P; s++)
+        for (int64_t i = 0; i < recv_counts[s]; i++)
+            bad += host[o++] != (float)s + 0.25f * (float)(rank % 4);
+    MT_CHECK(bad == 0, "all-to-all delivered %lld wrong elements", (long long)bad);
+
+    double *ms = mt_malloc((size_t)reps * sizeof(double));
+    for (int it = 0; it < 3; it++) comm_all_to_all_v(c, recv, recv_counts, send, counts, dt);
+    for (int it = 0; it < reps; it++) {
+        be->sync();
+        MT_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
+        double t0 = mt_now();
+        comm_all_to_all_v(c, recv, recv_counts, send, counts, dt);
+        be->sync();
+        ms[it] = 1e3 * (mt_now() - t0);
+    }
+    qsort(ms, (size_t)reps, sizeof *ms, cmp_double);
+    double med = ms[reps / 2];
+    double cross = (double)(total - counts[rank]) * (double)es; /* bytes leaving this rank */
+    if (rank == 0)
+        printf("all-to-all over %d ranks (%s, %s): %lld tokens x top-%lld x %lld per rank, %.1f MB leave "
+               "each rank; median %.3f ms -> %.1f GB/s per direction per rank\n",
+               P, be->name, es == 2 ? "bf16" : "fp32", (long long)tokens, (long long)K, (long long)H,
+               cross / 1e6, med, cross / (med * 1e-3) / 1e9);
+    be->free(send);
+    be->free(recv);
+    free(host);
+    free(ms);
+    free(counts);
+    free(recv_counts);
+    comm_free(c);
+    MT_CHECK_MPI(MPI_Comm_free(&node));
+    MT_CHECK_MPI(MPI_Finalize());
+    return 0;
+}
