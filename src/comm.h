@@ -39,6 +39,8 @@ struct comm_ops {
 };
 
 size_t comm_dtype_size(enum comm_dtype t);
+/* The comm type of a backend's compute dtype (x_size 4: fp32, 2: bf16). */
+static inline enum comm_dtype comm_dtype_of_x(size_t x_size) { return x_size == 4 ? COMM_F32 : COMM_BF16; }
 
 /* Profiling (profile.c): when set, every collective below runs between begin() and end(). */
 void comm_set_timer(void (*begin)(void), void (*end)(void));

@@ -14,4 +14,11 @@ bool hf_write_config_json(const char *path, const struct model_config *m, char *
 bool hf_export_model(const char *dir, const struct model_config *m, const struct tensor_table *tt,
                      const float *const global[TG_COUNT], char *err, int errcap);
 
+struct params;
+struct mesh;
+/* Collective over the mesh's world: gathers the fp32 master shards of every rank and rank 0 writes
+ * them to dir with hf_export_model (the others return true). */
+bool export_params_hf(const struct params *p, const struct mesh *mesh, const struct model_config *m,
+                      const char *dir, char *err, int errcap);
+
 #endif

@@ -16,7 +16,6 @@
 static void *W(const struct model *m, enum tensor_role r, int l) { return model_weight(m, tensor_lookup(&m->tt, r, l)); }
 static float *G(const struct model *m, enum tensor_role r, int l) { return model_grad(m, tensor_lookup(&m->tt, r, l)); }
 
-static enum comm_dtype x_dtype(const struct model *m) { return m->be->x_size == 4 ? COMM_F32 : COMM_BF16; }
 
 static void regrow(const struct model *m, void **p, int64_t elems, size_t elem_size)
 {
@@ -155,7 +154,7 @@ static void exchange_rows(struct model *m, void *recv, const int64_t *counts_in,
         in[s] = counts_in[s] * m->H;
         out[s] = counts_out[s] * m->H;
     }
-    comm_all_to_all_v(m->ep_comm, recv, in, send, out, x_dtype(m));
+    comm_all_to_all_v(m->ep_comm, recv, in, send, out, comm_dtype_of_x(m->be->x_size));
 }
 
 static void dense_mlp_forward(struct model *m, struct layer_acts *a, int l, void *out)

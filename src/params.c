@@ -9,7 +9,6 @@
 #include "common.h"
 #include "hf_load.h"
 
-static enum comm_dtype x_dtype(const struct backend *be) { return be->x_size == 4 ? COMM_F32 : COMM_BF16; }
 static void *xat(const struct backend *be, void *p, int64_t i) { return (char *)p + (size_t)i * be->x_size; }
 
 /* A group of one rank holds its whole working layout as its shard (same order, no padding), so
@@ -341,11 +340,11 @@ void params_gather_weights(struct params *p)
     const struct backend *be = m->be;
     struct param_group_shard *gd = &p->g[TG_DENSE], *ge = &p->g[TG_EXPERT];
     if (!gd->aliased) {
-        comm_all_gather(p->stage, gd->gather_x, gd->param_x, (size_t)gd->numel, x_dtype(be));
+        comm_all_gather(p->stage, gd->gather_x, gd->param_x, (size_t)gd->numel, comm_dtype_of_x(be->x_size));
         be->copy(m->w[TG_DENSE], gd->gather_x, (size_t)m->work_numel[TG_DENSE] * be->x_size);
     }
     if (ge->numel == 0 || ge->aliased) return;
-    comm_all_gather(p->fsdp, ge->gather_x, ge->param_x, (size_t)ge->numel, x_dtype(be));
+    comm_all_gather(p->fsdp, ge->gather_x, ge->param_x, (size_t)ge->numel, comm_dtype_of_x(be->x_size));
     expert_blocks_copy(p, ge->gather_x, m->w[TG_EXPERT], be->x_size, true);
 }
 

@@ -47,8 +47,7 @@ double train_lr_at(const struct train_config *t, int step)
 }
 
 void aux_from_stats(const float *stats, int n_layers_all, const struct model_config *mc,
-                    int64_t tokens, double *aux, double *count_out /*[E] or NULL*/,
-                    double *psum_out /*[E] or NULL*/)
+                    int64_t tokens, double *aux, double *count_out /*[E] or NULL*/)
 {
     const int E = mc->num_experts;
     double *cnt = mt_calloc((size_t)E, sizeof(double)), *ps = mt_calloc((size_t)E, sizeof(double));
@@ -66,7 +65,6 @@ void aux_from_stats(const float *stats, int n_layers_all, const struct model_con
     for (int e = 0; e < E; e++) a += (cnt[e] / rows) * (ps[e] / rows);
     *aux = n_moe > 0 ? E * a : 0;
     if (count_out) memcpy(count_out, cnt, (size_t)E * sizeof(double));
-    if (psum_out) memcpy(psum_out, ps, (size_t)E * sizeof(double));
     free(cnt);
     free(ps);
 }
@@ -153,24 +151,6 @@ static void load_summary(const struct model *m, const double *counts /*[L, E]*/,
         cv[k] = sqrt(sq / E);
         k++;
     }
-}
-
-/* checkpoint.export_hf: the final fp32 weights as a Hugging Face model directory (rank 0 writes) */
-static void export_final(const struct config *c, const struct mesh *mesh, const struct params *p)
-{
-    const struct tensor_table *tt = &p->m->tt;
-    float *global[TG_COUNT] = {NULL, NULL};
-    if (mesh->rank == 0)
-        for (int g = 0; g < TG_COUNT; g++)
-            global[g] = mt_calloc((size_t)MT_MAX(tt->group_numel[g], 1), sizeof(float));
-    params_gather_global(p, mesh, global);
-    if (mesh->rank == 0) {
-        char err[1024];
-        if (!hf_export_model(c->checkpoint.export_hf, &c->model, tt, (const float *const *)global, err, sizeof err))
-            mt_fatal("%s", err);
-        mt_log0("exported the final weights to %s (Hugging Face layout)\n", c->checkpoint.export_hf);
-    }
-    for (int g = 0; g < TG_COUNT; g++) free(global[g]);
 }
 
 /* checkpoint.export_hf is written after the last step: find out now, not hours later, that it
@@ -327,7 +307,7 @@ int cmd_train(const struct cli *a)
             if (E > 0) {
                 comm_all_reduce_sum(stage_h, m.stats_h, nstat, COMM_F32);
                 double aux_m;
-                aux_from_stats(m.stats_h, L, &c.model, tokens_micro_global, &aux_m, cnt, NULL);
+                aux_from_stats(m.stats_h, L, &c.model, tokens_micro_global, &aux_m, cnt);
                 aux_sum += aux_m;
                 aux_grad_from_counts(cnt, E, m.n_moe_layers, tokens_micro_global, coef / n_micro, aux_dp);
                 for (int l = 0; l < L; l++)
@@ -376,7 +356,10 @@ int cmd_train(const struct cli *a)
         if (ckpt_due(&c, step)) ckpt_save(c.checkpoint.dir, step, &p, &mesh, &c, m.bias ? bias_h : NULL);
     }
     mt_log0("done: %d steps in %.1f s\n", tc->steps - start_step, mt_now() - t_start);
-    if (*c.checkpoint.export_hf) export_final(&c, &mesh, &p);
+    if (*c.checkpoint.export_hf) {
+        if (!export_params_hf(&p, &mesh, &c.model, c.checkpoint.export_hf, err, sizeof err)) mt_fatal("%s", err);
+        mt_log0("exported the final weights to %s (Hugging Face layout)\n", c.checkpoint.export_hf);
+    }
     metrics_close(&ml);
     free(ids); free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv);
     free(tok); free(bias_h);

@@ -13,7 +13,7 @@ double train_lr_at(const struct train_config *t, int step);
  * count, summed over `tokens` tokens of every MoE layer): aux = E Σ_e F_e P̄_e with
  * F_e = count_e / rows, P̄_e = psum_e / rows, rows = (MoE layers) × tokens. */
 void aux_from_stats(const float *stats, int n_layers_all, const struct model_config *mc,
-                    int64_t tokens, double *aux, double *count_out, double *psum_out);
+                    int64_t tokens, double *aux, double *count_out);
 /* d(scale · aux)/dP[row, e] = scale · E · count_e / rows², the same for every row. */
 void aux_grad_from_counts(const double *count, int E, int n_moe, int64_t tokens, double scale,
                           float *aux_dp);

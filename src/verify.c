@@ -183,7 +183,7 @@ int cmd_verify(const struct cli *a)
     double aux = 0, *cnt = mt_calloc((size_t)MT_MAX(m.E, 1), sizeof(double));
     float *aux_dp = mt_calloc((size_t)MT_MAX(m.E, 1), sizeof(float));
     if (m.E > 0) {
-        aux_from_stats(m.stats_h, m.L, &c.model, T, &aux, cnt, NULL);
+        aux_from_stats(m.stats_h, m.L, &c.model, T, &aux, cnt);
         aux_grad_from_counts(cnt, m.E, m.n_moe_layers, T, c.model.router_aux_loss_coef, aux_dp);
     }
     if (o.n_valid == 0) mt_user_error("%s: every label is ignored; the loss is undefined", a->reference);

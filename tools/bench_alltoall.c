@@ -43,7 +43,7 @@ int main(int argc, char **argv)
 #endif
     if (!be) be = backend_cpu();
     if (!c) c = comm_mpi_create(MPI_COMM_WORLD);
-    enum comm_dtype dt = be->x_size == 2 ? COMM_BF16 : COMM_F32;
+    enum comm_dtype dt = comm_dtype_of_x(be->x_size);
     size_t es = be->x_size;
 
     int64_t *counts = mt_malloc((size_t)P * sizeof(int64_t));

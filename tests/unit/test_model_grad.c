@@ -78,7 +78,7 @@ static double loss_of(struct grad_ctx *g)
     struct model_step_out o;
     model_forward(m, g->ids, g->labels, &o);
     double aux = 0;
-    if (m->E > 0) aux_from_stats(m->stats_h, m->L, &m->cfg, m->T, &aux, NULL, NULL);
+    if (m->E > 0) aux_from_stats(m->stats_h, m->L, &m->cfg, m->T, &aux, NULL);
     return o.ce_sum / (double)o.n_valid + m->cfg.router_aux_loss_coef * aux;
 }
 
@@ -184,7 +184,7 @@ static void grad_check(const struct model_config *mc, struct grad_report *r)
     float *aux_dp = NULL;
     if (m->E > 0) {
         double aux, *cnt = mt_calloc((size_t)m->E, sizeof(double));
-        aux_from_stats(m->stats_h, m->L, mc, m->T, &aux, cnt, NULL);
+        aux_from_stats(m->stats_h, m->L, mc, m->T, &aux, cnt);
         aux_dp = mt_calloc((size_t)m->E, sizeof(float));
         aux_grad_from_counts(cnt, m->E, m->n_moe_layers, m->T, mc->router_aux_loss_coef, aux_dp);
         free(cnt);

@@ -72,7 +72,7 @@ Test(train, aux_is_top_k_for_perfectly_uniform_routing)
             stats[l * 2 * E + E + e] = (float)T * k / E;  /* count: k choices spread evenly */
         }
     double aux;
-    aux_from_stats(stats, L, &m, T, &aux, NULL, NULL);
+    aux_from_stats(stats, L, &m, T, &aux, NULL);
     cr_expect_float_eq(aux, 2.0, 1e-9);
 }
 
@@ -90,7 +90,7 @@ Test(train, aux_gradient_matches_finite_differences_of_the_statistic)
             stats[l * 2 * E + E + e] = (float)((s >> 8) % 7);
         }
     double aux, cnt[8];
-    aux_from_stats(stats, L, &m, T, &aux, cnt, NULL);
+    aux_from_stats(stats, L, &m, T, &aux, cnt);
     float g[8];
     aux_grad_from_counts(cnt, E, L, T, 1.0, g);
     for (int e = 0; e < E; e++) {
@@ -99,7 +99,7 @@ Test(train, aux_gradient_matches_finite_differences_of_the_statistic)
         float saved = stats[e];
         stats[e] = saved + h;
         double up;
-        aux_from_stats(stats, L, &m, T, &up, NULL, NULL);
+        aux_from_stats(stats, L, &m, T, &up, NULL);
         stats[e] = saved;
         cr_expect(fabs((up - aux) / h - g[e]) <= 1e-6 + 1e-4 * fabs(g[e]), "expert %d: fd %g vs %g", e,
                   (up - aux) / h, (double)g[e]);
