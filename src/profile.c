@@ -1,5 +1,6 @@
 #include "profile.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "comm.h"
@@ -9,6 +10,27 @@ static const struct backend *inner;
 static struct backend wrapped;
 static double acc[PROF_COUNT];
 static double t_begin;
+
+/* per op and shape key: where inside a category the time goes */
+enum { MAX_OP_ROWS = 128 };
+static struct op_row {
+    const char *name;
+    long key;
+    double secs;
+    int calls;
+} rows[MAX_OP_ROWS];
+static int n_rows;
+
+static void add_op(const char *name, long key, double secs)
+{
+    for (int i = 0; i < n_rows; i++)
+        if (rows[i].name == name && rows[i].key == key) {
+            rows[i].secs += secs;
+            rows[i].calls++;
+            return;
+        }
+    if (n_rows < MAX_OP_ROWS) rows[n_rows++] = (struct op_row){name, key, secs, 1};
+}
 
 static void begin(void)
 {
@@ -22,91 +44,100 @@ static void end(enum prof_cat c)
     acc[c] += mt_now() - t_begin;
 }
 
-static void comm_begin(void) { begin(); }
-static void comm_end(void) { end(PROF_COMM); }
+static void end_op(enum prof_cat c, const char *name, long key)
+{
+    inner->sync();
+    double dt = mt_now() - t_begin;
+    acc[c] += dt;
+    add_op(name, key, dt);
+}
 
-/* One wrapper per op: W(op, category, (params), (args)) for void ops. */
-#define W(op, cat, params, args)       \
+static void comm_begin(void) { begin(); }
+static void comm_end(void) { end_op(PROF_COMM, "comm", 0); }
+
+/* One wrapper per op: W(op, category, key, (params), (args)) for void ops; key (an expression of
+ * the params) separates calls of one op on different shapes in the per-op table. */
+#define W(op, cat, key, params, args)  \
     static void p_##op params          \
     {                                  \
         begin();                       \
         inner->op args;                \
-        end(cat);                      \
+        end_op(cat, #op, (long)(key)); \
     }
 
-W(zero, PROF_OTHER, (void *p, size_t b), (p, b))
-W(copy, PROF_OTHER, (void *d, const void *s, size_t b), (d, s, b))
-W(upload, PROF_OTHER, (void *d, const void *s, size_t b), (d, s, b))
-W(download, PROF_OTHER, (void *d, const void *s, size_t b), (d, s, b))
-W(cast_f32_to_x, PROF_OTHER, (void *o, const float *i, size_t n), (o, i, n))
-W(cast_x_to_f32, PROF_OTHER, (float *o, const void *i, size_t n), (o, i, n))
-W(add_inplace, PROF_OTHER, (void *y, const void *x, size_t n), (y, x, n))
-W(scale_f32, PROF_OTHER, (float *x, size_t n, float s), (x, n, s))
-W(embedding_forward, PROF_OTHER, (void *o, const int32_t *ids, const void *w, int T, int H),
+W(zero, PROF_OTHER, 0, (void *p, size_t b), (p, b))
+W(copy, PROF_OTHER, 0, (void *d, const void *s, size_t b), (d, s, b))
+W(upload, PROF_OTHER, 0, (void *d, const void *s, size_t b), (d, s, b))
+W(download, PROF_OTHER, 0, (void *d, const void *s, size_t b), (d, s, b))
+W(cast_f32_to_x, PROF_OTHER, n, (void *o, const float *i, size_t n), (o, i, n))
+W(cast_x_to_f32, PROF_OTHER, n, (float *o, const void *i, size_t n), (o, i, n))
+W(add_inplace, PROF_OTHER, n, (void *y, const void *x, size_t n), (y, x, n))
+W(scale_f32, PROF_OTHER, n, (float *x, size_t n, float s), (x, n, s))
+W(embedding_forward, PROF_OTHER, T, (void *o, const int32_t *ids, const void *w, int T, int H),
   (o, ids, w, T, H))
-W(embedding_backward, PROF_OTHER, (float *dw, const void *d, const int32_t *ids, int T, int H),
+W(embedding_backward, PROF_OTHER, T, (float *dw, const void *d, const int32_t *ids, int T, int H),
   (dw, d, ids, T, H))
-W(rmsnorm_forward, PROF_OTHER,
+W(rmsnorm_forward, PROF_OTHER, C,
   (void *o, float *r, const void *i, const void *w, int N, int C, float eps), (o, r, i, w, N, C, eps))
-W(rmsnorm_backward, PROF_OTHER,
+W(rmsnorm_backward, PROF_OTHER, C,
   (void *di, float *dw, const void *d, const void *i, const void *w, const float *r, int N, int C,
    bool acc_),
   (di, dw, d, i, w, r, N, C, acc_))
-W(matmul_forward, PROF_DENSE_GEMM, (void *o, const void *i, const void *w, int N, int I, int O),
+W(matmul_forward, PROF_DENSE_GEMM, O, (void *o, const void *i, const void *w, int N, int I, int O),
   (o, i, w, N, I, O))
-W(matmul_backward, PROF_DENSE_GEMM,
+W(matmul_backward, PROF_DENSE_GEMM, O,
   (void *di, float *dw, const void *d, const void *i, const void *w, int N, int I, int O, bool acc_),
   (di, dw, d, i, w, N, I, O, acc_))
-W(rope_forward, PROF_OTHER,
+W(rope_forward, PROF_OTHER, nh,
   (void *o, const void *i, const int32_t *pos, int T, int nh, int D, float th),
   (o, i, pos, T, nh, D, th))
-W(rope_backward, PROF_OTHER,
+W(rope_backward, PROF_OTHER, nh,
   (void *o, const void *i, const int32_t *pos, int T, int nh, int D, float th),
   (o, i, pos, T, nh, D, th))
-W(attention_forward, PROF_ATTN,
+W(attention_forward, PROF_ATTN, S,
   (void *o, float *lse, const void *q, const void *k, const void *v, int B, int S, int Hq, int Hkv,
    int D),
   (o, lse, q, k, v, B, S, Hq, Hkv, D))
-W(attention_backward, PROF_ATTN,
+W(attention_backward, PROF_ATTN, S,
   (void *dq, void *dk, void *dv, const void *d, const void *q, const void *k, const void *v,
    const void *o, const float *lse, int B, int S, int Hq, int Hkv, int D),
   (dq, dk, dv, d, q, k, v, o, lse, B, S, Hq, Hkv, D))
-W(router_forward, PROF_MOE_ROWS,
+W(router_forward, PROF_MOE_ROWS, E,
   (int32_t *ti, float *tw, float *p, const void *l, const float *b, int T, int E, int k, bool n),
   (ti, tw, p, l, b, T, E, k, n))
-W(router_backward, PROF_MOE_ROWS,
+W(router_backward, PROF_MOE_ROWS, E,
   (void *dl, const float *dtw, const float *p, const int32_t *ti, const float *a, int T, int E,
    int k, bool n),
   (dl, dtw, p, ti, a, T, E, k, n))
-W(router_stats, PROF_MOE_ROWS,
+W(router_stats, PROF_MOE_ROWS, E,
   (float *ps, float *c, const float *p, const int32_t *ti, int T, int E, int k),
   (ps, c, p, ti, T, E, k))
-W(gather_rows, PROF_MOE_ROWS, (void *o, const void *i, const int32_t *idx, int R, int H),
+W(gather_rows, PROF_MOE_ROWS, R, (void *o, const void *i, const int32_t *idx, int R, int H),
   (o, i, idx, R, H))
-W(gather_rows_backward, PROF_MOE_ROWS, (void *di, const void *d, const int32_t *idx, int R, int H),
+W(gather_rows_backward, PROF_MOE_ROWS, R, (void *di, const void *d, const int32_t *idx, int R, int H),
   (di, d, idx, R, H))
-W(moe_combine_forward, PROF_MOE_ROWS,
+W(moe_combine_forward, PROF_MOE_ROWS, H,
   (void *o, const void *y, const int32_t *s, const float *w, int T, int k, int H),
   (o, y, s, w, T, k, H))
-W(moe_combine_backward, PROF_MOE_ROWS,
+W(moe_combine_backward, PROF_MOE_ROWS, H,
   (void *dy, float *dw, const void *d, const void *y, const int32_t *s, const float *w, int T,
    int k, int H),
   (dy, dw, d, y, s, w, T, k, H))
-W(expert_matmul_forward, PROF_EXPERT_GEMM,
+W(expert_matmul_forward, PROF_EXPERT_GEMM, O,
   (void *o, const void *i, const void *w, const int64_t *off, int n, int I, int O),
   (o, i, w, off, n, I, O))
-W(expert_matmul_backward, PROF_EXPERT_GEMM,
+W(expert_matmul_backward, PROF_EXPERT_GEMM, O,
   (void *di, float *dw, const void *d, const void *i, const void *w, const int64_t *off, int n,
    int I, int O),
   (di, dw, d, i, w, off, n, I, O))
-W(swiglu_forward, PROF_OTHER, (void *o, const void *gu, int R, int I), (o, gu, R, I))
-W(swiglu_backward, PROF_OTHER, (void *d, const void *o, const void *gu, int R, int I),
+W(swiglu_forward, PROF_OTHER, I, (void *o, const void *gu, int R, int I), (o, gu, R, I))
+W(swiglu_backward, PROF_OTHER, I, (void *d, const void *o, const void *gu, int R, int I),
   (d, o, gu, R, I))
-W(cross_entropy_forward, PROF_OTHER, (float *l, const void *z, const int32_t *t, int N, int V),
+W(cross_entropy_forward, PROF_OTHER, V, (float *l, const void *z, const int32_t *t, int N, int V),
   (l, z, t, N, V))
-W(cross_entropy_backward, PROF_OTHER,
+W(cross_entropy_backward, PROF_OTHER, V,
   (void *d, const void *z, const int32_t *t, int N, int V, float s), (d, z, t, N, V, s))
-W(adamw_update, PROF_OPTIM,
+W(adamw_update, PROF_OPTIM, 0,
   (float *ms, void *p, const float *g, float *m, float *v, size_t n, float lr, float b1, float b2,
    float eps, float wd, int t, float gs),
   (ms, p, g, m, v, n, lr, b1, b2, eps, wd, t, gs))
@@ -140,7 +171,26 @@ const struct backend *profile_wrap(const struct backend *be)
 }
 
 void profile_read(double secs[PROF_COUNT]) { memcpy(secs, acc, sizeof acc); }
-void profile_reset(void) { memset(acc, 0, sizeof acc); }
+void profile_reset(void)
+{
+    memset(acc, 0, sizeof acc);
+    n_rows = 0;
+}
+
+static int by_secs_desc(const void *a, const void *b)
+{
+    double x = ((const struct op_row *)a)->secs, y = ((const struct op_row *)b)->secs;
+    return (x < y) - (x > y);
+}
+
+void profile_print_ops(FILE *f, double step_s)
+{
+    qsort(rows, (size_t)n_rows, sizeof rows[0], by_secs_desc);
+    fprintf(f, "    %-24s %10s %6s %9s %6s\n", "op", "key", "calls", "ms", "share");
+    for (int i = 0; i < n_rows; i++)
+        fprintf(f, "    %-24s %10ld %6d %9.2f %5.1f%%\n", rows[i].name, rows[i].key, rows[i].calls,
+                1e3 * rows[i].secs, 100 * rows[i].secs / step_s);
+}
 
 const char *profile_cat_name(enum prof_cat c)
 {

@@ -29,4 +29,8 @@ const char *profile_cat_name(enum prof_cat c);
 /* "attention 31% | expert GEMMs 28% | ... | host/idle 3%" of a step of step_s seconds */
 void profile_format(char *buf, size_t cap, const double secs[PROF_COUNT], double step_s);
 
+/* The ops of the last step (since the last reset), slowest first: name, shape key (an output width,
+ * row count or sequence length; 0 where calls are pooled), calls, milliseconds, share of step_s. */
+void profile_print_ops(FILE *f, double step_s);
+
 #endif

@@ -353,6 +353,10 @@ int cmd_train(const struct cli *a)
         profile_read(split);
         bool print = step == 1 || step == tc->steps || step % MT_MAX(c.log.interval, 1) == 0;
         metrics_step(&ml, &sm, print);
+        if (c.log.profile && step == tc->steps && mesh.rank == 0) {
+            profile_print_ops(stdout, step_s);
+            fflush(stdout);
+        }
         if (ckpt_due(&c, step)) ckpt_save(c.checkpoint.dir, step, &p, &mesh, &c, m.bias ? bias_h : NULL);
     }
     mt_log0("done: %d steps in %.1f s\n", tc->steps - start_step, mt_now() - t_start);

@@ -343,6 +343,8 @@ Test(train, profile_reports_a_time_split, .timeout = 120)
     cr_expect_eq(tu_read_metric(metrics, "attention", att, 4), 2);
     cr_expect_eq(tu_read_metric(metrics, "expert GEMMs", gemm, 4), 2);
     cr_expect(att[0] > 0 && gemm[0] > 0, "attention %g s, expert GEMMs %g s", att[0], gemm[0]);
+    /* the per-op table of the last step: a header, then rows with the attention backward in them */
+    cr_expect(strstr(out, "    op ") && strstr(out, "    attention_backward "), "%s", out);
     free(out);
     unlink(metrics);
 }
