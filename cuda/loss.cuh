@@ -5,9 +5,10 @@
 #include "cuda_common.cuh"
 
 template <typename T>
-void cu_cross_entropy_forward(float *losses, const void *logits, const int32_t *targets, int N, int V);
+void cu_cross_entropy_forward(float *losses, float *lse, const void *logits, const int32_t *targets,
+                              int N, int V);
 template <typename T>
-void cu_cross_entropy_backward(void *dlogits, const void *logits, const int32_t *targets, int N,
-                               int V, float scale);
+void cu_cross_entropy_backward(void *dlogits, const void *logits, const float *lse,
+                               const int32_t *targets, int N, int V, float scale);
 
 #endif

@@ -135,6 +135,7 @@ void model_init(struct model *m, const struct backend *be, const struct model_co
     m->rstd_f = falloc(m, T);
     m->logits = xalloc(m, T * m->V);
     m->losses = falloc(m, T);
+    m->lse_f = falloc(m, T);
 
     int64_t wide = MT_MAX(H, (int64_t)m->Hq * m->D);
     m->d_h = xalloc(m, T * H);
@@ -205,6 +206,7 @@ void model_free(struct model *m)
         be->free(m->g[g]);
     }
     void *dev[] = {m->ids, m->targets, m->pos, m->h_final, m->hf, m->rstd_f, m->logits, m->losses,
+                   m->lse_f,
                    m->d_h, m->d_t1, m->d_t2, m->d_t3, m->d_q, m->d_k, m->d_v, m->d_logits_r,
                    m->d_topk_w, m->d_x_send, m->d_y_send, m->aux_dp, m->d_gu, m->d_act,
                    m->stats, m->bias};
@@ -270,7 +272,7 @@ void model_forward(struct model *m, const int32_t *ids_host, const int32_t *labe
     be->rmsnorm_forward(m->hf, m->rstd_f, m->h_final, model_weight(m, fn), T, H,
                         (float)m->cfg.rms_norm_eps);
     be->matmul_forward(m->logits, m->hf, model_weight(m, head_index(m)), T, H, V);
-    be->cross_entropy_forward(m->losses, m->logits, m->targets, T, V);
+    be->cross_entropy_forward(m->losses, m->lse_f, m->logits, m->targets, T, V);
 
     float *losses = mt_malloc((size_t)T * sizeof(float));
     be->download(losses, m->losses, (size_t)T * sizeof(float));
@@ -290,7 +292,7 @@ void model_backward(struct model *m, float ce_scale, const float *aux_dp_host)
     m->aux_active = m->E > 0 && aux_dp_host != NULL;
     if (m->aux_active) be->upload(m->aux_dp, aux_dp_host, (size_t)m->E * sizeof(float));
     /* dlogits overwrite the logits: they are not needed after this point */
-    be->cross_entropy_backward(m->logits, m->logits, m->targets, T, V, ce_scale);
+    be->cross_entropy_backward(m->logits, m->logits, m->lse_f, m->targets, T, V, ce_scale);
     int head = head_index(m);
     be->matmul_backward(m->d_t1, model_grad(m, head), m->logits, m->hf, model_weight(m, head), T, H,
                         V, false);

@@ -96,6 +96,7 @@ struct model {
     float *rstd_f;              /* [T] */
     void *logits;               /* [T, V] (reused for dlogits in backward) */
     float *losses;              /* [T] */
+    float *lse_f;               /* [T] log-sum-exp of each row of the logits (loss backward) */
     /* scratch for backward */
     void *d_h;                  /* [T, H] gradient of the residual stream */
     void *d_t1, *d_t2, *d_t3;   /* [T, max(H, Hq*D)] */

@@ -129,12 +129,15 @@ struct backend {
                             int R, int I);
 
     /* Cross-entropy on fp32-upcast logits. targets[t] == MT_IGNORE_INDEX gives loss 0 and grad 0.
-     * forward: losses[t] = logsumexp(z[t]) - z[t, target]. backward: dlogits = scale·(softmax - onehot)
-     * (dlogits may alias logits). */
-    void (*cross_entropy_forward)(float *losses /*[N]*/, const void *logits /*[N,V]*/,
-                                  const int32_t *targets /*[N]*/, int N, int V);
+     * forward: lse[t] = logsumexp(z[t]) (0 for ignored rows), losses[t] = lse[t] - z[t, target].
+     * backward, given the forward's lse: dlogits = scale·(exp(z - lse) - onehot), one pass over the
+     * logits (dlogits may alias logits). */
+    void (*cross_entropy_forward)(float *losses /*[N]*/, float *lse /*[N]*/,
+                                  const void *logits /*[N,V]*/, const int32_t *targets /*[N]*/,
+                                  int N, int V);
     void (*cross_entropy_backward)(void *dlogits /*[N,V]*/, const void *logits /*[N,V]*/,
-                                   const int32_t *targets /*[N]*/, int N, int V, float scale);
+                                   const float *lse /*[N]*/, const int32_t *targets /*[N]*/, int N,
+                                   int V, float scale);
 
     /* AdamW with bias correction (step t >= 1) and decoupled weight decay; grad is multiplied by
      * grad_scale first (clipping). Updates master, m, v; writes the compute copy param (may be the

@@ -133,10 +133,11 @@ W(expert_matmul_backward, PROF_EXPERT_GEMM, O,
 W(swiglu_forward, PROF_OTHER, I, (void *o, const void *gu, int R, int I), (o, gu, R, I))
 W(swiglu_backward, PROF_OTHER, I, (void *d, const void *o, const void *gu, int R, int I),
   (d, o, gu, R, I))
-W(cross_entropy_forward, PROF_OTHER, V, (float *l, const void *z, const int32_t *t, int N, int V),
-  (l, z, t, N, V))
+W(cross_entropy_forward, PROF_OTHER, V,
+  (float *l, float *lse, const void *z, const int32_t *t, int N, int V), (l, lse, z, t, N, V))
 W(cross_entropy_backward, PROF_OTHER, V,
-  (void *d, const void *z, const int32_t *t, int N, int V, float s), (d, z, t, N, V, s))
+  (void *d, const void *z, const float *lse, const int32_t *t, int N, int V, float s),
+  (d, z, lse, t, N, V, s))
 W(adamw_update, PROF_OPTIM, 0,
   (float *ms, void *p, const float *g, float *m, float *v, size_t n, float lr, float b1, float b2,
    float eps, float wd, int t, float gs),

@@ -114,15 +114,15 @@ static void b_swiglu_backward(void *dgu, const void *dout, const void *gu, int R
     cpu_swiglu_backward(dgu, dout, gu, R, I);
 }
 
-static void b_cross_entropy_forward(float *losses, const void *logits, const int32_t *targets,
-                                    int N, int V)
+static void b_cross_entropy_forward(float *losses, float *lse, const void *logits,
+                                    const int32_t *targets, int N, int V)
 {
-    cpu_cross_entropy_forward(losses, logits, targets, N, V);
+    cpu_cross_entropy_forward(losses, lse, logits, targets, N, V);
 }
-static void b_cross_entropy_backward(void *dlogits, const void *logits, const int32_t *targets,
-                                     int N, int V, float scale)
+static void b_cross_entropy_backward(void *dlogits, const void *logits, const float *lse,
+                                     const int32_t *targets, int N, int V, float scale)
 {
-    cpu_cross_entropy_backward(dlogits, logits, targets, N, V, scale);
+    cpu_cross_entropy_backward(dlogits, logits, lse, targets, N, V, scale);
 }
 
 static void b_adamw_update(float *master, void *param, const float *grad, float *m, float *v,

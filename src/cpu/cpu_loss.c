@@ -22,26 +22,28 @@ static void check_target(const char *what, int32_t tgt, int n, int V)
              n, V, MT_IGNORE_INDEX);
 }
 
-void cpu_cross_entropy_forward(float *losses, const float *logits, const int32_t *targets, int N,
-                               int V)
+void cpu_cross_entropy_forward(float *losses, float *lse, const float *logits,
+                               const int32_t *targets, int N, int V)
 {
     MT_CHECK(V > 0, "cross_entropy: vocabulary size %d must be positive", V);
     for (int n = 0; n < N; n++) {
         const int32_t tgt = targets[n];
         check_target("cross_entropy", tgt, n, V);
         if (tgt == MT_IGNORE_INDEX) {
-            losses[n] = 0.0f;
+            losses[n] = lse[n] = 0.0f;
             continue;
         }
         const float *z = logits + (size_t)n * V;
-        losses[n] = (float)(row_lse(z, V) - z[tgt]);
+        const double l = row_lse(z, V);
+        lse[n] = (float)l;
+        losses[n] = (float)(l - z[tgt]);
     }
 }
 
-/* dlogits = scale·(softmax − onehot); the row's lse is taken before any write, so dlogits may
- * alias logits. */
-void cpu_cross_entropy_backward(float *dlogits, const float *logits, const int32_t *targets, int N,
-                                int V, float scale)
+/* dlogits = scale·(exp(z − lse) − onehot) with the forward's lse (fp32, as the GPU keeps it);
+ * each element is read before it is written, so dlogits may alias logits. */
+void cpu_cross_entropy_backward(float *dlogits, const float *logits, const float *lse,
+                                const int32_t *targets, int N, int V, float scale)
 {
     MT_CHECK(V > 0, "cross_entropy backward: vocabulary size %d must be positive", V);
     for (int n = 0; n < N; n++) {
@@ -53,9 +55,9 @@ void cpu_cross_entropy_backward(float *dlogits, const float *logits, const int32
             for (int i = 0; i < V; i++) dz[i] = 0.0f;
             continue;
         }
-        const double lse = row_lse(z, V);
+        const double l = lse[n];
         for (int i = 0; i < V; i++) {
-            const float p = (float)exp((double)z[i] - lse);
+            const float p = (float)exp((double)z[i] - l);
             dz[i] = scale * (i == tgt ? p - 1.0f : p);
         }
     }

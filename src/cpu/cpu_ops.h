@@ -93,10 +93,11 @@ void cpu_swiglu_forward(float *out, const float *gu, int R, int I);
 /* dgu may alias gu */
 void cpu_swiglu_backward(float *dgu, const float *dout, const float *gu, int R, int I);
 
-void cpu_cross_entropy_forward(float *losses, const float *logits, const int32_t *targets, int N,
-                               int V);
-void cpu_cross_entropy_backward(float *dlogits, const float *logits, const int32_t *targets, int N,
-                                int V, float scale);
+void cpu_cross_entropy_forward(float *losses, float *lse, const float *logits,
+                               const int32_t *targets, int N, int V);
+/* lse: the forward's; dlogits may alias logits */
+void cpu_cross_entropy_backward(float *dlogits, const float *logits, const float *lse,
+                                const int32_t *targets, int N, int V, float scale);
 
 void cpu_adamw_update(float *master, float *param, const float *grad, float *m, float *v, size_t n,
                       float lr, float beta1, float beta2, float eps, float weight_decay, int t,
