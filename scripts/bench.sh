@@ -45,7 +45,7 @@ for n in 1 2; do
     [ "$n" -le "$ngpu" ] || continue
     tag=moetrain_${n}gpu
     echo "bench: moetrain on $n GPU(s) ..."
-    if run_sampled "$tag" mpirun --oversubscribe -np "$n" "$BUILD/moetrain" train "$CONFIG" \
+    if run_sampled "$tag" mpirun --oversubscribe --bind-to none -np "$n" "$BUILD/moetrain" train "$CONFIG" \
             --set train.global_batch_size=$((16 * n)) --set parallel.expert_parallel_size="$n" \
             --set train.steps="$STEPS" --set log.metrics="$OUT/$tag.jsonl"; then
         res[$tag]=$(summary "$tag" "$n")
@@ -57,7 +57,7 @@ for n in 1 2; do
 done
 
 echo "bench: moetrain on 1 GPU, profiled (every op timed between syncs) ..."
-mpirun --oversubscribe -np 1 "$BUILD/moetrain" train "$CONFIG" --set train.steps=3 \
+mpirun --oversubscribe --bind-to none -np 1 "$BUILD/moetrain" train "$CONFIG" --set train.steps=3 \
     --set log.profile=true > "$OUT/moetrain_profile.log" 2>&1 || true
 split=$(grep '^    time:' "$OUT/moetrain_profile.log" | tail -1 | sed 's/^    time: //')
 echo "  time split: ${split:-unavailable}"

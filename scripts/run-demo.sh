@@ -19,5 +19,5 @@ else
     [ "$np" -lt 2 ] && ep=1
     echo "make run: no GPU: $np CPU rank(s), expert_parallel_size $ep"
 fi
-exec mpirun --oversubscribe -np "$np" "$bin" train "$config" \
+exec mpirun --oversubscribe --bind-to none -np "$np" "$bin" train "$config" \
     --set parallel.expert_parallel_size="$ep" "$@"

@@ -1,3 +1,4 @@
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include "params.h"
 
 #include <math.h>
@@ -293,7 +294,15 @@ void params_init_random(struct params *p, uint64_t seed)
     for (int k = 0; k < TG_COUNT; k++) f.host[k] = mt_calloc((size_t)MT_MAX(p->g[k].numel, 1), sizeof(float));
     struct init_work all = {.f = &f};
     for_each_shard_run(p, collect_piece, &all);
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    /* the cores this rank may run on: mpirun binds each rank to one core by default at -np <= 2 */
+    cpu_set_t set;
+    long cores = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : sysconf(_SC_NPROCESSORS_ONLN);
+    int64_t total = 0;
+    for (int k = 0; k < TG_COUNT; k++) total += p->g[k].numel;
+    if (cores == 1 && total > ((int64_t)1 << 30))
+        mt_log0("moetrain: warning: this rank is bound to one CPU core: initialising %.2f B "
+                "parameters on it takes minutes (launch with mpirun --bind-to none, or give each "
+                "rank more cores)\n", (double)total / 1e9);
     int n_threads = (int)MT_MAX(1, MT_MIN(MT_MIN(cores, 64), all.n));
     pthread_t tid[64];
     struct init_work w[64];
