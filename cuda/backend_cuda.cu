@@ -15,6 +15,7 @@
 #include "rmsnorm.cuh"
 #include "rope.cuh"
 #include "router.cuh"
+#include "moe_route.cuh"
 #include "swiglu.cuh"
 
 #include <string.h>
@@ -63,6 +64,7 @@ template <typename T> static struct backend make_table(double peak)
     b.router_forward = cu_router_forward<T>;
     b.router_backward = cu_router_backward<T>;
     b.router_stats = cu_router_stats;
+    b.moe_route_plan = cu_moe_route_plan;
     b.gather_rows = cu_gather_rows<T>;
     b.gather_rows_backward = cu_gather_rows_backward<T>;
     b.moe_combine_forward = cu_moe_combine_forward<T>;

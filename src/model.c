@@ -53,10 +53,6 @@ static void alloc_layer(struct model *m, struct layer_acts *a, bool moe, bool de
         a->y_send = xalloc(m, T * K * H);
         struct moe_route *r = &a->route;
         r->expert_off = mt_calloc((size_t)m->n_local_experts + 1, sizeof(int64_t));
-        r->src_row_h = mt_malloc((size_t)(T * K) * sizeof(int32_t));
-        r->slot_row_h = mt_malloc((size_t)(T * K) * sizeof(int32_t));
-        r->topk_idx_h = mt_malloc((size_t)(T * K) * sizeof(int32_t));
-        r->topk_w_h = mt_malloc((size_t)(T * K) * sizeof(float));
         r->send_counts = mt_calloc((size_t)m->ep, sizeof(int64_t));
         r->recv_counts = mt_calloc((size_t)m->ep, sizeof(int64_t));
         r->recv_expert_counts = mt_calloc((size_t)m->ep * m->n_local_experts, sizeof(int64_t));
@@ -182,10 +178,6 @@ static void free_layer(const struct model *m, struct layer_acts *a)
     if (a->y_exp && a->y_exp != a->y_send) be->free(a->y_exp);
     struct moe_route *r = &a->route;
     free(r->expert_off);
-    free(r->src_row_h);
-    free(r->slot_row_h);
-    free(r->topk_idx_h);
-    free(r->topk_w_h);
     free(r->send_counts);
     free(r->recv_counts);
     free(r->recv_expert_counts);

@@ -16,18 +16,15 @@
 /* Per-layer MoE routing of one micro-batch (host index arrays + device copies). */
 struct moe_route {
     int64_t *expert_off;     /* host [n_local + 1]: rows of each local expert in the expert input */
-    int32_t *src_row_h;      /* host [R_send]: token of each dispatched row (rows sorted by expert) */
-    int32_t *slot_row_h;     /* host [T, k]: dispatch row of token t's j-th choice */
-    int32_t *topk_idx_h;     /* host [T, k]: each token's experts, re-sorted ascending so that the
-                              * combine adds expert outputs in ascending expert order */
-    float *topk_w_h;         /* host [T, k]: the matching routing weights */
     int64_t *send_counts;    /* host [ep]: rows sent to each EP rank */
     int64_t *recv_counts;    /* host [ep]: rows received from each EP rank */
     int64_t *recv_expert_counts; /* host [ep, n_local]: rows from rank r for local expert e */
     int32_t *regroup_h;      /* host [R_recv]: expert-major row -> received (rank-major) row */
     int64_t R_send, R_recv;
-    int32_t *src_row;        /* dev [R_send] */
-    int32_t *slot_row;       /* dev [T, k] */
+    int32_t *src_row;        /* dev [R_send]: token of each dispatched row (rows sorted by expert) */
+    int32_t *slot_row;       /* dev [T, k]: dispatch row of token t's j-th choice; the layer's
+                              * topk_idx/topk_w are re-sorted by ascending expert id so that the
+                              * combine adds expert outputs in ascending expert order */
     int32_t *regroup;        /* dev [R_recv] */
 };
 
@@ -164,7 +161,7 @@ void mlp_backward(struct model *m, int l);
  *    expert-major rows m->layers[l].x_exp [R_recv, H] with route.expert_off; returns R_recv.
  *  - moe_combine_for_test: expert outputs y_exp [R_recv, H] (expert-major, as x_exp) -> out [T, H].
  *  - moe_combine_backward_for_test: dL/d out [T, H] -> m->d_y_exp [R_recv, H] (expert-major) and
- *    m->d_topk_w [T, k] (in the re-sorted order of route.topk_idx_h).
+ *    m->d_topk_w [T, k] (in the re-sorted order the route plan leaves in the layer's topk_idx).
  *  - moe_dispatch_backward_for_test: dL/d x_exp [R_recv, H] -> dx [T, H] (overwritten). */
 int64_t moe_dispatch_for_test(struct model *m, int l, const int32_t *topk_idx_host,
                               const float *topk_w_host, const void *x);

@@ -60,46 +60,20 @@ static void ensure_rows(struct model *m, struct layer_acts *a, int64_t R)
     }
 }
 
-/* Builds the dispatch plan of layer l from the router's top-k (see the file comment). */
+/* Builds the dispatch plan of layer l from the router's top-k (see the file comment): the backend
+ * sorts the choices and orders the rows; the host gets the per-expert counts. */
 static void route_plan(struct model *m, struct layer_acts *a)
 {
     const struct backend *be = m->be;
     struct moe_route *r = &a->route;
     const int T = m->T, K = m->K, E = m->E, nl = m->n_local_experts, ep = m->ep;
-    be->download(r->topk_idx_h, a->topk_idx, (size_t)T * K * sizeof(int32_t));
-    be->download(r->topk_w_h, a->topk_w, (size_t)T * K * sizeof(float));
-    for (int t = 0; t < T; t++) {
-        int32_t *idx = r->topk_idx_h + (size_t)t * K;
-        float *w = r->topk_w_h + (size_t)t * K;
-        for (int j = 1; j < K; j++)
-            for (int i = j; i > 0 && idx[i - 1] > idx[i]; i--) {
-                int32_t ti = idx[i]; idx[i] = idx[i - 1]; idx[i - 1] = ti;
-                float tw = w[i]; w[i] = w[i - 1]; w[i - 1] = tw;
-            }
+    int64_t *cnt = mt_malloc((size_t)E * sizeof(int64_t));
+    be->moe_route_plan(a->topk_idx, a->topk_w, r->src_row, r->slot_row, cnt, T, E, K);
+    for (int d = 0; d < ep; d++) {
+        r->send_counts[d] = 0;
+        for (int e = d * nl; e < (d + 1) * nl; e++) r->send_counts[d] += cnt[e];
     }
-    be->upload(a->topk_idx, r->topk_idx_h, (size_t)T * K * sizeof(int32_t));
-    be->upload(a->topk_w, r->topk_w_h, (size_t)T * K * sizeof(float));
-
-    int64_t *cnt = mt_calloc((size_t)E + 1, sizeof(int64_t));
-    for (int64_t i = 0; i < (int64_t)T * K; i++) {
-        int32_t e = r->topk_idx_h[i];
-        MT_CHECK(e >= 0 && e < E, "router chose expert %d of %d", e, E);
-        cnt[e]++;
-    }
-    int64_t *fill = mt_malloc((size_t)(E + 1) * sizeof(int64_t));
-    fill[0] = 0;
-    for (int e = 0; e < E; e++) fill[e + 1] = fill[e] + cnt[e];
-    for (int d = 0; d < ep; d++) r->send_counts[d] = fill[(d + 1) * nl] - fill[d * nl];
-    for (int t = 0; t < T; t++)
-        for (int j = 0; j < K; j++) {
-            int64_t row = fill[r->topk_idx_h[(size_t)t * K + j]]++;
-            r->src_row_h[row] = t;
-            r->slot_row_h[(size_t)t * K + j] = (int32_t)row;
-        }
-    free(fill);
     r->R_send = (int64_t)T * K;
-    be->upload(r->src_row, r->src_row_h, (size_t)T * K * sizeof(int32_t));
-    be->upload(r->slot_row, r->slot_row_h, (size_t)T * K * sizeof(int32_t));
 
     /* counts are host data: exchange them over MPI whatever backend moves the rows */
     if (ep > 1)

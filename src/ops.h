@@ -95,6 +95,15 @@ struct backend {
     void (*router_stats)(float *psum /*[E]*/, float *count /*[E]*/, const float *probs,
                          const int32_t *topk_idx, int T, int E, int k);
 
+    /* MoE route plan (integers only: every backend gives the same answer). In place, each token's
+     * k choices are sorted by ascending expert id, topk_w permuted alongside. Rows are then ordered
+     * by (expert, token): src_row[row] = token, slot_row[t, j] = row of token t's j-th choice, and
+     * count_host[e] (a HOST array of E) = rows of expert e; waits for the backend. A chosen id
+     * outside [0, E) is a fatal error. */
+    void (*moe_route_plan)(int32_t *topk_idx /*[T,k]*/, float *topk_w /*[T,k]*/,
+                           int32_t *src_row /*[T*k]*/, int32_t *slot_row /*[T,k]*/,
+                           int64_t *count_host /*[E]*/, int T, int E, int k);
+
     /* Row gather: out[r] = in[idx[r]] for r < R. Backward: din[idx[r]] += dout[r] (din must be
      * zeroed or hold a value to add to; rows are added in ascending r). */
     void (*gather_rows)(void *out /*[R,H]*/, const void *in /*[*,H]*/, const int32_t *idx /*[R]*/,

@@ -112,6 +112,9 @@ W(router_backward, PROF_MOE_ROWS, E,
 W(router_stats, PROF_MOE_ROWS, E,
   (float *ps, float *c, const float *p, const int32_t *ti, int T, int E, int k),
   (ps, c, p, ti, T, E, k))
+W(moe_route_plan, PROF_MOE_ROWS, E,
+  (int32_t *ti, float *tw, int32_t *sr, int32_t *sl, int64_t *c, int T, int E, int k),
+  (ti, tw, sr, sl, c, T, E, k))
 W(gather_rows, PROF_MOE_ROWS, R, (void *o, const void *i, const int32_t *idx, int R, int H),
   (o, i, idx, R, H))
 W(gather_rows_backward, PROF_MOE_ROWS, R, (void *di, const void *d, const int32_t *idx, int R, int H),
@@ -162,7 +165,7 @@ const struct backend *profile_wrap(const struct backend *be)
     SET(embedding_backward); SET(rmsnorm_forward); SET(rmsnorm_backward); SET(matmul_forward);
     SET(matmul_backward); SET(rope_forward); SET(rope_backward); SET(attention_forward);
     SET(attention_backward); SET(router_forward); SET(router_backward); SET(router_stats);
-    SET(gather_rows); SET(gather_rows_backward); SET(moe_combine_forward);
+    SET(moe_route_plan); SET(gather_rows); SET(gather_rows_backward); SET(moe_combine_forward);
     SET(moe_combine_backward); SET(expert_matmul_forward); SET(expert_matmul_backward);
     SET(swiglu_forward); SET(swiglu_backward); SET(cross_entropy_forward);
     SET(cross_entropy_backward); SET(adamw_update);

@@ -161,6 +161,7 @@ static const struct backend cpu_backend = {
     .router_forward = b_router_forward,
     .router_backward = b_router_backward,
     .router_stats = cpu_router_stats,
+    .moe_route_plan = cpu_moe_route_plan,
     .gather_rows = b_gather_rows,
     .gather_rows_backward = b_gather_rows_backward,
     .moe_combine_forward = b_moe_combine_forward,

@@ -4,7 +4,36 @@
 #include "cpu/cpu_dot.h"
 #include "common.h"
 
+#include <stdlib.h>
 #include <string.h>
+
+void cpu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32_t *slot_row,
+                        int64_t *count, int T, int E, int k)
+{
+    memset(count, 0, (size_t)E * sizeof *count);
+    for (int t = 0; t < T; t++) {
+        int32_t *idx = topk_idx + (size_t)t * k;
+        float *w = topk_w + (size_t)t * k;
+        for (int j = 1; j < k; j++)
+            for (int i = j; i > 0 && idx[i - 1] > idx[i]; i--) {
+                int32_t ti = idx[i]; idx[i] = idx[i - 1]; idx[i - 1] = ti;
+                float tw = w[i]; w[i] = w[i - 1]; w[i - 1] = tw;
+            }
+        for (int j = 0; j < k; j++) {
+            MT_CHECK(idx[j] >= 0 && idx[j] < E, "router chose expert %d of %d", (int)idx[j], E);
+            count[idx[j]]++;
+        }
+    }
+    int64_t *fill = mt_malloc((size_t)E * sizeof *fill);
+    for (int e = 0, o = 0; e < E; o += (int)count[e], e++) fill[e] = o;
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < k; j++) {
+            int64_t row = fill[topk_idx[(size_t)t * k + j]]++;
+            src_row[row] = t;
+            slot_row[(size_t)t * k + j] = (int32_t)row;
+        }
+    free(fill);
+}
 
 void cpu_gather_rows(float *out, const float *in, const int32_t *idx, int R, int H)
 {

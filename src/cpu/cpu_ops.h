@@ -76,6 +76,8 @@ void cpu_router_backward(float *dlogits, const float *dtopk_w, const float *prob
 void cpu_router_stats(float *psum, float *count, const float *probs, const int32_t *topk_idx,
                       int T, int E, int k);
 
+void cpu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32_t *slot_row,
+                        int64_t *count, int T, int E, int k);
 void cpu_gather_rows(float *out, const float *in, const int32_t *idx, int R, int H);
 void cpu_gather_rows_backward(float *din, const float *dout, const int32_t *idx, int R, int H);
 

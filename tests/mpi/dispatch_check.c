@@ -124,6 +124,8 @@ static bool close_to(double got, double want, double scale)
 static void check_route(const struct model *m, enum kase c, int me, int N, int K)
 {
     const struct moe_route *r = &m->layers[LAYER].route;
+    const int32_t *r_idx = m->layers[LAYER].topk_idx; /* CPU backend: host memory */
+    const float *r_w = m->layers[LAYER].topk_w;
     const int T = m->T, nl = E_ALL / N;
     int64_t send[4] = {0};
     for (int t = 0; t < T; t++) {
@@ -133,13 +135,13 @@ static void check_route(const struct model *m, enum kase c, int me, int N, int K
         for (int j = 0; j < K; j++) send[idx[j] / nl]++;
         /* the route holds the token's experts ascending, each with its own weight */
         for (int j = 0; j < K; j++) {
-            int32_t e = r->topk_idx_h[(size_t)t * K + j];
-            if (j > 0 && e <= r->topk_idx_h[(size_t)t * K + j - 1])
+            int32_t e = r_idx[(size_t)t * K + j];
+            if (j > 0 && e <= r_idx[(size_t)t * K + j - 1])
                 problem("token %d: route's experts are not strictly ascending at choice %d", t, j);
             float want = weight_for(c, me, t, K, e);
-            if (want == 0.0f || r->topk_w_h[(size_t)t * K + j] != want)
+            if (want == 0.0f || r_w[(size_t)t * K + j] != want)
                 problem("token %d choice %d: expert %d with weight %g, expected weight %g", t, j, e,
-                        r->topk_w_h[(size_t)t * K + j], want);
+                        r_w[(size_t)t * K + j], want);
         }
     }
     for (int d = 0; d < N; d++)
@@ -253,10 +255,10 @@ static void check_combine_and_backward(struct model *m, enum kase c, const struc
                 break;
             }
         }
-    const struct moe_route *r = &a->route;
+    const int32_t *r_idx = a->topk_idx; /* CPU backend: host memory */
     for (int t = 0; t < T; t++)
         for (int j = 0; j < K; j++) {
-            int e = r->topk_idx_h[(size_t)t * K + j];
+            int e = r_idx[(size_t)t * K + j];
             double dot = 0, scale = 0;
             for (int col = 0; col < HID; col++) {
                 double p = (double)dout_tag(me, t, col) * tag(me, t, col);

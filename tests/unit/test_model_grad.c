@@ -92,7 +92,7 @@ static bool same_routing(struct grad_ctx *g, bool save)
     for (int l = 0; l < m->L; l++) {
         if (!config_layer_is_moe(&m->cfg, l)) continue;
         int32_t *mine = g->route0 + (size_t)n++ * tk;
-        const int32_t *now = m->layers[l].route.topk_idx_h;
+        const int32_t *now = m->layers[l].topk_idx /* CPU backend: host memory */;
         if (save) memcpy(mine, now, tk * sizeof(int32_t));
         else same = same && !memcmp(mine, now, tk * sizeof(int32_t));
     }
