@@ -58,7 +58,7 @@ MPI_TEST_BINS := $(MPI_TEST_SRCS:tests/mpi/%.c=$(BUILD)/tests/mpi/%)
 TOOL_SRCS := $(wildcard tools/*.c)
 TOOL_BINS := $(TOOL_SRCS:tools/%.c=$(BUILD)/tools/%)
 
-.PHONY: all deps test test-unit test-gpu run bench clean check-deps tools
+.PHONY: all deps test test-unit test-gpu run bench bench-scaling clean check-deps tools
 all: $(BUILD)/moetrain tools
 
 tools: $(TOOL_BINS)
@@ -110,6 +110,9 @@ test-gpu: $(BUILD)/moetrain
 
 bench: $(BUILD)/moetrain
 	@scripts/bench.sh $(BUILD)
+
+bench-scaling: $(BUILD)/moetrain
+	@scripts/bench-scaling.sh $(BUILD)
 
 clean:
 	rm -rf $(BUILD)
