@@ -147,6 +147,11 @@ void model_init(struct model *m, const struct backend *be, const struct model_co
         m->d_x_send = xalloc(m, T * m->K * H);
         m->d_y_send = xalloc(m, T * m->K * H);
         m->aux_dp = falloc(m, m->E);
+        m->ones_tk = falloc(m, T * m->K);
+        float *ones = mt_malloc((size_t)(T * m->K) * sizeof(float));
+        for (int64_t i = 0; i < T * m->K; i++) ones[i] = 1.0f;
+        be->upload(m->ones_tk, ones, (size_t)(T * m->K) * sizeof(float));
+        free(ones);
     }
     /* dense-MLP layers use d_gu/d_act at [T, 2 Id]; MoE layers grow them on demand (moe.c) */
     m->d_gu = xalloc(m, T * MT_MAX((int64_t)2 * m->Id, 1));
@@ -200,7 +205,7 @@ void model_free(struct model *m)
     void *dev[] = {m->ids, m->targets, m->pos, m->h_final, m->hf, m->rstd_f, m->logits, m->losses,
                    m->lse_f,
                    m->d_h, m->d_t1, m->d_t2, m->d_t3, m->d_q, m->d_k, m->d_v, m->d_logits_r,
-                   m->d_topk_w, m->d_x_send, m->d_y_send, m->aux_dp, m->d_gu, m->d_act,
+                   m->d_topk_w, m->d_x_send, m->d_y_send, m->aux_dp, m->ones_tk, m->d_gu, m->d_act,
                    m->stats, m->bias};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(dev[i]);

@@ -19,13 +19,16 @@ struct moe_route {
     int64_t *send_counts;    /* host [ep]: rows sent to each EP rank */
     int64_t *recv_counts;    /* host [ep]: rows received from each EP rank */
     int64_t *recv_expert_counts; /* host [ep, n_local]: rows from rank r for local expert e */
-    int32_t *regroup_h;      /* host [R_recv]: expert-major row -> received (rank-major) row */
+    int32_t *regroup_h;      /* host [2, R_recv]: regroup, then its inverse */
     int64_t R_send, R_recv;
     int32_t *src_row;        /* dev [R_send]: token of each dispatched row (rows sorted by expert) */
     int32_t *slot_row;       /* dev [T, k]: dispatch row of token t's j-th choice; the layer's
                               * topk_idx/topk_w are re-sorted by ascending expert id so that the
                               * combine adds expert outputs in ascending expert order */
-    int32_t *regroup;        /* dev [R_recv] */
+    int32_t *regroup;        /* dev [2, R_recv]: [0] expert-major row -> received (rank-major) row;
+                              * [1] (regroup_inv) the inverse permutation, so the way back is a
+                              * gather too instead of a scatter-add */
+    int32_t *regroup_inv;    /* dev [R_recv], = regroup + R_recv */
 };
 
 struct layer_acts {
@@ -104,6 +107,7 @@ struct model {
     float *stats;               /* dev [L, 2, E]: per layer psum then count */
     float *stats_h;             /* host copy */
     float *aux_dp;              /* dev [E] */
+    float *ones_tk;             /* dev [T, k] all 1.0: unit combine weights (dispatch backward) */
     float *bias;                /* dev [L, E]: aux-free balancing selection bias (NULL if unused) */
 };
 

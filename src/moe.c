@@ -40,8 +40,8 @@ static void ensure_rows(struct model *m, struct layer_acts *a, int64_t R)
         if (m->ep > 1) {
             regrow(m, &a->x_exp, cap * H, xs);
             regrow(m, &a->y_exp, cap * H, xs);
-            regrow(m, (void **)&a->route.regroup, cap, sizeof(int32_t));
-            a->route.regroup_h = mt_realloc(a->route.regroup_h, (size_t)cap * sizeof(int32_t));
+            regrow(m, (void **)&a->route.regroup, 2 * cap, sizeof(int32_t));
+            a->route.regroup_h = mt_realloc(a->route.regroup_h, (size_t)2 * cap * sizeof(int32_t));
         }
         /* a shared (recompute) set also serves dense layers: [T, 2 Id] and [T, Id] */
         regrow(m, &a->gu, MT_MAX(cap * 2 * I, (int64_t)m->T * 2 * m->Id), xs);
@@ -115,7 +115,9 @@ static void route_plan(struct model *m, struct layer_acts *a)
             for (int64_t i = 0; i < r->recv_expert_counts[(size_t)s * nl + e]; i++)
                 r->regroup_h[pos++] = (int32_t)(start[(size_t)s * nl + e] + i);
     free(start);
-    if (total > 0) be->upload(r->regroup, r->regroup_h, (size_t)total * sizeof(int32_t));
+    for (int64_t i = 0; i < total; i++) r->regroup_h[total + r->regroup_h[i]] = (int32_t)i;
+    r->regroup_inv = r->regroup + total;
+    if (total > 0) be->upload(r->regroup, r->regroup_h, (size_t)2 * total * sizeof(int32_t));
 }
 
 /* Moves rows between EP ranks: `send` has counts_out[s] rows for rank s, `recv` gets counts_in[s]
@@ -174,9 +176,8 @@ static void combine_rows(struct model *m, struct layer_acts *a, void *out)
     const int T = m->T, H = m->H, K = m->K;
     struct moe_route *r = &a->route;
     if (m->ep > 1) {
-        /* the backward scratch d_x_exp is free during the forward */
-        be->zero(m->d_x_exp, (size_t)r->R_recv * H * be->x_size);
-        be->gather_rows_backward(m->d_x_exp, a->y_exp, r->regroup, (int)r->R_recv, H);
+        /* the backward scratch d_x_exp is free during the forward; back to rank-major order */
+        be->gather_rows(m->d_x_exp, a->y_exp, r->regroup_inv, (int)r->R_recv, H);
         exchange_rows(m, a->y_send, r->send_counts, m->d_x_exp, r->recv_counts);
     }
     be->moe_combine_forward(out, a->y_send, r->slot_row, a->topk_w, T, K, H);
@@ -204,12 +205,12 @@ static void dispatch_rows_backward(struct model *m, struct layer_acts *a)
     const int T = m->T, H = m->H;
     struct moe_route *r = &a->route;
     if (m->ep > 1) {
-        be->zero(m->d_y_exp, (size_t)r->R_recv * H * be->x_size);
-        be->gather_rows_backward(m->d_y_exp, m->d_x_exp, r->regroup, (int)r->R_recv, H);
+        be->gather_rows(m->d_y_exp, m->d_x_exp, r->regroup_inv, (int)r->R_recv, H);
         exchange_rows(m, m->d_x_send, r->send_counts, m->d_y_exp, r->recv_counts);
     }
-    be->zero(m->d_t1, (size_t)T * H * be->x_size);
-    be->gather_rows_backward(m->d_t1, m->d_x_send, r->src_row, (int)r->R_send, H);
+    /* each token's k rows summed in ascending row order: the gather's backward as a combine with
+     * unit weights (no scatter, no sort; the same fp32 sum in the same order) */
+    be->moe_combine_forward(m->d_t1, m->d_x_send, r->slot_row, m->ones_tk, T, m->K, H);
 }
 
 static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out)
