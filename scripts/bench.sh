@@ -8,6 +8,9 @@ BUILD=${1:-build}
 OUT=${BENCH_OUT:-$BUILD/bench}
 CONFIG=${BENCH_CONFIG:-configs/bench-qwen3-30b-8l.yaml}
 STEPS=${BENCH_STEPS:-8}
+# BENCH_MICRO_BATCH=4: sequences per micro-step (the config's 2 by default); tokens per step stay
+EXTRA=()
+[ -n "${BENCH_MICRO_BATCH:-}" ] && EXTRA=(--set train.micro_batch_size="$BENCH_MICRO_BATCH")
 mkdir -p "$OUT"
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 [ "$ngpu" -gt 0 ] || { echo "bench: no GPU here"; exit 1; }
@@ -47,7 +50,7 @@ for n in 1 2; do
     echo "bench: moetrain on $n GPU(s) ..."
     if run_sampled "$tag" mpirun --oversubscribe --bind-to none -np "$n" "$BUILD/moetrain" train "$CONFIG" \
             --set train.global_batch_size=$((16 * n)) --set parallel.expert_parallel_size="$n" \
-            --set train.steps="$STEPS" --set log.metrics="$OUT/$tag.jsonl"; then
+            --set train.steps="$STEPS" --set log.metrics="$OUT/$tag.jsonl" "${EXTRA[@]}"; then
         res[$tag]=$(summary "$tag" "$n")
     else
         res[$tag]='{"error": "failed, see '"$OUT/$tag.log"'"}'
@@ -58,9 +61,18 @@ done
 
 echo "bench: moetrain on 1 GPU, profiled (every op timed between syncs) ..."
 mpirun --oversubscribe --bind-to none -np 1 "$BUILD/moetrain" train "$CONFIG" --set train.steps=3 \
-    --set log.profile=true > "$OUT/moetrain_profile.log" 2>&1 || true
+    --set log.profile=true "${EXTRA[@]}" > "$OUT/moetrain_profile.log" 2>&1 || true
 split=$(grep '^    time:' "$OUT/moetrain_profile.log" | tail -1 | sed 's/^    time: //')
 echo "  time split: ${split:-unavailable}"
+split2=""
+if [ "$ngpu" -ge 2 ]; then
+    echo "bench: moetrain on 2 GPUs with EP=2, profiled ..."
+    mpirun --oversubscribe --bind-to none -np 2 "$BUILD/moetrain" train "$CONFIG" --set train.steps=3 \
+        --set train.global_batch_size=32 --set parallel.expert_parallel_size=2 \
+        --set log.profile=true "${EXTRA[@]}" > "$OUT/moetrain_profile_ep2.log" 2>&1 || true
+    split2=$(grep '^    time:' "$OUT/moetrain_profile_ep2.log" | tail -1 | sed 's/^    time: //')
+    echo "  time split: ${split2:-unavailable}"
+fi
 
 a2a=""
 if [ "$ngpu" -ge 2 ]; then
@@ -98,4 +110,5 @@ for name, r, key in (("moetrain 1 GPU", one, "tok_s_per_gpu"), ("moetrain 2 GPU 
     print(f"{name:<22}{t:>12.0f}{100 * mfu:>7.1f}%{mem:>10.1f}{ratio:>13}")
 PY
 echo "moetrain 1 GPU time split (profiled step): ${split:-unavailable}" | tee -a "$OUT/summary.txt"
+[ -n "$split2" ] && echo "moetrain 2 GPUs EP=2 time split (profiled step): $split2" | tee -a "$OUT/summary.txt"
 [ -n "$a2a" ] && echo "$a2a" | tee -a "$OUT/summary.txt"
