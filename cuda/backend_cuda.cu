@@ -65,6 +65,8 @@ template <typename T> static struct backend make_table(double peak)
     b.router_backward = cu_router_backward<T>;
     b.router_stats = cu_router_stats;
     b.moe_route_plan = cu_moe_route_plan;
+    b.moe_pair_plan = cu_moe_pair_plan;
+    b.gather_f32 = cu_gather_f32;
     b.gather_rows = cu_gather_rows<T>;
     b.gather_rows_backward = cu_gather_rows_backward<T>;
     b.moe_combine_forward = cu_moe_combine_forward<T>;

@@ -1,18 +1,41 @@
-/* The MoE route plan on the device (ops.h moe_route_plan), so the only thing the host waits for
- * per MoE layer is E counts instead of downloading, sorting and re-uploading the whole [T, k]
- * routing (src/cpu/cpu_moe.c is the reference: integers only, so both give identical plans).
+/* The MoE route and pair plans on the device (ops.h moe_route_plan, moe_pair_plan), so the only
+ * thing the host waits for per MoE layer is a few counts instead of downloading, sorting and
+ * re-uploading the whole [T, k] routing (src/cpu/cpu_moe.c is the reference: integers only, so both
+ * give identical plans).
  *
+ * Route plan:
  * (1) one thread per token sorts its k choices by expert id (weights alongside) and counts them
  *     into a shared-memory histogram, added into the global counts with integer atomics (exact,
- *     so the order does not matter); ids outside [0, E) are counted in counts[E] for the host.
+ *     so the order does not matter); MT_NO_EXPERT slots are skipped (slot_row -1), other ids
+ *     outside [0, E) are counted in counts[E] for the host.
  * (2) one block per expert walks the tokens in order; a block-wide prefix count of the tokens that
- *     chose expert e gives each its row, off[e] + rank, i.e. rows sorted by (expert, token). */
+ *     chose expert e gives each its row, off[e] + rank, i.e. rows sorted by (expert, token).
+ * Pair plan: the same two passes with the EP rank (expert / n_local) in place of the expert and
+ * each token counted once per rank it uses. */
 #include "moe_route.cuh"
 
 enum { ROUTE_THREADS = 256, ROUTE_MAX_K = 32, ROUTE_MAX_E = 8192 };
 
-__global__ void route_sort_count_kernel(int32_t *topk_idx, float *topk_w, int *counts, int T,
-                                        int E, int k)
+/* token t's choices, sorted by expert id (weights alongside), written back; left in idx/w */
+__device__ void sort_token(int32_t *topk_idx, float *topk_w, int t, int k, int32_t *idx, float *w)
+{
+    for (int j = 0; j < k; j++) {
+        idx[j] = topk_idx[(size_t)t * k + j];
+        w[j] = topk_w[(size_t)t * k + j];
+    }
+    for (int j = 1; j < k; j++)
+        for (int i = j; i > 0 && idx[i - 1] > idx[i]; i--) {
+            const int32_t ti = idx[i]; idx[i] = idx[i - 1]; idx[i - 1] = ti;
+            const float tw = w[i]; w[i] = w[i - 1]; w[i - 1] = tw;
+        }
+    for (int j = 0; j < k; j++) {
+        topk_idx[(size_t)t * k + j] = idx[j];
+        topk_w[(size_t)t * k + j] = w[j];
+    }
+}
+
+__global__ void route_sort_count_kernel(int32_t *topk_idx, float *topk_w, int32_t *slot_row,
+                                        int *counts, int T, int E, int k)
 {
     extern __shared__ int hist[]; /* [E + 1] */
     for (int e = threadIdx.x; e <= E; e += blockDim.x) hist[e] = 0;
@@ -21,18 +44,12 @@ __global__ void route_sort_count_kernel(int32_t *topk_idx, float *topk_w, int *c
     if (t < T) {
         int32_t idx[ROUTE_MAX_K];
         float w[ROUTE_MAX_K];
+        sort_token(topk_idx, topk_w, t, k, idx, w);
         for (int j = 0; j < k; j++) {
-            idx[j] = topk_idx[(size_t)t * k + j];
-            w[j] = topk_w[(size_t)t * k + j];
-        }
-        for (int j = 1; j < k; j++)
-            for (int i = j; i > 0 && idx[i - 1] > idx[i]; i--) {
-                const int32_t ti = idx[i]; idx[i] = idx[i - 1]; idx[i - 1] = ti;
-                const float tw = w[i]; w[i] = w[i - 1]; w[i - 1] = tw;
+            if (idx[j] == MT_NO_EXPERT) {
+                slot_row[(size_t)t * k + j] = -1;
+                continue;
             }
-        for (int j = 0; j < k; j++) {
-            topk_idx[(size_t)t * k + j] = idx[j];
-            topk_w[(size_t)t * k + j] = w[j];
             atomicAdd(&hist[idx[j] >= 0 && idx[j] < E ? idx[j] : E], 1);
         }
     }
@@ -100,8 +117,8 @@ void cu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32
     CUDA_CHECK(cudaMemsetAsync(counts, 0, (size_t)(E + 1) * sizeof(int), g_cuda.stream));
     if (T > 0) {
         route_sort_count_kernel<<<(T + ROUTE_THREADS - 1) / ROUTE_THREADS, ROUTE_THREADS,
-                                  (size_t)(E + 1) * sizeof(int), g_cuda.stream>>>(topk_idx, topk_w,
-                                                                                  counts, T, E, k);
+                                  (size_t)(E + 1) * sizeof(int), g_cuda.stream>>>(
+            topk_idx, topk_w, slot_row, counts, T, E, k);
         CUDA_LAUNCH_CHECK("moe route sort/count");
     }
     static int *h; /* pinned, so the copy below is asynchronous */
@@ -117,4 +134,125 @@ void cu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32
     CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
     MT_CHECK(h[E] == 0, "router chose %d expert ids outside [0, %d)", h[E], E);
     for (int e = 0; e < E; e++) count_host[e] = h[e];
+}
+
+/* ---------------------------------------------------------------- pair plan */
+
+__global__ void pair_sort_count_kernel(int32_t *topk_idx, float *topk_w, int *counts, int T,
+                                       int ep, int n_local, int k)
+{
+    extern __shared__ int hist[]; /* [ep + 1] */
+    for (int d = threadIdx.x; d <= ep; d += blockDim.x) hist[d] = 0;
+    __syncthreads();
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < T) {
+        int32_t idx[ROUTE_MAX_K];
+        float w[ROUTE_MAX_K];
+        sort_token(topk_idx, topk_w, t, k, idx, w);
+        const int E = ep * n_local;
+        for (int j = 0; j < k; j++) {
+            if (idx[j] < 0 || idx[j] >= E) atomicAdd(&hist[ep], 1);
+            else if (j == 0 || idx[j] / n_local != idx[j - 1] / n_local)
+                atomicAdd(&hist[idx[j] / n_local], 1);
+        }
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d <= ep; d += blockDim.x)
+        if (hist[d]) atomicAdd(&counts[d], hist[d]);
+}
+
+/* one block per rank d: the tokens using d, in order, get pairs base[d] + rank */
+__global__ void __launch_bounds__(ROUTE_THREADS)
+pair_rows_kernel(const int32_t *topk_idx, const float *topk_w, const int *counts, int32_t *pair_tok,
+                 int32_t *tok_pair, int32_t *meta_idx, float *meta_w, int32_t *w_map, int T,
+                 int n_local, int k)
+{
+    __shared__ int warp_tot[ROUTE_THREADS / 32];
+    const int d = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int base = 0;
+    for (int i = 0; i < d; i++) base += counts[i]; /* ep is small */
+    for (int t0 = 0; t0 < T; t0 += ROUTE_THREADS) {
+        const int t = t0 + threadIdx.x;
+        int j0 = k, j1 = k;
+        if (t < T) {
+            const int32_t *idx = topk_idx + (size_t)t * k;
+            for (int j = 0; j < k; j++) {
+                const int r = idx[j] / n_local;
+                if (r == d && j0 == k) j0 = j;
+                if (r > d) { j1 = j; break; }
+            }
+            if (j0 == k) j1 = k;
+        }
+        const bool has = j0 < k;
+        const unsigned ballot = __ballot_sync(0xffffffffu, has);
+        __syncthreads();
+        if (lane == 0) warp_tot[warp] = __popc(ballot);
+        __syncthreads();
+        int before = 0, total = 0;
+        for (int w = 0; w < ROUTE_THREADS / 32; w++) {
+            before += w < warp ? warp_tot[w] : 0;
+            total += warp_tot[w];
+        }
+        if (has) {
+            const int p = base + before + __popc(ballot & ((1u << lane) - 1u));
+            pair_tok[p] = t;
+            for (int s = 0; s < k; s++) {
+                const bool used = s < j1 - j0;
+                meta_idx[(size_t)p * k + s] = used ? topk_idx[(size_t)t * k + j0 + s] - d * n_local
+                                                   : MT_NO_EXPERT;
+                meta_w[(size_t)p * k + s] = used ? topk_w[(size_t)t * k + j0 + s] : 0.0f;
+            }
+            for (int j = j0; j < j1; j++) {
+                tok_pair[(size_t)t * k + j] = j == j0 ? p : -1;
+                w_map[(size_t)t * k + j] = p * k + (j - j0);
+            }
+        }
+        base += total;
+    }
+}
+
+void cu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int32_t *tok_pair,
+                      int32_t *meta_idx, float *meta_w, int32_t *w_map, int64_t *count_host, int T,
+                      int ep, int n_local, int k)
+{
+    MT_CHECK(T >= 0 && ep > 0 && ep <= ROUTE_MAX_E && n_local > 0 && k > 0 && k <= ROUTE_MAX_K,
+             "moe_pair_plan: unsupported shape T=%d ep=%d n_local=%d k=%d", T, ep, n_local, k);
+    MT_CHECK((int64_t)T * k * k <= INT32_MAX, "moe_pair_plan: %lld slots overflow int32",
+             (long long)T * k * k);
+    int *counts = (int *)cuda_scratch(SCRATCH_HIST, (size_t)(ep + 1) * sizeof(int));
+    CUDA_CHECK(cudaMemsetAsync(counts, 0, (size_t)(ep + 1) * sizeof(int), g_cuda.stream));
+    if (T > 0) {
+        pair_sort_count_kernel<<<(T + ROUTE_THREADS - 1) / ROUTE_THREADS, ROUTE_THREADS,
+                                 (size_t)(ep + 1) * sizeof(int), g_cuda.stream>>>(
+            topk_idx, topk_w, counts, T, ep, n_local, k);
+        CUDA_LAUNCH_CHECK("moe pair sort/count");
+    }
+    static int *h; /* pinned */
+    if (!h) CUDA_CHECK(cudaMallocHost(&h, (ROUTE_MAX_E + 1) * sizeof(int)));
+    CUDA_CHECK(cudaMemcpyAsync(h, counts, (size_t)(ep + 1) * sizeof(int), cudaMemcpyDeviceToHost,
+                               g_cuda.stream));
+    if (T > 0) {
+        pair_rows_kernel<<<ep, ROUTE_THREADS, 0, g_cuda.stream>>>(
+            topk_idx, topk_w, counts, pair_tok, tok_pair, meta_idx, meta_w, w_map, T, n_local, k);
+        CUDA_LAUNCH_CHECK("moe pair rows");
+    }
+    CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
+    MT_CHECK(h[ep] == 0, "router chose %d expert ids outside [0, %d)", h[ep], ep * n_local);
+    for (int d = 0; d < ep; d++) count_host[d] = h[d];
+}
+
+/* ---------------------------------------------------------------- fp32 gather */
+
+__global__ void gather_f32_kernel(float *out, const float *in, const int32_t *idx, int n)
+{
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        out[i] = in[idx[i]];
+}
+
+void cu_gather_f32(float *out, const float *in, const int32_t *idx, int n)
+{
+    MT_CHECK(n >= 0, "gather_f32: negative count %d", n);
+    if (n == 0) return;
+    gather_f32_kernel<<<MT_MIN((n + 255) / 256, 65536), 256, 0, g_cuda.stream>>>(out, in, idx, n);
+    CUDA_LAUNCH_CHECK("gather_f32");
 }

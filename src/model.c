@@ -49,16 +49,20 @@ static void alloc_layer(struct model *m, struct layer_acts *a, bool moe, bool de
         a->probs = falloc(m, T * E);
         a->topk_idx = ialloc(m, T * K);
         a->topk_w = falloc(m, T * K);
-        a->x_send = xalloc(m, T * K * H);
-        a->y_send = xalloc(m, T * K * H);
         struct moe_route *r = &a->route;
         r->expert_off = mt_calloc((size_t)m->n_local_experts + 1, sizeof(int64_t));
         r->send_counts = mt_calloc((size_t)m->ep, sizeof(int64_t));
         r->recv_counts = mt_calloc((size_t)m->ep, sizeof(int64_t));
-        r->recv_expert_counts = mt_calloc((size_t)m->ep * m->n_local_experts, sizeof(int64_t));
-        r->src_row = ialloc(m, T * K);
-        r->slot_row = ialloc(m, T * K);
-        /* expert-side buffers (x_exp, gu, act, y_exp, regroup) are sized on demand in moe.c */
+        if (m->ep == 1) {
+            r->exp_src = ialloc(m, T * K);
+            r->exp_slot = ialloc(m, T * K);
+        } else {
+            r->pair_tok = ialloc(m, T * MT_MIN(K, m->ep));
+            r->tok_pair = ialloc(m, T * K);
+            r->w_map = ialloc(m, T * K);
+        }
+        /* expert-side buffers (x_exp, gu, act, y_exp) and, with ep > 1, the receiver's pair
+         * arrays are sized on demand in moe.c */
     }
     if (dense) {
         a->gu = xalloc(m, T * 2 * m->Id);
@@ -144,14 +148,15 @@ void model_init(struct model *m, const struct backend *be, const struct model_co
     if (m->E > 0) {
         m->d_logits_r = xalloc(m, T * m->E);
         m->d_topk_w = falloc(m, T * m->K);
-        m->d_x_send = xalloc(m, T * m->K * H);
-        m->d_y_send = xalloc(m, T * m->K * H);
         m->aux_dp = falloc(m, m->E);
-        m->ones_tk = falloc(m, T * m->K);
-        float *ones = mt_malloc((size_t)(T * m->K) * sizeof(float));
-        for (int64_t i = 0; i < T * m->K; i++) ones[i] = 1.0f;
-        be->upload(m->ones_tk, ones, (size_t)(T * m->K) * sizeof(float));
-        free(ones);
+        if (m->ep > 1) {
+            const int64_t P = T * MT_MIN(m->K, m->ep);
+            m->d_x_send = xalloc(m, P * H);
+            m->meta_idx_send = ialloc(m, P * m->K);
+            m->meta_w_send = falloc(m, P * m->K);
+            m->d_w_back = falloc(m, P * m->K);
+        }
+        model_ensure_ones(m, T * m->K);
     }
     /* dense-MLP layers use d_gu/d_act at [T, 2 Id]; MoE layers grow them on demand (moe.c) */
     m->d_gu = xalloc(m, T * MT_MAX((int64_t)2 * m->Id, 1));
@@ -160,6 +165,19 @@ void model_init(struct model *m, const struct backend *be, const struct model_co
     int64_t nstat = (int64_t)m->L * 2 * MT_MAX(m->E, 1);
     m->stats = falloc(m, nstat);
     m->stats_h = mt_calloc((size_t)nstat, sizeof(float));
+}
+
+void model_ensure_ones(struct model *m, int64_t n)
+{
+    if (n <= m->ones_cap) return;
+    int64_t cap = n + n / 4 + 16;
+    float *ones = mt_malloc((size_t)cap * sizeof(float));
+    for (int64_t i = 0; i < cap; i++) ones[i] = 1.0f;
+    if (m->ones) m->be->free(m->ones);
+    m->ones = falloc(m, cap);
+    m->be->upload(m->ones, ones, (size_t)cap * sizeof(float));
+    free(ones);
+    m->ones_cap = cap;
 }
 
 struct layer_acts *model_acts(struct model *m, int l)
@@ -174,19 +192,19 @@ static void free_layer(const struct model *m, struct layer_acts *a)
     const struct backend *be = m->be;
     void *dev[] = {a->h_in, a->a, a->rstd_a, a->q_pre, a->k_pre, a->rstd_q, a->rstd_k, a->q, a->k,
                    a->v, a->attn, a->lse, a->h_mid, a->m, a->rstd_m, a->logits, a->probs,
-                   a->topk_idx, a->topk_w, a->x_send, a->gu, a->act, a->y_send,
-                   a->route.src_row, a->route.slot_row};
+                   a->topk_idx, a->topk_w, a->x_exp, a->gu, a->act, a->y_exp,
+                   a->route.pair_tok, a->route.tok_pair, a->route.w_map, a->route.exp_src,
+                   a->route.exp_slot};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(dev[i]);
-    if (a->route.regroup) be->free(a->route.regroup);
-    if (a->x_exp && a->x_exp != a->x_send) be->free(a->x_exp);
-    if (a->y_exp && a->y_exp != a->y_send) be->free(a->y_exp);
     struct moe_route *r = &a->route;
+    if (m->ep > 1) { /* with ep = 1 they are the layer's topk_idx/topk_w */
+        if (r->meta_idx) be->free(r->meta_idx);
+        if (r->meta_w) be->free(r->meta_w);
+    }
     free(r->expert_off);
     free(r->send_counts);
     free(r->recv_counts);
-    free(r->recv_expert_counts);
-    free(r->regroup_h);
 }
 
 void model_free(struct model *m)
@@ -205,12 +223,11 @@ void model_free(struct model *m)
     void *dev[] = {m->ids, m->targets, m->pos, m->h_final, m->hf, m->rstd_f, m->logits, m->losses,
                    m->lse_f,
                    m->d_h, m->d_t1, m->d_t2, m->d_t3, m->d_q, m->d_k, m->d_v, m->d_logits_r,
-                   m->d_topk_w, m->d_x_send, m->d_y_send, m->aux_dp, m->ones_tk, m->d_gu, m->d_act,
+                   m->d_topk_w, m->d_x_send, m->meta_idx_send, m->meta_w_send, m->d_w_back,
+                   m->d_w_recv, m->aux_dp, m->ones, m->d_gu, m->d_act, m->d_x_exp, m->d_y_exp,
                    m->stats, m->bias};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(dev[i]);
-    if (m->d_x_exp && m->d_x_exp != m->d_x_send) be->free(m->d_x_exp);
-    if (m->d_y_exp && m->d_y_exp != m->d_y_send) be->free(m->d_y_exp);
     free(m->stats_h);
     free(m->work_off);
     tensor_table_free(&m->tt);

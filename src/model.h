@@ -13,22 +13,24 @@
 #include "ops.h"
 #include "tensors.h"
 
-/* Per-layer MoE routing of one micro-batch (host index arrays + device copies). */
+/* Per-layer MoE routing of one micro-batch (moe.c: token-once dispatch). Sender side: this rank's
+ * tokens; receiver side: the pairs (token, this rank) that arrive for this rank's experts. */
 struct moe_route {
     int64_t *expert_off;     /* host [n_local + 1]: rows of each local expert in the expert input */
-    int64_t *send_counts;    /* host [ep]: rows sent to each EP rank */
-    int64_t *recv_counts;    /* host [ep]: rows received from each EP rank */
-    int64_t *recv_expert_counts; /* host [ep, n_local]: rows from rank r for local expert e */
-    int32_t *regroup_h;      /* host [2, R_recv]: regroup, then its inverse */
-    int64_t R_send, R_recv;
-    int32_t *src_row;        /* dev [R_send]: token of each dispatched row (rows sorted by expert) */
-    int32_t *slot_row;       /* dev [T, k]: dispatch row of token t's j-th choice; the layer's
-                              * topk_idx/topk_w are re-sorted by ascending expert id so that the
-                              * combine adds expert outputs in ascending expert order */
-    int32_t *regroup;        /* dev [2, R_recv]: [0] expert-major row -> received (rank-major) row;
-                              * [1] (regroup_inv) the inverse permutation, so the way back is a
-                              * gather too instead of a scatter-add */
-    int32_t *regroup_inv;    /* dev [R_recv], = regroup + R_recv */
+    int64_t *send_counts;    /* host [ep]: pairs sent to each EP rank (ep = 1: the T tokens) */
+    int64_t *recv_counts;    /* host [ep]: pairs received from each EP rank */
+    int64_t P_send, P_recv;  /* pairs sent and received */
+    int64_t R_exp;           /* expert-side rows, expert_off[n_local] */
+    /* sender side, ep > 1 */
+    int32_t *pair_tok;       /* dev [T * min(k, ep)]: token of each sent pair (rank, token order) */
+    int32_t *tok_pair;       /* dev [T, k]: pair of choice j's rank at its first choice, else -1 */
+    int32_t *w_map;          /* dev [T, k]: where choice j's weight sits in the pairs' k slots */
+    /* receiver side (ep = 1: meta_* are the layer's topk_idx/topk_w, re-sorted ascending) */
+    int32_t *meta_idx;       /* dev [P_recv, k]: local expert of each pair slot, MT_NO_EXPERT = empty */
+    float *meta_w;           /* dev [P_recv, k]: its routing weight */
+    int32_t *exp_src;        /* dev [R_exp]: pair (token) of each expert-side row */
+    int32_t *exp_slot;       /* dev [P_recv, k]: expert-side row of each slot, -1 if empty */
+    int64_t cap_pairs;       /* pairs the receiver arrays hold (ep > 1) */
 };
 
 struct layer_acts {
@@ -52,14 +54,12 @@ struct layer_acts {
     float *probs;    /* [T, E]   router softmax (fp32) */
     int32_t *topk_idx; /* [T, k] */
     float *topk_w;   /* [T, k] */
-    void *x_send;    /* [T * k, H]  token rows sorted by expert (dispatch input) */
     void *x_exp;     /* [R_max, H]  rows grouped by local expert */
     void *gu;        /* [R_max, 2I] gate|up projections (or [T, 2 Id] for a dense MLP layer) */
     void *act;       /* [R_max, I]  silu(gate) * up */
     void *y_exp;     /* [R_max, H]  expert outputs, expert-major */
-    void *y_send;    /* [T * k, H]  expert outputs back in dispatch order */
     struct moe_route route;
-    int64_t cap_rows;  /* rows x_exp/gu/act/y_exp/regroup can hold */
+    int64_t cap_rows;  /* rows x_exp/gu/act/y_exp can hold */
 };
 
 struct model {
@@ -103,11 +103,19 @@ struct model {
     void *d_q, *d_k, *d_v;      /* q/k/v-shaped */
     void *d_logits_r;           /* [T, E] */
     float *d_topk_w;            /* [T, k] */
-    void *d_x_send, *d_x_exp, *d_gu, *d_act, *d_y_exp, *d_y_send;
+    void *d_x_exp, *d_gu, *d_act, *d_y_exp; /* [d_cap_rows, H or 2I or I] expert-side */
+    /* ep > 1: sender-side pair rows (forward and backward), metadata and weight-gradient staging */
+    void *d_x_send;             /* [T * min(k, ep), H] */
+    int32_t *meta_idx_send;     /* [T * min(k, ep), k] */
+    float *meta_w_send;         /* [T * min(k, ep), k] */
+    float *d_w_back;            /* [T * min(k, ep), k] */
+    float *d_w_recv;            /* [d_cap_pairs, k] */
+    int64_t d_cap_pairs;
     float *stats;               /* dev [L, 2, E]: per layer psum then count */
     float *stats_h;             /* host copy */
     float *aux_dp;              /* dev [E] */
-    float *ones_tk;             /* dev [T, k] all 1.0: unit combine weights (dispatch backward) */
+    float *ones;                /* dev [ones_cap] all 1.0: unit combine weights */
+    int64_t ones_cap;
     float *bias;                /* dev [L, E]: aux-free balancing selection bias (NULL if unused) */
 };
 
@@ -126,6 +134,8 @@ void model_init(struct model *m, const struct backend *be, const struct model_co
 /* The activations of layer l: its own, or the shared set holding layer l's input when
  * recomputing. */
 struct layer_acts *model_acts(struct model *m, int l);
+/* Makes m->ones hold at least n ones. */
+void model_ensure_ones(struct model *m, int64_t n);
 void model_free(struct model *m);
 
 /* Pointers to tensor i's working weight (compute dtype) and gradient. */
@@ -162,11 +172,11 @@ void mlp_backward(struct model *m, int l);
  * wrappers over what moe_forward / moe_backward run. Pointers other than *_host are backend memory.
  *  - moe_dispatch_for_test: topk_idx/topk_w HOST [T, k] (any order of a token's k distinct
  *    experts) and rows x [T, H] -> the route m->layers[l].route (re-sorted top-k included), the
- *    expert-major rows m->layers[l].x_exp [R_recv, H] with route.expert_off; returns R_recv.
- *  - moe_combine_for_test: expert outputs y_exp [R_recv, H] (expert-major, as x_exp) -> out [T, H].
- *  - moe_combine_backward_for_test: dL/d out [T, H] -> m->d_y_exp [R_recv, H] (expert-major) and
+ *    expert-major rows m->layers[l].x_exp [R_exp, H] with route.expert_off; returns R_exp.
+ *  - moe_combine_for_test: expert outputs y_exp [R_exp, H] (expert-major, as x_exp) -> out [T, H].
+ *  - moe_combine_backward_for_test: dL/d out [T, H] -> m->d_y_exp [R_exp, H] (expert-major) and
  *    m->d_topk_w [T, k] (in the re-sorted order the route plan leaves in the layer's topk_idx).
- *  - moe_dispatch_backward_for_test: dL/d x_exp [R_recv, H] -> dx [T, H] (overwritten). */
+ *  - moe_dispatch_backward_for_test: dL/d x_exp [R_exp, H] -> dx [T, H] (overwritten). */
 int64_t moe_dispatch_for_test(struct model *m, int l, const int32_t *topk_idx_host,
                               const float *topk_w_host, const void *x);
 void moe_combine_for_test(struct model *m, int l, const void *y_exp, void *out);

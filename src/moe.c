@@ -2,11 +2,18 @@
  * ranks that hold their experts (all-to-all), grouped expert SwiGLU, the reverse all-to-all and the
  * weighted combine. Dense layers (mlp_only_layers / decoder_sparse_step): one SwiGLU MLP.
  *
- * Row orders. Dispatch rows are sorted by (global expert, token), so the block for EP rank r is
- * contiguous. A receiving rank gets rank-major blocks, each sorted by local expert; `regroup`
- * gathers them into expert-major order (expert, source rank, token) for the grouped GEMM. Each
- * token's k choices are re-sorted by ascending expert id before anything uses them, so the combine
- * adds expert outputs in the same order on every mesh (and in transformers' eager order). */
+ * Token-once dispatch (ep > 1). A token crosses to each EP rank it uses once, not once per expert
+ * there: the sender moves one row per (token, rank) "pair", ordered by (rank, token), with the
+ * pair's local experts and weights beside it (meta); the receiver copies each pair row to its
+ * experts (expert-major rows: expert, source rank, token) and sends back ONE row per pair, the
+ * weighted sum of its experts' outputs; the sender adds a token's pair rows in rank order. With
+ * top-8 of 128 experts on 2 ranks that is ~2 rows per token on the wire instead of 8. The backward
+ * mirrors it: dL/d(out) once per pair, the routing-weight gradients back as k floats per pair,
+ * and the experts' input gradients summed per pair before they cross.
+ * With ep = 1 the pairs are the tokens: no pair plan, no copies, the layer's top-k is the meta.
+ * Each token's k choices are re-sorted by ascending expert id before anything uses them, so the
+ * combine adds expert outputs in ascending expert order (transformers' eager order; across ranks
+ * the per-rank partial sums are added in rank order, so meshes agree to rounding). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,33 +23,21 @@
 static void *W(const struct model *m, enum tensor_role r, int l) { return model_weight(m, tensor_lookup(&m->tt, r, l)); }
 static float *G(const struct model *m, enum tensor_role r, int l) { return model_grad(m, tensor_lookup(&m->tt, r, l)); }
 
-
 static void regrow(const struct model *m, void **p, int64_t elems, size_t elem_size)
 {
     if (*p) m->be->free(*p);
     *p = m->be->alloc((size_t)MT_MAX(elems, 1) * elem_size);
 }
 
-/* Make layer buffers hold R expert-side rows (and the shared backward scratch too). With ep = 1
- * the expert side is the dispatch side: the buffers alias. */
+/* Expert-side rows: layer buffers for R rows (and the shared backward scratch too). */
 static void ensure_rows(struct model *m, struct layer_acts *a, int64_t R)
 {
     const int64_t H = m->H, I = m->I;
     const size_t xs = m->be->x_size;
-    if (m->ep == 1) {
-        a->x_exp = a->x_send;
-        a->y_exp = a->y_send;
-        m->d_x_exp = m->d_x_send;
-        m->d_y_exp = m->d_y_send;
-    }
     if (R > a->cap_rows) {
         int64_t cap = m->ep == 1 ? R : R + R / 4 + 16;
-        if (m->ep > 1) {
-            regrow(m, &a->x_exp, cap * H, xs);
-            regrow(m, &a->y_exp, cap * H, xs);
-            regrow(m, (void **)&a->route.regroup, 2 * cap, sizeof(int32_t));
-            a->route.regroup_h = mt_realloc(a->route.regroup_h, (size_t)2 * cap * sizeof(int32_t));
-        }
+        regrow(m, &a->x_exp, cap * H, xs);
+        regrow(m, &a->y_exp, cap * H, xs);
         /* a shared (recompute) set also serves dense layers: [T, 2 Id] and [T, Id] */
         regrow(m, &a->gu, MT_MAX(cap * 2 * I, (int64_t)m->T * 2 * m->Id), xs);
         regrow(m, &a->act, MT_MAX(cap * I, (int64_t)m->T * m->Id), xs);
@@ -50,74 +45,74 @@ static void ensure_rows(struct model *m, struct layer_acts *a, int64_t R)
     }
     if (R > m->d_cap_rows) {
         int64_t cap = m->ep == 1 ? R : R + R / 4 + 16;
-        if (m->ep > 1) {
-            regrow(m, &m->d_x_exp, cap * H, xs);
-            regrow(m, &m->d_y_exp, cap * H, xs);
-        }
+        regrow(m, &m->d_x_exp, cap * H, xs);
+        regrow(m, &m->d_y_exp, cap * H, xs);
         regrow(m, &m->d_gu, MT_MAX(cap * 2 * I, (int64_t)m->T * 2 * m->Id), xs);
         regrow(m, &m->d_act, MT_MAX(cap * I, (int64_t)m->T * m->Id), xs);
         m->d_cap_rows = cap;
     }
 }
 
-/* Builds the dispatch plan of layer l from the router's top-k (see the file comment): the backend
- * sorts the choices and orders the rows; the host gets the per-expert counts. */
+/* Receiver-side pair arrays for P pairs (ep > 1), and unit weights for P·k slots. */
+static void ensure_pairs(struct model *m, struct layer_acts *a, int64_t P)
+{
+    const int64_t K = m->K;
+    struct moe_route *r = &a->route;
+    if (P > r->cap_pairs) {
+        int64_t cap = P + P / 4 + 16;
+        regrow(m, (void **)&r->meta_idx, cap * K, sizeof(int32_t));
+        regrow(m, (void **)&r->meta_w, cap * K, sizeof(float));
+        regrow(m, (void **)&r->exp_slot, cap * K, sizeof(int32_t));
+        regrow(m, (void **)&r->exp_src, cap * K, sizeof(int32_t));
+        r->cap_pairs = cap;
+    }
+    if (P > m->d_cap_pairs) {
+        int64_t cap = P + P / 4 + 16;
+        regrow(m, (void **)&m->d_w_recv, cap * K, sizeof(float));
+        m->d_cap_pairs = cap;
+    }
+    model_ensure_ones(m, P * K);
+}
+
+/* Builds the dispatch plan of layer l from the router's top-k (see the file comment). */
 static void route_plan(struct model *m, struct layer_acts *a)
 {
     const struct backend *be = m->be;
     struct moe_route *r = &a->route;
     const int T = m->T, K = m->K, E = m->E, nl = m->n_local_experts, ep = m->ep;
-    int64_t *cnt = mt_malloc((size_t)E * sizeof(int64_t));
-    be->moe_route_plan(a->topk_idx, a->topk_w, r->src_row, r->slot_row, cnt, T, E, K);
-    for (int d = 0; d < ep; d++) {
-        r->send_counts[d] = 0;
-        for (int e = d * nl; e < (d + 1) * nl; e++) r->send_counts[d] += cnt[e];
-    }
-    r->R_send = (int64_t)T * K;
-
-    /* counts are host data: exchange them over MPI whatever backend moves the rows */
-    if (ep > 1)
-        MT_CHECK_MPI(MPI_Alltoall(cnt, nl, MPI_INT64_T, r->recv_expert_counts, nl, MPI_INT64_T,
+    int64_t *cnt = mt_malloc((size_t)nl * sizeof(int64_t));
+    if (ep == 1) {
+        r->meta_idx = a->topk_idx;
+        r->meta_w = a->topk_w;
+        be->moe_route_plan(a->topk_idx, a->topk_w, r->exp_src, r->exp_slot, cnt, T, E, K);
+        r->send_counts[0] = r->recv_counts[0] = r->P_send = r->P_recv = T;
+    } else {
+        be->moe_pair_plan(a->topk_idx, a->topk_w, r->pair_tok, r->tok_pair, m->meta_idx_send,
+                          m->meta_w_send, r->w_map, r->send_counts, T, ep, nl, K);
+        /* counts are host data: exchange them over MPI whatever backend moves the rows */
+        MT_CHECK_MPI(MPI_Alltoall(r->send_counts, 1, MPI_INT64_T, r->recv_counts, 1, MPI_INT64_T,
                                   m->ep_comm->mpi));
-    else
-        memcpy(r->recv_expert_counts, cnt, (size_t)nl * sizeof(int64_t));
-    free(cnt);
-
-    int64_t total = 0;
-    for (int s = 0; s < ep; s++) {
-        r->recv_counts[s] = 0;
-        for (int e = 0; e < nl; e++) r->recv_counts[s] += r->recv_expert_counts[(size_t)s * nl + e];
-        total += r->recv_counts[s];
-    }
-    r->R_recv = total;
-    r->expert_off[0] = 0;
-    for (int e = 0; e < nl; e++) {
-        int64_t c = 0;
-        for (int s = 0; s < ep; s++) c += r->recv_expert_counts[(size_t)s * nl + e];
-        r->expert_off[e + 1] = r->expert_off[e] + c;
-    }
-    ensure_rows(m, a, total);
-    if (ep == 1) return;
-
-    /* regroup[expert-major row] = row in the received, rank-major buffer */
-    int64_t pos = 0, base = 0;
-    int64_t *start = mt_malloc((size_t)ep * nl * sizeof(int64_t));
-    for (int s = 0; s < ep; s++) {
-        int64_t o = base;
-        for (int e = 0; e < nl; e++) {
-            start[(size_t)s * nl + e] = o;
-            o += r->recv_expert_counts[(size_t)s * nl + e];
+        r->P_send = r->P_recv = 0;
+        for (int s = 0; s < ep; s++) {
+            r->P_send += r->send_counts[s];
+            r->P_recv += r->recv_counts[s];
         }
-        base += r->recv_counts[s];
+        ensure_pairs(m, a, r->P_recv);
+        int64_t in[ep], out[ep];
+        for (int s = 0; s < ep; s++) {
+            in[s] = r->recv_counts[s] * K;
+            out[s] = r->send_counts[s] * K;
+        }
+        comm_all_to_all_v(m->ep_comm, r->meta_idx, in, m->meta_idx_send, out, COMM_I32);
+        comm_all_to_all_v(m->ep_comm, r->meta_w, in, m->meta_w_send, out, COMM_F32);
+        be->moe_route_plan(r->meta_idx, r->meta_w, r->exp_src, r->exp_slot, cnt, (int)r->P_recv,
+                           nl, K);
     }
-    for (int e = 0; e < nl; e++)
-        for (int s = 0; s < ep; s++)
-            for (int64_t i = 0; i < r->recv_expert_counts[(size_t)s * nl + e]; i++)
-                r->regroup_h[pos++] = (int32_t)(start[(size_t)s * nl + e] + i);
-    free(start);
-    for (int64_t i = 0; i < total; i++) r->regroup_h[total + r->regroup_h[i]] = (int32_t)i;
-    r->regroup_inv = r->regroup + total;
-    if (total > 0) be->upload(r->regroup, r->regroup_h, (size_t)2 * total * sizeof(int32_t));
+    r->expert_off[0] = 0;
+    for (int e = 0; e < nl; e++) r->expert_off[e + 1] = r->expert_off[e] + cnt[e];
+    free(cnt);
+    r->R_exp = r->expert_off[nl];
+    ensure_rows(m, a, r->R_exp);
 }
 
 /* Moves rows between EP ranks: `send` has counts_out[s] rows for rank s, `recv` gets counts_in[s]
@@ -153,34 +148,37 @@ static void dense_mlp_backward(struct model *m, struct layer_acts *a, int l)
                         H, 2 * Id, false);
 }
 
-/* Token side -> expert side: the layer's norm output rows in dispatch order (x_send), then with
- * ep > 1 the all-to-all and the regroup into expert-major x_exp. */
+/* Token side -> expert side: the layer's norm output rows in expert-major order (x_exp); with
+ * ep > 1 one row per pair crosses (m->d_x_send, free during the forward) into y_exp, free until
+ * the experts run. */
 static void dispatch_rows(struct model *m, struct layer_acts *a)
 {
     const struct backend *be = m->be;
     const int H = m->H;
     struct moe_route *r = &a->route;
-    be->gather_rows(a->x_send, a->m, r->src_row, (int)r->R_send, H);
+    const void *src = a->m;
     if (m->ep > 1) {
-        /* y_exp is free until the experts run: it holds the received rows until the regroup */
-        exchange_rows(m, a->y_exp, r->recv_counts, a->x_send, r->send_counts);
-        be->gather_rows(a->x_exp, a->y_exp, r->regroup, (int)r->R_recv, H);
+        be->gather_rows(m->d_x_send, a->m, r->pair_tok, (int)r->P_send, H);
+        exchange_rows(m, a->y_exp, r->recv_counts, m->d_x_send, r->send_counts);
+        src = a->y_exp;
     }
+    be->gather_rows(a->x_exp, src, r->exp_src, (int)r->R_exp, H);
 }
 
-/* Expert side -> token side: expert outputs y_exp back to their tokens' ranks (y_send, dispatch
- * order), then the weighted combine into out. */
+/* Expert side -> token side: the weighted sum of each pair's expert outputs; with ep > 1 the pair
+ * rows (in d_x_exp, free during the forward) go back and each token adds its pairs. */
 static void combine_rows(struct model *m, struct layer_acts *a, void *out)
 {
     const struct backend *be = m->be;
     const int T = m->T, H = m->H, K = m->K;
     struct moe_route *r = &a->route;
-    if (m->ep > 1) {
-        /* the backward scratch d_x_exp is free during the forward; back to rank-major order */
-        be->gather_rows(m->d_x_exp, a->y_exp, r->regroup_inv, (int)r->R_recv, H);
-        exchange_rows(m, a->y_send, r->send_counts, m->d_x_exp, r->recv_counts);
+    if (m->ep == 1) {
+        be->moe_combine_forward(out, a->y_exp, r->exp_slot, r->meta_w, T, K, H);
+        return;
     }
-    be->moe_combine_forward(out, a->y_send, r->slot_row, a->topk_w, T, K, H);
+    be->moe_combine_forward(m->d_x_exp, a->y_exp, r->exp_slot, r->meta_w, (int)r->P_recv, K, H);
+    exchange_rows(m, m->d_x_send, r->send_counts, m->d_x_exp, r->recv_counts);
+    be->moe_combine_forward(out, m->d_x_send, r->tok_pair, m->ones, T, K, H);
 }
 
 /* Backward of combine_rows: m->d_h (dL/d out) -> m->d_topk_w and m->d_y_exp (expert-major). */
@@ -189,28 +187,40 @@ static void combine_rows_backward(struct model *m, struct layer_acts *a)
     const struct backend *be = m->be;
     const int T = m->T, H = m->H, K = m->K;
     struct moe_route *r = &a->route;
-    be->moe_combine_backward(m->d_y_send, m->d_topk_w, m->d_h, a->y_send, r->slot_row, a->topk_w, T,
-                             K, H);
-    if (m->ep > 1) {
-        exchange_rows(m, m->d_x_exp, r->recv_counts, m->d_y_send, r->send_counts);
-        be->gather_rows(m->d_y_exp, m->d_x_exp, r->regroup, (int)r->R_recv, H);
+    if (m->ep == 1) {
+        be->moe_combine_backward(m->d_y_exp, m->d_topk_w, m->d_h, a->y_exp, r->exp_slot, r->meta_w,
+                                 T, K, H);
+        return;
     }
+    be->gather_rows(m->d_x_send, m->d_h, r->pair_tok, (int)r->P_send, H);
+    exchange_rows(m, m->d_x_exp, r->recv_counts, m->d_x_send, r->send_counts);
+    be->moe_combine_backward(m->d_y_exp, m->d_w_recv, m->d_x_exp, a->y_exp, r->exp_slot, r->meta_w,
+                             (int)r->P_recv, K, H);
+    int64_t in[m->ep], out[m->ep];
+    for (int s = 0; s < m->ep; s++) {
+        in[s] = r->send_counts[s] * K;
+        out[s] = r->recv_counts[s] * K;
+    }
+    comm_all_to_all_v(m->ep_comm, m->d_w_back, in, m->d_w_recv, out, COMM_F32);
+    be->gather_f32(m->d_topk_w, m->d_w_back, r->w_map, T * K);
 }
 
 /* Backward of dispatch_rows: m->d_x_exp (expert-major) -> m->d_t1 = dL/d(norm output) through the
- * experts (overwritten; the router term is added after). */
+ * experts (overwritten; the router term is added after). Each token's (or pair's) rows are summed
+ * in ascending row order: the gather's backward as a unit-weight combine, no scatter. */
 static void dispatch_rows_backward(struct model *m, struct layer_acts *a)
 {
     const struct backend *be = m->be;
-    const int T = m->T, H = m->H;
+    const int T = m->T, H = m->H, K = m->K;
     struct moe_route *r = &a->route;
-    if (m->ep > 1) {
-        be->gather_rows(m->d_y_exp, m->d_x_exp, r->regroup_inv, (int)r->R_recv, H);
-        exchange_rows(m, m->d_x_send, r->send_counts, m->d_y_exp, r->recv_counts);
+    if (m->ep == 1) {
+        be->moe_combine_forward(m->d_t1, m->d_x_exp, r->exp_slot, m->ones, T, K, H);
+        return;
     }
-    /* each token's k rows summed in ascending row order: the gather's backward as a combine with
-     * unit weights (no scatter, no sort; the same fp32 sum in the same order) */
-    be->moe_combine_forward(m->d_t1, m->d_x_send, r->slot_row, m->ones_tk, T, m->K, H);
+    /* d_y_exp is free once the expert backward has run */
+    be->moe_combine_forward(m->d_y_exp, m->d_x_exp, r->exp_slot, m->ones, (int)r->P_recv, K, H);
+    exchange_rows(m, m->d_x_send, r->send_counts, m->d_y_exp, r->recv_counts);
+    be->moe_combine_forward(m->d_t1, m->d_x_send, r->tok_pair, m->ones, T, K, H);
 }
 
 static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out)
@@ -227,7 +237,7 @@ static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out)
 
     dispatch_rows(m, a);
     be->expert_matmul_forward(a->gu, a->x_exp, W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
-    be->swiglu_forward(a->act, a->gu, (int)r->R_recv, I);
+    be->swiglu_forward(a->act, a->gu, (int)r->R_exp, I);
     be->expert_matmul_forward(a->y_exp, a->act, W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H);
     combine_rows(m, a, out);
 }
@@ -240,7 +250,7 @@ static void moe_backward(struct model *m, struct layer_acts *a, int l)
     combine_rows_backward(m, a);
     be->expert_matmul_backward(m->d_act, G(m, TR_EXP_DOWN, l), m->d_y_exp, a->act,
                                W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H);
-    be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)r->R_recv, I);
+    be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)r->R_exp, I);
     be->expert_matmul_backward(m->d_x_exp, G(m, TR_EXP_GATE_UP, l), m->d_gu, a->x_exp,
                                W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
     dispatch_rows_backward(m, a);
@@ -298,13 +308,13 @@ int64_t moe_dispatch_for_test(struct model *m, int l, const int32_t *topk_idx_ho
     copy_in(m, a->m, x, m->T);
     route_plan(m, a);
     dispatch_rows(m, a);
-    return a->route.R_recv;
+    return a->route.R_exp;
 }
 
 void moe_combine_for_test(struct model *m, int l, const void *y_exp, void *out)
 {
     struct layer_acts *a = test_layer(m, l);
-    copy_in(m, a->y_exp, y_exp, a->route.R_recv);
+    copy_in(m, a->y_exp, y_exp, a->route.R_exp);
     combine_rows(m, a, out);
 }
 
@@ -318,7 +328,7 @@ void moe_combine_backward_for_test(struct model *m, int l, const void *dout)
 void moe_dispatch_backward_for_test(struct model *m, int l, const void *d_x_exp, void *dx)
 {
     struct layer_acts *a = test_layer(m, l);
-    copy_in(m, m->d_x_exp, d_x_exp, a->route.R_recv);
+    copy_in(m, m->d_x_exp, d_x_exp, a->route.R_exp);
     dispatch_rows_backward(m, a);
     copy_in(m, dx, m->d_t1, m->T);
 }

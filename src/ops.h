@@ -19,6 +19,8 @@
 #include <stdint.h>
 
 #define MT_IGNORE_INDEX (-100)
+/* An empty routing slot (sorts after every expert id) */
+#define MT_NO_EXPERT INT32_MAX
 
 struct backend {
     const char *name;            /* "cpu" or "cuda" */
@@ -97,12 +99,28 @@ struct backend {
 
     /* MoE route plan (integers only: every backend gives the same answer). In place, each token's
      * k choices are sorted by ascending expert id, topk_w permuted alongside. Rows are then ordered
-     * by (expert, token): src_row[row] = token, slot_row[t, j] = row of token t's j-th choice, and
-     * count_host[e] (a HOST array of E) = rows of expert e; waits for the backend. A chosen id
-     * outside [0, E) is a fatal error. */
+     * by (expert, token): src_row[row] = token, slot_row[t, j] = row of token t's j-th choice (-1
+     * for an MT_NO_EXPERT slot, which gets no row), and count_host[e] (a HOST array of E) = rows
+     * of expert e; waits for the backend. Any other id outside [0, E) is a fatal error. */
     void (*moe_route_plan)(int32_t *topk_idx /*[T,k]*/, float *topk_w /*[T,k]*/,
-                           int32_t *src_row /*[T*k]*/, int32_t *slot_row /*[T,k]*/,
+                           int32_t *src_row /*[<= T*k]*/, int32_t *slot_row /*[T,k]*/,
                            int64_t *count_host /*[E]*/, int T, int E, int k);
+    /* Token-once dispatch plan over ep ranks of n_local experts (expert e on rank e / n_local).
+     * In place, each token's choices are sorted by ascending expert id (weights alongside). A
+     * "pair" (token, rank) stands for every rank a token uses; pairs are ordered by (rank, token):
+     *   pair_tok[p] = its token; tok_pair[t, j] = the pair of (t, rank of choice j) at the first
+     *   choice of each rank, -1 at the token's other choices of that rank;
+     *   meta_idx[p, s] / meta_w[p, s] = the pair's s-th choice as a LOCAL expert id and its
+     *   weight, ascending, then MT_NO_EXPERT / 0 up to k;
+     *   w_map[t, j] = p·k + s, where choice j sits in its pair's slots;
+     *   count_host[d] (HOST [ep]) = pairs for rank d; waits. An id outside [0, ep·n_local) is fatal. */
+    void (*moe_pair_plan)(int32_t *topk_idx /*[T,k]*/, float *topk_w /*[T,k]*/,
+                          int32_t *pair_tok /*[<= T*min(k,ep)]*/, int32_t *tok_pair /*[T,k]*/,
+                          int32_t *meta_idx /*[P,k]*/, float *meta_w /*[P,k]*/,
+                          int32_t *w_map /*[T,k]*/, int64_t *count_host /*[ep]*/, int T, int ep,
+                          int n_local, int k);
+    /* out[i] = in[idx[i]] for i < n, fp32 values (index bookkeeping of routing weights) */
+    void (*gather_f32)(float *out, const float *in, const int32_t *idx, int n);
 
     /* Row gather: out[r] = in[idx[r]] for r < R. Backward: din[idx[r]] += dout[r] (din must be
      * zeroed or hold a value to add to; rows are added in ascending r). */
@@ -113,7 +131,8 @@ struct backend {
 
     /* MoE combine: out[t] = Σ_j w[t,j] · y[slot_row[t,j]] over j = 0..k-1 in that order (the caller
      * orders each token's slots by ascending expert id). Backward: dy[slot_row[t,j]] = w[t,j]·dout[t],
-     * dw[t,j] = <dout[t], y[slot_row[t,j]]> (overwritten). */
+     * dw[t,j] = <dout[t], y[slot_row[t,j]]> (overwritten). A slot row < 0 is empty: it adds
+     * nothing, and the backward writes neither dy nor dw for it. */
     void (*moe_combine_forward)(void *out /*[T,H]*/, const void *y /*[R,H]*/,
                                 const int32_t *slot_row /*[T,k]*/, const float *w /*[T,k]*/,
                                 int T, int k, int H);

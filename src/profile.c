@@ -115,6 +115,11 @@ W(router_stats, PROF_MOE_ROWS, E,
 W(moe_route_plan, PROF_MOE_ROWS, E,
   (int32_t *ti, float *tw, int32_t *sr, int32_t *sl, int64_t *c, int T, int E, int k),
   (ti, tw, sr, sl, c, T, E, k))
+W(moe_pair_plan, PROF_MOE_ROWS, ep,
+  (int32_t *ti, float *tw, int32_t *pt, int32_t *tp, int32_t *mi, float *mw, int32_t *wm,
+   int64_t *c, int T, int ep, int nl, int k),
+  (ti, tw, pt, tp, mi, mw, wm, c, T, ep, nl, k))
+W(gather_f32, PROF_MOE_ROWS, 0, (float *o, const float *i, const int32_t *idx, int n), (o, i, idx, n))
 W(gather_rows, PROF_MOE_ROWS, R, (void *o, const void *i, const int32_t *idx, int R, int H),
   (o, i, idx, R, H))
 W(gather_rows_backward, PROF_MOE_ROWS, R, (void *di, const void *d, const int32_t *idx, int R, int H),
@@ -165,7 +170,7 @@ const struct backend *profile_wrap(const struct backend *be)
     SET(embedding_backward); SET(rmsnorm_forward); SET(rmsnorm_backward); SET(matmul_forward);
     SET(matmul_backward); SET(rope_forward); SET(rope_backward); SET(attention_forward);
     SET(attention_backward); SET(router_forward); SET(router_backward); SET(router_stats);
-    SET(moe_route_plan); SET(gather_rows); SET(gather_rows_backward); SET(moe_combine_forward);
+    SET(moe_route_plan); SET(moe_pair_plan); SET(gather_f32); SET(gather_rows); SET(gather_rows_backward); SET(moe_combine_forward);
     SET(moe_combine_backward); SET(expert_matmul_forward); SET(expert_matmul_backward);
     SET(swiglu_forward); SET(swiglu_backward); SET(cross_entropy_forward);
     SET(cross_entropy_backward); SET(adamw_update);

@@ -3,9 +3,21 @@
 #include "cpu/cpu_ops.h"
 #include "cpu/cpu_dot.h"
 #include "common.h"
+#include "ops.h"
 
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* in place: a token's k choices by ascending expert id, weights alongside */
+static void sort_choices(int32_t *idx, float *w, int k)
+{
+    for (int j = 1; j < k; j++)
+        for (int i = j; i > 0 && idx[i - 1] > idx[i]; i--) {
+            int32_t ti = idx[i]; idx[i] = idx[i - 1]; idx[i - 1] = ti;
+            float tw = w[i]; w[i] = w[i - 1]; w[i - 1] = tw;
+        }
+}
 
 void cpu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32_t *slot_row,
                         int64_t *count, int T, int E, int k)
@@ -13,13 +25,9 @@ void cpu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int3
     memset(count, 0, (size_t)E * sizeof *count);
     for (int t = 0; t < T; t++) {
         int32_t *idx = topk_idx + (size_t)t * k;
-        float *w = topk_w + (size_t)t * k;
-        for (int j = 1; j < k; j++)
-            for (int i = j; i > 0 && idx[i - 1] > idx[i]; i--) {
-                int32_t ti = idx[i]; idx[i] = idx[i - 1]; idx[i - 1] = ti;
-                float tw = w[i]; w[i] = w[i - 1]; w[i - 1] = tw;
-            }
+        sort_choices(idx, topk_w + (size_t)t * k, k);
         for (int j = 0; j < k; j++) {
+            if (idx[j] == MT_NO_EXPERT) continue;
             MT_CHECK(idx[j] >= 0 && idx[j] < E, "router chose expert %d of %d", (int)idx[j], E);
             count[idx[j]]++;
         }
@@ -28,11 +36,62 @@ void cpu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int3
     for (int e = 0, o = 0; e < E; o += (int)count[e], e++) fill[e] = o;
     for (int t = 0; t < T; t++)
         for (int j = 0; j < k; j++) {
-            int64_t row = fill[topk_idx[(size_t)t * k + j]]++;
+            const int32_t e = topk_idx[(size_t)t * k + j];
+            if (e == MT_NO_EXPERT) {
+                slot_row[(size_t)t * k + j] = -1;
+                continue;
+            }
+            int64_t row = fill[e]++;
             src_row[row] = t;
             slot_row[(size_t)t * k + j] = (int32_t)row;
         }
     free(fill);
+}
+
+void cpu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int32_t *tok_pair,
+                       int32_t *meta_idx, float *meta_w, int32_t *w_map, int64_t *count, int T,
+                       int ep, int n_local, int k)
+{
+    const int E = ep * n_local;
+    memset(count, 0, (size_t)ep * sizeof *count);
+    for (int t = 0; t < T; t++) {
+        int32_t *idx = topk_idx + (size_t)t * k;
+        sort_choices(idx, topk_w + (size_t)t * k, k);
+        for (int j = 0; j < k; j++) {
+            MT_CHECK(idx[j] >= 0 && idx[j] < E, "router chose expert %d of %d", (int)idx[j], E);
+            if (j == 0 || idx[j] / n_local != idx[j - 1] / n_local) count[idx[j] / n_local]++;
+        }
+    }
+    int64_t *fill = mt_malloc((size_t)ep * sizeof *fill);
+    for (int d = 0, o = 0; d < ep; o += (int)count[d], d++) fill[d] = o;
+    for (int t = 0; t < T; t++) {
+        const int32_t *idx = topk_idx + (size_t)t * k;
+        const float *w = topk_w + (size_t)t * k;
+        for (int j0 = 0, j1; j0 < k; j0 = j1) {
+            const int d = idx[j0] / n_local;
+            for (j1 = j0 + 1; j1 < k && idx[j1] / n_local == d; j1++) {}
+            const int64_t p = fill[d]++;
+            pair_tok[p] = t;
+            for (int s = 0; s < k; s++) {
+                const bool used = s < j1 - j0;
+                meta_idx[p * k + s] = used ? idx[j0 + s] - d * n_local : MT_NO_EXPERT;
+                meta_w[p * k + s] = used ? w[j0 + s] : 0.0f;
+            }
+            for (int j = j0; j < j1; j++) {
+                tok_pair[(size_t)t * k + j] = j == j0 ? (int32_t)p : -1;
+                w_map[(size_t)t * k + j] = (int32_t)(p * k + (j - j0));
+            }
+        }
+    }
+    free(fill);
+}
+
+void cpu_gather_f32(float *out, const float *in, const int32_t *idx, int n)
+{
+    for (int i = 0; i < n; i++) {
+        MT_CHECK(idx[i] >= 0, "gather_f32: negative index %d at %d", (int)idx[i], i);
+        out[i] = in[idx[i]];
+    }
 }
 
 void cpu_gather_rows(float *out, const float *in, const int32_t *idx, int R, int H)
@@ -61,7 +120,7 @@ void cpu_moe_combine_forward(float *out, const float *y, const int32_t *slot_row
         memset(o, 0, (size_t)H * sizeof(float));
         for (int j = 0; j < k; j++) {
             const int32_t r = slot_row[(size_t)t * k + j];
-            MT_CHECK(r >= 0, "moe_combine: negative slot row %d for token %d", (int)r, t);
+            if (r < 0) continue; /* an empty slot */
             const float wj = w[(size_t)t * k + j];
             const float *yr = y + (size_t)r * H;
             for (int h = 0; h < H; h++) o[h] += wj * yr[h];
@@ -76,7 +135,7 @@ void cpu_moe_combine_backward(float *dy, float *dw, const float *dout, const flo
         const float *g = dout + (size_t)t * H;
         for (int j = 0; j < k; j++) {
             const int32_t r = slot_row[(size_t)t * k + j];
-            MT_CHECK(r >= 0, "moe_combine backward: negative slot row %d for token %d", (int)r, t);
+            if (r < 0) continue; /* an empty slot: neither dy nor dw */
             const float wj = w[(size_t)t * k + j];
             float *dyr = dy + (size_t)r * H;
             dw[(size_t)t * k + j] = cpu_dot(g, y + (size_t)r * H, H);

@@ -127,12 +127,18 @@ static void check_route(const struct model *m, enum kase c, int me, int N, int K
     const int32_t *r_idx = m->layers[LAYER].topk_idx; /* CPU backend: host memory */
     const float *r_w = m->layers[LAYER].topk_w;
     const int T = m->T, nl = E_ALL / N;
-    int64_t send[4] = {0};
+    int64_t send[4] = {0}, pairs = 0;
     for (int t = 0; t < T; t++) {
         int32_t idx[E_ALL];
         float w[E_ALL];
         route_of(c, me, t, K, idx, w);
-        for (int j = 0; j < K; j++) send[idx[j] / nl]++;
+        /* token-once dispatch: one pair per rank the token uses, however many experts there */
+        bool uses[4] = {false};
+        for (int j = 0; j < K; j++) uses[idx[j] / nl] = true;
+        for (int d = 0; d < N; d++) {
+            send[d] += uses[d];
+            pairs += uses[d];
+        }
         /* the route holds the token's experts ascending, each with its own weight */
         for (int j = 0; j < K; j++) {
             int32_t e = r_idx[(size_t)t * K + j];
@@ -146,26 +152,34 @@ static void check_route(const struct model *m, enum kase c, int me, int N, int K
     }
     for (int d = 0; d < N; d++)
         if (r->send_counts[d] != send[d])
-            problem("sends %lld rows to EP rank %d, expected %lld", (long long)r->send_counts[d], d,
+            problem("sends %lld pairs to EP rank %d, expected %lld", (long long)r->send_counts[d], d,
                     (long long)send[d]);
-    if (r->R_send != (int64_t)T * K) problem("R_send %lld, expected %d", (long long)r->R_send, T * K);
+    if (r->P_send != pairs)
+        problem("P_send %lld, expected %lld", (long long)r->P_send, (long long)pairs);
 }
 
-/* The rows this rank's experts must receive, in order: local expert, source rank, token. */
+/* The rows this rank's experts must receive, in order: local expert, source rank, token; and
+ * per_rank[s] = the pairs rank s sends here (its tokens with at least one expert here). */
 static struct row *expected_rows(enum kase c, int me, int N, int K, int64_t *n_out, int64_t *per_rank)
 {
     const int nl = E_ALL / N;
     int64_t cap = 0, n = 0;
     for (int s = 0; s < N; s++) cap += (int64_t)tokens_of(s) * K;
     struct row *rows = mt_malloc((size_t)MT_MAX(cap, 1) * sizeof *rows);
-    for (int s = 0; s < N; s++) per_rank[s] = 0;
+    for (int s = 0; s < N; s++) {
+        per_rank[s] = 0;
+        for (int t = 0; t < tokens_of(s); t++) {
+            bool here = false;
+            for (int e = me * nl; e < (me + 1) * nl; e++) here |= weight_for(c, s, t, K, e) != 0.0f;
+            per_rank[s] += here;
+        }
+    }
     for (int e = me * nl; e < (me + 1) * nl; e++)
         for (int s = 0; s < N; s++)
             for (int t = 0; t < tokens_of(s); t++) {
                 float w = weight_for(c, s, t, K, e);
                 if (w == 0.0f) continue;
                 rows[n++] = (struct row){s, t, e, w};
-                per_rank[s]++;
             }
     *n_out = n;
     return rows;
@@ -177,13 +191,13 @@ static void check_dispatch(const struct model *m, const struct row *rows, int64_
     const struct layer_acts *a = &m->layers[LAYER];
     const struct moe_route *r = &a->route;
     const int nl = E_ALL / N;
-    if (r->R_recv != n) {
-        problem("received %lld rows, expected %lld", (long long)r->R_recv, (long long)n);
+    if (r->R_exp != n) {
+        problem("expert-side rows %lld, expected %lld", (long long)r->R_exp, (long long)n);
         return;
     }
     for (int s = 0; s < N; s++)
         if (r->recv_counts[s] != per_rank[s])
-            problem("received %lld rows from rank %d, expected %lld", (long long)r->recv_counts[s], s,
+            problem("received %lld pairs from rank %d, expected %lld", (long long)r->recv_counts[s], s,
                     (long long)per_rank[s]);
     if (r->expert_off[0] != 0) problem("expert_off[0] = %lld", (long long)r->expert_off[0]);
     for (int le = 0; le < nl; le++) {

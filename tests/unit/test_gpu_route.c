@@ -1,8 +1,11 @@
-/* The CUDA route plan (cuda/moe_route.cu) against the CPU one (src/cpu/cpu_moe.c): integers only,
- * so the plans must be identical, on fresh random routings (distinct experts per token, shuffled
- * order, weights that travel with their expert). Skipped without a GPU unless MT_REQUIRE_GPU=1. */
+/* The CUDA route and pair plans and the fp32 gather (cuda/moe_route.cu) against the CPU ones
+ * (src/cpu/cpu_moe.c): integers only, so the plans must be identical, on fresh random routings
+ * (distinct experts per token, shuffled order, weights that travel with their expert; for the
+ * route plan also empty MT_NO_EXPERT slots, as a receiver's pair metadata has). Skipped without a
+ * GPU unless MT_REQUIRE_GPU=1. */
 #include <criterion/criterion.h>
 
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,22 +23,31 @@ static const struct backend *gpu_or_skip(void)
     return g;
 }
 
-static void route_case(const struct backend *g, mt_rng *rng, int T, int E, int k)
+/* k distinct experts of E per token in random order, weights that name their expert; with
+ * empties, each token's last few slots are MT_NO_EXPERT (weight 0) */
+static void random_routing(mt_rng *rng, int32_t *idx, float *w, int T, int E, int k, bool empties)
 {
-    const struct backend *c = backend_cpu();
-    const size_t tk = (size_t)T * k;
-    int32_t *idx = mt_malloc(tk * sizeof *idx), *perm = mt_malloc((size_t)E * sizeof *perm);
-    float *w = mt_malloc(tk * sizeof *w);
+    int32_t *perm = mt_malloc((size_t)E * sizeof *perm);
     for (int t = 0; t < T; t++) {
-        /* a partial Fisher-Yates shuffle: k distinct experts in random order */
         for (int e = 0; e < E; e++) perm[e] = e;
+        const int used = empties ? 1 + (int)(mt_rng_next(rng) % (uint64_t)k) : k;
         for (int j = 0; j < k; j++) {
             int p = j + (int)(mt_rng_next(rng) % (uint64_t)(E - j));
             int32_t x = perm[j]; perm[j] = perm[p]; perm[p] = x;
-            idx[(size_t)t * k + j] = perm[j];
-            w[(size_t)t * k + j] = (float)perm[j] + 0.25f; /* identifies its expert */
+            idx[(size_t)t * k + j] = j < used ? perm[j] : MT_NO_EXPERT;
+            w[(size_t)t * k + j] = j < used ? (float)perm[j] + 0.25f : 0.0f;
         }
     }
+    free(perm);
+}
+
+static void route_case(const struct backend *g, mt_rng *rng, int T, int E, int k, bool empties)
+{
+    const struct backend *c = backend_cpu();
+    const size_t tk = (size_t)T * k;
+    int32_t *idx = mt_malloc(tk * sizeof *idx);
+    float *w = mt_malloc(tk * sizeof *w);
+    random_routing(rng, idx, w, T, E, k, empties);
     int32_t *d_idx = g->alloc(tk * 4), *d_src = g->alloc(tk * 4), *d_slot = g->alloc(tk * 4);
     float *d_w = g->alloc(tk * 4);
     g->upload(d_idx, idx, tk * 4);
@@ -57,19 +69,24 @@ static void route_case(const struct backend *g, mt_rng *rng, int T, int E, int k
     cr_expect(!memcmp(g_slot, slot, tk * 4), "T=%d E=%d k=%d: slot_row differs", T, E, k);
     /* and the CPU plan itself is the documented one: ascending ids, weights alongside, rows by
      * (expert, token) */
-    int64_t rows = 0;
+    int64_t rows = 0, filled = 0;
     for (int e = 0; e < E; e++) rows += cnt_c[e];
-    cr_expect_eq(rows, (int64_t)tk);
+    for (size_t i = 0; i < tk; i++) filled += idx[i] != MT_NO_EXPERT;
+    cr_expect_eq(rows, filled);
     for (int t = 0; t < T; t++)
         for (int j = 0; j < k; j++) {
             size_t i = (size_t)t * k + j;
             if (j) cr_expect_lt(idx[i - 1], idx[i], "token %d not sorted", t);
+            if (idx[i] == MT_NO_EXPERT) {
+                cr_expect_eq(slot[i], -1, "empty slot %d of token %d has a row", j, t);
+                continue;
+            }
             cr_expect_eq(w[i], (float)idx[i] + 0.25f);
             cr_expect_eq(src[slot[i]], t);
             if (j) cr_expect_lt(slot[i - 1], slot[i]);
         }
     g->free(d_idx), g->free(d_src), g->free(d_slot), g->free(d_w);
-    free(idx), free(perm), free(w), free(cnt_g), free(cnt_c), free(src), free(slot), free(gidx);
+    free(idx), free(w), free(cnt_g), free(cnt_c), free(src), free(slot), free(gidx);
     free(gw), free(g_src), free(g_slot);
 }
 
@@ -78,8 +95,82 @@ Test(gpu, moe_route_plan)
     const struct backend *g = gpu_or_skip();
     mt_rng rng;
     mt_rng_seed(&rng, 77);
-    route_case(g, &rng, 8192, 128, 8); /* the bench shape */
-    route_case(g, &rng, 1000, 64, 3);  /* partial last chunk, odd k */
-    route_case(g, &rng, 33, 4, 4);     /* k = E: every token picks every expert */
-    route_case(g, &rng, 5, 300, 1);    /* more experts than tokens: many empty */
+    route_case(g, &rng, 8192, 128, 8, false); /* the bench shape */
+    route_case(g, &rng, 1000, 64, 3, false);  /* partial last chunk, odd k */
+    route_case(g, &rng, 33, 4, 4, false);     /* k = E: every token picks every expert */
+    route_case(g, &rng, 5, 300, 1, false);    /* more experts than tokens: many empty */
+    route_case(g, &rng, 3000, 64, 8, true);   /* a receiver's pairs: empty slots at the end */
+}
+
+static void pair_case(const struct backend *g, mt_rng *rng, int T, int ep, int nl, int k)
+{
+    const struct backend *c = backend_cpu();
+    const size_t tk = (size_t)T * k, P = (size_t)T * (k < ep ? k : ep), pk = P * k;
+    int32_t *idx = mt_malloc(tk * 4), *c_idx = mt_malloc(tk * 4);
+    float *w = mt_malloc(tk * 4), *c_w = mt_malloc(tk * 4);
+    random_routing(rng, idx, w, T, ep * nl, k, false);
+    memcpy(c_idx, idx, tk * 4);
+    memcpy(c_w, w, tk * 4);
+    int32_t *c_pt = mt_malloc(P * 4), *c_tp = mt_malloc(tk * 4), *c_mi = mt_malloc(pk * 4);
+    int32_t *c_wm = mt_malloc(tk * 4);
+    float *c_mw = mt_malloc(pk * 4);
+    int64_t *c_cnt = mt_malloc((size_t)ep * 8), *g_cnt = mt_malloc((size_t)ep * 8);
+    c->moe_pair_plan(c_idx, c_w, c_pt, c_tp, c_mi, c_mw, c_wm, c_cnt, T, ep, nl, k);
+    int32_t *d_idx = g->alloc(tk * 4), *d_pt = g->alloc(P * 4), *d_tp = g->alloc(tk * 4);
+    int32_t *d_mi = g->alloc(pk * 4), *d_wm = g->alloc(tk * 4);
+    float *d_w = g->alloc(tk * 4), *d_mw = g->alloc(pk * 4);
+    g->upload(d_idx, idx, tk * 4);
+    g->upload(d_w, w, tk * 4);
+    g->moe_pair_plan(d_idx, d_w, d_pt, d_tp, d_mi, d_mw, d_wm, g_cnt, T, ep, nl, k);
+    int64_t pairs = 0;
+    for (int d = 0; d < ep; d++) pairs += c_cnt[d];
+    cr_expect(!memcmp(g_cnt, c_cnt, (size_t)ep * 8), "T=%d ep=%d: pair counts differ", T, ep);
+    int32_t *h = mt_malloc(pk * 4);
+    float *hf = mt_malloc(pk * 4);
+    g->download(h, d_idx, tk * 4);
+    cr_expect(!memcmp(h, c_idx, tk * 4), "T=%d ep=%d: sorted ids differ", T, ep);
+    g->download(hf, d_w, tk * 4);
+    cr_expect(!memcmp(hf, c_w, tk * 4), "T=%d ep=%d: sorted weights differ", T, ep);
+    g->download(h, d_pt, (size_t)pairs * 4);
+    cr_expect(!memcmp(h, c_pt, (size_t)pairs * 4), "T=%d ep=%d: pair_tok differs", T, ep);
+    g->download(h, d_tp, tk * 4);
+    cr_expect(!memcmp(h, c_tp, tk * 4), "T=%d ep=%d: tok_pair differs", T, ep);
+    g->download(h, d_wm, tk * 4);
+    cr_expect(!memcmp(h, c_wm, tk * 4), "T=%d ep=%d: w_map differs", T, ep);
+    g->download(h, d_mi, (size_t)pairs * k * 4);
+    cr_expect(!memcmp(h, c_mi, (size_t)pairs * k * 4), "T=%d ep=%d: meta ids differ", T, ep);
+    g->download(hf, d_mw, (size_t)pairs * k * 4);
+    cr_expect(!memcmp(hf, c_mw, (size_t)pairs * k * 4), "T=%d ep=%d: meta weights differ", T, ep);
+    /* the CPU plan is the documented one: each choice's weight is where w_map says, under its
+     * local id, and its first choice on a rank names the pair of that token */
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < k; j++) {
+            const size_t i = (size_t)t * k + j;
+            const int d = c_idx[i] / nl, wm = c_wm[i];
+            cr_expect_eq(c_mi[wm], c_idx[i] - d * nl, "token %d choice %d", t, j);
+            cr_expect_eq(c_mw[wm], c_w[i]);
+            cr_expect_eq(c_pt[wm / k], t);
+            const bool first = j == 0 || c_idx[i - 1] / nl != d;
+            cr_expect_eq(c_tp[i], first ? wm / k : -1);
+        }
+    /* and the fp32 gather brings the weights back through w_map */
+    float *back = mt_malloc(tk * 4);
+    g->gather_f32(d_w, d_mw, d_wm, (int)tk);
+    g->download(back, d_w, tk * 4);
+    cr_expect(!memcmp(back, c_w, tk * 4), "T=%d ep=%d: gather_f32 through w_map differs", T, ep);
+    g->free(d_idx), g->free(d_pt), g->free(d_tp), g->free(d_mi), g->free(d_wm), g->free(d_w);
+    g->free(d_mw);
+    free(idx), free(c_idx), free(w), free(c_w), free(c_pt), free(c_tp), free(c_mi), free(c_wm);
+    free(c_mw), free(c_cnt), free(g_cnt), free(h), free(hf), free(back);
+}
+
+Test(gpu, moe_pair_plan)
+{
+    const struct backend *g = gpu_or_skip();
+    mt_rng rng;
+    mt_rng_seed(&rng, 78);
+    pair_case(g, &rng, 8192, 2, 64, 8); /* the bench shape on 2 GPUs */
+    pair_case(g, &rng, 4097, 8, 16, 8); /* EP=8, partial last chunk */
+    pair_case(g, &rng, 300, 4, 2, 8);   /* k = E: every rank, several experts each */
+    pair_case(g, &rng, 77, 16, 8, 3);   /* more ranks than choices */
 }
