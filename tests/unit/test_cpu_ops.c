@@ -927,3 +927,91 @@ Test(cpu_ops, adamw_matches_scalar_formula)
         free(p), free(g), free(m), free(v), free(p0), free(m0), free(v0), free(copy);
     }
 }
+
+/* ---------------------------------------------------------------- route and pair plans */
+
+/* T tokens, k distinct experts of E each in random order, weights naming their expert */
+static void plan_routing(mt_rng *rng, int32_t *idx, float *w, int T, int E, int k)
+{
+    int32_t perm[64];
+    for (int t = 0; t < T; t++) {
+        for (int e = 0; e < E; e++) perm[e] = e;
+        for (int j = 0; j < k; j++) {
+            int p = j + (int)(mt_rng_next(rng) % (uint64_t)(E - j));
+            int32_t x = perm[j]; perm[j] = perm[p]; perm[p] = x;
+            idx[t * k + j] = perm[j];
+            w[t * k + j] = (float)perm[j] + 0.5f;
+        }
+    }
+}
+
+/* The pair plan against its definition (ops.h): pairs by (rank, token), one per rank a token
+ * uses; each choice's weight and local id where w_map says; the first choice per rank names the
+ * pair. Then the receiver's route plan over the pairs' metadata, with its empty slots. */
+Test(cpu_ops, pair_plan_and_route_plan_follow_their_definition)
+{
+    enum { T = 300, EP = 4, NL = 4, K = 6 };
+    mt_rng rng;
+    mt_rng_seed(&rng, 31);
+    int32_t idx[T * K], pt[T * K], tp[T * K], wm[T * K], mi[T * K * K];
+    float w[T * K], mw[T * K * K];
+    int64_t cnt[EP];
+    plan_routing(&rng, idx, w, T, EP * NL, K);
+    cpu_moe_pair_plan(idx, w, pt, tp, mi, mw, wm, cnt, T, EP, NL, K);
+    int64_t P = 0, want[EP] = {0};
+    for (int t = 0; t < T; t++) {
+        bool uses[EP] = {false};
+        for (int j = 0; j < K; j++) {
+            const int i = t * K + j, d = idx[i] / NL;
+            if (j) cr_assert_lt(idx[i - 1], idx[i], "token %d not sorted", t);
+            cr_expect_eq(w[i], (float)idx[i] + 0.5f, "weight did not travel with its expert");
+            cr_expect_eq(mi[wm[i]], idx[i] - d * NL);
+            cr_expect_eq(mw[wm[i]], w[i]);
+            cr_expect_eq(pt[wm[i] / K], t);
+            cr_expect_eq(tp[i], uses[d] ? -1 : wm[i] / K);
+            uses[d] = true;
+        }
+        for (int d = 0; d < EP; d++) want[d] += uses[d];
+    }
+    for (int d = 0; d < EP; d++) {
+        cr_expect_eq(cnt[d], want[d], "rank %d", d);
+        P += cnt[d];
+    }
+    for (int64_t p = 1; p < P; p++) {
+        /* (rank, token) order: the rank is that of the pair's first slot */
+        int dp = pt[p - 1], dq = pt[p];
+        int rp = -1, rq = -1;
+        for (int j = 0; j < K; j++) {
+            if (wm[dp * K + j] / K == p - 1) rp = idx[dp * K + j] / NL;
+            if (wm[dq * K + j] / K == p) rq = idx[dq * K + j] / NL;
+        }
+        cr_expect(rp < rq || (rp == rq && dp < dq), "pairs %lld and %lld out of order", (long long)p - 1,
+                  (long long)p);
+    }
+    for (int64_t p = 0; p < P; p++)
+        for (int s = 1; s < K; s++)
+            cr_expect(mi[p * K + s] > mi[p * K + s - 1] ||
+                      (mi[p * K + s] == MT_NO_EXPERT && mi[p * K + s - 1] == MT_NO_EXPERT),
+                      "pair %lld: slots not ascending, or a used slot after an empty one", (long long)p);
+
+    /* the receiver's plan over these pairs (as if one rank received them all): rows by (local
+     * expert, pair), none for empty slots */
+    int32_t src[T * K * K], slot[T * K * K];
+    int64_t ecnt[NL];
+    cpu_moe_route_plan(mi, mw, src, slot, ecnt, (int)P, NL, K);
+    int64_t rows = 0, off[NL + 1] = {0};
+    for (int e = 0; e < NL; e++) off[e + 1] = off[e] + ecnt[e];
+    for (int64_t p = 0; p < P; p++)
+        for (int s = 0; s < K; s++) {
+            if (mi[p * K + s] == MT_NO_EXPERT) {
+                cr_expect_eq(slot[p * K + s], -1);
+                continue;
+            }
+            rows++;
+            const int r = slot[p * K + s], e = mi[p * K + s];
+            cr_expect(r >= off[e] && r < off[e + 1], "slot row %d outside expert %d's rows", r, e);
+            cr_expect_eq(src[r], (int32_t)p);
+            if (r > off[e]) cr_expect_lt(src[r - 1], (int32_t)p);
+        }
+    cr_expect_eq(rows, off[NL]);
+}
