@@ -11,6 +11,9 @@
  * triangle), backward 2.5× that (the usual convention; the kernels do more: dQ recomputes S, dP).
  * Inputs are random bf16 in [-1, 1) (never zeros). Before timing, the new kernels' outputs are
  * compared with the old ones at the benchmarked shape (‖new − old‖ / ‖old‖; lse max |diff|).
+ * Then every backward kernel choice (attention_tc_set_bwd_variant: dK/dV kernel + 4 × dQ kernel)
+ * is compared with the mma.sync pair (variant 0), run twice (the FNV-1a hash of dq, dk, dv must
+ * not change) and timed; the default's hash is printed last, to compare between processes.
  * Timing uses CUDA events on the backend's stream. Without CUDA (or a GPU) it says so, exits 0. */
 #include <math.h>
 #include <stdio.h>
@@ -110,6 +113,22 @@ static double rel_err(const float *a, const float *ref, size_t n)
     return r > 0.0 ? sqrt(d / r) : sqrt(d);
 }
 
+/* FNV-1a over the raw bytes of dq, dk, dv */
+static uint64_t grads_hash(void)
+{
+    const size_t n[3] = {(size_t)B * S * Hq * D * 2, (size_t)B * S * Hkv * D * 2, (size_t)B * S * Hkv * D * 2};
+    void *const bufs[3] = {dq, dk, dv};
+    uint64_t h = 0xcbf29ce484222325ull;
+    CK(cudaStreamSynchronize(stream));
+    for (int i = 0; i < 3; i++) {
+        unsigned char *b = mt_malloc(n[i]);
+        CK(cudaMemcpy(b, bufs[i], n[i], cudaMemcpyDeviceToHost));
+        for (size_t j = 0; j < n[i]; j++) h = (h ^ b[j]) * 0x100000001b3ull;
+        free(b);
+    }
+    return h;
+}
+
 static int cmp_float(const void *a, const void *b)
 {
     const float x = *(const float *)a, y = *(const float *)b;
@@ -202,6 +221,44 @@ static void compare(void)
     free(o_old), free(lse_h), free(lse_o);
 }
 
+/* Each backward kernel choice against the mma.sync pair on the same out/lse (the default
+ * forward's), its rerun hash, and its median time. */
+static void bwd_variants(int reps, double bwd_flop)
+{
+    const size_t nq = (size_t)B * S * Hq * D, nk = (size_t)B * S * Hkv * D;
+    const size_t n[3] = {nq, nk, nk};
+    void *const bufs[3] = {dq, dk, dv};
+    const int dflt = attention_tc_set_bwd_variant(0);
+    run_op(OP_FWD_TC);
+    run_op(OP_BWD_TC);
+    float *ref[3] = {host_bf16(dq, nq), host_bf16(dk, nk), host_bf16(dv, nk)};
+    printf("\n%-24s %8s %8s %9s %9s %9s  %-16s\n", "bwd variant (dkdv+4*dq)", "ms", "TFLOPS",
+           "dq err", "dk err", "dv err", "hash");
+    for (int var = 0; var < 16; var++) {
+        attention_tc_set_bwd_variant(var);
+        for (int i = 0; i < 3; i++) poison(bufs[i], n[i] * 2);
+        run_op(OP_BWD_TC);
+        double err[3];
+        for (int i = 0; i < 3; i++) {
+            float *g = host_bf16(bufs[i], n[i]);
+            err[i] = rel_err(g, ref[i], n[i]);
+            free(g);
+        }
+        const uint64_t h1 = grads_hash();
+        for (int i = 0; i < 3; i++) poison(bufs[i], n[i] * 2);
+        run_op(OP_BWD_TC);
+        const uint64_t h2 = grads_hash();
+        const double ms = time_op(OP_BWD_TC, 3, reps);
+        char name[32];
+        snprintf(name, sizeof name, "%d (%d + 4*%d)%s", var, var % 4, var / 4, var == dflt ? " dflt" : "");
+        printf("%-24s %8.3f %8.1f %9.2e %9.2e %9.2e  %016llx%s\n", name, ms,
+               bwd_flop / (ms * 1e-3) / 1e12, err[0], err[1], err[2], (unsigned long long)h1,
+               h1 == h2 ? "" : " RERUN DIFFERS");
+    }
+    attention_tc_set_bwd_variant(dflt);
+    for (int i = 0; i < 3; i++) free(ref[i]);
+}
+
 int main(int argc, char **argv)
 {
     int reps = argc > 1 ? atoi(argv[1]) : 20;
@@ -262,6 +319,11 @@ int main(int argc, char **argv)
            fwd_flop / (t_fwd_old * 1e-3) / 1e12);
     printf("%-34s %10.3f %10.1f\n", "bwd fp32 CUDA cores (old)", t_bwd_old,
            bwd_flop / (t_bwd_old * 1e-3) / 1e12);
+
+    bwd_variants(reps, bwd_flop);
+    run_op(OP_FWD_TC);
+    run_op(OP_BWD_TC);
+    printf("bwd default variant: dq/dk/dv hash %016llx\n", (unsigned long long)grads_hash());
 
     void *bufs[] = {q, k, v, dout, out, dq, dk, dv, lse};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) CK(cudaFree(bufs[i]));
