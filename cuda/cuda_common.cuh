@@ -118,11 +118,103 @@ template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __flo
 
 template <typename T> __device__ __forceinline__ float round_x(float x) { return to_f(from_f<T>(x)); }
 
+/* ---------------------------------------------------------------- 8-element vectors
+ * Memory-bound kernels move rows in chunks of 8 consecutive elements: one 16-byte access in bf16,
+ * two in fp32, so one chunk index serves both dtypes. pack8<T> holds a chunk as raw words (half
+ * the registers of 8 floats in bf16); ld8/st8 need a 16-byte aligned address, which callers check
+ * once per op with aligned16 (row lengths a multiple of 8 keep every row aligned). */
+template <typename T> struct pack8;
+template <> struct pack8<bf16> {
+    uint4 v;
+};
+template <> struct pack8<float> {
+    uint4 a, b;
+};
+
+static inline bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+__device__ __forceinline__ pack8<bf16> ld8(const bf16 *p)
+{
+    pack8<bf16> r;
+    r.v = *reinterpret_cast<const uint4 *>(p);
+    return r;
+}
+__device__ __forceinline__ pack8<float> ld8(const float *p)
+{
+    pack8<float> r;
+    r.a = reinterpret_cast<const uint4 *>(p)[0];
+    r.b = reinterpret_cast<const uint4 *>(p)[1];
+    return r;
+}
+__device__ __forceinline__ void st8(bf16 *p, const pack8<bf16> &x) { *reinterpret_cast<uint4 *>(p) = x.v; }
+__device__ __forceinline__ void st8(float *p, const pack8<float> &x)
+{
+    reinterpret_cast<uint4 *>(p)[0] = x.a;
+    reinterpret_cast<uint4 *>(p)[1] = x.b;
+}
+
+/* a bf16 is the high half of the fp32 with the same bits: widening is a shift or a mask */
+__device__ __forceinline__ void unpack8(const pack8<bf16> &x, float (&f)[8])
+{
+    const uint32_t w[4] = {x.v.x, x.v.y, x.v.z, x.v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void unpack8(const pack8<float> &x, float (&f)[8])
+{
+    f[0] = __uint_as_float(x.a.x), f[1] = __uint_as_float(x.a.y);
+    f[2] = __uint_as_float(x.a.z), f[3] = __uint_as_float(x.a.w);
+    f[4] = __uint_as_float(x.b.x), f[5] = __uint_as_float(x.b.y);
+    f[6] = __uint_as_float(x.b.z), f[7] = __uint_as_float(x.b.w);
+}
+
+/* rounds to the element type as from_f does (nearest even) */
+template <typename T> __device__ __forceinline__ pack8<T> pack8_of(const float (&f)[8]);
+template <> __device__ __forceinline__ pack8<bf16> pack8_of<bf16>(const float (&f)[8])
+{
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+        w[i] = *reinterpret_cast<const uint32_t *>(&h);
+    }
+    pack8<bf16> r;
+    r.v = make_uint4(w[0], w[1], w[2], w[3]);
+    return r;
+}
+template <> __device__ __forceinline__ pack8<float> pack8_of<float>(const float (&f)[8])
+{
+    pack8<float> r;
+    r.a = make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
+                     __float_as_uint(f[3]));
+    r.b = make_uint4(__float_as_uint(f[4]), __float_as_uint(f[5]), __float_as_uint(f[6]),
+                     __float_as_uint(f[7]));
+    return r;
+}
+
+template <typename T> __device__ __forceinline__ void load8f(const T *p, float (&f)[8]) { unpack8(ld8(p), f); }
+template <typename T> __device__ __forceinline__ void store8f(T *p, const float (&f)[8])
+{
+    st8(p, pack8_of<T>(f));
+}
+
 /* ---------------------------------------------------------------- reductions
  * Fixed shuffle trees: the result depends only on the block shape, never on timing. */
 template <typename V> __device__ __forceinline__ V warp_sum(V v)
 {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* Sum over aligned groups of G lanes (G a power of two, at most 32), returned to every lane of the
+ * group; all 32 lanes of the warp must call it. */
+template <int G, typename V> __device__ __forceinline__ V group_sum(V v)
+{
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
 

@@ -10,12 +10,25 @@
  *
  * Combine. out[t] = Σ_j w[t,j]·y[slot_row[t,j]] in fp32, j ascending, rounded once. In bf16 the
  * routing weight is first rounded to bf16 (spec §3.6 step 5), in the forward and the backward
- * alike. Negative indices (never produced by moetrain) are skipped rather than read. */
+ * alike. Negative indices (never produced by moetrain) are skipped rather than read.
+ *
+ * Rows whose length is a multiple of 8 elements, with 16-byte aligned pointers, move as chunks of
+ * 8 (16-byte accesses), one warp per row (per tile of sorted positions in the scatter, per token
+ * in the combine), each lane holding up to RW_UNROLL chunks of the row in flight; other shapes
+ * take the scalar kernels, one block per row. The sums are the same either way: each element is
+ * added by one thread in the order above. */
 #include "moe_rows.cuh"
 
 #include <cub/device/device_radix_sort.cuh>
 
-enum { ROW_BLOCK = 256 };
+enum { ROW_BLOCK = 256, RW_UNROLL = 4, SC_TILE = 8 };
+
+/* warps of ROW_BLOCK threads for n rows, capped; the kernels loop over rows by warp */
+static unsigned rw_grid(int n)
+{
+    const int per_block = ROW_BLOCK / 32;
+    return (unsigned)MT_MIN((n + per_block - 1) / per_block, 65536);
+}
 
 /* ---------------------------------------------------------------- gather */
 
@@ -31,10 +44,39 @@ __global__ void gather_rows_kernel(T *out, const T *in, const int32_t *idx, int 
     }
 }
 
+/* rows of nv 16-byte words, a warp per row */
+__global__ void gather_rows_vec_kernel(uint4 *__restrict__ out, const uint4 *__restrict__ in,
+                                       const int32_t *idx, int R, int nv)
+{
+    enum { U = 2 * RW_UNROLL };
+    const int lane = threadIdx.x & 31;
+    for (int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < R; r += (gridDim.x * blockDim.x) >> 5) {
+        const int32_t src = idx[r];
+        if (src < 0) continue;
+        const uint4 *i = in + (size_t)src * nv;
+        uint4 *o = out + (size_t)r * nv;
+        for (int v0 = lane; v0 < nv; v0 += 32 * U) {
+            uint4 buf[U];
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                if (v0 + 32 * u < nv) buf[u] = i[v0 + 32 * u];
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                if (v0 + 32 * u < nv) o[v0 + 32 * u] = buf[u];
+        }
+    }
+}
+
 template <typename T> void cuda_gather_rows(T *out, const T *in, const int32_t *idx, int R, int H)
 {
     MT_CHECK(R >= 0 && H >= 0, "gather_rows: bad shape R=%d H=%d", R, H);
     if (R == 0 || H == 0) return;
+    if ((size_t)H * sizeof(T) % 16 == 0 && aligned16(out) && aligned16(in)) {
+        gather_rows_vec_kernel<<<rw_grid(R), ROW_BLOCK, 0, g_cuda.stream>>>(
+            (uint4 *)out, (const uint4 *)in, idx, R, (int)((size_t)H * sizeof(T) / 16));
+        CUDA_LAUNCH_CHECK("gather_rows");
+        return;
+    }
     gather_rows_kernel<T><<<MT_MIN(R, 65536), ROW_BLOCK, 0, g_cuda.stream>>>(out, in, idx, R, H);
     CUDA_LAUNCH_CHECK("gather_rows");
 }
@@ -66,6 +108,80 @@ __global__ void scatter_sorted_kernel(Out *dst, const In *src, const int32_t *ke
     }
 }
 
+/* As scatter_sorted_kernel, rows in chunks of 8. A warp takes a tile of SC_TILE sorted positions
+ * and adds the run of every destination that starts in the tile (runs may reach past it), so
+ * every warp of a block has work; two source rows are loaded before either is added. */
+template <typename Out, typename In>
+__global__ void scatter_sorted_vec_kernel(Out *dst, const In *__restrict__ src, const int32_t *keys,
+                                          const int32_t *vals, int R, int H)
+{
+    const int lane = threadIdx.x & 31, nch = H >> 3, nwarps = (gridDim.x * blockDim.x) >> 5;
+    for (int p0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * SC_TILE; p0 < R;
+         p0 += nwarps * SC_TILE) {
+        int32_t key = -1;
+        bool head = false;
+        if (lane < SC_TILE && p0 + lane < R) {
+            key = keys[p0 + lane];
+            head = key >= 0 && (p0 + lane == 0 || keys[p0 + lane - 1] != key);
+        }
+        for (unsigned heads = __ballot_sync(0xffffffffu, head); heads; heads &= heads - 1) {
+            const int hl = __ffs(heads) - 1, start = p0 + hl;
+            const int32_t k = __shfl_sync(0xffffffffu, key, hl);
+            int end = start + 1; /* the first later position with another key, 32 at a time */
+            for (;;) {
+                const bool other = end + lane >= R || keys[end + lane] != k;
+                const unsigned m = __ballot_sync(0xffffffffu, other);
+                if (m) {
+                    end += __ffs(m) - 1;
+                    break;
+                }
+                end += 32;
+            }
+            Out *d = dst + (size_t)k * H;
+            for (int c0 = lane; c0 < nch; c0 += 32 * RW_UNROLL) {
+                float acc[RW_UNROLL][8];
+#pragma unroll
+                for (int u = 0; u < RW_UNROLL; u++)
+                    if (c0 + 32 * u < nch) load8f(d + (c0 + 32 * u) * 8, acc[u]);
+                int q = start;
+                for (; q + 1 < end; q += 2) {
+                    const In *s0 = src + (size_t)vals[q] * H, *s1 = src + (size_t)vals[q + 1] * H;
+                    pack8<In> v0[RW_UNROLL], v1[RW_UNROLL];
+#pragma unroll
+                    for (int u = 0; u < RW_UNROLL; u++)
+                        if (c0 + 32 * u < nch) {
+                            v0[u] = ld8(s0 + (c0 + 32 * u) * 8);
+                            v1[u] = ld8(s1 + (c0 + 32 * u) * 8);
+                        }
+#pragma unroll
+                    for (int u = 0; u < RW_UNROLL; u++)
+                        if (c0 + 32 * u < nch) {
+                            float f0[8], f1[8];
+                            unpack8(v0[u], f0);
+                            unpack8(v1[u], f1);
+#pragma unroll
+                            for (int e = 0; e < 8; e++) acc[u][e] = (acc[u][e] + f0[e]) + f1[e];
+                        }
+                }
+                if (q < end) {
+                    const In *s0 = src + (size_t)vals[q] * H;
+#pragma unroll
+                    for (int u = 0; u < RW_UNROLL; u++)
+                        if (c0 + 32 * u < nch) {
+                            float f0[8];
+                            load8f(s0 + (c0 + 32 * u) * 8, f0);
+#pragma unroll
+                            for (int e = 0; e < 8; e++) acc[u][e] += f0[e];
+                        }
+                }
+#pragma unroll
+                for (int u = 0; u < RW_UNROLL; u++)
+                    if (c0 + 32 * u < nch) store8f(d + (c0 + 32 * u) * 8, acc[u]);
+            }
+        }
+    }
+}
+
 template <typename Out, typename In>
 void cuda_scatter_add_rows(Out *dst, const In *src, const int32_t *idx, int R, int H)
 {
@@ -82,8 +198,13 @@ void cuda_scatter_add_rows(Out *dst, const In *src, const int32_t *idx, int R, i
     void *temp = cuda_scratch(SCRATCH_SORT_TEMP, temp_bytes);
     CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, idx, keys, vals_in, vals_out, R, 0,
                                                32, g_cuda.stream));
-    scatter_sorted_kernel<Out, In><<<MT_MIN(R, 65536), ROW_BLOCK, 0, g_cuda.stream>>>(
-        dst, src, keys, vals_out, R, H);
+    if (H % 8 == 0 && aligned16(dst) && aligned16(src))
+        scatter_sorted_vec_kernel<Out, In>
+            <<<rw_grid((R + SC_TILE - 1) / SC_TILE), ROW_BLOCK, 0, g_cuda.stream>>>(
+                dst, src, keys, vals_out, R, H);
+    else
+        scatter_sorted_kernel<Out, In><<<MT_MIN(R, 65536), ROW_BLOCK, 0, g_cuda.stream>>>(
+            dst, src, keys, vals_out, R, H);
     CUDA_LAUNCH_CHECK("scatter rows");
 }
 
@@ -133,6 +254,100 @@ __global__ void combine_bwd_kernel(T *dy, float *dw, const T *dout, const T *y,
     }
 }
 
+/* combine_fwd_kernel with a warp per token, rows in chunks of 8 */
+template <typename T>
+__global__ void combine_fwd_vec_kernel(T *out, const T *__restrict__ y, const int32_t *slot_row,
+                                       const float *w, int T_, int k, int H)
+{
+    const int lane = threadIdx.x & 31, nch = H >> 3;
+    for (int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; t < T_; t += (gridDim.x * blockDim.x) >> 5) {
+        T *o = out + (size_t)t * H;
+        for (int c0 = lane; c0 < nch; c0 += 32 * RW_UNROLL) {
+            float acc[RW_UNROLL][8];
+#pragma unroll
+            for (int u = 0; u < RW_UNROLL; u++)
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[u][e] = 0.0f;
+            for (int j = 0; j < k; j++) {
+                const int32_t r = slot_row[(size_t)t * k + j];
+                if (r < 0) continue;
+                const float wj = round_x<T>(w[(size_t)t * k + j]);
+                const T *yr = y + (size_t)r * H;
+                pack8<T> v[RW_UNROLL];
+#pragma unroll
+                for (int u = 0; u < RW_UNROLL; u++)
+                    if (c0 + 32 * u < nch) v[u] = ld8(yr + (c0 + 32 * u) * 8);
+#pragma unroll
+                for (int u = 0; u < RW_UNROLL; u++)
+                    if (c0 + 32 * u < nch) {
+                        float f[8];
+                        unpack8(v[u], f);
+#pragma unroll
+                        for (int e = 0; e < 8; e++) acc[u][e] += wj * f[e];
+                    }
+            }
+#pragma unroll
+            for (int u = 0; u < RW_UNROLL; u++)
+                if (c0 + 32 * u < nch) store8f(o + (c0 + 32 * u) * 8, acc[u]);
+        }
+    }
+}
+
+/* combine_bwd_kernel with a warp per token. The row is taken in segments of 32·RW_UNROLL chunks;
+ * the dot product of each segment is summed in fp32 over the lane's chunks and the warp's fixed
+ * shuffle tree, and lane 0 adds the segments' sums in order into dw (it alone reads and writes
+ * it). */
+template <typename T>
+__global__ void combine_bwd_vec_kernel(T *__restrict__ dy, float *dw, const T *__restrict__ dout,
+                                       const T *__restrict__ y, const int32_t *slot_row,
+                                       const float *w, int T_, int k, int H)
+{
+    const int lane = threadIdx.x & 31, nch = H >> 3;
+    for (int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; t < T_; t += (gridDim.x * blockDim.x) >> 5) {
+        const T *g = dout + (size_t)t * H;
+        for (int c0 = lane, first = 1; c0 - lane < nch; c0 += 32 * RW_UNROLL, first = 0) {
+            float gf[RW_UNROLL][8];
+#pragma unroll
+            for (int u = 0; u < RW_UNROLL; u++)
+                if (c0 + 32 * u < nch) load8f(g + (c0 + 32 * u) * 8, gf[u]);
+            for (int j = 0; j < k; j++) {
+                const int32_t r = slot_row[(size_t)t * k + j];
+                if (r < 0) continue; /* uniform across the warp */
+                const float wj = round_x<T>(w[(size_t)t * k + j]);
+                const T *yr = y + (size_t)r * H;
+                T *dyr = dy + (size_t)r * H;
+                pack8<T> v[RW_UNROLL];
+#pragma unroll
+                for (int u = 0; u < RW_UNROLL; u++)
+                    if (c0 + 32 * u < nch) v[u] = ld8(yr + (c0 + 32 * u) * 8);
+                float dot = 0.0f;
+#pragma unroll
+                for (int u = 0; u < RW_UNROLL; u++)
+                    if (c0 + 32 * u < nch) {
+                        float f[8], d[8];
+                        unpack8(v[u], f);
+#pragma unroll
+                        for (int e = 0; e < 8; e++) {
+                            dot += gf[u][e] * f[e];
+                            d[e] = wj * gf[u][e];
+                        }
+                        store8f(dyr + (c0 + 32 * u) * 8, d);
+                    }
+                dot = warp_sum(dot);
+                if (lane == 0) {
+                    float *dst = dw + (size_t)t * k + j;
+                    *dst = first ? dot : *dst + dot;
+                }
+            }
+        }
+    }
+}
+
+static bool rw_vec_ok(int H, const void *a, const void *b, const void *c)
+{
+    return H % 8 == 0 && aligned16(a) && aligned16(b) && (!c || aligned16(c));
+}
+
 /* ---------------------------------------------------------------- the ops */
 
 template <typename T> void cu_gather_rows(void *out, const void *in, const int32_t *idx, int R, int H)
@@ -152,6 +367,12 @@ void cu_moe_combine_forward(void *out, const void *y, const int32_t *slot_row, c
 {
     MT_CHECK(T_ >= 0 && k > 0 && H >= 0, "moe_combine: bad shape T=%d k=%d H=%d", T_, k, H);
     if (T_ == 0 || H == 0) return;
+    if (rw_vec_ok(H, out, y, NULL)) {
+        combine_fwd_vec_kernel<T><<<rw_grid(T_), ROW_BLOCK, 0, g_cuda.stream>>>(
+            (T *)out, (const T *)y, slot_row, w, T_, k, H);
+        CUDA_LAUNCH_CHECK("moe_combine forward");
+        return;
+    }
     combine_fwd_kernel<T><<<MT_MIN(T_, 65536), ROW_BLOCK, 0, g_cuda.stream>>>(
         (T *)out, (const T *)y, slot_row, w, T_, k, H);
     CUDA_LAUNCH_CHECK("moe_combine forward");
@@ -163,6 +384,12 @@ void cu_moe_combine_backward(void *dy, float *dw, const void *dout, const void *
 {
     MT_CHECK(T_ >= 0 && k > 0 && H >= 0, "moe_combine backward: bad shape T=%d k=%d H=%d", T_, k, H);
     if (T_ == 0) return;
+    if (H > 0 && rw_vec_ok(H, dy, dout, y)) {
+        combine_bwd_vec_kernel<T><<<rw_grid(T_), ROW_BLOCK, 0, g_cuda.stream>>>(
+            (T *)dy, dw, (const T *)dout, (const T *)y, slot_row, w, T_, k, H);
+        CUDA_LAUNCH_CHECK("moe_combine backward");
+        return;
+    }
     combine_bwd_kernel<T><<<MT_MIN(T_, 65536), ROW_BLOCK, 0, g_cuda.stream>>>(
         (T *)dy, dw, (const T *)dout, (const T *)y, slot_row, w, T_, k, H);
     CUDA_LAUNCH_CHECK("moe_combine backward");

@@ -399,6 +399,104 @@ Test(gpu, rmsnorm)
     }
 }
 
+/* Every layout of the vector path of cuda/rmsnorm.cu (G lanes per row, MC chunks of 8 per lane):
+ * groups of 4 lanes with idle lanes (C = 24), 8 lanes, 32 lanes with lanes past the row (C = 1000),
+ * groups spanning 2 to 8 warps (C = 2048, 8192), blocks that make several passes over their rows
+ * (N = 3001, 5000); and the scalar path (C = 130; C = 8192 in fp32). */
+Test(gpu, rmsnorm_shapes)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 116);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        rmsnorm_case(&M, &rng, 3001, 2048, true);
+        rmsnorm_case(&M, &rng, 50, 1000, false);
+        rmsnorm_case(&M, &rng, 33, 24, true);
+        rmsnorm_case(&M, &rng, 5000, 64, false);
+        rmsnorm_case(&M, &rng, 20, 130, false);
+        rmsnorm_case(&M, &rng, 9, 8192, false);
+    }
+}
+
+/* ops.h lets din alias dout or in: either gives the bits of a separate din. dw alone (din NULL)
+ * adds the same bits as with din. A weight that is not 16-byte aligned (a view into a flat
+ * parameter buffer) takes the scalar path, which must agree within the mode's tolerance. */
+static void rmsnorm_alias_case(const struct mode *M, mt_rng *rng, int N, int C)
+{
+    char what[96];
+    const struct backend *g = M->g;
+    const size_t nc = (size_t)N * C;
+    float *in = hrand(rng, nc, 2.0), *w = hrand(rng, C + 1, 1.0), *dout = hrand(rng, nc, 1.0);
+    float *dw0 = hrand(rng, C, 1.0);
+    void *d_in = dx_from(M, in, nc), *d_dout = dx_from(M, dout, nc);
+    void *d_wbuf = dx_from(M, w, C + 1);
+    void *d_w = dx_from(M, w + 1, C); /* the same values as the unaligned view below */
+    const void *d_wu = (const char *)d_wbuf + g->x_size;
+    void *d_out = dx_poisoned(M, nc);
+    float *d_rstd = df_poisoned(M, N);
+    g->rmsnorm_forward(d_out, d_rstd, d_in, d_w, N, C, 1e-6f);
+
+    void *d_din = dx_poisoned(M, nc);
+    float *d_dw = df_from(M, dw0, C);
+    g->rmsnorm_backward(d_din, d_dw, d_dout, d_in, d_w, d_rstd, N, C, false);
+    float *din = hx_of(M, d_din, nc), *dw = hf_of(M, d_dw, C);
+
+    void *d_a = dx_from(M, dout, nc); /* dout is already rounded: the same bits as d_dout */
+    float *d_dw2 = df_from(M, dw0, C);
+    g->rmsnorm_backward(d_a, d_dw2, d_a, d_in, d_w, d_rstd, N, C, false);
+    float *a = hx_of(M, d_a, nc), *dw2 = hf_of(M, d_dw2, C);
+    snprintf(what, sizeof what, "rmsnorm backward din = dout %dx%d", N, C);
+    check_exact(M, what, a, din, nc * sizeof(float));
+    snprintf(what, sizeof what, "rmsnorm backward dw (din = dout) %dx%d", N, C);
+    check_exact(M, what, dw2, dw, C * sizeof(float));
+
+    void *d_b = dx_from(M, in, nc);
+    g->rmsnorm_backward(d_b, NULL, d_dout, d_b, d_w, d_rstd, N, C, false);
+    float *b = hx_of(M, d_b, nc);
+    snprintf(what, sizeof what, "rmsnorm backward din = in %dx%d", N, C);
+    check_exact(M, what, b, din, nc * sizeof(float));
+
+    float *d_dw3 = df_from(M, dw0, C);
+    g->rmsnorm_backward(NULL, d_dw3, d_dout, d_in, d_w, d_rstd, N, C, false);
+    float *dw3 = hf_of(M, d_dw3, C);
+    snprintf(what, sizeof what, "rmsnorm backward dw only %dx%d", N, C);
+    check_exact(M, what, dw3, dw, C * sizeof(float));
+
+    void *d_out2 = dx_poisoned(M, nc), *d_din2 = dx_poisoned(M, nc);
+    float *d_dw4 = df_from(M, dw0, C);
+    g->rmsnorm_forward(d_out2, d_rstd, d_in, d_wu, N, C, 1e-6f);
+    g->rmsnorm_backward(d_din2, d_dw4, d_dout, d_in, d_wu, d_rstd, N, C, false);
+    float *out = hx_of(M, d_out, nc), *out2 = hx_of(M, d_out2, nc), *din2 = hx_of(M, d_din2, nc);
+    float *dw4 = hf_of(M, d_dw4, C);
+    float *add = diff(dw, dw0, C), *add4 = diff(dw4, dw0, C);
+    snprintf(what, sizeof what, "rmsnorm forward unaligned w %dx%d", N, C);
+    check_close(M, what, out2, out, nc, M->tol);
+    snprintf(what, sizeof what, "rmsnorm backward din unaligned w %dx%d", N, C);
+    check_close(M, what, din2, din, nc, M->tol);
+    snprintf(what, sizeof what, "rmsnorm backward dw unaligned w %dx%d", N, C);
+    check_close(M, what, add4, add, C, M->tol_long);
+
+    void *dev[] = {d_in, d_dout, d_wbuf, d_w, d_out, d_rstd, d_din, d_dw, d_a, d_dw2, d_b, d_dw3,
+                   d_out2, d_din2, d_dw4};
+    for (size_t k = 0; k < sizeof dev / sizeof dev[0]; k++) g->free(dev[k]);
+    float *host[] = {in, w, dout, dw0, din, dw, a, dw2, b, dw3, out, out2, din2, dw4, add, add4};
+    for (size_t k = 0; k < sizeof host / sizeof host[0]; k++) free(host[k]);
+}
+
+Test(gpu, rmsnorm_alias)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 117);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        rmsnorm_alias_case(&M, &rng, 300, 2048);
+        rmsnorm_alias_case(&M, &rng, 100, 128);
+        rmsnorm_alias_case(&M, &rng, 40, 130);
+    }
+}
+
 /* ---------------------------------------------------------------- matmul */
 
 /* w_off shifts the weight by that many elements inside its buffer, so cuBLASLt sees a pointer that
@@ -506,6 +604,47 @@ Test(gpu, rope)
 
         M.g->free(d_in), M.g->free(d_pos), M.g->free(d_out);
         free(in), free(ref), free(out), free(back), free(oop), free(inp);
+    }
+}
+
+/* The vector kernel with several tokens per block and a partial last block (D = 128 with 4 and 32
+ * heads, D = 16: one chunk per half), and the scalar kernel (D = 20) */
+static void rope_case(const struct mode *M, mt_rng *rng, int T, int NH, int D)
+{
+    char what[96];
+    const size_t n = (size_t)T * NH * D;
+    const float theta = 1e6f;
+    int32_t *pos = mt_malloc((size_t)T * sizeof *pos);
+    for (int t = 0; t < T; t++) pos[t] = irand(rng, 4096);
+    float *in = hrand(rng, n, 1.0), *ref = fnew(n);
+    void *d_in = dx_from(M, in, n);
+    int32_t *d_pos = di_from(M, pos, T);
+    void *d_out = dx_poisoned(M, n);
+    M->g->rope_forward(d_out, d_in, d_pos, T, NH, D, theta);
+    float *out = hx_of(M, d_out, n);
+    M->c->rope_forward(ref, in, pos, T, NH, D, theta);
+    snprintf(what, sizeof what, "rope forward T%d H%d D%d", T, NH, D);
+    check_close(M, what, out, ref, n, M->tol);
+    M->g->rope_backward(d_in, d_in, d_pos, T, NH, D, theta); /* in place */
+    float *back = hx_of(M, d_in, n);
+    M->c->rope_backward(ref, in, pos, T, NH, D, theta);
+    snprintf(what, sizeof what, "rope backward in place T%d H%d D%d", T, NH, D);
+    check_close(M, what, back, ref, n, M->tol);
+    M->g->free(d_in), M->g->free(d_pos), M->g->free(d_out);
+    free(pos), free(in), free(ref), free(out), free(back);
+}
+
+Test(gpu, rope_shapes)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 118);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        rope_case(&M, &rng, 37, 4, 128);
+        rope_case(&M, &rng, 9, 32, 128);
+        rope_case(&M, &rng, 11, 2, 16);
+        rope_case(&M, &rng, 20, 3, 20);
     }
 }
 
@@ -720,6 +859,32 @@ Test(gpu, attention_tc_vs_cpu)
     tc_case(&M, &rng, 2, 128, 6, 3, 128, 0);
     tc_case(&M, &rng, 1, 300, 8, 8, 64, 0);
     tc_case(&M, &rng, 1, 64, 4, 1, 128, 1);
+}
+
+/* Every backward kernel choice (attention_tc_set_bwd_variant: mma.sync or one of three wgmma
+ * tilings for each of the dK/dV and dQ passes) against the CPU, rerun bit for bit (tc_case):
+ * ragged S against both the 64- and 128-row tiles, grouped and ungrouped heads, D 128 and 64;
+ * the pairs of the same kind also on S = 1, exact tiles and a longer S. */
+Test(gpu, attention_tc_bwd_variants)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 111);
+    struct mode M;
+    mode_get(1, &M);
+    const int old = attention_tc_set_bwd_variant(0);
+    for (int var = 0; var < 16; var++) {
+        fprintf(stderr, "gpu attention tc backward variant %d (dkdv %d, dq %d)\n", var, var % 4, var / 4);
+        attention_tc_set_bwd_variant(var);
+        tc_case(&M, &rng, 1, 300, 4, 2, 128, 0);
+        tc_case(&M, &rng, 2, 193, 4, 4, 64, 0);
+        if (var % 5 == 0) {
+            tc_case(&M, &rng, 1, 1, 2, 1, 128, 0);
+            tc_case(&M, &rng, 2, 128, 6, 3, 128, 0);
+            tc_case(&M, &rng, 1, 64, 4, 1, 64, 0);
+            tc_case(&M, &rng, 1, 520, 8, 2, 128, 0);
+        }
+    }
+    attention_tc_set_bwd_variant(old);
 }
 
 /* Cases the tensor-core kernels leave to attention.cu: they must decline without touching
@@ -965,6 +1130,28 @@ Test(gpu, gather_rows)
     }
 }
 
+/* rows of 257 chunks of 8 (several unrolled rounds per lane, a ragged last one), rows whose bytes
+ * are a multiple of 16 only in fp32 (H = 100: vector gather, scalar scatter), and short rows that
+ * take the scalar kernels (H = 12 in bf16) */
+Test(gpu, gather_rows_shapes)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 119);
+    enum { R = 96, FEW = 20 };
+    int32_t perm[R], many[R];
+    for (int r = 0; r < R; r++) perm[r] = r;
+    shuffle(&rng, perm, R);
+    for (int r = 0; r < R; r++) many[r] = irand(&rng, FEW);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        gather_case(&M, &rng, "permutation H=2056", perm, R, R, 2056);
+        gather_case(&M, &rng, "many-to-one H=2056", many, R, FEW, 2056);
+        gather_case(&M, &rng, "many-to-one H=100", many, R, FEW, 100);
+        gather_case(&M, &rng, "permutation H=12", perm, R, R, 12);
+    }
+}
+
 /* ---------------------------------------------------------------- moe combine */
 
 Test(gpu, moe_combine)
@@ -1004,6 +1191,60 @@ Test(gpu, moe_combine)
         M.g->free(d_dy), M.g->free(d_dw);
         free(y), free(dout), free(w), free(out), free(ref), free(dy), free(dw), free(dy_ref),
             free(dw_ref);
+    }
+}
+
+/* n_empty of the T·K slots are empty (-1): they add nothing, and the backward leaves their dw (set
+ * to 7 beforehand) alone. H = 2056 takes the vector kernels in several segments per row, H = 20
+ * the scalar ones. */
+static void combine_case(const struct mode *M, mt_rng *rng, int T, int K, int H, int n_empty)
+{
+    char what[96];
+    const int S = T * K, R = S - n_empty;
+    int32_t *slot = mt_malloc((size_t)S * sizeof *slot);
+    for (int r = 0; r < S; r++) slot[r] = r < R ? r : -1;
+    shuffle(rng, slot, S);
+    float *y = hrand(rng, (size_t)R * H, 1.0), *dout = hrand(rng, (size_t)T * H, 1.0);
+    float *w = fnew(S), *sevens = fnew(S);
+    for (int r = 0; r < S; r++) w[r] = (float)mt_rng_uniform(rng) + 0.05f, sevens[r] = 7.0f;
+    void *d_y = dx_from(M, y, (size_t)R * H), *d_dout = dx_from(M, dout, (size_t)T * H);
+    float *d_w = df_from(M, w, S);
+    int32_t *d_slot = di_from(M, slot, S);
+
+    void *d_out = dx_poisoned(M, (size_t)T * H);
+    M->g->moe_combine_forward(d_out, d_y, d_slot, d_w, T, K, H);
+    float *out = hx_of(M, d_out, (size_t)T * H), *ref = fnew((size_t)T * H);
+    M->c->moe_combine_forward(ref, y, slot, w, T, K, H);
+    snprintf(what, sizeof what, "moe_combine forward T%d k%d H%d empty %d", T, K, H, n_empty);
+    check_close(M, what, out, ref, (size_t)T * H, M->tol);
+
+    void *d_dy = dx_poisoned(M, (size_t)R * H);
+    float *d_dw = df_from(M, sevens, S);
+    M->g->moe_combine_backward(d_dy, d_dw, d_dout, d_y, d_slot, d_w, T, K, H);
+    float *dy = hx_of(M, d_dy, (size_t)R * H), *dw = hf_of(M, d_dw, S);
+    float *dy_ref = fnew((size_t)R * H), *dw_ref = hdup(sevens, S);
+    M->c->moe_combine_backward(dy_ref, dw_ref, dout, y, slot, w, T, K, H);
+    snprintf(what, sizeof what, "moe_combine backward dy T%d k%d H%d empty %d", T, K, H, n_empty);
+    check_close(M, what, dy, dy_ref, (size_t)R * H, M->tol);
+    snprintf(what, sizeof what, "moe_combine backward dw T%d k%d H%d empty %d", T, K, H, n_empty);
+    check_close(M, what, dw, dw_ref, S, M->tol);
+
+    M->g->free(d_y), M->g->free(d_dout), M->g->free(d_w), M->g->free(d_slot), M->g->free(d_out);
+    M->g->free(d_dy), M->g->free(d_dw);
+    free(slot), free(y), free(dout), free(w), free(sevens), free(out), free(ref), free(dy), free(dw);
+    free(dy_ref), free(dw_ref);
+}
+
+Test(gpu, moe_combine_shapes)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 120);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        combine_case(&M, &rng, 40, 3, 2056, 0);
+        combine_case(&M, &rng, 64, 8, 256, 37);
+        combine_case(&M, &rng, 33, 4, 20, 5);
     }
 }
 
@@ -1210,6 +1451,74 @@ Test(gpu, swiglu)
 
         M.g->free(d_gu), M.g->free(d_dout), M.g->free(d_out), M.g->free(d_dgu);
         free(gu), free(dout), free(out), free(ref), free(dgu), free(dgu_ref), free(alias);
+    }
+}
+
+/* I not a multiple of 8 (scalar kernels), and small multiples of 8 with odd row counts */
+static void swiglu_case(const struct mode *M, mt_rng *rng, int R, int I)
+{
+    char what[96];
+    const size_t n = (size_t)R * I, n2 = 2 * n;
+    float *gu = hrand(rng, n2, 2.0), *dout = hrand(rng, n, 1.0);
+    void *d_gu = dx_from(M, gu, n2), *d_dout = dx_from(M, dout, n);
+    void *d_out = dx_poisoned(M, n);
+    M->g->swiglu_forward(d_out, d_gu, R, I);
+    float *out = hx_of(M, d_out, n), *ref = fnew(n);
+    M->c->swiglu_forward(ref, gu, R, I);
+    snprintf(what, sizeof what, "swiglu forward R%d I%d", R, I);
+    check_close(M, what, out, ref, n, M->tol);
+    void *d_dgu = dx_poisoned(M, n2);
+    M->g->swiglu_backward(d_dgu, d_dout, d_gu, R, I);
+    float *dgu = hx_of(M, d_dgu, n2), *dgu_ref = fnew(n2);
+    M->c->swiglu_backward(dgu_ref, dout, gu, R, I);
+    snprintf(what, sizeof what, "swiglu backward R%d I%d", R, I);
+    check_close(M, what, dgu, dgu_ref, n2, M->tol);
+    M->g->free(d_gu), M->g->free(d_dout), M->g->free(d_out), M->g->free(d_dgu);
+    free(gu), free(dout), free(out), free(ref), free(dgu), free(dgu_ref);
+}
+
+Test(gpu, swiglu_shapes)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 121);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        swiglu_case(&M, &rng, 7, 100);
+        swiglu_case(&M, &rng, 33, 24);
+        swiglu_case(&M, &rng, 5, 8);
+    }
+}
+
+/* add_inplace and the casts on views that are not 16-byte aligned (scalar kernels), against the
+ * aligned results */
+Test(gpu, elementwise_unaligned)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 122);
+    const size_t n = 1001;
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        const struct backend *g = M.g;
+        const size_t xs = g->x_size;
+        float *x = hrand(&rng, n, 1.0), *y = hrand(&rng, n, 1.0);
+        void *d_x = dx_from(&M, x, n), *d_y = dx_from(&M, y, n);
+        g->add_inplace((char *)d_y + xs, (const char *)d_x + xs, n - 1);
+        float *sum = hx_of(&M, d_y, n), *ref = fnew(n);
+        ref[0] = y[0];
+        for (size_t k = 1; k < n; k++) ref[k] = y[k] + x[k];
+        check_close(&M, "add_inplace unaligned", sum, ref, n, xs == 4 ? 0.0 : TOL_BF16);
+
+        float *d_f = df_poisoned(&M, n), *zero = fnew(1);
+        g->upload(d_f, zero, sizeof(float));
+        g->cast_x_to_f32(d_f + 1, (const char *)d_x + xs, n - 1);
+        float *back = hf_of(&M, d_f, n);
+        x[0] = 0.0f;
+        check_exact(&M, "cast x -> f32 unaligned", back, x, n * sizeof(float));
+
+        g->free(d_x), g->free(d_y), g->free(d_f);
+        free(x), free(y), free(sum), free(ref), free(zero), free(back);
     }
 }
 

@@ -1,0 +1,263 @@
+/* Micro-benchmark of the memory-bound ops of the CUDA backend, called through the backend table
+ * (backend_cuda) at the shapes of one Qwen3-30B-A3B micro-step: T = 8192 tokens, H = 2048, top-8 of
+ * 128 experts (R = 65536 expert rows), expert width I = 768, 32 query / 4 key-value heads of 128.
+ *
+ *   bench_ops [reps [fp32]]   (default 20 timed samples, bf16)
+ *
+ * Each sample times a batch of BATCH back-to-back calls between two syncs of the backend's stream
+ * (host wall clock), so launch gaps are hidden as in a training step; the table gives the median
+ * sample divided by BATCH, after two warm-up batches. GB/s counts the bytes each call must read and
+ * write once (inputs read, outputs written, accumulated outputs read and written; index arrays and
+ * weights of a few KB left out) over that time. Inputs are random normal values (a 1 Mi-element
+ * random block repeated), the route is a random top-8 of 128 per token in the layout of the route
+ * plan (rows by expert then token). Without CUDA (or a GPU) it says so and exits 0. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common.h"
+#include "ops.h"
+
+enum { BATCH = 10, WARM_BATCHES = 2, RAND_BLOCK = 1 << 20 };
+
+static const struct backend *be;
+static float *rand_f32; /* device, RAND_BLOCK fp32 normals */
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* a compute-dtype device tensor of n elements filled from the random block */
+static void *x_random(size_t n)
+{
+    char *d = be->alloc(n * be->x_size);
+    for (size_t off = 0; off < n; off += RAND_BLOCK) {
+        const size_t len = n - off < RAND_BLOCK ? n - off : RAND_BLOCK;
+        be->cast_f32_to_x(d + off * be->x_size, rand_f32, len);
+    }
+    return d;
+}
+
+static float *f32_random(size_t n)
+{
+    float *d = be->alloc(n * sizeof(float));
+    for (size_t off = 0; off < n; off += RAND_BLOCK) {
+        const size_t len = n - off < RAND_BLOCK ? n - off : RAND_BLOCK;
+        be->copy(d + off, rand_f32, len * sizeof(float));
+    }
+    return d;
+}
+
+/* ---------------------------------------------------------------- the shapes and buffers */
+enum { T = 8192, H = 2048, E = 128, K = 8, R = T * K, I = 768, HQ = 32, HKV = 4, D = 128 };
+
+static void *x_th, *x_th2, *x_th3;           /* [T, H] */
+static void *x_rh, *x_rh2;                   /* [R, H] */
+static void *x_gu, *x_gu2, *x_act;           /* [R, 2I], [R, 2I], [R, I] */
+static void *x_q, *x_q2, *x_q3, *x_k, *x_k2, *x_k3; /* q [T, HQ, D], k [T, HKV, D] */
+static void *x_wh, *x_wd;                    /* norm weights [H], [D] */
+static float *rstd_t, *rstd_q, *rstd_k, *dw_h, *dw_d, *cw, *dcw;
+static int32_t *src_row, *slot_row, *pos;
+
+/* the route plan's layout for a random top-K of E per token: rows by (expert, token);
+ * src_row[row] = token, slot_row[t, j] = row of the token's j-th choice (ascending expert) */
+static void make_route(void)
+{
+    int32_t *choice = mt_malloc((size_t)T * K * sizeof *choice);
+    int64_t count[E + 1];
+    memset(count, 0, sizeof count);
+    uint64_t x = 0x2545f4914f6cdd1dull;
+    for (int t = 0; t < T; t++) {
+        unsigned char used[E];
+        memset(used, 0, sizeof used);
+        for (int j = 0; j < K; j++) {
+            int e;
+            do {
+                x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+                e = (int)(x % E);
+            } while (used[e]);
+            used[e] = 1;
+        }
+        int j = 0;
+        for (int e = 0; e < E; e++)
+            if (used[e]) choice[(size_t)t * K + j++] = e, count[e + 1]++;
+    }
+    for (int e = 0; e < E; e++) count[e + 1] += count[e];
+    int32_t *src = mt_malloc((size_t)R * sizeof *src), *slot = mt_malloc((size_t)R * sizeof *slot);
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < K; j++) {
+            const int64_t row = count[choice[(size_t)t * K + j]]++;
+            src[row] = t;
+            slot[(size_t)t * K + j] = (int32_t)row;
+        }
+    src_row = be->alloc((size_t)R * sizeof(int32_t));
+    slot_row = be->alloc((size_t)R * sizeof(int32_t));
+    be->upload(src_row, src, (size_t)R * sizeof(int32_t));
+    be->upload(slot_row, slot, (size_t)R * sizeof(int32_t));
+    int32_t *p = mt_malloc((size_t)T * sizeof *p);
+    for (int t = 0; t < T; t++) p[t] = t % 4096; /* two sequences of 4096 */
+    pos = be->alloc((size_t)T * sizeof(int32_t));
+    be->upload(pos, p, (size_t)T * sizeof(int32_t));
+    free(choice), free(src), free(slot), free(p);
+}
+
+/* ---------------------------------------------------------------- the ops */
+enum {
+    OP_RMS_FWD_H, OP_RMS_FWD_Q, OP_RMS_FWD_K, OP_RMS_BWD_H, OP_RMS_BWD_Q, OP_RMS_BWD_K,
+    OP_SWIGLU_FWD, OP_SWIGLU_BWD, OP_GATHER, OP_GATHER_BWD, OP_COMBINE_FWD, OP_COMBINE_BWD,
+    OP_ROPE_FWD_Q, OP_ROPE_BWD_Q, OP_ROPE_FWD_K, OP_ADD, OP_CAST, OP_COUNT
+};
+
+static const char *op_name[OP_COUNT] = {
+    "rmsnorm_forward C=2048 N=8192", "rmsnorm_forward C=128 N=262144 (q)",
+    "rmsnorm_forward C=128 N=32768 (k)", "rmsnorm_backward C=2048 N=8192 +dw",
+    "rmsnorm_backward C=128 N=262144 +dw", "rmsnorm_backward C=128 N=32768 +dw",
+    "swiglu_forward R=65536 I=768", "swiglu_backward R=65536 I=768",
+    "gather_rows R=65536 H=2048", "gather_rows_backward R=65536 H=2048",
+    "moe_combine_forward T=8192 k=8 H=2048", "moe_combine_backward T=8192 k=8 H=2048",
+    "rope_forward q T=8192 32x128 (in place)", "rope_backward q T=8192 32x128",
+    "rope_forward k T=8192 4x128", "add_inplace n=16.7M", "cast_x_to_f32 n=16.7M",
+};
+
+/* bytes each call must move once */
+static double op_bytes(int op)
+{
+    const double x = (double)be->x_size, th = (double)T * H, rh = (double)R * H;
+    const double q = (double)T * HQ * D, k = (double)T * HKV * D;
+    switch (op) {
+    case OP_RMS_FWD_H: return 2 * th * x + T * 4.0;
+    case OP_RMS_FWD_Q: return 2 * q * x + T * HQ * 4.0;
+    case OP_RMS_FWD_K: return 2 * k * x + T * HKV * 4.0;
+    case OP_RMS_BWD_H: return 3 * th * x + T * 4.0;
+    case OP_RMS_BWD_Q: return 3 * q * x + T * HQ * 4.0;
+    case OP_RMS_BWD_K: return 3 * k * x + T * HKV * 4.0;
+    case OP_SWIGLU_FWD: return 3.0 * R * I * x;
+    case OP_SWIGLU_BWD: return 5.0 * R * I * x;
+    case OP_GATHER: return 2 * rh * x;
+    case OP_GATHER_BWD: return rh * x + 2 * th * x;
+    case OP_COMBINE_FWD: return rh * x + th * x;
+    case OP_COMBINE_BWD: return 2 * rh * x + th * x + R * 4.0;
+    case OP_ROPE_FWD_Q: case OP_ROPE_BWD_Q: return 2 * q * x;
+    case OP_ROPE_FWD_K: return 2 * k * x;
+    case OP_ADD: return 3 * th * x;
+    default: return th * x + th * 4.0;
+    }
+}
+
+static float *f_scratch; /* [T, H] fp32 for the cast */
+
+static void run_op(int op)
+{
+    const float eps = 1e-6f, theta = 1e6f;
+    switch (op) {
+    case OP_RMS_FWD_H: be->rmsnorm_forward(x_th2, rstd_t, x_th, x_wh, T, H, eps); break;
+    case OP_RMS_FWD_Q: be->rmsnorm_forward(x_q2, rstd_q, x_q, x_wd, T * HQ, D, eps); break;
+    case OP_RMS_FWD_K: be->rmsnorm_forward(x_k2, rstd_k, x_k, x_wd, T * HKV, D, eps); break;
+    case OP_RMS_BWD_H:
+        be->rmsnorm_backward(x_th3, dw_h, x_th2, x_th, x_wh, rstd_t, T, H, false);
+        break;
+    case OP_RMS_BWD_Q:
+        be->rmsnorm_backward(x_q3, dw_d, x_q2, x_q, x_wd, rstd_q, T * HQ, D, false);
+        break;
+    case OP_RMS_BWD_K:
+        be->rmsnorm_backward(x_k3, dw_d, x_k2, x_k, x_wd, rstd_k, T * HKV, D, false);
+        break;
+    case OP_SWIGLU_FWD: be->swiglu_forward(x_act, x_gu, R, I); break;
+    case OP_SWIGLU_BWD: be->swiglu_backward(x_gu2, x_act, x_gu, R, I); break;
+    case OP_GATHER: be->gather_rows(x_rh, x_th, src_row, R, H); break;
+    case OP_GATHER_BWD: be->gather_rows_backward(x_th3, x_rh, src_row, R, H); break;
+    case OP_COMBINE_FWD: be->moe_combine_forward(x_th3, x_rh, slot_row, cw, T, K, H); break;
+    case OP_COMBINE_BWD:
+        be->moe_combine_backward(x_rh2, dcw, x_th2, x_rh, slot_row, cw, T, K, H);
+        break;
+    case OP_ROPE_FWD_Q: be->rope_forward(x_q3, x_q3, pos, T, HQ, D, theta); break;
+    case OP_ROPE_BWD_Q: be->rope_backward(x_q3, x_q3, pos, T, HQ, D, theta); break;
+    case OP_ROPE_FWD_K: be->rope_forward(x_k3, x_k3, pos, T, HKV, D, theta); break;
+    case OP_ADD: be->add_inplace(x_th3, x_th2, (size_t)T * H); break;
+    default: be->cast_x_to_f32(f_scratch, x_th, (size_t)T * H); break;
+    }
+}
+
+/* median microseconds per call */
+static double time_op(int op, int reps)
+{
+    for (int i = 0; i < WARM_BATCHES * BATCH; i++) run_op(op);
+    be->sync();
+    double *us = mt_malloc((size_t)reps * sizeof *us);
+    for (int s = 0; s < reps; s++) {
+        const double t0 = now_s();
+        for (int i = 0; i < BATCH; i++) run_op(op);
+        be->sync();
+        us[s] = (now_s() - t0) * 1e6 / BATCH;
+    }
+    qsort(us, (size_t)reps, sizeof *us, cmp_double);
+    const double med = reps % 2 ? us[reps / 2] : 0.5 * (us[reps / 2 - 1] + us[reps / 2]);
+    free(us);
+    return med;
+}
+
+int main(int argc, char **argv)
+{
+    const int reps = argc > 1 ? atoi(argv[1]) : 20;
+    const bool fp32 = argc > 2 && !strcmp(argv[2], "fp32");
+    if (reps < 1) {
+        fprintf(stderr, "usage: bench_ops [reps [fp32]]\n");
+        return 2;
+    }
+    be = backend_cuda(fp32, 0);
+    if (!be) {
+        printf("bench_ops: no CUDA backend (not built with CUDA, or no GPU), nothing to time\n");
+        return 0;
+    }
+
+    mt_rng rng;
+    mt_rng_seed(&rng, 7);
+    float *h = mt_malloc((size_t)RAND_BLOCK * sizeof *h);
+    for (int i = 0; i < RAND_BLOCK; i++) h[i] = (float)mt_rng_normal(&rng);
+    rand_f32 = be->alloc((size_t)RAND_BLOCK * sizeof(float));
+    be->upload(rand_f32, h, (size_t)RAND_BLOCK * sizeof(float));
+    free(h);
+
+    const size_t th = (size_t)T * H, rh = (size_t)R * H, nq = (size_t)T * HQ * D, nk = (size_t)T * HKV * D;
+    x_th = x_random(th), x_th2 = x_random(th), x_th3 = x_random(th);
+    x_rh = x_random(rh), x_rh2 = x_random(rh);
+    x_gu = x_random((size_t)R * 2 * I), x_gu2 = x_random((size_t)R * 2 * I);
+    x_act = x_random((size_t)R * I);
+    x_q = x_random(nq), x_q2 = x_random(nq), x_q3 = x_random(nq);
+    x_k = x_random(nk), x_k2 = x_random(nk), x_k3 = x_random(nk);
+    x_wh = x_random(H), x_wd = x_random(D);
+    rstd_t = f32_random(T), rstd_q = f32_random((size_t)T * HQ), rstd_k = f32_random((size_t)T * HKV);
+    dw_h = f32_random(H), dw_d = f32_random(D);
+    cw = f32_random(R), dcw = be->alloc((size_t)R * sizeof(float));
+    f_scratch = be->alloc(th * sizeof(float));
+    make_route();
+    /* realistic rstd for the backward: the forward's */
+    run_op(OP_RMS_FWD_H), run_op(OP_RMS_FWD_Q), run_op(OP_RMS_FWD_K);
+    be->sync();
+
+    printf("bench_ops: %s mode, %d samples of %d calls (median per call)\n", fp32 ? "fp32" : "bf16",
+           reps, BATCH);
+    printf("%-42s %10s %10s %10s\n", "op", "us/call", "MB", "GB/s");
+    for (int op = 0; op < OP_COUNT; op++) {
+        const double us = time_op(op, reps), bytes = op_bytes(op);
+        printf("%-42s %10.1f %10.1f %10.0f\n", op_name[op], us, bytes / 1e6, bytes / (us * 1e3));
+        fflush(stdout);
+    }
+
+    void *bufs[] = {x_th, x_th2, x_th3, x_rh, x_rh2, x_gu, x_gu2, x_act, x_q, x_q2, x_q3, x_k,
+                    x_k2, x_k3, x_wh, x_wd, rstd_t, rstd_q, rstd_k, dw_h, dw_d, cw, dcw, f_scratch,
+                    src_row, slot_row, pos, rand_f32};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->free(bufs[i]);
+    return 0;
+}
