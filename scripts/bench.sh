@@ -82,13 +82,17 @@ if [ "$ngpu" -ge 2 ]; then
     echo "  $a2a"
 fi
 
-echo "bench: PyTorch baseline (torch.compile, grouped_mm) ..."
-if run_sampled baseline env LAYERS=8 SEQ=4096 BATCH=2 ACCUM=8 COMPILE="${BASELINE_COMPILE:-1}" \
-        python3 tools/hf_baseline.py; then
-    res[baseline]=$(tail -1 "$OUT/baseline.log")
+if [ "${BENCH_BASELINE:-1}" = 0 ]; then
+    res[baseline]='{"error": "not run (BENCH_BASELINE=0)"}'
 else
-    res[baseline]='{"error": "failed"}'
-    tail -5 "$OUT/baseline.log"
+    echo "bench: PyTorch baseline (torch.compile, grouped_mm) ..."
+    if run_sampled baseline env LAYERS=8 SEQ=4096 BATCH=2 ACCUM=8 COMPILE="${BASELINE_COMPILE:-1}" \
+            python3 tools/hf_baseline.py; then
+        res[baseline]=$(tail -1 "$OUT/baseline.log")
+    else
+        res[baseline]='{"error": "failed"}'
+        tail -5 "$OUT/baseline.log"
+    fi
 fi
 echo "  ${res[baseline]}"
 
