@@ -10,7 +10,8 @@ N=${2:-2}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
 make --no-print-directory BUILD="$BUILD" "$BUILD/tools/bench_alltoall" > /dev/null || exit 1
 settings=("" "NCCL_P2P_NVL_CHUNKSIZE=2097152" "NCCL_MIN_P2P_NCHANNELS=32 NCCL_MAX_P2P_NCHANNELS=32"
-          "NCCL_P2P_USE_CUDA_MEMCPY=1" "NCCL_PROTO=Simple NCCL_P2P_NVL_CHUNKSIZE=4194304")
+          "NCCL_PROTO=Simple NCCL_P2P_NVL_CHUNKSIZE=4194304")
+# (NCCL_P2P_USE_CUDA_MEMCPY=1 hung the 2-rank run on an H200 host, 2026-11-22: left out)
 for s in "${settings[@]}"; do
     for tokens in 8192 2048; do
         line=$(env $s mpirun --oversubscribe --bind-to none -np "$N" "$BUILD/tools/bench_alltoall" \
