@@ -5,6 +5,9 @@
 # (nvidia-smi, sampled every 200 ms) beside what `moetrain plan` predicts for rank 0, and the
 # scaling efficiency against REF_1GPU (tokens/s of 1 GPU; measured here first unless given).
 #   scripts/bench-scaling.sh [BUILD]     SCALING_MESHES="4:4 4:2 8:8 8:4" (gpus:ep; ep_fsdp = gpus/ep)
+# FULL_MODEL=1 adds, when 8 GPUs are present, three steps of the full 48-layer Qwen3-30B-A3B
+# (configs/qwen3-30b-a3b.yaml, synthetic data, EP=8, 2 sequences per GPU per step) with its peak
+# memory beside plan's.
 set -euo pipefail
 BUILD=${1:-build}
 OUT=${BENCH_OUT:-$BUILD/bench-scaling}
@@ -17,17 +20,18 @@ ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 [ "$ngpu" -gt 0 ] || { echo "bench-scaling: no GPU here"; exit 1; }
 make --no-print-directory BUILD="$BUILD" "$BUILD/tools/bench_alltoall" > /dev/null
 
-run_mesh() {  # n ep -> one JSON line
-    local n=$1 ep=$2 tag="n$1_ep$2"
+run_mesh() {  # n ep [config tag extra --set args...] -> one JSON line
+    local n=$1 ep=$2 cfg=${3:-$CONFIG} tag=${4:-n$1_ep$2}
+    shift 4 2>/dev/null || shift $#
     local sets=(--set train.global_batch_size=$((16 * n)) --set parallel.expert_parallel_size="$ep"
-                --set train.steps="$STEPS" --set log.metrics="$OUT/$tag.jsonl")
+                --set train.steps="$STEPS" --set log.metrics="$OUT/$tag.jsonl" "$@")
     local plan_gib
-    plan_gib=$("$BUILD/moetrain" plan "$CONFIG" --world "$n" "${sets[@]}" 2>/dev/null |
+    plan_gib=$("$BUILD/moetrain" plan "$cfg" --world "$n" "${sets[@]}" 2>/dev/null |
                awk '$1 == "0" && NF > 10 { print $NF; exit }')
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$OUT/$tag.mem" 2>/dev/null &
     local smi=$!
     local rc=0
-    mpirun --oversubscribe --bind-to none -np "$n" "$BUILD/moetrain" train "$CONFIG" "${sets[@]}" \
+    mpirun --oversubscribe --bind-to none -np "$n" "$BUILD/moetrain" train "$cfg" "${sets[@]}" \
         > "$OUT/$tag.log" 2>&1 || rc=$?
     kill $smi 2>/dev/null || true
     wait $smi 2>/dev/null || true
@@ -66,6 +70,13 @@ for m in $MESHES; do
     echo "bench-scaling: $n GPUs, EP=$ep x EP_FSDP=$((n / ep)) ..."
     run_mesh "$n" "$ep" | tee -a "$OUT/results.jsonl"
 done
+if [ "${FULL_MODEL:-0}" = 1 ] && [ "$ngpu" -ge 8 ]; then
+    echo "bench-scaling: the full 48-layer Qwen3-30B-A3B on 8 GPUs, EP=8, 3 steps ..."
+    STEPS=3 run_mesh 8 8 configs/qwen3-30b-a3b.yaml full48_ep8 --set data.kind=synthetic \
+        --set data.path= --set train.global_batch_size=16 --set train.warmup_steps=1 \
+        --set checkpoint.dir= --set checkpoint.export_hf= \
+        | tee -a "$OUT/full_model.jsonl"
+fi
 python3 - "$OUT/results.jsonl" "$ref" <<'PY' | tee "$OUT/summary.txt"
 import json, sys
 ref = float(sys.argv[2])
