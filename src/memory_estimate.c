@@ -49,8 +49,11 @@ static bool on_stage(const struct tensor_spec *s, const struct stage_estimate *e
  * post-attention-norm output and its 1/rms. MoE: router logits and probabilities (fp32, E per token),
  * top-k ids (int32) and weights (fp32), then for the T*k routed rows the expert input, the gate_up
  * output (2I), the SwiGLU output (I) and the expert output (H, needed for the routing weight's
- * gradient). Dense MLP: gate_up output (2 Id) and SwiGLU output (Id). */
-static double layer_activation_bytes(const struct model_config *m, int layer, double T, double act_b)
+ * gradient); with ep > 1 the rows a rank receives vary with the routing and src/moe.c sizes those
+ * buffers with 25% headroom, which is counted. Dense MLP: gate_up output (2 Id) and SwiGLU output
+ * (Id). */
+static double layer_activation_bytes(const struct model_config *m, int layer, double T, double act_b,
+                                     int ep)
 {
     const double H = m->hidden_size, D = config_head_dim(m), Hq = m->num_attention_heads;
     const double Hkv = m->num_key_value_heads;
@@ -61,7 +64,8 @@ static double layer_activation_bytes(const struct model_config *m, int layer, do
                      + H * act_b + H * act_b + 4;         /* residual, post-attn norm out, 1/rms */
     if (config_layer_is_moe(m, layer)) {
         const double E = m->num_experts, k = m->num_experts_per_tok, I = m->moe_intermediate_size;
-        per_tok += 2 * E * 4 + k * (4 + 4) + k * (H + 2 * I + I + H) * act_b;
+        const double headroom = ep > 1 ? 1.25 : 1.0;
+        per_tok += 2 * E * 4 + k * (4 + 4) + headroom * k * (H + 2 * I + I + H) * act_b;
     } else {
         const double Id = m->intermediate_size;
         per_tok += (2 * Id + Id) * act_b;
@@ -77,7 +81,7 @@ double estimate_activation_bytes(const struct config *c, int layer0, int layer1,
     const double H = m->hidden_size, V = m->vocab_size;
     double bytes = 0, largest = 0;
     for (int l = layer0; l < layer1; l++) {
-        double b = layer_activation_bytes(m, l, T, act_b);
+        double b = layer_activation_bytes(m, l, T, act_b, c->parallel.expert_parallel_size);
         largest = b > largest ? b : largest;
         bytes += b;
     }
@@ -87,9 +91,9 @@ double estimate_activation_bytes(const struct config *c, int layer0, int layer1,
     }
     if (first) bytes += T * 4;  /* token ids */
     if (last) {
-        /* final norm input, output and 1/rms; labels; logits in the activation dtype plus their fp32
-         * copy for the softmax and its gradient */
-        bytes += T * (2 * H * act_b + 4 + 4) + T * V * (act_b + 4);
+        /* final norm input, output and 1/rms; labels; the logits in the activation dtype (the loss
+         * reads them in place and writes its gradient over them) with each row's loss and lse */
+        bytes += T * (2 * H * act_b + 4 + 4 + 8) + T * V * act_b;
     }
     return bytes;
 }

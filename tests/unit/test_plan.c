@@ -209,10 +209,11 @@ Test(plan, activation_formula_properties)
     c.train.micro_batch_size *= 3;
     cr_assert_float_eq(estimate_activation_bytes(&c, 0, 3, false, false), 3 * one, 1e-6);
     c.train.micro_batch_size /= 3;
-    /* the last stage adds the final norm, labels and logits: T (2 H a + 8) + T V (a + 4) */
+    /* the last stage adds the final norm, labels, logits and per-row loss and lse:
+     * T (2 H a + 16) + T V a */
     const double T = 2 * 8, a = 2;
     cr_assert_float_eq(estimate_activation_bytes(&c, 0, 3, false, true) - one,
-                       T * (2 * 16 * a + 8) + T * 101 * (a + 4), 1e-6);
+                       T * (2 * 16 * a + 16) + T * 101 * a, 1e-6);
     /* checkpointing keeps each layer's input plus one layer recomputed */
     const double layer = estimate_activation_bytes(&c, 0, 1, false, false);
     cr_assert_float_eq(layer * 3, one, 1e-6);  /* all three layers are MoE and alike */
@@ -222,6 +223,12 @@ Test(plan, activation_formula_properties)
     c.train.activation_checkpointing = false;
     c.model.num_experts_per_tok = 4;
     cr_assert_gt(estimate_activation_bytes(&c, 0, 3, false, false), one);
+    /* expert parallelism: the expert-side rows get 25% headroom */
+    c.model.num_experts_per_tok = 2;
+    const double k = 2, H = 16, I = c.model.moe_intermediate_size;
+    c.parallel.expert_parallel_size = 2;
+    cr_assert_float_eq(estimate_activation_bytes(&c, 0, 3, false, false) - one,
+                       3 * T * 0.25 * k * (H + 2 * I + I + H) * a, 1e-6);
 }
 
 /* plan_print into memory. */
