@@ -29,28 +29,27 @@ static void regrow(const struct model *m, void **p, int64_t elems, size_t elem_s
     *p = m->be->alloc((size_t)MT_MAX(elems, 1) * elem_size);
 }
 
+/* One set of expert-side buffers ([rows, H] in and out, [rows, 2I] gate|up, [rows, I] SwiGLU)
+ * grown to hold R rows: exactly with ep = 1 (R is always T·k), with 25% headroom otherwise (the
+ * rows a rank receives change every step). gu/act also serve dense layers: [T, 2 Id], [T, Id]. */
+static void grow_expert_rows(const struct model *m, void **x, void **y, void **gu, void **act,
+                             int64_t *cap_rows, int64_t R)
+{
+    if (R <= *cap_rows) return;
+    const int64_t H = m->H, I = m->I, cap = m->ep == 1 ? R : R + R / 4 + 16;
+    const size_t xs = m->be->x_size;
+    regrow(m, x, cap * H, xs);
+    regrow(m, y, cap * H, xs);
+    regrow(m, gu, MT_MAX(cap * 2 * I, (int64_t)m->T * 2 * m->Id), xs);
+    regrow(m, act, MT_MAX(cap * I, (int64_t)m->T * m->Id), xs);
+    *cap_rows = cap;
+}
+
 /* Expert-side rows: layer buffers for R rows (and the shared backward scratch too). */
 static void ensure_rows(struct model *m, struct layer_acts *a, int64_t R)
 {
-    const int64_t H = m->H, I = m->I;
-    const size_t xs = m->be->x_size;
-    if (R > a->cap_rows) {
-        int64_t cap = m->ep == 1 ? R : R + R / 4 + 16;
-        regrow(m, &a->x_exp, cap * H, xs);
-        regrow(m, &a->y_exp, cap * H, xs);
-        /* a shared (recompute) set also serves dense layers: [T, 2 Id] and [T, Id] */
-        regrow(m, &a->gu, MT_MAX(cap * 2 * I, (int64_t)m->T * 2 * m->Id), xs);
-        regrow(m, &a->act, MT_MAX(cap * I, (int64_t)m->T * m->Id), xs);
-        a->cap_rows = cap;
-    }
-    if (R > m->d_cap_rows) {
-        int64_t cap = m->ep == 1 ? R : R + R / 4 + 16;
-        regrow(m, &m->d_x_exp, cap * H, xs);
-        regrow(m, &m->d_y_exp, cap * H, xs);
-        regrow(m, &m->d_gu, MT_MAX(cap * 2 * I, (int64_t)m->T * 2 * m->Id), xs);
-        regrow(m, &m->d_act, MT_MAX(cap * I, (int64_t)m->T * m->Id), xs);
-        m->d_cap_rows = cap;
-    }
+    grow_expert_rows(m, &a->x_exp, &a->y_exp, &a->gu, &a->act, &a->cap_rows, R);
+    grow_expert_rows(m, &m->d_x_exp, &m->d_y_exp, &m->d_gu, &m->d_act, &m->d_cap_rows, R);
 }
 
 /* Receiver-side pair arrays for P pairs (ep > 1), and unit weights for P·k slots. */
@@ -72,6 +71,26 @@ static void ensure_pairs(struct model *m, struct layer_acts *a, int64_t P)
         m->d_cap_pairs = cap;
     }
     model_ensure_ones(m, P * K);
+}
+
+/* Moves rows of `width` elements of type t between EP ranks: `send` has counts_out[s] rows for
+ * rank s, `recv` gets counts_in[s] rows from rank s. */
+static void exchange(struct model *m, void *recv, const int64_t *counts_in, const void *send,
+                     const int64_t *counts_out, int64_t width, enum comm_dtype t)
+{
+    int64_t in[m->ep], out[m->ep];
+    for (int s = 0; s < m->ep; s++) {
+        in[s] = counts_in[s] * width;
+        out[s] = counts_out[s] * width;
+    }
+    comm_all_to_all_v(m->ep_comm, recv, in, send, out, t);
+}
+
+/* Hidden-state rows ([*, H], compute dtype) */
+static void exchange_rows(struct model *m, void *recv, const int64_t *counts_in, const void *send,
+                          const int64_t *counts_out)
+{
+    exchange(m, recv, counts_in, send, counts_out, m->H, comm_dtype_of_x(m->be->x_size));
 }
 
 /* Builds the dispatch plan of layer l from the router's top-k (see the file comment). */
@@ -98,13 +117,8 @@ static void route_plan(struct model *m, struct layer_acts *a)
             r->P_recv += r->recv_counts[s];
         }
         ensure_pairs(m, a, r->P_recv);
-        int64_t in[ep], out[ep];
-        for (int s = 0; s < ep; s++) {
-            in[s] = r->recv_counts[s] * K;
-            out[s] = r->send_counts[s] * K;
-        }
-        comm_all_to_all_v(m->ep_comm, r->meta_idx, in, m->meta_idx_send, out, COMM_I32);
-        comm_all_to_all_v(m->ep_comm, r->meta_w, in, m->meta_w_send, out, COMM_F32);
+        exchange(m, r->meta_idx, r->recv_counts, m->meta_idx_send, r->send_counts, K, COMM_I32);
+        exchange(m, r->meta_w, r->recv_counts, m->meta_w_send, r->send_counts, K, COMM_F32);
         be->moe_route_plan(r->meta_idx, r->meta_w, r->exp_src, r->exp_slot, cnt, (int)r->P_recv,
                            nl, K);
     }
@@ -113,19 +127,6 @@ static void route_plan(struct model *m, struct layer_acts *a)
     free(cnt);
     r->R_exp = r->expert_off[nl];
     ensure_rows(m, a, r->R_exp);
-}
-
-/* Moves rows between EP ranks: `send` has counts_out[s] rows for rank s, `recv` gets counts_in[s]
- * rows from rank s. */
-static void exchange_rows(struct model *m, void *recv, const int64_t *counts_in, const void *send,
-                          const int64_t *counts_out)
-{
-    int64_t in[m->ep], out[m->ep];
-    for (int s = 0; s < m->ep; s++) {
-        in[s] = counts_in[s] * m->H;
-        out[s] = counts_out[s] * m->H;
-    }
-    comm_all_to_all_v(m->ep_comm, recv, in, send, out, comm_dtype_of_x(m->be->x_size));
 }
 
 static void dense_mlp_forward(struct model *m, struct layer_acts *a, int l, void *out)
@@ -196,12 +197,7 @@ static void combine_rows_backward(struct model *m, struct layer_acts *a)
     exchange_rows(m, m->d_x_exp, r->recv_counts, m->d_x_send, r->send_counts);
     be->moe_combine_backward(m->d_y_exp, m->d_w_recv, m->d_x_exp, a->y_exp, r->exp_slot, r->meta_w,
                              (int)r->P_recv, K, H);
-    int64_t in[m->ep], out[m->ep];
-    for (int s = 0; s < m->ep; s++) {
-        in[s] = r->send_counts[s] * K;
-        out[s] = r->recv_counts[s] * K;
-    }
-    comm_all_to_all_v(m->ep_comm, m->d_w_back, in, m->d_w_recv, out, COMM_F32);
+    exchange(m, m->d_w_back, r->send_counts, m->d_w_recv, r->recv_counts, K, COMM_F32);
     be->gather_f32(m->d_topk_w, m->d_w_back, r->w_map, T * K);
 }
 
