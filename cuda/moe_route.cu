@@ -58,26 +58,50 @@ __global__ void route_sort_count_kernel(int32_t *topk_idx, float *topk_w, int32_
         if (hist[e]) atomicAdd(&counts[e], hist[e]);
 }
 
+/* Σ counts[i < n] for every thread of the block (warp_tot: the block's ROUTE_THREADS/32 ints) */
+__device__ int block_count_before(const int *counts, int n, int *warp_tot)
+{
+    __shared__ int sum_sh;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int part = 0;
+    for (int i = threadIdx.x; i < n; i += ROUTE_THREADS) part += counts[i];
+    for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+    if (lane == 0) warp_tot[warp] = part;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int sum = 0;
+        for (int w = 0; w < ROUTE_THREADS / 32; w++) sum += warp_tot[w];
+        sum_sh = sum;
+    }
+    __syncthreads();
+    return sum_sh;
+}
+
+/* Over one chunk of ROUTE_THREADS items (one a thread, in thread order): the number of flagged
+ * items before this thread's, and in *total the chunk's flagged items. Every thread calls it. */
+__device__ int block_rank_in_chunk(bool flag, int *warp_tot, int *total)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+    __syncthreads(); /* warp_tot of the previous chunk is consumed */
+    if (lane == 0) warp_tot[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0, sum = 0;
+    for (int w = 0; w < ROUTE_THREADS / 32; w++) {
+        before += w < warp ? warp_tot[w] : 0;
+        sum += warp_tot[w];
+    }
+    *total = sum;
+    return before + __popc(ballot & ((1u << lane) - 1u));
+}
+
 __global__ void __launch_bounds__(ROUTE_THREADS)
 route_rows_kernel(const int32_t *topk_idx, const int *counts, int32_t *src_row, int32_t *slot_row,
                   int T, int k)
 {
     __shared__ int warp_tot[ROUTE_THREADS / 32];
-    __shared__ int base_sh;
-    const int e = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    /* off[e] = Σ counts[e' < e] */
-    int part = 0;
-    for (int i = threadIdx.x; i < e; i += ROUTE_THREADS) part += counts[i];
-    for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-    if (lane == 0) warp_tot[warp] = part;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int s = 0;
-        for (int w = 0; w < ROUTE_THREADS / 32; w++) s += warp_tot[w];
-        base_sh = s;
-    }
-    __syncthreads();
-    int base = base_sh;
+    const int e = blockIdx.x;
+    int base = block_count_before(counts, e, warp_tot); /* off[e] */
     for (int t0 = 0; t0 < T; t0 += ROUTE_THREADS) {
         const int t = t0 + threadIdx.x;
         int jj = -1;
@@ -87,22 +111,34 @@ route_rows_kernel(const int32_t *topk_idx, const int *counts, int32_t *src_row, 
                 if (x == e) jj = j;
                 if (x >= e) break; /* sorted ascending */
             }
-        const unsigned ballot = __ballot_sync(0xffffffffu, jj >= 0);
-        __syncthreads(); /* warp_tot of the previous chunk is consumed */
-        if (lane == 0) warp_tot[warp] = __popc(ballot);
-        __syncthreads();
-        int before = 0, total = 0;
-        for (int w = 0; w < ROUTE_THREADS / 32; w++) {
-            before += w < warp ? warp_tot[w] : 0;
-            total += warp_tot[w];
-        }
+        int total;
+        const int rank = block_rank_in_chunk(jj >= 0, warp_tot, &total);
         if (jj >= 0) {
-            const int row = base + before + __popc(ballot & ((1u << lane) - 1u));
+            const int row = base + rank;
             src_row[row] = t;
             slot_row[(size_t)t * k + jj] = row;
         }
         base += total;
     }
+}
+
+/* n zeroed device counters (scratch), in stream order */
+static int *counts_zeroed(int n)
+{
+    int *counts = (int *)cuda_scratch(SCRATCH_HIST, (size_t)n * sizeof(int));
+    CUDA_CHECK(cudaMemsetAsync(counts, 0, (size_t)n * sizeof(int), g_cuda.stream));
+    return counts;
+}
+
+/* Queues the copy of n counters into pinned host memory (asynchronous, so the rows kernel queued
+ * after it runs while they travel); the result is valid after the stream synchronises. */
+static const int *counts_to_host(const int *counts, int n)
+{
+    static int *h;
+    if (!h) CUDA_CHECK(cudaMallocHost(&h, (ROUTE_MAX_E + 1) * sizeof(int)));
+    CUDA_CHECK(cudaMemcpyAsync(h, counts, (size_t)n * sizeof(int), cudaMemcpyDeviceToHost,
+                               g_cuda.stream));
+    return h;
 }
 
 void cu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32_t *slot_row,
@@ -113,19 +149,14 @@ void cu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32
              ROUTE_MAX_E, ROUTE_MAX_K);
     MT_CHECK((int64_t)T * k <= INT32_MAX, "moe_route_plan: %lld rows overflow int32",
              (long long)T * k);
-    int *counts = (int *)cuda_scratch(SCRATCH_HIST, (size_t)(E + 1) * sizeof(int));
-    CUDA_CHECK(cudaMemsetAsync(counts, 0, (size_t)(E + 1) * sizeof(int), g_cuda.stream));
+    int *counts = counts_zeroed(E + 1);
     if (T > 0) {
         route_sort_count_kernel<<<(T + ROUTE_THREADS - 1) / ROUTE_THREADS, ROUTE_THREADS,
                                   (size_t)(E + 1) * sizeof(int), g_cuda.stream>>>(
             topk_idx, topk_w, slot_row, counts, T, E, k);
         CUDA_LAUNCH_CHECK("moe route sort/count");
     }
-    static int *h; /* pinned, so the copy below is asynchronous */
-    if (!h) CUDA_CHECK(cudaMallocHost(&h, (ROUTE_MAX_E + 1) * sizeof(int)));
-    CUDA_CHECK(cudaMemcpyAsync(h, counts, (size_t)(E + 1) * sizeof(int), cudaMemcpyDeviceToHost,
-                               g_cuda.stream));
-    /* the rows kernel is queued before the wait, so it runs while the counts travel */
+    const int *h = counts_to_host(counts, E + 1);
     if (T > 0) {
         route_rows_kernel<<<E, ROUTE_THREADS, 0, g_cuda.stream>>>(topk_idx, counts, src_row,
                                                                   slot_row, T, k);
@@ -168,9 +199,8 @@ pair_rows_kernel(const int32_t *topk_idx, const float *topk_w, const int *counts
                  int n_local, int k)
 {
     __shared__ int warp_tot[ROUTE_THREADS / 32];
-    const int d = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int base = 0;
-    for (int i = 0; i < d; i++) base += counts[i]; /* ep is small */
+    const int d = blockIdx.x;
+    int base = block_count_before(counts, d, warp_tot);
     for (int t0 = 0; t0 < T; t0 += ROUTE_THREADS) {
         const int t = t0 + threadIdx.x;
         int j0 = k, j1 = k;
@@ -184,17 +214,10 @@ pair_rows_kernel(const int32_t *topk_idx, const float *topk_w, const int *counts
             if (j0 == k) j1 = k;
         }
         const bool has = j0 < k;
-        const unsigned ballot = __ballot_sync(0xffffffffu, has);
-        __syncthreads();
-        if (lane == 0) warp_tot[warp] = __popc(ballot);
-        __syncthreads();
-        int before = 0, total = 0;
-        for (int w = 0; w < ROUTE_THREADS / 32; w++) {
-            before += w < warp ? warp_tot[w] : 0;
-            total += warp_tot[w];
-        }
+        int total;
+        const int rank = block_rank_in_chunk(has, warp_tot, &total);
         if (has) {
-            const int p = base + before + __popc(ballot & ((1u << lane) - 1u));
+            const int p = base + rank;
             pair_tok[p] = t;
             for (int s = 0; s < k; s++) {
                 const bool used = s < j1 - j0;
@@ -219,18 +242,14 @@ void cu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int32
              "moe_pair_plan: unsupported shape T=%d ep=%d n_local=%d k=%d", T, ep, n_local, k);
     MT_CHECK((int64_t)T * k * k <= INT32_MAX, "moe_pair_plan: %lld slots overflow int32",
              (long long)T * k * k);
-    int *counts = (int *)cuda_scratch(SCRATCH_HIST, (size_t)(ep + 1) * sizeof(int));
-    CUDA_CHECK(cudaMemsetAsync(counts, 0, (size_t)(ep + 1) * sizeof(int), g_cuda.stream));
+    int *counts = counts_zeroed(ep + 1);
     if (T > 0) {
         pair_sort_count_kernel<<<(T + ROUTE_THREADS - 1) / ROUTE_THREADS, ROUTE_THREADS,
                                  (size_t)(ep + 1) * sizeof(int), g_cuda.stream>>>(
             topk_idx, topk_w, counts, T, ep, n_local, k);
         CUDA_LAUNCH_CHECK("moe pair sort/count");
     }
-    static int *h; /* pinned */
-    if (!h) CUDA_CHECK(cudaMallocHost(&h, (ROUTE_MAX_E + 1) * sizeof(int)));
-    CUDA_CHECK(cudaMemcpyAsync(h, counts, (size_t)(ep + 1) * sizeof(int), cudaMemcpyDeviceToHost,
-                               g_cuda.stream));
+    const int *h = counts_to_host(counts, ep + 1);
     if (T > 0) {
         pair_rows_kernel<<<ep, ROUTE_THREADS, 0, g_cuda.stream>>>(
             topk_idx, topk_w, counts, pair_tok, tok_pair, meta_idx, meta_w, w_map, T, n_local, k);
