@@ -59,18 +59,20 @@ for n in 1 2; do
     echo "  ${res[$tag]}"
 done
 
+# a profiled 3-step run on n GPUs with EP=n (every op timed between syncs); prints its time split
+profiled_split() {  # n log
+    mpirun --oversubscribe --bind-to none -np "$1" "$BUILD/moetrain" train "$CONFIG" --set train.steps=3 \
+        --set train.global_batch_size=$((16 * $1)) --set parallel.expert_parallel_size="$1" \
+        --set log.profile=true "${EXTRA[@]}" > "$2" 2>&1 || true
+    grep '^    time:' "$2" | tail -1 | sed 's/^    time: //'
+}
 echo "bench: moetrain on 1 GPU, profiled (every op timed between syncs) ..."
-mpirun --oversubscribe --bind-to none -np 1 "$BUILD/moetrain" train "$CONFIG" --set train.steps=3 \
-    --set log.profile=true "${EXTRA[@]}" > "$OUT/moetrain_profile.log" 2>&1 || true
-split=$(grep '^    time:' "$OUT/moetrain_profile.log" | tail -1 | sed 's/^    time: //')
+split=$(profiled_split 1 "$OUT/moetrain_profile.log")
 echo "  time split: ${split:-unavailable}"
 split2=""
 if [ "$ngpu" -ge 2 ]; then
     echo "bench: moetrain on 2 GPUs with EP=2, profiled ..."
-    mpirun --oversubscribe --bind-to none -np 2 "$BUILD/moetrain" train "$CONFIG" --set train.steps=3 \
-        --set train.global_batch_size=32 --set parallel.expert_parallel_size=2 \
-        --set log.profile=true "${EXTRA[@]}" > "$OUT/moetrain_profile_ep2.log" 2>&1 || true
-    split2=$(grep '^    time:' "$OUT/moetrain_profile_ep2.log" | tail -1 | sed 's/^    time: //')
+    split2=$(profiled_split 2 "$OUT/moetrain_profile_ep2.log")
     echo "  time split: ${split2:-unavailable}"
 fi
 
