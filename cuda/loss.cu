@@ -1,8 +1,9 @@
 /* Cross-entropy, one block per row. The forward reads the row once: each thread keeps an online
- * (max, Σ exp(z − max)) pair in fp32 over 16-byte vectors, the block merges the pairs, and the row's
- * lse = max + log Σ is stored for the backward, which is then a single read-and-write pass
- * dz = scale·(exp(z − lse) − onehot). The logits are 2.5 GB per micro-step at the bench shape, so
- * the loss is bandwidth work: one read forward, one read and one write backward.
+ * (max, Σ exp(z − max)) pair in fp32 over 8-element chunks (16-byte accesses, cuda_common.cuh), the
+ * block merges the pairs, and the row's lse = max + log Σ is stored for the backward, which is then
+ * a single read-and-write pass dz = scale·(exp(z − lse) − onehot). The logits are 2.5 GB per micro-
+ * step at the bench shape, so the loss is bandwidth work: one read forward, one read and one write
+ * backward.
  *
  * fp32 partial sums of a few hundred exponentials each, merged in a tree, stay within a few ulp
  * of src/cpu/cpu_loss.c's double sum (relative 1e-7 at V = 151,936). A target outside [0, V) that
@@ -12,36 +13,6 @@
 #include "loss.cuh"
 
 enum { CE_BLOCK = 256 };
-
-/* 16 bytes of T, converted to fp32 */
-template <typename T> struct vec16;
-template <> struct vec16<float> {
-    enum { N = 4 };
-    typedef float4 raw;
-    __device__ static void unpack(const raw &r, float *f) { f[0] = r.x; f[1] = r.y; f[2] = r.z; f[3] = r.w; }
-    __device__ static raw pack(const float *f) { return make_float4(f[0], f[1], f[2], f[3]); }
-};
-template <> struct vec16<bf16> {
-    enum { N = 8 };
-    typedef uint4 raw;
-    __device__ static void unpack(const raw &r, float *f)
-    {
-        const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-        for (int i = 0; i < 4; i++) {
-            f[2 * i] = __uint_as_float(w[i] << 16);
-            f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-        }
-    }
-    __device__ static raw pack(const float *f)
-    {
-        uint32_t w[4];
-        for (int i = 0; i < 4; i++) {
-            __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-            w[i] = *reinterpret_cast<uint32_t *>(&h);
-        }
-        return make_uint4(w[0], w[1], w[2], w[3]);
-    }
-};
 
 /* (m, s) ⊕ (m2, s2): the pair of the union, rescaled to the larger max */
 __device__ __forceinline__ void lse_merge(float &m, float &s, float m2, float s2)
@@ -65,17 +36,15 @@ ce_fwd_kernel(float *losses, float *lse, const T *logits, const int32_t *targets
     const T *z = logits + (size_t)n * V;
     float m = -INFINITY, s = 0.0f;
     if (vec) {
-        typedef vec16<T> VT;
-        const typename VT::raw *zv = reinterpret_cast<const typename VT::raw *>(z);
-        for (int i = threadIdx.x; i < V / VT::N; i += CE_BLOCK) {
-            float f[VT::N];
-            VT::unpack(__ldcs(zv + i), f); /* streamed: the backward re-reads it much later */
+        for (int i = threadIdx.x; i < V / 8; i += CE_BLOCK) {
+            float f[8];
+            load8f(z + 8 * i, f);
             float vm = f[0];
 #pragma unroll
-            for (int j = 1; j < VT::N; j++) vm = fmaxf(vm, f[j]);
+            for (int j = 1; j < 8; j++) vm = fmaxf(vm, f[j]);
             if (vm > m) { s *= __expf(m - vm); m = vm; }
 #pragma unroll
-            for (int j = 0; j < VT::N; j++) s += __expf(f[j] - m);
+            for (int j = 0; j < 8; j++) s += __expf(f[j] - m);
         }
     } else {
         for (int i = threadIdx.x; i < V; i += CE_BLOCK) {
@@ -113,16 +82,13 @@ ce_bwd_kernel(T *dlogits, const T *logits, const float *lse, const int32_t *targ
     const T *z = logits + (size_t)n * V;
     T *dz = dlogits + (size_t)n * V;
     if (vec) {
-        typedef vec16<T> VT;
-        const typename VT::raw *zv = reinterpret_cast<const typename VT::raw *>(z);
-        typename VT::raw *dv = reinterpret_cast<typename VT::raw *>(dz);
-        for (int i = threadIdx.x; i < V / VT::N; i += CE_BLOCK) {
-            float f[VT::N];
-            VT::unpack(__ldcs(zv + i), f);
+        for (int i = threadIdx.x; i < V / 8; i += CE_BLOCK) {
+            float f[8];
+            load8f(z + 8 * i, f);
 #pragma unroll
-            for (int j = 0; j < VT::N; j++)
-                f[j] = sc * (__expf(f[j] - l) - (i * VT::N + j == tgt ? 1.0f : 0.0f));
-            __stcs(dv + i, VT::pack(f));
+            for (int j = 0; j < 8; j++)
+                f[j] = sc * (__expf(f[j] - l) - (8 * i + j == tgt ? 1.0f : 0.0f));
+            store8f(dz + 8 * i, f);
         }
     } else {
         for (int i = threadIdx.x; i < V; i += CE_BLOCK)
@@ -130,11 +96,8 @@ ce_bwd_kernel(T *dlogits, const T *logits, const float *lse, const int32_t *targ
     }
 }
 
-/* whole 16-byte vectors per row, from 16-byte-aligned rows */
-template <typename T> static bool ce_vectorised(const void *p, int V)
-{
-    return V % vec16<T>::N == 0 && ((uintptr_t)p & 15) == 0;
-}
+/* whole 8-element chunks per row (cuda_common.cuh's load8f/store8f), from 16-byte-aligned rows */
+static bool ce_vectorised(const void *p, int V) { return V % 8 == 0 && aligned16(p); }
 
 template <typename T>
 void cu_cross_entropy_forward(float *losses, float *lse, const void *logits, const int32_t *targets,
@@ -143,7 +106,7 @@ void cu_cross_entropy_forward(float *losses, float *lse, const void *logits, con
     MT_CHECK(N >= 0 && V > 0, "cross_entropy: bad shape N=%d V=%d", N, V);
     if (N == 0) return;
     ce_fwd_kernel<T><<<N, CE_BLOCK, 0, g_cuda.stream>>>(losses, lse, (const T *)logits, targets, V,
-                                                       ce_vectorised<T>(logits, V));
+                                                       ce_vectorised(logits, V));
     CUDA_LAUNCH_CHECK("cross_entropy forward");
 }
 
@@ -153,7 +116,7 @@ void cu_cross_entropy_backward(void *dlogits, const void *logits, const float *l
 {
     MT_CHECK(N >= 0 && V > 0, "cross_entropy backward: bad shape N=%d V=%d", N, V);
     if (N == 0) return;
-    const bool vec = ce_vectorised<T>(logits, V) && ce_vectorised<T>(dlogits, V);
+    const bool vec = ce_vectorised(logits, V) && ce_vectorised(dlogits, V);
     ce_bwd_kernel<T><<<N, CE_BLOCK, 0, g_cuda.stream>>>((T *)dlogits, (const T *)logits, lse,
                                                        targets, V, scale, vec);
     CUDA_LAUNCH_CHECK("cross_entropy backward");
