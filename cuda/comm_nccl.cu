@@ -1,6 +1,7 @@
 /* The comm table over NCCL (src/comm_nccl.h): collectives on device buffers, on the CUDA
  * backend's stream. Variable all-to-all is one NCCL group of point-to-point sends and receives
- * (the block to self is a device copy). Buffers that are all host memory go to the MPI twin of the
+ * (the block to self is a device copy); all_to_all_inbox uses the copy engines instead when every
+ * rank is on this host (comm_ipc.cuh), else the same NCCL group into a buffer of its own. Buffers that are all host memory go to the MPI twin of the
  * same communicator. NVLink multicast (NVLS) is never asked for: NCCL_NVLS_ENABLE is forced to 0
  * unless the environment already sets it. */
 #include "cuda_common.cuh"
@@ -11,11 +12,15 @@
 extern "C" {
 #include "comm.h"
 }
+#include "comm_ipc.cuh"
 #include "comm_nccl.h"
 
 struct nccl_impl {
     ncclComm_t nccl;
-    struct comm *host; /* MPI implementation of the same communicator, for host buffers */
+    struct comm *host;   /* MPI implementation of the same communicator, for host buffers */
+    struct ipc_a2a *ipc; /* copy-engine all_to_all_inbox when every rank is on this host */
+    void *inbox;         /* all_to_all_inbox's buffer otherwise (NCCL moves the data) */
+    size_t inbox_cap;
 };
 
 static struct nccl_impl *impl_of(struct comm *c) { return (struct nccl_impl *)c->impl; }
@@ -150,11 +155,41 @@ static void nccl_all_to_all(struct comm *c, void *recv, const void *send, size_t
     exchange(c, recv, NULL, send, NULL, n, t);
 }
 
+static const void *nccl_all_to_all_inbox(struct comm *c, const int64_t *recv_counts,
+                                         const void *send, const int64_t *send_counts,
+                                         enum comm_dtype t)
+{
+    struct nccl_impl *im = impl_of(c);
+    const size_t es = comm_dtype_size(t), n_out = total(send_counts, c->size);
+    const size_t n_in = total(recv_counts, c->size);
+    MT_CHECK(n_out == 0 || is_device(send), "all_to_all_inbox: the send buffer is not device memory");
+    if (im->ipc) {
+        size_t rb[c->size], sb[c->size];
+        for (int p = 0; p < c->size; p++) {
+            rb[p] = (size_t)recv_counts[p] * es;
+            sb[p] = (size_t)send_counts[p] * es;
+        }
+        return ipc_a2a_run(im->ipc, rb, send, sb);
+    }
+    if (n_in * es > im->inbox_cap) {
+        if (im->inbox) {
+            CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
+            CUDA_CHECK(cudaFree(im->inbox));
+        }
+        im->inbox_cap = n_in * es + n_in * es / 4;
+        CUDA_CHECK(cudaMalloc(&im->inbox, im->inbox_cap));
+    }
+    exchange(c, im->inbox, recv_counts, send, send_counts, 0, t);
+    return im->inbox;
+}
+
 static void nccl_destroy(struct comm *c)
 {
     struct nccl_impl *im = impl_of(c);
     if (!im) return;
+    ipc_a2a_free(im->ipc);
     CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
+    if (im->inbox) CUDA_CHECK(cudaFree(im->inbox));
     NCCL_CHECK(ncclCommFinalize(im->nccl));
     NCCL_CHECK(ncclCommDestroy(im->nccl));
     comm_free(im->host);
@@ -164,7 +199,7 @@ static void nccl_destroy(struct comm *c)
 
 static const struct comm_ops nccl_ops = {
     nccl_all_gather, nccl_reduce_scatter_sum, nccl_all_reduce_sum, nccl_all_to_all_v,
-    nccl_all_to_all, nccl_destroy,
+    nccl_all_to_all, nccl_all_to_all_inbox, nccl_destroy,
 };
 
 extern "C" struct comm *comm_nccl_create(MPI_Comm mpi)
@@ -183,6 +218,7 @@ extern "C" struct comm *comm_nccl_create(MPI_Comm mpi)
     CUDA_CHECK(cudaSetDevice(g_cuda.device));
     NCCL_CHECK(ncclCommInitRank(&im->nccl, c->size, id, c->rank));
     im->host = comm_mpi_create(mpi);
+    im->ipc = ipc_a2a_create(mpi);
     c->ops = &nccl_ops;
     c->impl = im;
     return c;

@@ -2,8 +2,8 @@
 # The MoE all-to-all micro-benchmark (tools/bench_alltoall) on N GPUs at two sizes -- one layer's
 # rows at top-8 (8192 tokens x 8 rows) and the token-once volume of EP=2 (about 2 rows a token) --
 # under NCCL's defaults and a few NCCL settings that change how point-to-point traffic moves over
-# NVLink, then the copy-engine experiment (tools/bench_alltoall_ce: CUDA IPC + cudaMemcpyAsync, no
-# NCCL) at the same sizes. Prints one line per run.
+# NVLink, then the other ways of moving the same bytes (tools/bench_alltoall_ce: registered NCCL buffers,
+# NCCL's copy-engine AlltoAll, CUDA IPC copies) at the same sizes. Prints one line per run.
 #   scripts/bench-a2a.sh [BUILD] [N]
 set -u
 BUILD=${1:-build}
@@ -17,10 +17,15 @@ settings=("" "NCCL_P2P_NVL_CHUNKSIZE=2097152" "NCCL_MIN_P2P_NCHANNELS=32 NCCL_MA
 for s in "${settings[@]}"; do
     for tokens in 8192 2048; do
         line=$(env $s mpirun --oversubscribe --bind-to none -np "$N" "$BUILD/tools/bench_alltoall" \
-               "$tokens" 20 2>&1 | tail -1)
+               "$tokens" 20 2>&1 | tail -2)
         echo "[${s:-NCCL defaults}] $line"
     done
 done
-for tokens in 8192 2048; do
-    timeout 120 mpirun --oversubscribe --bind-to none -np "$N" "$BUILD/tools/bench_alltoall_ce" "$tokens" 20 2>&1 | tail -1
+for mode in nccl nccl-reg nccl-regc nccl-ce ipc ipc4; do
+    for tokens in 8192 2048; do
+        out=$(NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=TUNING timeout 120 mpirun --oversubscribe --bind-to none \
+              -np "$N" "$BUILD/tools/bench_alltoall_ce" "$mode" "$tokens" 20 2>&1)
+        echo "$out" | grep -m1 -i "copy engine"
+        echo "$out" | grep -v "NCCL INFO" | tail -1
+    done
 done

@@ -34,6 +34,12 @@ struct comm_ops {
                          const int64_t *send_counts, enum comm_dtype t);
     /* fixed all-to-all of n elements per rank pair (host or device memory per the backend) */
     void (*all_to_all)(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t);
+    /* all_to_all_v into a buffer the comm owns: returns the received blocks (packed in rank order
+     * as recv would hold them), valid for ops queued before the next all_to_all_inbox on c, which
+     * may overwrite it. For data consumed once right after it lands (the MoE row exchanges): the
+     * NCCL comm lets peers on one host copy straight into that buffer (comm_ipc.cuh). */
+    const void *(*all_to_all_inbox)(struct comm *c, const int64_t *recv_counts, const void *send,
+                                    const int64_t *send_counts, enum comm_dtype t);
     /* optional (NULL for MPI): releases c->impl; comm_free calls it before freeing c */
     void (*destroy)(struct comm *c);
 };
@@ -57,5 +63,8 @@ void comm_all_reduce_sum(struct comm *c, void *buf, size_t n, enum comm_dtype t)
 void comm_all_to_all_v(struct comm *c, void *recv, const int64_t *recv_counts, const void *send,
                        const int64_t *send_counts, enum comm_dtype t);
 void comm_all_to_all(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t);
+/* (for a NULL comm the result is `send` itself) */
+const void *comm_all_to_all_inbox(struct comm *c, const int64_t *recv_counts, const void *send,
+                                  const int64_t *send_counts, enum comm_dtype t);
 
 #endif

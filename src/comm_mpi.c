@@ -87,12 +87,46 @@ static void mpi_all_to_all(struct comm *c, void *recv, const void *send, size_t 
                               mpi_type(t), c->mpi));
 }
 
+/* c->impl of an MPI comm: the all_to_all_inbox buffer, grown on demand */
+struct mpi_inbox {
+    void *buf;
+    size_t cap;
+};
+
+static const void *mpi_all_to_all_inbox(struct comm *c, const int64_t *recv_counts,
+                                        const void *send, const int64_t *send_counts,
+                                        enum comm_dtype t)
+{
+    struct mpi_inbox *in = c->impl;
+    if (!in) in = c->impl = mt_calloc(1, sizeof *in);
+    size_t n = 0;
+    for (int s = 0; s < c->size; s++) n += (size_t)recv_counts[s];
+    const size_t bytes = MT_MAX(n, 1) * comm_dtype_size(t);
+    if (bytes > in->cap) {
+        free(in->buf);
+        in->buf = mt_malloc(bytes);
+        in->cap = bytes;
+    }
+    mpi_all_to_all_v(c, in->buf, recv_counts, send, send_counts, t);
+    return in->buf;
+}
+
+static void mpi_destroy(struct comm *c)
+{
+    struct mpi_inbox *in = c->impl;
+    if (in) free(in->buf);
+    free(in);
+    c->impl = NULL;
+}
+
 static const struct comm_ops mpi_ops = {
     .all_gather = mpi_all_gather,
     .reduce_scatter_sum = mpi_reduce_scatter_sum,
     .all_reduce_sum = mpi_all_reduce_sum,
     .all_to_all_v = mpi_all_to_all_v,
     .all_to_all = mpi_all_to_all,
+    .all_to_all_inbox = mpi_all_to_all_inbox,
+    .destroy = mpi_destroy,
 };
 
 struct comm *comm_mpi_create(MPI_Comm mpi)
@@ -171,4 +205,13 @@ void comm_all_to_all(struct comm *c, void *recv, const void *send, size_t n, enu
         return;
     }
     TIMED(c->ops->all_to_all(c, recv, send, n, t));
+}
+
+const void *comm_all_to_all_inbox(struct comm *c, const int64_t *recv_counts, const void *send,
+                                  const int64_t *send_counts, enum comm_dtype t)
+{
+    if (single(c)) return send;
+    const void *r;
+    TIMED(r = c->ops->all_to_all_inbox(c, recv_counts, send, send_counts, t));
+    return r;
 }

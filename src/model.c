@@ -154,7 +154,6 @@ void model_init(struct model *m, const struct backend *be, const struct model_co
             m->d_x_send = xalloc(m, P * H);
             m->meta_idx_send = ialloc(m, P * m->K);
             m->meta_w_send = falloc(m, P * m->K);
-            m->d_w_back = falloc(m, P * m->K);
         }
         model_ensure_ones(m, T * m->K);
     }
@@ -223,8 +222,8 @@ void model_free(struct model *m)
     void *dev[] = {m->ids, m->targets, m->pos, m->h_final, m->hf, m->rstd_f, m->logits, m->losses,
                    m->lse_f,
                    m->d_h, m->d_t1, m->d_t2, m->d_t3, m->d_q, m->d_k, m->d_v, m->d_logits_r,
-                   m->d_topk_w, m->d_x_send, m->meta_idx_send, m->meta_w_send, m->d_w_back,
-                   m->d_w_recv, m->aux_dp, m->ones, m->d_gu, m->d_act, m->d_x_exp, m->d_y_exp,
+                   m->d_topk_w, m->d_x_send, m->meta_idx_send, m->meta_w_send, m->d_w_recv,
+                   m->aux_dp, m->ones, m->d_gu, m->d_act, m->d_x_exp, m->d_y_exp,
                    m->stats, m->bias};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(dev[i]);

@@ -108,7 +108,6 @@ struct model {
     void *d_x_send;             /* [T * min(k, ep), H] */
     int32_t *meta_idx_send;     /* [T * min(k, ep), k] */
     float *meta_w_send;         /* [T * min(k, ep), k] */
-    float *d_w_back;            /* [T * min(k, ep), k] */
     float *d_w_recv;            /* [d_cap_pairs, k] */
     int64_t d_cap_pairs;
     float *stats;               /* dev [L, 2, E]: per layer psum then count */

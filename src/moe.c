@@ -75,22 +75,38 @@ static void ensure_pairs(struct model *m, struct layer_acts *a, int64_t P)
 
 /* Moves rows of `width` elements of type t between EP ranks: `send` has counts_out[s] rows for
  * rank s, `recv` gets counts_in[s] rows from rank s. */
-static void exchange(struct model *m, void *recv, const int64_t *counts_in, const void *send,
-                     const int64_t *counts_out, int64_t width, enum comm_dtype t)
+static void scale_counts(const struct model *m, int64_t *in, int64_t *out, const int64_t *counts_in,
+                         const int64_t *counts_out, int64_t width)
 {
-    int64_t in[m->ep], out[m->ep];
     for (int s = 0; s < m->ep; s++) {
         in[s] = counts_in[s] * width;
         out[s] = counts_out[s] * width;
     }
+}
+
+static void exchange(struct model *m, void *recv, const int64_t *counts_in, const void *send,
+                     const int64_t *counts_out, int64_t width, enum comm_dtype t)
+{
+    int64_t in[m->ep], out[m->ep];
+    scale_counts(m, in, out, counts_in, counts_out, width);
     comm_all_to_all_v(m->ep_comm, recv, in, send, out, t);
 }
 
-/* Hidden-state rows ([*, H], compute dtype) */
-static void exchange_rows(struct model *m, void *recv, const int64_t *counts_in, const void *send,
-                          const int64_t *counts_out)
+/* The same into the EP comm's inbox (comm.h): the rows a kernel reads once, right after they
+ * land; returns them, valid until the next inbox exchange. */
+static const void *exchange_in(struct model *m, const int64_t *counts_in, const void *send,
+                               const int64_t *counts_out, int64_t width, enum comm_dtype t)
 {
-    exchange(m, recv, counts_in, send, counts_out, m->H, comm_dtype_of_x(m->be->x_size));
+    int64_t in[m->ep], out[m->ep];
+    scale_counts(m, in, out, counts_in, counts_out, width);
+    return comm_all_to_all_inbox(m->ep_comm, in, send, out, t);
+}
+
+/* Hidden-state rows ([*, H], compute dtype), into the inbox */
+static const void *exchange_rows(struct model *m, const int64_t *counts_in, const void *send,
+                                 const int64_t *counts_out)
+{
+    return exchange_in(m, counts_in, send, counts_out, m->H, comm_dtype_of_x(m->be->x_size));
 }
 
 /* Builds the dispatch plan of layer l from the router's top-k (see the file comment). */
@@ -150,8 +166,7 @@ static void dense_mlp_backward(struct model *m, struct layer_acts *a, int l)
 }
 
 /* Token side -> expert side: the layer's norm output rows in expert-major order (x_exp); with
- * ep > 1 one row per pair crosses (m->d_x_send, free during the forward) into y_exp, free until
- * the experts run. */
+ * ep > 1 one row per pair crosses (from m->d_x_send, free during the forward). */
 static void dispatch_rows(struct model *m, struct layer_acts *a)
 {
     const struct backend *be = m->be;
@@ -160,8 +175,7 @@ static void dispatch_rows(struct model *m, struct layer_acts *a)
     const void *src = a->m;
     if (m->ep > 1) {
         be->gather_rows(m->d_x_send, a->m, r->pair_tok, (int)r->P_send, H);
-        exchange_rows(m, a->y_exp, r->recv_counts, m->d_x_send, r->send_counts);
-        src = a->y_exp;
+        src = exchange_rows(m, r->recv_counts, m->d_x_send, r->send_counts);
     }
     be->gather_rows(a->x_exp, src, r->exp_src, (int)r->R_exp, H);
 }
@@ -178,8 +192,8 @@ static void combine_rows(struct model *m, struct layer_acts *a, void *out)
         return;
     }
     be->moe_combine_forward(m->d_x_exp, a->y_exp, r->exp_slot, r->meta_w, (int)r->P_recv, K, H);
-    exchange_rows(m, m->d_x_send, r->send_counts, m->d_x_exp, r->recv_counts);
-    be->moe_combine_forward(out, m->d_x_send, r->tok_pair, m->ones, T, K, H);
+    const void *pairs = exchange_rows(m, r->send_counts, m->d_x_exp, r->recv_counts);
+    be->moe_combine_forward(out, pairs, r->tok_pair, m->ones, T, K, H);
 }
 
 /* Backward of combine_rows: m->d_h (dL/d out) -> m->d_topk_w and m->d_y_exp (expert-major). */
@@ -194,11 +208,11 @@ static void combine_rows_backward(struct model *m, struct layer_acts *a)
         return;
     }
     be->gather_rows(m->d_x_send, m->d_h, r->pair_tok, (int)r->P_send, H);
-    exchange_rows(m, m->d_x_exp, r->recv_counts, m->d_x_send, r->send_counts);
-    be->moe_combine_backward(m->d_y_exp, m->d_w_recv, m->d_x_exp, a->y_exp, r->exp_slot, r->meta_w,
+    const void *d_pairs = exchange_rows(m, r->recv_counts, m->d_x_send, r->send_counts);
+    be->moe_combine_backward(m->d_y_exp, m->d_w_recv, d_pairs, a->y_exp, r->exp_slot, r->meta_w,
                              (int)r->P_recv, K, H);
-    exchange(m, m->d_w_back, r->send_counts, m->d_w_recv, r->recv_counts, K, COMM_F32);
-    be->gather_f32(m->d_topk_w, m->d_w_back, r->w_map, T * K);
+    const float *d_w = exchange_in(m, r->send_counts, m->d_w_recv, r->recv_counts, K, COMM_F32);
+    be->gather_f32(m->d_topk_w, d_w, r->w_map, T * K);
 }
 
 /* Backward of dispatch_rows: m->d_x_exp (expert-major) -> m->d_t1 = dL/d(norm output) through the
@@ -215,8 +229,8 @@ static void dispatch_rows_backward(struct model *m, struct layer_acts *a)
     }
     /* d_y_exp is free once the expert backward has run */
     be->moe_combine_forward(m->d_y_exp, m->d_x_exp, r->exp_slot, m->ones, (int)r->P_recv, K, H);
-    exchange_rows(m, m->d_x_send, r->send_counts, m->d_y_exp, r->recv_counts);
-    be->moe_combine_forward(m->d_t1, m->d_x_send, r->tok_pair, m->ones, T, K, H);
+    const void *d_pairs = exchange_rows(m, r->send_counts, m->d_y_exp, r->recv_counts);
+    be->moe_combine_forward(m->d_t1, d_pairs, r->tok_pair, m->ones, T, K, H);
 }
 
 static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out)

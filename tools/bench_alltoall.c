@@ -1,6 +1,8 @@
 /* Micro-benchmark of the MoE dispatch traffic: the variable all-to-all of token rows through the
- * comm layer (NCCL on GPUs, MPI on the CPU), at the size of one Qwen3-30B-A3B layer's dispatch:
- * T tokens x top-8 rows of hidden 2048 in bf16 per rank, spread evenly over the EP ranks.
+ * comm layer, at the size of one Qwen3-30B-A3B layer's dispatch: T tokens x top-8 rows of hidden
+ * 2048 in bf16 per rank, spread evenly over the EP ranks. Two lines: all_to_all_inbox, which the
+ * MoE layer uses (copy engines over CUDA IPC when the ranks share a host, else NCCL; MPI on the
+ * CPU), and all_to_all_v into a caller's buffer (NCCL point-to-point on GPUs).
  *
  *   mpirun -np 2 build/tools/bench_alltoall [tokens_per_rank [reps]]   (default 8192 tokens, 20)
  *
@@ -76,26 +78,43 @@ int main(int argc, char **argv)
     for (int s = 0; s < P; s++)
         for (int64_t i = 0; i < recv_counts[s]; i++)
             bad += host[o++] != (float)s + 0.25f * (float)(rank % 4);
-    MT_CHECK(bad == 0, "all-to-all delivered %lld wrong elements", (long long)bad);
+    MT_CHECK(bad == 0, "all_to_all_v delivered %lld wrong elements", (long long)bad);
+    for (int round = 0; round < 2; round++) { /* twice: the second reuses the window */
+        const void *in = comm_all_to_all_inbox(c, recv_counts, send, counts, dt);
+        be->zero(recv, (size_t)recv_total * es);
+        be->copy(recv, in, (size_t)recv_total * es);
+    }
+    back = be->alloc((size_t)recv_total * sizeof(float));
+    be->cast_x_to_f32(back, recv, (size_t)recv_total);
+    be->download(host, back, (size_t)recv_total * sizeof(float));
+    be->free(back);
+    o = 0;
+    for (int s = 0; s < P; s++)
+        for (int64_t i = 0; i < recv_counts[s]; i++)
+            bad += host[o++] != (float)s + 0.25f * (float)(rank % 4);
+    MT_CHECK(bad == 0, "all_to_all_inbox delivered %lld wrong elements", (long long)bad);
 
     double *ms = mt_malloc((size_t)reps * sizeof(double));
-    for (int it = 0; it < 3; it++) comm_all_to_all_v(c, recv, recv_counts, send, counts, dt);
-    for (int it = 0; it < reps; it++) {
-        be->sync();
-        MT_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
-        double t0 = mt_now();
-        comm_all_to_all_v(c, recv, recv_counts, send, counts, dt);
-        be->sync();
-        ms[it] = 1e3 * (mt_now() - t0);
+    const double cross = (double)(total - counts[rank]) * (double)es; /* bytes leaving this rank */
+    for (int inbox = 1; inbox >= 0; inbox--) {
+        for (int it = -3; it < reps; it++) {
+            be->sync();
+            MT_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
+            double t0 = mt_now();
+            if (inbox) (void)comm_all_to_all_inbox(c, recv_counts, send, counts, dt);
+            else comm_all_to_all_v(c, recv, recv_counts, send, counts, dt);
+            be->sync();
+            if (it >= 0) ms[it] = 1e3 * (mt_now() - t0);
+        }
+        qsort(ms, (size_t)reps, sizeof *ms, cmp_double);
+        const double med = ms[reps / 2];
+        if (rank == 0)
+            printf("%s over %d ranks (%s, %s): %lld tokens x top-%lld x %lld per rank, %.1f MB leave "
+                   "each rank; median %.3f ms -> %.1f GB/s per direction per rank\n",
+                   inbox ? "all_to_all_inbox (MoE path)" : "all_to_all_v", P, be->name,
+                   es == 2 ? "bf16" : "fp32", (long long)tokens, (long long)K, (long long)H,
+                   cross / 1e6, med, cross / (med * 1e-3) / 1e9);
     }
-    qsort(ms, (size_t)reps, sizeof *ms, cmp_double);
-    double med = ms[reps / 2];
-    double cross = (double)(total - counts[rank]) * (double)es; /* bytes leaving this rank */
-    if (rank == 0)
-        printf("all-to-all over %d ranks (%s, %s): %lld tokens x top-%lld x %lld per rank, %.1f MB leave "
-               "each rank; median %.3f ms -> %.1f GB/s per direction per rank\n",
-               P, be->name, es == 2 ? "bf16" : "fp32", (long long)tokens, (long long)K, (long long)H,
-               cross / 1e6, med, cross / (med * 1e-3) / 1e9);
     be->free(send);
     be->free(recv);
     free(host);

@@ -7,7 +7,9 @@
  * contributions in another order than MPI: for 2 ranks a + b is the same either way; for more the
  * rounding differs by a few ulp of the TERMS, which are N(0,1) here, so a sum that cancels to a
  * small value is compared on the scale of its terms, not of itself). Also checks that an NCCL comm handed HOST buffers gives the MPI
- * result. Prints "skipped: no GPU" and exits 0 without a GPU or without CUDA in the build. */
+ * result, and the all_to_all_inbox of the MoE row exchanges, through the copy-engine path and through
+ * NCCL (inbox_suite). Prints "skipped: no GPU" and exits 0 without a GPU or without CUDA in the
+ * build. */
 #include <mpi.h>
 #include <math.h>
 #include <stdio.h>
@@ -207,6 +209,60 @@ static void suite(const struct backend *g, struct comm *hc, struct comm *dc, con
     }
 }
 
+/* all_to_all_inbox: ROUNDS calls back to back with no host wait between them, each followed by a
+ * device copy of the inbox into its own result buffer, at sizes that grow and shrink (the window
+ * is regrown in the middle of the queue). A protocol that let a peer write the next round into a
+ * window still being read, or let the copy start before every block landed, shows up as wrong
+ * bytes. Every round is compared with MPI's all_to_all_v of the same data. */
+static void inbox_suite(const struct backend *g, struct comm *hc, struct comm *dc, const char *tag,
+                        int seed)
+{
+    enum { ROUNDS = 8 };
+    static const double scale[ROUNDS] = {1, 3, 0.5, 40, 2, 0.1, 60, 1};
+    const int P = hc->size, me = hc->rank;
+    char why[256];
+    mt_rng r;
+    mt_rng_seed(&r, (uint64_t)seed * 7919 + (uint64_t)me);
+    void *ref[ROUNDS], *out[ROUNDS], *dsend[ROUNDS];
+    int64_t *sc[ROUNDS], *rc[ROUNDS];
+    size_t rtot[ROUNDS];
+    enum comm_dtype type[ROUNDS];
+    for (int k = 0; k < ROUNDS; k++) {
+        const enum comm_dtype t = k % 2 ? COMM_F32 : COMM_BF16;
+        const size_t es = comm_dtype_size(t);
+        sc[k] = mt_calloc(P, sizeof(int64_t)), rc[k] = mt_calloc(P, sizeof(int64_t));
+        size_t stot = 0;
+        for (int p = 0; p < P; p++) {
+            sc[k][p] = (me + p + k) % 4 == 0 ? 0 : (int64_t)(scale[k] * (double)(mt_rng_next(&r) % 20000));
+            stot += (size_t)sc[k][p];
+        }
+        MT_CHECK_MPI(MPI_Alltoall(sc[k], 1, MPI_INT64_T, rc[k], 1, MPI_INT64_T, hc->mpi));
+        rtot[k] = 0;
+        for (int p = 0; p < P; p++) rtot[k] += (size_t)rc[k][p];
+        void *send = mt_malloc(stot * es + 1);
+        ref[k] = mt_malloc(rtot[k] * es + 1);
+        fill(&r, send, stot, t);
+        hc->ops->all_to_all_v(hc, ref[k], rc[k], send, sc[k], t);
+        dsend[k] = dev_from(g, send, stot * es);
+        out[k] = dev_out(g, rtot[k] * es);
+        type[k] = t;
+        free(send);
+    }
+    g->sync();
+    for (int k = 0; k < ROUNDS; k++) {
+        const void *in = dc->ops->all_to_all_inbox(dc, rc[k], dsend[k], sc[k], type[k]);
+        g->copy(out[k], in, rtot[k] * comm_dtype_size(type[k]));
+    }
+    for (int k = 0; k < ROUNDS; k++) {
+        void *got = host_of(g, out[k], rtot[k] * comm_dtype_size(type[k]));
+        char op[64];
+        snprintf(op, sizeof op, "all_to_all_inbox round %d", k);
+        report(tag, op, type[k], same(got, ref[k], rtot[k], type[k], false, why, sizeof why), why);
+        free(got), free(ref[k]), free(sc[k]), free(rc[k]);
+        g->free(out[k]), g->free(dsend[k]);
+    }
+}
+
 int main(int argc, char **argv)
 {
     MT_CHECK_MPI(MPI_Init(&argc, &argv));
@@ -240,6 +296,14 @@ int main(int argc, char **argv)
     MT_CHECK_MPI(MPI_Comm_split(MPI_COMM_WORLD, rank % 2, rank, &half));
     struct comm *hh = comm_mpi_create(half), *dh = comm_nccl_create(half);
     suite(g, hh, dh, "half", 2);
+    inbox_suite(g, hw, dw, "world", 3);
+    inbox_suite(g, hh, dh, "half", 4);
+    /* the same through NCCL (what a group spanning hosts uses) */
+    setenv("MT_COMM_IPC", "0", 1);
+    struct comm *dn = comm_nccl_create(MPI_COMM_WORLD);
+    unsetenv("MT_COMM_IPC");
+    inbox_suite(g, hw, dn, "world, NCCL", 5);
+    comm_free(dn);
 
     comm_free(dh), comm_free(hh), comm_free(dw), comm_free(hw);
     int fails = 0, checks = 0;

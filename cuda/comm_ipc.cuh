@@ -1,0 +1,37 @@
+/* All-to-all between the GPUs of one host by the copy engines (CUDA IPC), for comm_nccl's
+ * all_to_all_inbox. Each rank owns a receive window that every other rank has mapped; a sender
+ * writes its block for rank d straight into d's window with cudaMemcpyAsync on a side stream (no
+ * SMs: the transfer runs beside compute kernels, and between two H200s it moves 363 GB/s per
+ * direction where NCCL's point-to-point kernels reach 277; docs/benchmarks.md).
+ *
+ * Ordering across processes uses interprocess CUDA events and two host synchronisations per call:
+ *   1. each rank records `ready` on its compute stream (its send data exists; every op queued
+ *      before, including the reader of the previous call's window, is ahead of it) and the ranks
+ *      exchange where each sender's block goes (MPI_Allgather of offsets, also a barrier);
+ *   2. each copy stream waits for its own `ready` and the destination's, copies, and the rank
+ *      records `done` after all its copies; an MPI_Barrier guarantees every `done` is recorded;
+ *   3. the compute stream waits for every rank's `done`: all blocks for this rank have landed.
+ * A window grows (all ranks together, after draining every stream) when a call needs more than it
+ * holds; growth is rare (receive sizes settle in the first steps) and keeps 25% headroom. */
+#ifndef MT_COMM_IPC_CUH
+#define MT_COMM_IPC_CUH
+
+#include <mpi.h>
+#include <stddef.h>
+
+struct ipc_a2a;
+
+/* Collective over `mpi`. NULL (on every rank alike) when the group spans hosts, a pair of its
+ * GPUs cannot map each other's memory, or MT_COMM_IPC=0 is set on any rank. */
+struct ipc_a2a *ipc_a2a_create(MPI_Comm mpi);
+
+/* Collective. send has send_bytes[d] bytes for rank d, packed in rank order; returns this rank's
+ * window holding recv_bytes[s] bytes from each rank s, packed in rank order, valid for ops queued
+ * on the compute stream before the next call. Byte counts must agree pairwise (checked). */
+const void *ipc_a2a_run(struct ipc_a2a *x, const size_t *recv_bytes, const void *send,
+                        const size_t *send_bytes);
+
+/* Collective. */
+void ipc_a2a_free(struct ipc_a2a *x);
+
+#endif
