@@ -57,12 +57,14 @@ template <typename T> static struct backend make_table(double peak)
     b.rmsnorm_backward = cu_rmsnorm_backward<T>;
     b.matmul_forward = cu_matmul_forward<T>;
     b.matmul_backward = cu_matmul_backward<T>;
+    b.router_matmul_forward = cu_router_matmul_forward<T>;
+    b.router_matmul_backward = cu_router_matmul_backward<T>;
     b.rope_forward = cu_rope_forward<T>;
     b.rope_backward = cu_rope_backward<T>;
     b.attention_forward = cu_attention_tc_forward<T>;   /* bf16: tensor cores; fp32: attention.cu */
     b.attention_backward = cu_attention_tc_backward<T>;
-    b.router_forward = cu_router_forward<T>;
-    b.router_backward = cu_router_backward<T>;
+    b.router_forward = cu_router_forward;
+    b.router_backward = cu_router_backward;
     b.router_stats = cu_router_stats;
     b.moe_route_plan = cu_moe_route_plan;
     b.moe_pair_plan = cu_moe_pair_plan;

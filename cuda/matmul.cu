@@ -167,6 +167,73 @@ void cu_matmul_backward(void *din, float *dw, const void *dout, const void *in, 
                      CUDA_R_32F, 1.0f);
 }
 
+template <typename T>
+void cu_router_matmul_forward(float *logits, const void *in, const void *w, int N, int I, int O)
+{
+    cuda_gemm_lt(CUBLAS_OP_T, CUBLAS_OP_N, O, N, I, w, I, in, I, xtype<T>::cuda, logits, O,
+                 CUDA_R_32F, 0.0f);
+}
+
+/* dlogits split into three bf16 parts, hi + mid + lo == d exactly (8 + 8 + 8 significant bits
+ * cover fp32's 24; a part that underflows bf16's range is lost only below 2^-126), stored side by
+ * side: parts[t, p·O + o]. A bf16 GEMM over the parts with fp32 accumulation gives the fp32 GEMM's
+ * result (each bf16 x bf16 product is exact in fp32) at tensor-core speed. */
+__global__ void split3_kernel(bf16 *parts, const float *d, int O, size_t n)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const float v = d[i];
+        const bf16 hi = __float2bfloat16_rn(v);
+        const float r1 = v - __bfloat162float(hi);
+        const bf16 mid = __float2bfloat16_rn(r1);
+        const bf16 lo = __float2bfloat16_rn(r1 - __bfloat162float(mid));
+        const size_t t = i / (size_t)O, o = i % (size_t)O;
+        bf16 *row = parts + t * 3 * (size_t)O;
+        row[o] = hi;
+        row[O + o] = mid;
+        row[2 * (size_t)O + o] = lo;
+    }
+}
+
+/* bf16: din = dlogits W as ONE GEMM over K = 3·O ([hi | mid | lo] against W stacked three times),
+ * rounded to bf16 once (added to an existing din inside the GEMM's epilogue when accumulating);
+ * dw += dlogitsᵀ x as three accumulating GEMMs, smallest part first. Both are the fp32 products
+ * up to accumulation order. */
+template <typename T>
+void cu_router_matmul_backward(void *din, float *dw, const float *dlogits, const void *in,
+                               const void *w, int N, int I, int O, bool accumulate)
+{
+    if constexpr (sizeof(T) == 4) {
+        cu_matmul_backward<T>(din, dw, dlogits, in, w, N, I, O, accumulate);
+    } else {
+        MT_CHECK(N >= 0 && I >= 0 && O >= 0, "router matmul backward: negative size N=%d I=%d O=%d",
+                 N, I, O);
+        if (N == 0) return;
+        const size_t no = (size_t)N * O, oi = (size_t)O * I;
+        bf16 *parts = (bf16 *)cuda_scratch(SCRATCH_ROUTER_PARTS, 3 * no * sizeof(bf16));
+        const int blocks = (int)MT_MIN((no + 255) / 256, (size_t)4 * g_cuda.num_sms);
+        split3_kernel<<<blocks, 256, 0, g_cuda.stream>>>(parts, dlogits, O, no);
+        CUDA_LAUNCH_CHECK("router dlogits split");
+        if (dw)
+            for (int p = 2; p >= 0; p--)
+                cuda_gemm_lt(CUBLAS_OP_N, CUBLAS_OP_T, I, O, N, in, I, parts + (size_t)p * O, 3 * O,
+                             CUDA_R_16BF, dw, I, CUDA_R_32F, 1.0f);
+        if (din) {
+            bf16 *w3 = (bf16 *)cuda_scratch(SCRATCH_ROUTER_W3, 3 * oi * sizeof(bf16));
+            for (int p = 0; p < 3; p++)
+                CUDA_CHECK(cudaMemcpyAsync(w3 + (size_t)p * oi, w, oi * sizeof(bf16),
+                                           cudaMemcpyDeviceToDevice, g_cuda.stream));
+            cuda_gemm_lt(CUBLAS_OP_N, CUBLAS_OP_N, I, N, 3 * O, w3, I, parts, 3 * O, CUDA_R_16BF,
+                         din, I, CUDA_R_16BF, accumulate ? 1.0f : 0.0f);
+        }
+    }
+}
+
+template void cu_router_matmul_forward<float>(float *, const void *, const void *, int, int, int);
+template void cu_router_matmul_forward<bf16>(float *, const void *, const void *, int, int, int);
+template void cu_router_matmul_backward<float>(void *, float *, const float *, const void *,
+                                               const void *, int, int, int, bool);
+template void cu_router_matmul_backward<bf16>(void *, float *, const float *, const void *,
+                                              const void *, int, int, int, bool);
 template void cu_matmul_forward<float>(void *, const void *, const void *, int, int, int);
 template void cu_matmul_forward<bf16>(void *, const void *, const void *, int, int, int);
 template void cu_matmul_backward<float>(void *, float *, const void *, const void *, const void *,

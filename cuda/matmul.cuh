@@ -26,4 +26,11 @@ template <typename T>
 void cu_matmul_backward(void *din, float *dw, const void *dout, const void *in, const void *w,
                         int N, int I, int O, bool accumulate);
 
+/* fp32 logits from compute-dtype operands, and the backward in fp32 GEMMs (ops.h) */
+template <typename T>
+void cu_router_matmul_forward(float *logits, const void *in, const void *w, int N, int I, int O);
+template <typename T>
+void cu_router_matmul_backward(void *din, float *dw, const float *dlogits, const void *in,
+                               const void *w, int N, int I, int O, bool accumulate);
+
 #endif

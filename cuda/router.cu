@@ -14,9 +14,8 @@ __device__ __forceinline__ bool ranks_before(float s2, int e2, float s1, int e1)
     return e2 >= 0 && (e1 < 0 || s2 > s1 || (s2 == s1 && e2 < e1));
 }
 
-template <typename T>
 __global__ void __launch_bounds__(RT_BLOCK)
-router_fwd_kernel(int32_t *topk_idx, float *topk_w, float *probs, const T *logits,
+router_fwd_kernel(int32_t *topk_idx, float *topk_w, float *probs, const float *logits,
                   const float *bias, int E, int k, bool norm_topk)
 {
     extern __shared__ float sp[];          /* p[E] */
@@ -28,14 +27,14 @@ router_fwd_kernel(int32_t *topk_idx, float *topk_w, float *probs, const T *logit
     __shared__ float warp_s[32];
     __shared__ int warp_e[32];
     const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
-    const T *z = logits + (size_t)t * E;
+    const float *z = logits + (size_t)t * E;
 
     float mx = -INFINITY;
-    for (int e = tid; e < E; e += blockDim.x) mx = fmaxf(mx, to_f(z[e]));
+    for (int e = tid; e < E; e += blockDim.x) mx = fmaxf(mx, z[e]);
     mx = block_max(mx, shf);
     double sum = 0.0;
     for (int e = tid; e < E; e += blockDim.x) {
-        const float pe = expf(to_f(z[e]) - mx);
+        const float pe = expf(z[e] - mx);
         sp[e] = pe;
         sum += pe;
     }
@@ -87,9 +86,8 @@ router_fwd_kernel(int32_t *topk_idx, float *topk_w, float *probs, const T *logit
     }
 }
 
-template <typename T>
 __global__ void __launch_bounds__(RT_BLOCK)
-router_bwd_kernel(T *dlogits, const float *dtopk_w, const float *probs, const int32_t *topk_idx,
+router_bwd_kernel(float *dlogits, const float *dtopk_w, const float *probs, const int32_t *topk_idx,
                   const float *aux_dp, int E, int k, bool norm_topk)
 {
     extern __shared__ float dp[]; /* [E] */
@@ -119,8 +117,8 @@ router_bwd_kernel(T *dlogits, const float *dtopk_w, const float *probs, const in
     for (int e = tid; e < E; e += blockDim.x) pdp += (double)p[e] * dp[e];
     pdp = block_sum(pdp, shd);
     const float c = (float)pdp;
-    T *dz = dlogits + (size_t)t * E;
-    for (int e = tid; e < E; e += blockDim.x) dz[e] = from_f<T>(p[e] * (dp[e] - c));
+    float *dz = dlogits + (size_t)t * E;
+    for (int e = tid; e < E; e += blockDim.x) dz[e] = p[e] * (dp[e] - c);
 }
 
 /* partial[chunk, e] = Σ over the chunk's rows of probs[t, e]; block (32 experts × 8 rows) */
@@ -163,29 +161,26 @@ static void check_router(const char *what, int T_, int E, int k)
              what, T_, k, E);
 }
 
-template <typename T>
-void cu_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const void *logits,
+void cu_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const float *logits,
                        const float *bias, int T_, int E, int k, bool norm_topk)
 {
     check_router("router", T_, E, k);
     if (T_ == 0) return;
     const size_t smem = (size_t)E * sizeof(float) + (size_t)k * 8 + (size_t)E;
     MT_CHECK(smem <= 48 * 1024, "router: %d experts do not fit the kernel's shared memory", E);
-    router_fwd_kernel<T><<<T_, RT_BLOCK, smem, g_cuda.stream>>>(topk_idx, topk_w, probs,
-                                                                 (const T *)logits, bias, E, k,
-                                                                 norm_topk);
+    router_fwd_kernel<<<T_, RT_BLOCK, smem, g_cuda.stream>>>(topk_idx, topk_w, probs, logits,
+                                                                     bias, E, k, norm_topk);
     CUDA_LAUNCH_CHECK("router forward");
 }
 
-template <typename T>
-void cu_router_backward(void *dlogits, const float *dtopk_w, const float *probs,
+void cu_router_backward(float *dlogits, const float *dtopk_w, const float *probs,
                         const int32_t *topk_idx, const float *aux_dp, int T_, int E, int k,
                         bool norm_topk)
 {
     check_router("router backward", T_, E, k);
     if (T_ == 0) return;
-    router_bwd_kernel<T><<<T_, RT_BLOCK, (size_t)E * sizeof(float), g_cuda.stream>>>(
-        (T *)dlogits, dtopk_w, probs, topk_idx, aux_dp, E, k, norm_topk);
+    router_bwd_kernel<<<T_, RT_BLOCK, (size_t)E * sizeof(float), g_cuda.stream>>>(
+        dlogits, dtopk_w, probs, topk_idx, aux_dp, E, k, norm_topk);
     CUDA_LAUNCH_CHECK("router backward");
 }
 
@@ -205,12 +200,3 @@ void cu_router_stats(float *psum, float *count, const float *probs, const int32_
                                                                        (size_t)T_ * k, E);
     CUDA_LAUNCH_CHECK("router_stats count");
 }
-
-template void cu_router_forward<float>(int32_t *, float *, float *, const void *, const float *, int,
-                                       int, int, bool);
-template void cu_router_forward<bf16>(int32_t *, float *, float *, const void *, const float *, int,
-                                      int, int, bool);
-template void cu_router_backward<float>(void *, const float *, const float *, const int32_t *,
-                                        const float *, int, int, int, bool);
-template void cu_router_backward<bf16>(void *, const float *, const float *, const int32_t *,
-                                       const float *, int, int, int, bool);

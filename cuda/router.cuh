@@ -5,11 +5,11 @@
 
 #include "cuda_common.cuh"
 
-template <typename T>
-void cu_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const void *logits,
+/* logits and dlogits are fp32 in every precision (the router GEMM writes fp32, or its compute-dtype
+ * output is widened first: src/moe.c) */
+void cu_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const float *logits,
                        const float *bias, int T_, int E, int k, bool norm_topk);
-template <typename T>
-void cu_router_backward(void *dlogits, const float *dtopk_w, const float *probs,
+void cu_router_backward(float *dlogits, const float *dtopk_w, const float *probs,
                         const int32_t *topk_idx, const float *aux_dp, int T_, int E, int k,
                         bool norm_topk);
 void cu_router_stats(float *psum, float *count, const float *probs, const int32_t *topk_idx, int T_,

@@ -45,7 +45,7 @@ static void alloc_layer(struct model *m, struct layer_acts *a, bool moe, bool de
     a->rstd_m = falloc(m, T);
     if (moe) {
         const int64_t E = m->E, K = m->K;
-        a->logits = xalloc(m, T * E);
+        a->logits = falloc(m, T * E);
         a->probs = falloc(m, T * E);
         a->topk_idx = ialloc(m, T * K);
         a->topk_w = falloc(m, T * K);
@@ -77,6 +77,7 @@ void model_init(struct model *m, const struct backend *be, const struct model_co
     memset(m, 0, sizeof *m);
     m->be = be;
     m->cfg = *cfg;
+    m->router_f32 = cfg->router_fp32 || be->x_size == 4;
     tensor_table_build(&m->tt, cfg);
     m->H = cfg->hidden_size;
     m->V = cfg->vocab_size;

@@ -50,7 +50,7 @@ struct layer_acts {
     void *m;         /* [T, H]   post_attention_layernorm output */
     float *rstd_m;   /* [T] */
     /* MoE */
-    void *logits;    /* [T, E]   router logits */
+    float *logits;   /* [T, E]   router logits (fp32), dlogits in the backward */
     float *probs;    /* [T, E]   router softmax (fp32) */
     int32_t *topk_idx; /* [T, k] */
     float *topk_w;   /* [T, k] */
@@ -90,6 +90,7 @@ struct model {
                                  * `shared` holds the rest */
     struct layer_acts shared;   /* recompute: one layer's activations, reused by every layer */
     bool recompute;             /* activation checkpointing */
+    bool router_f32;            /* router GEMM writes fp32 logits (router_fp32 or an fp32 backend) */
     bool recomputing;           /* inside a backward's recompute: router statistics are not added */
     void *h_final;              /* [T, H] residual after the last layer */
     void *hf;                   /* [T, H] final norm output */
@@ -101,7 +102,7 @@ struct model {
     void *d_h;                  /* [T, H] gradient of the residual stream */
     void *d_t1, *d_t2, *d_t3;   /* [T, max(H, Hq*D)] */
     void *d_q, *d_k, *d_v;      /* q/k/v-shaped */
-    void *d_logits_r;           /* [T, E] */
+    void *d_logits_r;           /* [T, E] router logits / dlogits in the compute dtype (!router_f32) */
     float *d_topk_w;            /* [T, k] */
     void *d_x_exp, *d_gu, *d_act, *d_y_exp; /* [d_cap_rows, H or 2I or I] expert-side */
     /* ep > 1: sender-side pair rows (forward and backward), metadata and weight-gradient staging */

@@ -238,7 +238,12 @@ static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out)
     const struct backend *be = m->be;
     const int T = m->T, H = m->H, E = m->E, K = m->K, I = m->I, nl = m->n_local_experts;
     struct moe_route *r = &a->route;
-    be->matmul_forward(a->logits, a->m, W(m, TR_ROUTER, l), T, H, E);
+    if (m->router_f32) {
+        be->router_matmul_forward(a->logits, a->m, W(m, TR_ROUTER, l), T, H, E);
+    } else { /* transformers' bf16 router: the logits are rounded to bf16, softmax upcasts them */
+        be->matmul_forward(m->d_logits_r, a->m, W(m, TR_ROUTER, l), T, H, E);
+        be->cast_x_to_f32(a->logits, m->d_logits_r, (size_t)T * E);
+    }
     be->router_forward(a->topk_idx, a->topk_w, a->probs, a->logits,
                        m->bias ? m->bias + (size_t)l * E : NULL, T, E, K, m->cfg.norm_topk_prob);
     float *st = m->stats + (size_t)l * 2 * E;
@@ -264,11 +269,17 @@ static void moe_backward(struct model *m, struct layer_acts *a, int l)
     be->expert_matmul_backward(m->d_x_exp, G(m, TR_EXP_GATE_UP, l), m->d_gu, a->x_exp,
                                W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
     dispatch_rows_backward(m, a);
-    be->router_backward(m->d_logits_r, m->d_topk_w, a->probs, a->topk_idx,
+    /* dlogits overwrite the layer's logits (the forward's last reader was router_forward) */
+    be->router_backward(a->logits, m->d_topk_w, a->probs, a->topk_idx,
                         m->aux_active ? m->aux_dp : NULL, T, E, K, m->cfg.norm_topk_prob);
     int ri = tensor_lookup(&m->tt, TR_ROUTER, l);
     float *dwg = m->tt.t[ri].frozen ? NULL : model_grad(m, ri);
-    be->matmul_backward(m->d_t1, dwg, m->d_logits_r, a->m, model_weight(m, ri), T, H, E, true);
+    if (m->router_f32) {
+        be->router_matmul_backward(m->d_t1, dwg, a->logits, a->m, model_weight(m, ri), T, H, E, true);
+    } else {
+        be->cast_f32_to_x(m->d_logits_r, a->logits, (size_t)T * E);
+        be->matmul_backward(m->d_t1, dwg, m->d_logits_r, a->m, model_weight(m, ri), T, H, E, true);
+    }
 }
 
 void mlp_forward(struct model *m, int l, void *out)

@@ -65,6 +65,16 @@ struct backend {
                             const void *in /*[N,I]*/, const void *w /*[O,I]*/, int N, int I, int O,
                             bool accumulate);
 
+    /* The router GEMM with fp32 logits (model.router_fp32): logits = x Wᵀ from compute-dtype
+     * operands, accumulated and written in fp32; backward from fp32 dlogits with fp32 products:
+     * din += (or =) dlogits W, rounded to the compute dtype once (with the existing din when
+     * accumulating), dw += dlogitsᵀ x. In an fp32 backend these are matmul_forward/_backward. */
+    void (*router_matmul_forward)(float *logits /*[N,O]*/, const void *in /*[N,I]*/,
+                                  const void *w /*[O,I]*/, int N, int I, int O);
+    void (*router_matmul_backward)(void *din /*[N,I]*/, float *dw /*[O,I]*/,
+                                   const float *dlogits /*[N,O]*/, const void *in /*[N,I]*/,
+                                   const void *w /*[O,I]*/, int N, int I, int O, bool accumulate);
+
     /* NeoX rotate-half RoPE on [T, nh, D] rows with positions pos[T]; inv_freq[i] = theta^(-2i/D)
      * in fp32. Out-of-place (out may equal in). */
     void (*rope_forward)(void *out, const void *in, const int32_t *pos /*[T]*/, int T, int nh, int D,
@@ -84,12 +94,12 @@ struct backend {
      * changes the selection only), sorted by descending score, ties to the lower expert id;
      * topk_w = probs of the chosen experts, renormalised to sum 1 if norm_topk. */
     void (*router_forward)(int32_t *topk_idx /*[T,k]*/, float *topk_w /*[T,k]*/,
-                           float *probs /*[T,E]*/, const void *logits /*[T,E]*/,
+                           float *probs /*[T,E]*/, const float *logits /*[T,E]*/,
                            const float *bias /*[E] or NULL*/, int T, int E, int k, bool norm_topk);
     /* dlogits = softmax backward of (dp_route + aux_dp), where dp_route comes from dtopk_w through
      * the renormalisation and the top-k scatter, and aux_dp[e] (NULL = none) is added to every
      * row's dp[e] (the aux loss gradient is the same for every row of a pooled batch). */
-    void (*router_backward)(void *dlogits /*[T,E]*/, const float *dtopk_w /*[T,k]*/,
+    void (*router_backward)(float *dlogits /*[T,E]*/, const float *dtopk_w /*[T,k]*/,
                             const float *probs /*[T,E]*/, const int32_t *topk_idx /*[T,k]*/,
                             const float *aux_dp /*[E] or NULL*/, int T, int E, int k,
                             bool norm_topk);

@@ -88,6 +88,11 @@ W(matmul_forward, PROF_DENSE_GEMM, O, (void *o, const void *i, const void *w, in
 W(matmul_backward, PROF_DENSE_GEMM, O,
   (void *di, float *dw, const void *d, const void *i, const void *w, int N, int I, int O, bool acc_),
   (di, dw, d, i, w, N, I, O, acc_))
+W(router_matmul_forward, PROF_DENSE_GEMM, O,
+  (float *o, const void *i, const void *w, int N, int I, int O), (o, i, w, N, I, O))
+W(router_matmul_backward, PROF_DENSE_GEMM, O,
+  (void *di, float *dw, const float *d, const void *i, const void *w, int N, int I, int O, bool acc_),
+  (di, dw, d, i, w, N, I, O, acc_))
 W(rope_forward, PROF_OTHER, nh,
   (void *o, const void *i, const int32_t *pos, int T, int nh, int D, float th),
   (o, i, pos, T, nh, D, th))
@@ -103,10 +108,10 @@ W(attention_backward, PROF_ATTN, S,
    const void *o, const float *lse, int B, int S, int Hq, int Hkv, int D),
   (dq, dk, dv, d, q, k, v, o, lse, B, S, Hq, Hkv, D))
 W(router_forward, PROF_MOE_ROWS, E,
-  (int32_t *ti, float *tw, float *p, const void *l, const float *b, int T, int E, int k, bool n),
+  (int32_t *ti, float *tw, float *p, const float *l, const float *b, int T, int E, int k, bool n),
   (ti, tw, p, l, b, T, E, k, n))
 W(router_backward, PROF_MOE_ROWS, E,
-  (void *dl, const float *dtw, const float *p, const int32_t *ti, const float *a, int T, int E,
+  (float *dl, const float *dtw, const float *p, const int32_t *ti, const float *a, int T, int E,
    int k, bool n),
   (dl, dtw, p, ti, a, T, E, k, n))
 W(router_stats, PROF_MOE_ROWS, E,
@@ -168,7 +173,7 @@ const struct backend *profile_wrap(const struct backend *be)
     SET(zero); SET(copy); SET(upload); SET(download); SET(cast_f32_to_x); SET(cast_x_to_f32);
     SET(add_inplace); SET(scale_f32); SET(sumsq_f32); SET(embedding_forward);
     SET(embedding_backward); SET(rmsnorm_forward); SET(rmsnorm_backward); SET(matmul_forward);
-    SET(matmul_backward); SET(rope_forward); SET(rope_backward); SET(attention_forward);
+    SET(matmul_backward); SET(router_matmul_forward); SET(router_matmul_backward); SET(rope_forward); SET(rope_backward); SET(attention_forward);
     SET(attention_backward); SET(router_forward); SET(router_backward); SET(router_stats);
     SET(moe_route_plan); SET(moe_pair_plan); SET(gather_f32); SET(gather_rows); SET(gather_rows_backward); SET(moe_combine_forward);
     SET(moe_combine_backward); SET(expert_matmul_forward); SET(expert_matmul_backward);

@@ -228,9 +228,6 @@ int cmd_train(const struct cli *a)
     if (!data) mt_user_error("%s", err);
     const struct backend *be = backend_select(c.parallel.backend, c.model.precision, mesh.local_rank);
     if (c.log.profile) be = profile_wrap(be);
-    if (c.model.router_fp32 && be->x_size == 2)
-        mt_warn0("model.router_fp32 is not implemented yet: the router logits are bf16 (softmax and "
-                 "top-k run in fp32)\n");
 
     /* host scalars (losses, router statistics, norms) always travel over MPI; tensors in the
      * backend's memory over the backend's comm (NCCL for cuda) */

@@ -39,6 +39,17 @@ static void b_matmul_backward(void *din, float *dw, const void *dout, const void
     cpu_matmul_backward(din, dw, dout, in, w, N, I, O, accumulate);
 }
 
+/* fp32 compute: the router GEMM is the plain one */
+static void b_router_matmul_forward(float *logits, const void *in, const void *w, int N, int I, int O)
+{
+    cpu_matmul_forward(logits, in, w, N, I, O);
+}
+static void b_router_matmul_backward(void *din, float *dw, const float *dlogits, const void *in,
+                                     const void *w, int N, int I, int O, bool accumulate)
+{
+    cpu_matmul_backward(din, dw, dlogits, in, w, N, I, O, accumulate);
+}
+
 static void b_rope_forward(void *out, const void *in, const int32_t *pos, int T, int nh, int D,
                            float theta)
 {
@@ -62,12 +73,12 @@ static void b_attention_backward(void *dq, void *dk, void *dv, const void *dout,
     cpu_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D);
 }
 
-static void b_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const void *logits,
+static void b_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const float *logits,
                              const float *bias, int T, int E, int k, bool norm_topk)
 {
     cpu_router_forward(topk_idx, topk_w, probs, logits, bias, T, E, k, norm_topk);
 }
-static void b_router_backward(void *dlogits, const float *dtopk_w, const float *probs,
+static void b_router_backward(float *dlogits, const float *dtopk_w, const float *probs,
                               const int32_t *topk_idx, const float *aux_dp, int T, int E, int k,
                               bool norm_topk)
 {
@@ -154,6 +165,8 @@ static const struct backend cpu_backend = {
     .rmsnorm_backward = b_rmsnorm_backward,
     .matmul_forward = b_matmul_forward,
     .matmul_backward = b_matmul_backward,
+    .router_matmul_forward = b_router_matmul_forward,
+    .router_matmul_backward = b_router_matmul_backward,
     .rope_forward = b_rope_forward,
     .rope_backward = b_rope_backward,
     .attention_forward = b_attention_forward,

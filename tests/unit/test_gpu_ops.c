@@ -565,6 +565,57 @@ Test(gpu, matmul)
     }
 }
 
+/* The router GEMM with fp32 logits: compute-dtype operands (the CPU reference sees the same
+ * rounded values), fp32 accumulation and output, fp32 products in the backward from fp32 dlogits
+ * (bf16: the dlogits split in three exact bf16 parts). Only din is rounded to the compute dtype,
+ * once, so logits and dw match the fp32 CPU to fp32 accumulation-order error in both modes. */
+static void router_matmul_case(const struct mode *M, mt_rng *rng, int N, int I, int O)
+{
+    char what[96];
+    const size_t ni = (size_t)N * I, no = (size_t)N * O, oi = (size_t)O * I;
+    float *in = hrand(rng, ni, 1.0), *w = hrand(rng, oi, 0.05), *dl = hrand(rng, no, 1.0);
+    void *d_in = dx_from(M, in, ni), *d_w = dx_from(M, w, oi);
+    float *d_dl = df_from(M, dl, no);
+
+    float *d_out = df_poisoned(M, no);
+    M->g->router_matmul_forward(d_out, d_in, d_w, N, I, O);
+    float *out = hf_of(M, d_out, no), *ref = fnew(no);
+    M->c->matmul_forward(ref, in, w, N, I, O);
+    snprintf(what, sizeof what, "router matmul forward %dx%dx%d (fp32 logits)", N, I, O);
+    check_close(M, what, out, ref, no, TOL_F32);
+
+    for (int acc = 0; acc < 2; acc++) {
+        float *din0 = hrand(rng, ni, 1.0), *dw0 = hrand(rng, oi, 1.0);
+        void *d_din = acc ? dx_from(M, din0, ni) : dx_poisoned(M, ni);
+        float *d_dw = df_from(M, dw0, oi);
+        M->g->router_matmul_backward(d_din, d_dw, d_dl, d_in, d_w, N, I, O, acc);
+        float *din = hx_of(M, d_din, ni), *dw = hf_of(M, d_dw, oi);
+        float *din_ref = hdup(din0, ni), *dw_ref = hdup(dw0, oi);
+        M->c->matmul_backward(din_ref, dw_ref, dl, in, w, N, I, O, acc);
+        snprintf(what, sizeof what, "router matmul backward din %dx%dx%d%s", N, I, O, acc ? " (acc)" : "");
+        check_close(M, what, din, din_ref, ni, M->tol);
+        float *add = diff(dw, dw0, oi), *add_ref = diff(dw_ref, dw0, oi);
+        snprintf(what, sizeof what, "router matmul backward dw %dx%dx%d (added)", N, I, O);
+        check_close(M, what, add, add_ref, oi, TOL_F32_LONG); /* N-long fp32 sums on the CPU */
+        M->g->free(d_din), M->g->free(d_dw);
+        free(din0), free(dw0), free(din), free(dw), free(din_ref), free(dw_ref), free(add), free(add_ref);
+    }
+    M->g->free(d_in), M->g->free(d_w), M->g->free(d_dl), M->g->free(d_out);
+    free(in), free(w), free(dl), free(out), free(ref);
+}
+
+Test(gpu, router_matmul)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 112);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        router_matmul_case(&M, &rng, 512, 256, 64);
+        router_matmul_case(&M, &rng, 300, 72, 8);
+    }
+}
+
 /* ---------------------------------------------------------------- rope */
 
 Test(gpu, rope)
@@ -1008,7 +1059,7 @@ static void router_case(const struct mode *M, mt_rng *rng, int T, int E, int K, 
     for (int e = 0; e < E; e++) logits[e] = 0.25f;
     for (int e = 0; e < E; e++) logits[E + e] = (float)(e / 2) * 0.125f;
     float *bias = with_bias ? hrand(rng, E, 0.01) : NULL;
-    void *d_logits = dx_from(M, logits, te);
+    float *d_logits = df_from(M, logits, te); /* fp32 in both modes (ops.h) */
     float *d_bias = with_bias ? df_from(M, bias, E) : NULL;
 
     int32_t *d_idx = M->g->alloc(tk * sizeof(int32_t));
@@ -1032,12 +1083,12 @@ static void router_case(const struct mode *M, mt_rng *rng, int T, int E, int K, 
     float *d_dtw = df_from(M, dtw, tk), *d_aux = with_aux ? df_from(M, aux, E) : NULL;
     float *d_probs_ref = df_from(M, probs_ref, te);
     int32_t *d_idx_ref = di_from(M, idx_ref, tk);
-    void *d_dlogits = dx_poisoned(M, te);
+    float *d_dlogits = df_poisoned(M, te);
     M->g->router_backward(d_dlogits, d_dtw, d_probs_ref, d_idx_ref, d_aux, T, E, K, norm);
-    float *dl = hx_of(M, d_dlogits, te), *dl_ref = fnew(te);
+    float *dl = hf_of(M, d_dlogits, te), *dl_ref = fnew(te);
     M->c->router_backward(dl_ref, dtw, probs_ref, idx_ref, aux, T, E, K, norm);
     snprintf(what, sizeof what, "router backward dlogits %s", tag);
-    check_close(M, what, dl, dl_ref, te, M->tol);
+    check_close(M, what, dl, dl_ref, te, TOL_F32);
 
     /* statistics accumulate onto starting values (counts start at whole numbers) */
     float *psum0 = hrand(rng, E, 1.0), *cnt0 = fnew(E);
