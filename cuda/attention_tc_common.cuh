@@ -7,6 +7,7 @@
 #define MT_CUDA_ATTENTION_TC_COMMON_CUH
 
 #include "cuda_common.cuh"
+#include "wgmma.cuh" /* smem_u32 */
 
 /* What the backward passes take (scratch from the prep kernel: delta, lse·log2 e). */
 struct attn_bwd_args {
@@ -31,11 +32,6 @@ constexpr int BWD_BR = 16 * TC_WARPS;          /* 64 query rows per dQ block, 64
 constexpr float LOG2E = 1.4426950408889634f;
 
 /* ---------------------------------------------------------------- PTX wrappers */
-
-__device__ __forceinline__ uint32_t smem_u32(const void *p)
-{
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
 
 /* 16 bytes global -> shared, bypassing L1; with valid false the 16 bytes are zero-filled and
  * nothing is read. */
@@ -114,9 +110,10 @@ __device__ __forceinline__ void c_to_a(uint32_t a[4], const float lo[4], const f
 
 /* ---------------------------------------------------------------- tile loads
  * Rows row0 .. row0+R-1 of one head (base = element (b, 0, h, 0), rows `stride` elements apart)
- * into dst[R][D+8]; rows at or past S are zero-filled. Issued by all NT threads, not committed. */
-template <int R, int D, int NT>
-__device__ __forceinline__ void load_rows(bf16 *dst, const bf16 *base, size_t stride, int row0, int S)
+ * into shared memory, 16-byte chunk c of row r at the address at(r, c); rows at or past S are
+ * zero-filled. Issued by all NT threads, not committed. */
+template <int R, int D, int NT, class At>
+__device__ __forceinline__ void load_rows_at(At at, const bf16 *base, size_t stride, int row0, int S)
 {
     constexpr int CPR = D / 8; /* 16-byte chunks per row */
     static_assert((R * CPR) % NT == 0, "tile chunks must divide among the threads");
@@ -127,8 +124,16 @@ __device__ __forceinline__ void load_rows(bf16 *dst, const bf16 *base, size_t st
         const int row = row0 + r;
         const bool ok = row < S;
         const bf16 *src = base + (size_t)(ok ? row : 0) * stride + c * 8;
-        cp_async16(smem_u32(dst + r * (D + 8) + c * 8), src, ok);
+        cp_async16(at(r, c), src, ok);
     }
+}
+
+/* into dst[R][D+8] (rows padded by 16 bytes against bank conflicts) */
+template <int R, int D, int NT>
+__device__ __forceinline__ void load_rows(bf16 *dst, const bf16 *base, size_t stride, int row0, int S)
+{
+    load_rows_at<R, D, NT>([dst](int r, int c) { return smem_u32(dst + r * (D + 8) + c * 8); }, base,
+                           stride, row0, S);
 }
 
 /* n fp32 values src[row0 ..] into dst[0 .. n), zeros past S */

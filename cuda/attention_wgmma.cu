@@ -30,20 +30,6 @@ namespace {
  * on, since the buffer is refilled only at tile i+3 -- the wait for Sᵀ of tile i+1 retires them.
  * NWG warpgroups per block share the streamed Q/dO (dK/dV) or K/V (dQ) tiles. */
 
-__device__ __forceinline__ void fence_proxy_async()
-{
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit()
-{
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N> __device__ __forceinline__ void wgmma_wait()
-{
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
 /* keeps the compiler from moving reads of an accumulator above the wait for its MMA */
 template <int N> __device__ __forceinline__ void fence_regs(float (&x)[N])
 {
@@ -51,12 +37,8 @@ template <int N> __device__ __forceinline__ void fence_regs(float (&x)[N])
     for (int i = 0; i < N; i++) asm volatile("" : "+f"(x[i])::"memory");
 }
 
-/* wgmma shared-memory descriptor: 128-byte swizzle, 8-row groups 1024 B apart, LBO as given */
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo)
-{
-    return (uint64_t)((addr & 0x3ffffu) >> 4) | ((uint64_t)(lbo >> 4) << 16) |
-           ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
-}
+/* 128-byte-swizzled tiles here keep their 8-row groups 1024 B apart (the stride byte offset) */
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo) { return smem_desc(addr, lbo, 1024); }
 
 /* k step kk (columns 16kk ..) of the K-major operand rows r0 .. of a tile of R rows */
 template <int R> __device__ __forceinline__ uint64_t desc_kmajor(uint32_t tile, int r0, int kk)
@@ -141,21 +123,16 @@ template <int N> __device__ __forceinline__ void undef_regs(float (&x)[N])
     for (int i = 0; i < N; i++) asm volatile("" : "=f"(x[i]));
 }
 
-/* Rows row0 .. row0+R-1 of one head (as load_rows) into the swizzled layout at dst */
+/* Rows row0 .. row0+R-1 of one head (as load_rows) into the 128-byte-swizzled layout at dst:
+ * 64-column slabs of R rows, chunk c of row r at chunk (c ^ r) mod 8 of its 128-byte line */
 template <int R, int D, int NT>
 __device__ __forceinline__ void load_rows_sw(uint32_t dst, const bf16 *base, size_t stride, int row0, int S)
 {
-    constexpr int CPR = D / 8;
-    static_assert((R * CPR) % NT == 0, "tile chunks must divide among the threads");
-#pragma unroll
-    for (int it = 0; it < R * CPR / NT; it++) {
-        const int i = it * NT + (int)threadIdx.x;
-        const int r = i / CPR, c = i - r * CPR;
-        const int row = row0 + r;
-        const bool ok = row < S;
-        const bf16 *src = base + (size_t)(ok ? row : 0) * stride + c * 8;
-        cp_async16(dst + (uint32_t)(c >> 3) * (R * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4), src, ok);
-    }
+    load_rows_at<R, D, NT>(
+        [dst](int r, int c) {
+            return dst + (uint32_t)(c >> 3) * (R * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+        },
+        base, stride, row0, S);
 }
 
 /* the C tile c[32] (64 rows × 64 columns over the warpgroup) as the A operands of a product

@@ -28,6 +28,7 @@
 #include "grouped_gemm.cuh"
 
 #include "cuda_common.cuh"
+#include "wgmma.cuh"
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -56,12 +57,7 @@ struct gg_params {
     int tile_start[MAX_EXPERTS + 1]; /* prefix sums of tiles per expert */
 };
 
-/* ---------------------------------------------------------------- PTX wrappers */
-
-__device__ __forceinline__ uint32_t smem_u32(const void *p)
-{
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
+/* ---------------------------------------------------------------- PTX wrappers (and wgmma.cuh) */
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count)
 {
@@ -127,25 +123,6 @@ __device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap *map, int
                  : "memory");
 }
 
-/* wgmma shared-memory descriptor, 128-byte swizzle (layout type 1 in bits 62-63) */
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo)
-{
-    return (uint64_t)((addr & 0x3ffffu) >> 4) | ((uint64_t)(lbo >> 4) << 16) |
-           ((uint64_t)(sbo >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence()
-{
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit()
-{
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-template <int N> __device__ __forceinline__ void wgmma_wait()
-{
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
 
 /* keeps the compiler from moving accumulator reads across the asynchronous MMA's completion */
 __device__ __forceinline__ void fence_operand(float &x) { asm volatile("" : "+f"(x)::"memory"); }
@@ -332,7 +309,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                     const uint32_t a = sa + box * BOX_BYTES + valid * 128 + c * 16;
                     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(a), "r"(0) : "memory");
                 }
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* for wgmma's reads */
+                fence_proxy_async(); /* for wgmma's reads */
                 asm volatile("bar.sync 1, 256;" ::: "memory");
             }
             const uint32_t a0 = sa + w * (A_BYTES / 2); /* rows 64w.. (K-major) or box w (MN-major) */
