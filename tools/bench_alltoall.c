@@ -15,16 +15,25 @@
 #include <string.h>
 
 #include "comm.h"
+#include "bench_util.h"
 #include "common.h"
 #include "ops.h"
 #ifdef MT_HAVE_NCCL
 #include "comm_nccl.h"
 #endif
 
-static int cmp_double(const void *a, const void *b)
+/* elements of recv (P blocks of n, the compute dtype) that do not carry their sender's tag */
+static int64_t wrong_elements(const struct backend *be, float *host, const void *recv, int P,
+                              int64_t n, int rank)
 {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
+    float *back = be->alloc((size_t)(P * n) * sizeof(float));
+    be->cast_x_to_f32(back, recv, (size_t)(P * n));
+    be->download(host, back, (size_t)(P * n) * sizeof(float));
+    be->free(back);
+    int64_t bad = 0;
+    for (int s = 0; s < P; s++)
+        for (int64_t i = 0; i < n; i++) bad += host[s * n + i] != (float)s + 0.25f * (float)(rank % 4);
+    return bad;
 }
 
 int main(int argc, char **argv)
@@ -33,6 +42,7 @@ int main(int argc, char **argv)
     int rank = mt_rank(), P = mt_world();
     const int64_t tokens = argc > 1 ? atoll(argv[1]) : 8192;
     const int reps = argc > 2 ? atoi(argv[2]) : 20;
+    if (tokens <= 0 || reps <= 0) mt_user_error("usage: bench_alltoall [tokens_per_rank > 0 [reps > 0]]");
     const int64_t H = 2048, K = 8, rows = tokens * K;
     MPI_Comm node;
     int local = 0;
@@ -69,29 +79,14 @@ int main(int argc, char **argv)
     be->free(tmp);
 
     comm_all_to_all_v(c, recv, recv_counts, send, counts, dt);
-    float *back = be->alloc((size_t)recv_total * sizeof(float));
-    be->cast_x_to_f32(back, recv, (size_t)recv_total);
-    be->download(host, back, (size_t)recv_total * sizeof(float));
-    be->free(back);
-    int64_t bad = 0;
-    o = 0;
-    for (int s = 0; s < P; s++)
-        for (int64_t i = 0; i < recv_counts[s]; i++)
-            bad += host[o++] != (float)s + 0.25f * (float)(rank % 4);
+    int64_t bad = wrong_elements(be, host, recv, P, counts[rank], rank);
     MT_CHECK(bad == 0, "all_to_all_v delivered %lld wrong elements", (long long)bad);
     for (int round = 0; round < 2; round++) { /* twice: the second reuses the window */
         const void *in = comm_all_to_all_inbox(c, recv_counts, send, counts, dt);
         be->zero(recv, (size_t)recv_total * es);
         be->copy(recv, in, (size_t)recv_total * es);
     }
-    back = be->alloc((size_t)recv_total * sizeof(float));
-    be->cast_x_to_f32(back, recv, (size_t)recv_total);
-    be->download(host, back, (size_t)recv_total * sizeof(float));
-    be->free(back);
-    o = 0;
-    for (int s = 0; s < P; s++)
-        for (int64_t i = 0; i < recv_counts[s]; i++)
-            bad += host[o++] != (float)s + 0.25f * (float)(rank % 4);
+    bad = wrong_elements(be, host, recv, P, counts[rank], rank);
     MT_CHECK(bad == 0, "all_to_all_inbox delivered %lld wrong elements", (long long)bad);
 
     double *ms = mt_malloc((size_t)reps * sizeof(double));
@@ -106,7 +101,7 @@ int main(int argc, char **argv)
             be->sync();
             if (it >= 0) ms[it] = 1e3 * (mt_now() - t0);
         }
-        qsort(ms, (size_t)reps, sizeof *ms, cmp_double);
+        bench_sort_doubles(ms, reps);
         const double med = ms[reps / 2];
         if (rank == 0)
             printf("%s over %d ranks (%s, %s): %lld tokens x top-%lld x %lld per rank, %.1f MB leave "

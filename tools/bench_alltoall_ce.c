@@ -24,17 +24,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench_util.h"
 #include "common.h"
 
 #if defined(MT_HAVE_CUDA) && defined(MT_HAVE_NCCL)
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#define CE_CHECK(call)                                                                         \
-    do {                                                                                       \
-        cudaError_t e_ = (call);                                                               \
-        if (e_ != cudaSuccess) mt_fatal("%s: %s", #call, cudaGetErrorString(e_));              \
-    } while (0)
 #define NC_CHECK(call)                                                                         \
     do {                                                                                       \
         ncclResult_t r_ = (call);                                                              \
@@ -57,12 +53,6 @@ struct bench {
     cudaEvent_t start, done[64 * MAX_PIECES];
 };
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 static void nccl_setup(struct bench *b, bool cta_zero)
 {
     ncclUniqueId id;
@@ -81,22 +71,22 @@ static void buffers(struct bench *b, bool nccl_mem)
         NC_CHECK(ncclMemAlloc((void **)&b->send, n));
         NC_CHECK(ncclMemAlloc((void **)&b->recv, n));
     } else {
-        CE_CHECK(cudaMalloc((void **)&b->send, n));
-        CE_CHECK(cudaMalloc((void **)&b->recv, n));
+        CUDA_CALL(cudaMalloc((void **)&b->send, n));
+        CUDA_CALL(cudaMalloc((void **)&b->recv, n));
     }
-    CE_CHECK(cudaMemset(b->send, b->rank + 1, n)); /* every byte names the sender */
-    CE_CHECK(cudaMemset(b->recv, 0, n));
+    CUDA_CALL(cudaMemset(b->send, b->rank + 1, n)); /* every byte names the sender */
+    CUDA_CALL(cudaMemset(b->recv, 0, n));
 }
 
 static void ipc_setup(struct bench *b)
 {
     cudaIpcMemHandle_t mine, *all = mt_malloc((size_t)b->P * sizeof *all);
-    CE_CHECK(cudaIpcGetMemHandle(&mine, b->recv));
+    CUDA_CALL(cudaIpcGetMemHandle(&mine, b->recv));
     MT_CHECK_MPI(MPI_Allgather(&mine, sizeof mine, MPI_BYTE, all, sizeof mine, MPI_BYTE, MPI_COMM_WORLD));
     b->peer = mt_calloc((size_t)b->P, sizeof *b->peer);
     for (int d = 0; d < b->P; d++) {
         if (d == b->rank) b->peer[d] = b->recv;
-        else CE_CHECK(cudaIpcOpenMemHandle((void **)&b->peer[d], all[d], cudaIpcMemLazyEnablePeerAccess));
+        else CUDA_CALL(cudaIpcOpenMemHandle((void **)&b->peer[d], all[d], cudaIpcMemLazyEnablePeerAccess));
     }
     free(all);
 }
@@ -119,7 +109,7 @@ static void step(struct bench *b)
         return;
     }
     /* IPC: every rank's receive buffer must be free before anyone writes into it */
-    CE_CHECK(cudaStreamSynchronize(b->main));
+    CUDA_CALL(cudaStreamSynchronize(b->main));
     MT_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
     const size_t piece = blk / (size_t)b->pieces;
     for (int i = 0; i < b->P; i++) {
@@ -127,11 +117,11 @@ static void step(struct bench *b)
         for (int k = 0; k < b->pieces; k++) {
             const int s = d * b->pieces + k;
             const size_t off = (size_t)k * piece, len = k == b->pieces - 1 ? blk - off : piece;
-            CE_CHECK(cudaMemcpyAsync(b->peer[d] + (size_t)b->rank * blk + off, b->send + (size_t)d * blk + off,
+            CUDA_CALL(cudaMemcpyAsync(b->peer[d] + (size_t)b->rank * blk + off, b->send + (size_t)d * blk + off,
                                      len, cudaMemcpyDeviceToDevice, b->side[s]));
         }
     }
-    for (int s = 0; s < b->P * b->pieces; s++) CE_CHECK(cudaStreamSynchronize(b->side[s]));
+    for (int s = 0; s < b->P * b->pieces; s++) CUDA_CALL(cudaStreamSynchronize(b->side[s]));
     MT_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD)); /* every write into every buffer is done */
 }
 
@@ -146,10 +136,10 @@ static void run(struct bench *b, int64_t tokens, int reps)
         if (b->rank == 0) printf("bench_alltoall_ce %s: skipped: no GPU\n", b->mode);
         return;
     }
-    CE_CHECK(cudaSetDevice(local % n_dev));
+    CUDA_CALL(cudaSetDevice(local % n_dev));
     MT_CHECK(b->P <= 64, "at most 64 ranks");
     b->block = (size_t)(tokens * 8 / b->P) * 2048 * 2 / 4096 * 4096; /* window alignment */
-    CE_CHECK(cudaStreamCreateWithFlags(&b->main, cudaStreamNonBlocking));
+    CUDA_CALL(cudaStreamCreateWithFlags(&b->main, cudaStreamNonBlocking));
 
     const char *m = b->mode;
     if (!strcmp(m, "nccl")) {
@@ -170,30 +160,30 @@ static void run(struct bench *b, int64_t tokens, int reps)
         buffers(b, false);
         ipc_setup(b);
         for (int s = 0; s < b->P * b->pieces; s++)
-            CE_CHECK(cudaStreamCreateWithFlags(&b->side[s], cudaStreamNonBlocking));
+            CUDA_CALL(cudaStreamCreateWithFlags(&b->side[s], cudaStreamNonBlocking));
     } else {
         mt_user_error("bench_alltoall_ce: unknown mode '%s' (nccl, nccl-reg, nccl-regc, nccl-ce, ipc, ipc4)", m);
     }
 
     double *ms = mt_malloc((size_t)reps * sizeof *ms);
     for (int it = -3; it < reps; it++) {
-        CE_CHECK(cudaStreamSynchronize(b->main));
+        CUDA_CALL(cudaStreamSynchronize(b->main));
         MT_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
         const double t0 = mt_now();
         step(b);
-        CE_CHECK(cudaStreamSynchronize(b->main));
+        CUDA_CALL(cudaStreamSynchronize(b->main));
         if (it >= 0) ms[it] = 1e3 * (mt_now() - t0);
     }
 
     const size_t n = b->block * (size_t)b->P;
     uint8_t *host = mt_malloc(n);
-    CE_CHECK(cudaMemcpy(host, b->recv, n, cudaMemcpyDeviceToHost));
+    CUDA_CALL(cudaMemcpy(host, b->recv, n, cudaMemcpyDeviceToHost));
     int64_t bad = 0;
     for (int s = 0; s < b->P; s++)
         for (size_t i = 0; i < b->block; i++) bad += host[(size_t)s * b->block + i] != (uint8_t)(s + 1);
     MT_CHECK(bad == 0, "%s all-to-all delivered %lld wrong bytes", m, (long long)bad);
 
-    qsort(ms, (size_t)reps, sizeof *ms, cmp_double);
+    bench_sort_doubles(ms, reps);
     const double med = ms[reps / 2], cross = (double)b->block * (b->P - 1);
     if (b->rank == 0)
         printf("[%s] all-to-all over %d ranks: %lld tokens x top-8 x 2048 bf16 per rank, %.1f MB leave "
@@ -206,14 +196,14 @@ static void run(struct bench *b, int64_t tokens, int reps)
     if (b->reg_recv) NC_CHECK(ncclCommDeregister(b->nccl, b->reg_recv));
     if (b->peer)
         for (int d = 0; d < b->P; d++)
-            if (d != b->rank) CE_CHECK(cudaIpcCloseMemHandle(b->peer[d]));
+            if (d != b->rank) CUDA_CALL(cudaIpcCloseMemHandle(b->peer[d]));
     if (b->nccl) NC_CHECK(ncclCommDestroy(b->nccl));
     if (b->nccl_mem) {
         NC_CHECK(ncclMemFree(b->send));
         NC_CHECK(ncclMemFree(b->recv));
     } else {
-        CE_CHECK(cudaFree(b->send));
-        CE_CHECK(cudaFree(b->recv));
+        CUDA_CALL(cudaFree(b->send));
+        CUDA_CALL(cudaFree(b->recv));
     }
     free(b->peer), free(ms), free(host);
 }

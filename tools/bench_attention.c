@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench_util.h"
 #include "common.h"
 #include "ops.h"
 
@@ -27,12 +28,6 @@
 #include <cuda_runtime.h>
 
 #include "../cuda/attention_tc.cuh"
-
-#define CK(call)                                                                                   \
-    do {                                                                                           \
-        cudaError_t ce_ = (call);                                                                  \
-        if (ce_ != cudaSuccess) mt_fatal("%s: %s", #call, cudaGetErrorString(ce_));               \
-    } while (0)
 
 static int B = 2, S = 4096, Hq = 32, Hkv = 4, D = 128;
 static cudaStream_t stream;
@@ -68,9 +63,9 @@ static void *dev_random(size_t n, uint64_t *state)
     }
     *state = x;
     void *d;
-    CK(cudaMalloc(&d, n * 2));
-    CK(cudaMemcpy(d, h, n * 2, cudaMemcpyHostToDevice));
-    CK(cudaDeviceSynchronize());
+    CUDA_CALL(cudaMalloc(&d, n * 2));
+    CUDA_CALL(cudaMemcpy(d, h, n * 2, cudaMemcpyHostToDevice));
+    CUDA_CALL(cudaDeviceSynchronize());
     free(h);
     return d;
 }
@@ -79,14 +74,14 @@ static void *dev_random(size_t n, uint64_t *state)
  * cudaMemset / cudaMemcpy on the legacy stream are not ordered with it) */
 static void poison(void *d, size_t bytes)
 {
-    CK(cudaMemsetAsync(d, 0xff, bytes, stream));
-    CK(cudaStreamSynchronize(stream));
+    CUDA_CALL(cudaMemsetAsync(d, 0xff, bytes, stream));
+    CUDA_CALL(cudaStreamSynchronize(stream));
 }
 
 static void *dev_alloc(size_t bytes)
 {
     void *d;
-    CK(cudaMalloc(&d, bytes));
+    CUDA_CALL(cudaMalloc(&d, bytes));
     poison(d, bytes);
     return d;
 }
@@ -94,8 +89,8 @@ static void *dev_alloc(size_t bytes)
 static float *host_bf16(const void *d, size_t n)
 {
     uint16_t *h = mt_malloc(n * sizeof *h);
-    CK(cudaStreamSynchronize(stream));
-    CK(cudaMemcpy(h, d, n * 2, cudaMemcpyDeviceToHost));
+    CUDA_CALL(cudaStreamSynchronize(stream));
+    CUDA_CALL(cudaMemcpy(h, d, n * 2, cudaMemcpyDeviceToHost));
     float *f = mt_malloc(n * sizeof *f);
     for (size_t i = 0; i < n; i++) f[i] = from_bf16(h[i]);
     free(h);
@@ -119,20 +114,14 @@ static uint64_t grads_hash(void)
     const size_t n[3] = {(size_t)B * S * Hq * D * 2, (size_t)B * S * Hkv * D * 2, (size_t)B * S * Hkv * D * 2};
     void *const bufs[3] = {dq, dk, dv};
     uint64_t h = 0xcbf29ce484222325ull;
-    CK(cudaStreamSynchronize(stream));
+    CUDA_CALL(cudaStreamSynchronize(stream));
     for (int i = 0; i < 3; i++) {
         unsigned char *b = mt_malloc(n[i]);
-        CK(cudaMemcpy(b, bufs[i], n[i], cudaMemcpyDeviceToHost));
+        CUDA_CALL(cudaMemcpy(b, bufs[i], n[i], cudaMemcpyDeviceToHost));
         for (size_t j = 0; j < n[i]; j++) h = (h ^ b[j]) * 0x100000001b3ull;
         free(b);
     }
     return h;
-}
-
-static int cmp_float(const void *a, const void *b)
-{
-    const float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
 }
 
 enum { OP_FWD_TC, OP_BWD_TC, OP_FWD_SIMT, OP_BWD_SIMT };
@@ -157,25 +146,25 @@ static void run_op(int op)
 static double time_op(int op, int warm, int reps)
 {
     for (int i = 0; i < warm; i++) run_op(op);
-    CK(cudaStreamSynchronize(stream));
+    CUDA_CALL(cudaStreamSynchronize(stream));
     cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
+    CUDA_CALL(cudaEventCreate(&e0));
+    CUDA_CALL(cudaEventCreate(&e1));
     float *ms = mt_malloc((size_t)reps * sizeof *ms);
     for (int i = 0; i < reps; i++) {
-        CK(cudaEventRecord(e0, stream));
+        CUDA_CALL(cudaEventRecord(e0, stream));
         run_op(op);
-        CK(cudaEventRecord(e1, stream));
-        CK(cudaEventSynchronize(e1));
-        CK(cudaEventElapsedTime(&ms[i], e0, e1));
+        CUDA_CALL(cudaEventRecord(e1, stream));
+        CUDA_CALL(cudaEventSynchronize(e1));
+        CUDA_CALL(cudaEventElapsedTime(&ms[i], e0, e1));
     }
-    CK(cudaGetLastError());
-    qsort(ms, (size_t)reps, sizeof *ms, cmp_float);
+    CUDA_CALL(cudaGetLastError());
+    bench_sort_floats(ms, reps);
     const double med = reps % 2 ? ms[reps / 2] : 0.5 * (ms[reps / 2 - 1] + ms[reps / 2]);
     const double lo = ms[0], hi = ms[reps - 1];
     free(ms);
-    CK(cudaEventDestroy(e0));
-    CK(cudaEventDestroy(e1));
+    CUDA_CALL(cudaEventDestroy(e0));
+    CUDA_CALL(cudaEventDestroy(e1));
     fprintf(stderr, "  op %d: median %.3f ms (min %.3f, max %.3f, %d reps)\n", op, med, lo, hi, reps);
     return med;
 }
@@ -187,16 +176,16 @@ static void compare(void)
     float *lse_h = mt_malloc(nl * sizeof *lse_h), *lse_o = mt_malloc(nl * sizeof *lse_o);
     run_op(OP_FWD_SIMT);
     float *o_old = host_bf16(out, nq);
-    CK(cudaStreamSynchronize(stream));
-    CK(cudaMemcpy(lse_o, lse, nl * 4, cudaMemcpyDeviceToHost));
+    CUDA_CALL(cudaStreamSynchronize(stream));
+    CUDA_CALL(cudaMemcpy(lse_o, lse, nl * 4, cudaMemcpyDeviceToHost));
     for (int var = 0; var < 3; var++) {
         attention_tc_set_variant(var);
         poison(out, nq * 2);
         poison(lse, nl * 4);
         run_op(OP_FWD_TC);
         float *o_new = host_bf16(out, nq);
-        CK(cudaStreamSynchronize(stream));
-        CK(cudaMemcpy(lse_h, lse, nl * 4, cudaMemcpyDeviceToHost));
+        CUDA_CALL(cudaStreamSynchronize(stream));
+        CUDA_CALL(cudaMemcpy(lse_h, lse, nl * 4, cudaMemcpyDeviceToHost));
         double le = 0.0;
         for (size_t i = 0; i < nl; i++) le = isfinite(lse_h[i]) ? fmax(le, fabs(lse_h[i] - lse_o[i])) : INFINITY;
         printf("check fwd variant %d: out rel err %.2e, lse max abs err %.2e\n", var,
@@ -280,12 +269,12 @@ int main(int argc, char **argv)
     lse = dev_alloc(nl * 4);
 
     struct cudaDeviceProp prop;
-    CK(cudaGetDeviceProperties(&prop, 0));
+    CUDA_CALL(cudaGetDeviceProperties(&prop, 0));
     if (reps == 0) {
         run_op(OP_FWD_TC);
         run_op(OP_BWD_TC);
-        CK(cudaStreamSynchronize(stream));
-        CK(cudaGetLastError());
+        CUDA_CALL(cudaStreamSynchronize(stream));
+        CUDA_CALL(cudaGetLastError());
         printf("bench_attention: one forward and backward done\n");
         return 0;
     }
@@ -326,7 +315,7 @@ int main(int argc, char **argv)
     printf("bwd default variant: dq/dk/dv hash %016llx\n", (unsigned long long)grads_hash());
 
     void *bufs[] = {q, k, v, dout, out, dq, dk, dv, lse};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) CK(cudaFree(bufs[i]));
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) CUDA_CALL(cudaFree(bufs[i]));
     return 0;
 }
 

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench_util.h"
 #include "common.h"
 #include "ops.h"
 
@@ -27,11 +28,6 @@
 
 #include "../cuda/grouped_gemm.cuh"
 
-#define CK(call)                                                                                   \
-    do {                                                                                           \
-        cudaError_t ce_ = (call);                                                                  \
-        if (ce_ != cudaSuccess) mt_fatal("%s: %s", #call, cudaGetErrorString(ce_));               \
-    } while (0)
 #define CB(call)                                                                                   \
     do {                                                                                           \
         cublasStatus_t cs_ = (call);                                                               \
@@ -69,10 +65,10 @@ static void make_sources(void)
         hb[i] = to_bf16(v);
         hf[i] = v;
     }
-    CK(cudaMalloc(&src_bf16, SRC_N * 2));
-    CK(cudaMalloc((void **)&src_f32, SRC_N * 4));
-    CK(cudaMemcpy(src_bf16, hb, SRC_N * 2, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(src_f32, hf, SRC_N * 4, cudaMemcpyHostToDevice));
+    CUDA_CALL(cudaMalloc(&src_bf16, SRC_N * 2));
+    CUDA_CALL(cudaMalloc((void **)&src_f32, SRC_N * 4));
+    CUDA_CALL(cudaMemcpy(src_bf16, hb, SRC_N * 2, cudaMemcpyHostToDevice));
+    CUDA_CALL(cudaMemcpy(src_f32, hf, SRC_N * 4, cudaMemcpyHostToDevice));
     free(hb);
     free(hf);
 }
@@ -80,11 +76,11 @@ static void make_sources(void)
 static void *dev_random(size_t n, size_t es)
 {
     void *d;
-    CK(cudaMalloc(&d, n * es));
+    CUDA_CALL(cudaMalloc(&d, n * es));
     const void *src = es == 2 ? src_bf16 : (const void *)src_f32;
     for (size_t i = 0; i < n; i += SRC_N) {
         const size_t k = n - i < SRC_N ? n - i : SRC_N;
-        CK(cudaMemcpy((char *)d + i * es, src, k * es, cudaMemcpyDeviceToDevice));
+        CUDA_CALL(cudaMemcpy((char *)d + i * es, src, k * es, cudaMemcpyDeviceToDevice));
     }
     return d;
 }
@@ -92,8 +88,8 @@ static void *dev_random(size_t n, size_t es)
 static void *dev_alloc(size_t bytes)
 {
     void *d;
-    CK(cudaMalloc(&d, bytes));
-    CK(cudaMemset(d, 0xff, bytes)); /* NaN: an element nobody writes fails the comparison */
+    CUDA_CALL(cudaMalloc(&d, bytes));
+    CUDA_CALL(cudaMemset(d, 0xff, bytes)); /* NaN: an element nobody writes fails the comparison */
     return d;
 }
 
@@ -164,8 +160,8 @@ static float bf16_to_f(uint16_t h)
 static double rel_err_bf16(const void *d_ours, const void *d_ref, size_t n)
 {
     uint16_t *a = mt_malloc(n * 2), *b = mt_malloc(n * 2);
-    CK(cudaMemcpy(a, d_ours, n * 2, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(b, d_ref, n * 2, cudaMemcpyDeviceToHost));
+    CUDA_CALL(cudaMemcpy(a, d_ours, n * 2, cudaMemcpyDeviceToHost));
+    CUDA_CALL(cudaMemcpy(b, d_ref, n * 2, cudaMemcpyDeviceToHost));
     double d = 0.0, r = 0.0;
     for (size_t i = 0; i < n; i++) {
         const double x = bf16_to_f(a[i]), y = bf16_to_f(b[i]);
@@ -201,27 +197,21 @@ static double rel_err_dw(float *ours, float *ref, const float *dw0, size_t n)
     return isfinite(dn) ? (double)dn / rn : INFINITY;
 }
 
-static int cmp_float(const void *a, const void *b)
-{
-    const float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
-
 /* median milliseconds of `reps` runs after WARM warm-ups */
 static float time_ms(const struct gemm *g, const int64_t *off, int which, int reps,
                      cudaEvent_t t0, cudaEvent_t t1)
 {
     float *ms = mt_malloc((size_t)reps * sizeof *ms);
     for (int r = -WARM; r < reps; r++) {
-        CK(cudaEventRecord(t0, stream));
+        CUDA_CALL(cudaEventRecord(t0, stream));
         if (which == 0) run_ours(g, off, g->out[0]);
         else run_cublas(g, off, g->out[1]);
-        CK(cudaEventRecord(t1, stream));
-        CK(cudaEventSynchronize(t1));
-        if (r >= 0) CK(cudaEventElapsedTime(&ms[r], t0, t1));
+        CUDA_CALL(cudaEventRecord(t1, stream));
+        CUDA_CALL(cudaEventSynchronize(t1));
+        if (r >= 0) CUDA_CALL(cudaEventElapsedTime(&ms[r], t0, t1));
     }
-    CK(cudaGetLastError());
-    qsort(ms, (size_t)reps, sizeof *ms, cmp_float);
+    CUDA_CALL(cudaGetLastError());
+    bench_sort_floats(ms, reps);
     const float m = ms[reps / 2];
     free(ms);
     return m;
@@ -242,8 +232,8 @@ static void bench(const char *dist, const int *rows, struct gemm *g, int ng, con
     printf("%-16s %-11s %9s %8s %9s %8s %7s %9s\n", "gemm", "I -> O", "ours ms", "TFLOPS",
            "cuBLAS ms", "TFLOPS", "speedup", "rel err");
     cudaEvent_t t0, t1;
-    CK(cudaEventCreate(&t0));
-    CK(cudaEventCreate(&t1));
+    CUDA_CALL(cudaEventCreate(&t0));
+    CUDA_CALL(cudaEventCreate(&t1));
     double tot[2][2] = {{0}}, flop_tot[2] = {0}; /* [fwd, bwd][ours, cublas] */
     for (int i = 0; i < ng; i++) {
         const size_t n = out_elems(&g[i]);
@@ -252,21 +242,21 @@ static void bench(const char *dist, const int *rows, struct gemm *g, int ng, con
         double err;
         if (g[i].kind == WGRAD) {
             const float *d0 = g[i].O == 2 * F ? dw0[0] : dw0[1];
-            CK(cudaMemcpyAsync(g[i].out[0], d0, n * 4, cudaMemcpyDeviceToDevice, stream));
-            CK(cudaMemcpyAsync(g[i].out[1], d0, n * 4, cudaMemcpyDeviceToDevice, stream));
+            CUDA_CALL(cudaMemcpyAsync(g[i].out[0], d0, n * 4, cudaMemcpyDeviceToDevice, stream));
+            CUDA_CALL(cudaMemcpyAsync(g[i].out[1], d0, n * 4, cudaMemcpyDeviceToDevice, stream));
             run_ours(&g[i], off, g[i].out[0]);
             run_cublas(&g[i], off, g[i].out[1]);
             err = rel_err_dw(g[i].out[0], g[i].out[1], d0, n);
         } else {
-            CK(cudaMemsetAsync(g[i].out[0], 0xff, n * 2, stream));
-            CK(cudaMemsetAsync(g[i].out[1], 0xff, n * 2, stream));
+            CUDA_CALL(cudaMemsetAsync(g[i].out[0], 0xff, n * 2, stream));
+            CUDA_CALL(cudaMemsetAsync(g[i].out[1], 0xff, n * 2, stream));
             run_ours(&g[i], off, g[i].out[0]);
             run_cublas(&g[i], off, g[i].out[1]);
-            CK(cudaStreamSynchronize(stream));
+            CUDA_CALL(cudaStreamSynchronize(stream));
             err = rel_err_bf16(g[i].out[0], g[i].out[1], n);
         }
-        CK(cudaStreamSynchronize(stream));
-        CK(cudaGetLastError());
+        CUDA_CALL(cudaStreamSynchronize(stream));
+        CUDA_CALL(cudaGetLastError());
         const float a = time_ms(&g[i], off, 0, reps, t0, t1);
         const float b = time_ms(&g[i], off, 1, reps, t0, t1);
         char io[32];
@@ -280,8 +270,8 @@ static void bench(const char *dist, const int *rows, struct gemm *g, int ng, con
         printf("%-16s %-11s %9.3f %8.0f %9.3f %8.0f %6.2fx\n", bw ? "backward (4)" : "forward (2)",
                "", tot[bw][0], flop_tot[bw] / tot[bw][0] / 1e9, tot[bw][1],
                flop_tot[bw] / tot[bw][1] / 1e9, tot[bw][1] / tot[bw][0]);
-    CK(cudaEventDestroy(t0));
-    CK(cudaEventDestroy(t1));
+    CUDA_CALL(cudaEventDestroy(t0));
+    CUDA_CALL(cudaEventDestroy(t1));
 }
 
 static int run_bench(int reps)
@@ -313,7 +303,7 @@ static int run_bench(int reps)
         for (int j = 0; j < 2; j++) g[i].out[j] = dev_alloc(out_elems(&g[i]) * (g[i].kind == WGRAD ? 4 : 2));
 
     struct cudaDeviceProp prop;
-    CK(cudaGetDeviceProperties(&prop, 0));
+    CUDA_CALL(cudaGetDeviceProperties(&prop, 0));
     printf("bench_grouped_gemm: %s, %d SMs; median of %d runs after %d warm-ups\n", prop.name,
            prop.multiProcessorCount, reps, WARM);
 
@@ -328,9 +318,9 @@ static int run_bench(int reps)
     bench("skewed (Zipf-like)", skew, g, 6, dw0, reps);
 
     for (int i = 0; i < 6; i++)
-        for (int j = 0; j < 2; j++) CK(cudaFree(g[i].out[j]));
+        for (int j = 0; j < 2; j++) CUDA_CALL(cudaFree(g[i].out[j]));
     void *bufs[] = {x, act, dy, dgu, w_gu, w_d, (void *)dw0[0], (void *)dw0[1], src_bf16, src_f32};
-    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) CK(cudaFree(bufs[i]));
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) CUDA_CALL(cudaFree(bufs[i]));
     CB(cublasDestroy(blas));
     return 0;
 }

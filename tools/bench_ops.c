@@ -17,6 +17,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "common.h"
 #include "ops.h"
 
@@ -24,19 +25,6 @@ enum { BATCH = 10, WARM_BATCHES = 2, RAND_BLOCK = 1 << 20 };
 
 static const struct backend *be;
 static float *rand_f32; /* device, RAND_BLOCK fp32 normals */
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 /* a compute-dtype device tensor of n elements filled from the random block */
 static void *x_random(size_t n)
@@ -196,12 +184,12 @@ static double time_op(int op, int reps)
     be->sync();
     double *us = mt_malloc((size_t)reps * sizeof *us);
     for (int s = 0; s < reps; s++) {
-        const double t0 = now_s();
+        const double t0 = mt_now();
         for (int i = 0; i < BATCH; i++) run_op(op);
         be->sync();
-        us[s] = (now_s() - t0) * 1e6 / BATCH;
+        us[s] = (mt_now() - t0) * 1e6 / BATCH;
     }
-    qsort(us, (size_t)reps, sizeof *us, cmp_double);
+    bench_sort_doubles(us, reps);
     const double med = reps % 2 ? us[reps / 2] : 0.5 * (us[reps / 2 - 1] + us[reps / 2]);
     free(us);
     return med;
