@@ -73,8 +73,7 @@ static void ensure_pairs(struct model *m, struct layer_acts *a, int64_t P)
     model_ensure_ones(m, P * K);
 }
 
-/* Moves rows of `width` elements of type t between EP ranks: `send` has counts_out[s] rows for
- * rank s, `recv` gets counts_in[s] rows from rank s. */
+/* row counts per rank -> element counts, for rows of `width` elements */
 static void scale_counts(const struct model *m, int64_t *in, int64_t *out, const int64_t *counts_in,
                          const int64_t *counts_out, int64_t width)
 {
@@ -84,6 +83,8 @@ static void scale_counts(const struct model *m, int64_t *in, int64_t *out, const
     }
 }
 
+/* Moves rows of `width` elements of type t between EP ranks: `send` has counts_out[s] rows for
+ * rank s, `recv` gets counts_in[s] rows from rank s. */
 static void exchange(struct model *m, void *recv, const int64_t *counts_in, const void *send,
                      const int64_t *counts_out, int64_t width, enum comm_dtype t)
 {
