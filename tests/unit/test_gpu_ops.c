@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "gpu_backend.h"
 #include "ops.h"
 
 #ifdef MT_HAVE_CUDA
@@ -54,13 +55,7 @@ struct mode {
 static void mode_get(int i, struct mode *m)
 {
     const bool fp32 = i == 0;
-    m->g = backend_cuda(fp32, 0);
-    if (!m->g) {
-        const char *req = getenv("MT_REQUIRE_GPU");
-        if (req && *req && strcmp(req, "0"))
-            cr_assert_fail("MT_REQUIRE_GPU is set but backend_cuda() returned NULL (no usable GPU)");
-        cr_skip_test("no CUDA device: backend_cuda() returned NULL");
-    }
+    m->g = gpu_backend_or_skip(fp32);
     m->c = backend_cpu();
     m->name = fp32 ? "fp32" : "bf16";
     m->tol = fp32 ? TOL_F32 : TOL_BF16;

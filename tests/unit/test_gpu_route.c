@@ -10,18 +10,8 @@
 #include <string.h>
 
 #include "common.h"
+#include "gpu_backend.h"
 #include "ops.h"
-
-static const struct backend *gpu_or_skip(void)
-{
-    const struct backend *g = backend_cuda(false, 0);
-    if (!g) {
-        const char *req = getenv("MT_REQUIRE_GPU");
-        cr_assert(!(req && *req && strcmp(req, "0")), "MT_REQUIRE_GPU is set but no CUDA device");
-        cr_skip_test("no CUDA device");
-    }
-    return g;
-}
 
 /* k distinct experts of E per token in random order, weights that name their expert; with
  * empties, each token's last few slots are MT_NO_EXPERT (weight 0) */
@@ -95,7 +85,7 @@ static void route_case(const struct backend *g, mt_rng *rng, int T, int E, int k
 
 Test(gpu, moe_route_plan)
 {
-    const struct backend *g = gpu_or_skip();
+    const struct backend *g = gpu_backend_or_skip(false);
     mt_rng rng;
     mt_rng_seed(&rng, 77);
     route_case(g, &rng, 8192, 128, 8, false); /* the bench shape */
@@ -169,7 +159,7 @@ static void pair_case(const struct backend *g, mt_rng *rng, int T, int ep, int n
 
 Test(gpu, moe_pair_plan)
 {
-    const struct backend *g = gpu_or_skip();
+    const struct backend *g = gpu_backend_or_skip(false);
     mt_rng rng;
     mt_rng_seed(&rng, 78);
     pair_case(g, &rng, 8192, 2, 64, 8); /* the bench shape on 2 GPUs */
