@@ -183,6 +183,39 @@ static const void *nccl_all_to_all_inbox(struct comm *c, const int64_t *recv_cou
     return im->inbox;
 }
 
+/* One ncclGroup on the backend's stream: asynchronous like every op here (what follows on the stream
+ * sees the data). All-host op lists go to the MPI twin; a mixed list is an error. */
+static void nccl_p2p(struct comm *c, const struct comm_p2p_op *ops, int n)
+{
+    struct nccl_impl *im = impl_of(c);
+    int n_dev = 0, n_sized = 0;
+    for (int i = 0; i < n; i++) {
+        MT_CHECK(ops[i].peer >= 0 && ops[i].peer < c->size && ops[i].peer != c->rank,
+                 "p2p: peer %d is not another rank of a group of %d (this is rank %d)", ops[i].peer,
+                 c->size, c->rank);
+        if (!ops[i].count) continue;
+        n_sized++;
+        n_dev += is_device(ops[i].buf);
+    }
+    if (n_sized == 0) return;
+    MT_CHECK(n_dev == 0 || n_dev == n_sized, "p2p: %d of %d buffers are device memory (mixed)", n_dev,
+             n_sized);
+    if (n_dev == 0) {
+        im->host->ops->p2p(im->host, ops, n);
+        return;
+    }
+    NCCL_CHECK(ncclGroupStart());
+    for (int i = 0; i < n; i++) {
+        const struct comm_p2p_op *o = &ops[i];
+        if (!o->count) continue;
+        if (o->kind == COMM_SEND)
+            NCCL_CHECK(ncclSend(o->buf, o->count, nccl_type(o->dtype), o->peer, im->nccl, g_cuda.stream));
+        else
+            NCCL_CHECK(ncclRecv(o->buf, o->count, nccl_type(o->dtype), o->peer, im->nccl, g_cuda.stream));
+    }
+    NCCL_CHECK(ncclGroupEnd());
+}
+
 static void nccl_destroy(struct comm *c)
 {
     struct nccl_impl *im = impl_of(c);
@@ -199,7 +232,7 @@ static void nccl_destroy(struct comm *c)
 
 static const struct comm_ops nccl_ops = {
     nccl_all_gather, nccl_reduce_scatter_sum, nccl_all_reduce_sum, nccl_all_to_all_v,
-    nccl_all_to_all, nccl_all_to_all_inbox, nccl_destroy,
+    nccl_all_to_all, nccl_all_to_all_inbox, nccl_p2p, nccl_destroy,
 };
 
 extern "C" struct comm *comm_nccl_create(MPI_Comm mpi)

@@ -20,6 +20,16 @@ struct comm {
     void *impl;            /* backend state (e.g. the ncclComm_t) */
 };
 
+/* One point-to-point transfer of a group (comm_p2p): peer is a rank of the comm. */
+enum comm_p2p_kind { COMM_SEND, COMM_RECV };
+struct comm_p2p_op {
+    enum comm_p2p_kind kind;
+    int peer;
+    void *buf;             /* const for a send; device memory on NCCL, host on MPI */
+    size_t count;          /* elements */
+    enum comm_dtype dtype;
+};
+
 struct comm_ops {
     /* recv[size * n] = concatenation of every rank's send[n], in rank order */
     void (*all_gather)(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t);
@@ -40,6 +50,10 @@ struct comm_ops {
      * NCCL comm lets peers on one host copy straight into that buffer (comm_ipc.cuh). */
     const void *(*all_to_all_inbox)(struct comm *c, const int64_t *recv_counts, const void *send,
                                     const int64_t *send_counts, enum comm_dtype t);
+    /* every op of ops[n] posted as one group, returned when all completed (NCCL: queued on the
+     * stream in one ncclGroup, so neighbours that send to each other cannot deadlock whatever order
+     * they list the ops in). Matching is by (peer, order): the k-th send to p meets p's k-th recv. */
+    void (*p2p)(struct comm *c, const struct comm_p2p_op *ops, int n);
     /* optional (NULL for MPI): releases c->impl; comm_free calls it before freeing c */
     void (*destroy)(struct comm *c);
 };
@@ -54,6 +68,9 @@ void comm_set_timer(void (*begin)(void), void (*end)(void));
 /* Wrap an MPI communicator with the MPI (host memory) implementation. */
 struct comm *comm_mpi_create(MPI_Comm mpi);
 void comm_free(struct comm *c);
+/* Largest piece (elements) an MPI p2p transfer is cut into; INT_MAX normally. Tests lower it to
+ * exercise the splitting without 2^31-element buffers (0 restores INT_MAX). */
+void comm_mpi_set_p2p_chunk(size_t elements);
 
 /* Null-safe wrappers: a NULL comm (or size 1) acts as a single rank. */
 void comm_all_gather(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t);
@@ -63,6 +80,8 @@ void comm_all_reduce_sum(struct comm *c, void *buf, size_t n, enum comm_dtype t)
 void comm_all_to_all_v(struct comm *c, void *recv, const int64_t *recv_counts, const void *send,
                        const int64_t *send_counts, enum comm_dtype t);
 void comm_all_to_all(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t);
+/* Grouped sends/receives (ops->p2p). A NULL comm has no peers: only n == 0 is allowed. */
+void comm_p2p(struct comm *c, const struct comm_p2p_op *ops, int n);
 /* (for a NULL comm the result is `send` itself) */
 const void *comm_all_to_all_inbox(struct comm *c, const int64_t *recv_counts, const void *send,
                                   const int64_t *send_counts, enum comm_dtype t);

@@ -87,6 +87,43 @@ static void mpi_all_to_all(struct comm *c, void *recv, const void *send, size_t 
                               mpi_type(t), c->mpi));
 }
 
+static size_t p2p_chunk = INT_MAX;
+
+void comm_mpi_set_p2p_chunk(size_t elements)
+{
+    p2p_chunk = elements >= 1 && elements <= INT_MAX ? elements : INT_MAX;
+}
+
+/* Each op becomes ceil(count / chunk) requests of at most INT_MAX elements; both sides split the
+ * same count the same way, so the k-th piece of a send meets the k-th piece of its recv. */
+static void mpi_p2p(struct comm *c, const struct comm_p2p_op *ops, int n)
+{
+    const size_t chunk = p2p_chunk;
+    size_t n_req = 0;
+    for (int i = 0; i < n; i++) {
+        MT_CHECK(ops[i].peer >= 0 && ops[i].peer < c->size && ops[i].peer != c->rank,
+                 "p2p: peer %d is not another rank of a group of %d (this is rank %d)", ops[i].peer,
+                 c->size, c->rank);
+        n_req += (ops[i].count + chunk - 1) / chunk;
+    }
+    MPI_Request *req = mt_malloc(MT_MAX(n_req, 1) * sizeof *req);
+    size_t k = 0;
+    for (int i = 0; i < n; i++) {
+        const struct comm_p2p_op *o = &ops[i];
+        const size_t es = comm_dtype_size(o->dtype);
+        for (size_t done = 0; done < o->count; done += chunk) {
+            const int cnt = (int)MT_MIN(o->count - done, chunk);
+            char *p = (char *)o->buf + done * es;
+            if (o->kind == COMM_SEND)
+                MT_CHECK_MPI(MPI_Isend(p, cnt, mpi_type(o->dtype), o->peer, 0, c->mpi, &req[k++]));
+            else
+                MT_CHECK_MPI(MPI_Irecv(p, cnt, mpi_type(o->dtype), o->peer, 0, c->mpi, &req[k++]));
+        }
+    }
+    MT_CHECK_MPI(MPI_Waitall((int)k, req, MPI_STATUSES_IGNORE));
+    free(req);
+}
+
 /* c->impl of an MPI comm: the all_to_all_inbox buffer, grown on demand */
 struct mpi_inbox {
     void *buf;
@@ -126,6 +163,7 @@ static const struct comm_ops mpi_ops = {
     .all_to_all_v = mpi_all_to_all_v,
     .all_to_all = mpi_all_to_all,
     .all_to_all_inbox = mpi_all_to_all_inbox,
+    .p2p = mpi_p2p,
     .destroy = mpi_destroy,
 };
 
@@ -205,6 +243,15 @@ void comm_all_to_all(struct comm *c, void *recv, const void *send, size_t n, enu
         return;
     }
     TIMED(c->ops->all_to_all(c, recv, send, n, t));
+}
+
+void comm_p2p(struct comm *c, const struct comm_p2p_op *ops, int n)
+{
+    if (single(c)) {
+        MT_CHECK(n == 0, "p2p: %d transfers on a group of one rank (no peers)", n);
+        return;
+    }
+    if (n > 0) TIMED(c->ops->p2p(c, ops, n));
 }
 
 const void *comm_all_to_all_inbox(struct comm *c, const int64_t *recv_counts, const void *send,
