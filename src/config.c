@@ -48,6 +48,7 @@ void config_defaults(struct config *c)
     c->parallel.pipeline_parallel_size = 1;
     c->parallel.expert_parallel_size = 1;
     c->parallel.ep_outside = false;
+    c->parallel.n_pipeline_layers = 0;
     c->parallel.backend = MT_BACKEND_AUTO;
 
     struct train_config *t = &c->train;
@@ -492,6 +493,18 @@ static bool validate(struct loader *L)
         CHECK2(m->mlp_only_layers[i] < m->num_hidden_layers, "model", "mlp_only_layers", "model",
                "num_hidden_layers", "model.mlp_only_layers names layer %d but there are only %d "
                "layers (0-based)", m->mlp_only_layers[i], m->num_hidden_layers);
+    const struct parallel_config *pc = &c->parallel;
+    if (pc->n_pipeline_layers > 0) {
+        CHECK2(pc->n_pipeline_layers == pc->pipeline_parallel_size, "parallel", "pipeline_layers",
+               "parallel", "pipeline_parallel_size",
+               "parallel.pipeline_layers has %d entries but parallel.pipeline_parallel_size is %d "
+               "(one entry per stage)", pc->n_pipeline_layers, pc->pipeline_parallel_size);
+        int sum = 0;
+        for (int i = 0; i < pc->n_pipeline_layers; i++) sum += pc->pipeline_layers[i];
+        CHECK2(sum == m->num_hidden_layers, "parallel", "pipeline_layers", "model", "num_hidden_layers",
+               "parallel.pipeline_layers sums to %d layers but model.num_hidden_layers is %d", sum,
+               m->num_hidden_layers);
+    }
     int fz = key_index("model", "freeze_router"), tr = key_index("model", "train_router");
     CHECK2(!(m->freeze_router && m->train_router && L->org[fz].kind != ORG_DEFAULT &&
              L->org[tr].kind != ORG_DEFAULT),

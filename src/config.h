@@ -50,6 +50,8 @@ struct parallel_config {
     int pipeline_parallel_size;   /* pp */
     int expert_parallel_size;     /* ep; ep_fsdp = ranks per stage / ep */
     bool ep_outside;              /* local = e*ep_fsdp + f instead of f*ep + e */
+    int n_pipeline_layers;        /* 0 = split the layers evenly over the stages */
+    int pipeline_layers[MT_MAX_LAYERS]; /* layers of each stage, in order; sums to num_hidden_layers */
     enum mt_backend_choice backend; /* auto | cpu | cuda */
 };
 

@@ -69,6 +69,9 @@ const struct cfg_key cfg_keys[] = {
     INT("parallel", "pipeline_parallel_size", parallel.pipeline_parallel_size, POS),
     INT("parallel", "expert_parallel_size", parallel.expert_parallel_size, POS),
     BOOL("parallel", "ep_outside", parallel.ep_outside),
+    { "parallel", "pipeline_layers", CFG_INT_LIST, FIELD(parallel.pipeline_layers),
+      offsetof(struct config, parallel.n_pipeline_layers), CFG_LO | CFG_HI, 1, MT_MAX_LAYERS,
+      NULL, 0, false },
     ENUM("parallel", "backend", parallel.backend, backend_names),
 
     INT("train", "steps", train.steps, POS),

@@ -2,6 +2,7 @@
  * Formulas: mesh.h (design.md "The grid"). */
 #include "mesh.h"
 
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -61,6 +62,21 @@ bool mesh_dims_of(const struct config *c, int world, struct mesh_dims *d, char *
                  m->num_hidden_layers, pp);
         return fail(err, errcap, msg);
     }
+    const struct parallel_config *pc = &c->parallel;
+    if (pc->n_pipeline_layers > 0) {
+        int sum = 0, smallest = INT_MAX;
+        for (int i = 0; i < pc->n_pipeline_layers; i++) {
+            sum += pc->pipeline_layers[i];
+            smallest = MT_MIN(smallest, pc->pipeline_layers[i]);
+        }
+        if (pc->n_pipeline_layers != pp || sum != m->num_hidden_layers || smallest < 1) {
+            snprintf(msg, sizeof msg,
+                     "parallel.pipeline_layers has %d entries summing to %d (smallest %d), but needs "
+                     "one entry >= 1 per stage (%d) summing to num_hidden_layers %d",
+                     pc->n_pipeline_layers, sum, smallest, pp, m->num_hidden_layers);
+            return fail(err, errcap, msg);
+        }
+    }
     if (m->num_attention_heads % m->num_key_value_heads) {
         snprintf(msg, sizeof msg, "num_attention_heads %d is not divisible by num_key_value_heads %d",
                  m->num_attention_heads, m->num_key_value_heads);
@@ -99,6 +115,18 @@ void mesh_stage_layers(int n_layers, int pp, int stage, int *l0, int *l1)
     int base = n_layers / pp, extra = n_layers % pp;
     *l0 = stage * base + MT_MIN(stage, extra);
     *l1 = *l0 + base + (stage < extra ? 1 : 0);
+}
+
+void mesh_stage_layers_cfg(const struct config *c, int pp, int stage, int *l0, int *l1)
+{
+    const struct parallel_config *p = &c->parallel;
+    if (p->n_pipeline_layers != pp) {
+        mesh_stage_layers(c->model.num_hidden_layers, pp, stage, l0, l1);
+        return;
+    }
+    *l0 = 0;
+    for (int s = 0; s < stage; s++) *l0 += p->pipeline_layers[s];
+    *l1 = *l0 + p->pipeline_layers[stage];
 }
 
 void mesh_expert_range(int n_experts, int ep, int ep_rank, int *e0, int *e1)
@@ -159,7 +187,7 @@ void mesh_build(struct mesh *m, const struct config *c, MPI_Comm world)
     const struct mesh_dims *d = &m->d;
     m->rank = rank;
     mesh_coord_of(d, rank, &m->me);
-    mesh_stage_layers(c->model.num_hidden_layers, d->pp, m->me.stage, &m->layer0, &m->layer1);
+    mesh_stage_layers_cfg(c, d->pp, m->me.stage, &m->layer0, &m->layer1);
     if (c->model.num_experts > 0)
         mesh_expert_range(c->model.num_experts, d->ep, m->me.ep_rank, &m->expert0, &m->expert1);
 

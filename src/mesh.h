@@ -26,13 +26,16 @@ struct mesh_dims {
 };
 
 /* Checks every hard constraint (W % pp, S % ep, E % ep, layers >= pp, positive sizes,
- * heads % kv_heads) for a world of `world` ranks and fills dims. Returns false with a one-line
+ * heads % kv_heads, pipeline_layers one positive entry per stage summing to the layers) for a world of `world` ranks and fills dims. Returns false with a one-line
  * reason in err. */
 bool mesh_dims_of(const struct config *c, int world, struct mesh_dims *d, char *err, int errcap);
 void mesh_coord_of(const struct mesh_dims *d, int rank, struct mesh_coord *out);
 int mesh_rank_of(const struct mesh_dims *d, int stage, int ep_rank, int fsdp_rank);
 /* Layers [*l0, *l1) of a stage: contiguous, sizes differ by at most one, earlier stages larger. */
 void mesh_stage_layers(int n_layers, int pp, int stage, int *l0, int *l1);
+/* Layers [*l0, *l1) of a stage under config c: parallel.pipeline_layers when given, else the even
+ * split above. plan, the memory estimate and mesh_build all use this one. */
+void mesh_stage_layers_cfg(const struct config *c, int pp, int stage, int *l0, int *l1);
 /* Experts [*e0, *e1) held by EP rank e. */
 void mesh_expert_range(int n_experts, int ep, int ep_rank, int *e0, int *e1);
 

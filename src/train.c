@@ -35,6 +35,7 @@
 #include "plan.h"
 #include "profile.h"
 #include "train.h"
+#include "train_check.h"
 
 double train_lr_at(const struct train_config *t, int step)
 {
@@ -201,6 +202,7 @@ int cmd_train(const struct cli *a)
     c.parallel.backend = backend_choice_from_cli(a->backend, c.parallel.backend);
     struct mesh mesh;
     mesh_build(&mesh, &c, MPI_COMM_WORLD);
+    const int n_micro = train_check_or_exit(&c, &mesh.d);
     if (a->dry_run) {
         plan_print_mesh(stdout, &c, &mesh);
         fflush(stdout);
@@ -213,15 +215,8 @@ int cmd_train(const struct cli *a)
     char resume_dir[2 * MT_PATH_MAX];
     const bool resuming = ckpt_resume_dir(a->resume, &c, &mesh, resume_dir, sizeof resume_dir);
 
-    if (mesh.d.pp > 1)
-        mt_user_error("%s: pipeline_parallel_size %d: pipeline execution is not implemented yet "
-                      "(plan and --dry-run lay it out)", c.path, mesh.d.pp);
     const struct train_config *tc = &c.train;
     const int dp = mesh.d.S, mb = tc->micro_batch_size;
-    if (tc->global_batch_size % (dp * mb) != 0)
-        mt_user_error("%s: train.global_batch_size %d is not a multiple of micro_batch_size %d x "
-                      "%d data-parallel ranks", c.path, tc->global_batch_size, mb, dp);
-    const int n_micro = tc->global_batch_size / (dp * mb);
 
     char err[1024];
     struct data_source *data = data_open(&c.data, tc, c.model.vocab_size, err, sizeof err);

@@ -945,3 +945,39 @@ Test(config, config_load_exits_on_error, .exit_code = 1)
     char *sets[] = { "train.steps=ten" };
     config_load(&c, NULL, 1, sets);
 }
+
+/* ---- parallel.pipeline_layers ---------------------------------------------------------------- */
+
+Test(config, pipeline_layers_one_entry_per_stage_summing_to_the_layers)
+{
+    struct config c;
+    const char *ok = put("pl.yaml", "model:\n  num_hidden_layers: 5\nparallel:\n  pipeline_parallel_size: 2\n"
+                                    "  pipeline_layers: [2, 3]\n");
+    cr_assert(load(&c, ok, 0, NULL), "%s", errbuf);
+    cr_assert_eq(c.parallel.n_pipeline_layers, 2);
+    cr_assert(c.parallel.pipeline_layers[0] == 2 && c.parallel.pipeline_layers[1] == 3);
+    /* the manifest's YAML round-trips it */
+    char *y = body_of(&c);
+    cr_assert_not_null(strstr(y, "pipeline_layers: [2, 3]"), "%s", y);
+    free(y);
+
+    const char *msg = fails("model:\n  num_hidden_layers: 5\nparallel:\n  pipeline_parallel_size: 2\n"
+                            "  pipeline_layers: [2, 2]\n");
+    expect(msg, "parallel.pipeline_layers sums to 4 layers but model.num_hidden_layers is 5");
+    expect_at(msg, 5, 20);
+    msg = fails("model:\n  num_hidden_layers: 5\nparallel:\n  pipeline_parallel_size: 3\n"
+                "  pipeline_layers: [2, 3]\n");
+    expect(msg, "parallel.pipeline_layers has 2 entries but parallel.pipeline_parallel_size is 3");
+    msg = fails("model:\n  num_hidden_layers: 5\nparallel:\n  pipeline_parallel_size: 2\n"
+                "  pipeline_layers: [5, 0]\n");
+    expect(msg, "parallel.pipeline_layers elements must be in [1, 1024] (got 0)");
+    msg = fails("parallel:\n  pipeline_layers: [1, x]\n");
+    expect(msg, "parallel.pipeline_layers expects a list of integers, got element 'x'");
+    /* --set, and [] restores the even split */
+    char *sets[] = {"parallel.pipeline_parallel_size=2", "parallel.pipeline_layers=[1,1]"};
+    cr_assert(load(&c, NULL, 2, sets), "%s", errbuf);
+    cr_assert_eq(c.parallel.n_pipeline_layers, 2);
+    char *sets2[] = {"parallel.pipeline_layers=[]"};
+    cr_assert(load(&c, ok, 1, sets2), "%s", errbuf);
+    cr_assert_eq(c.parallel.n_pipeline_layers, 0);
+}

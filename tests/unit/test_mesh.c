@@ -175,6 +175,33 @@ Test(mesh, stage_layers_contiguous_balanced)
         }
 }
 
+Test(mesh, stage_layers_from_pipeline_layers)
+{
+    struct config c;
+    config_defaults(&c);
+    c.model.num_hidden_layers = 10;
+    c.parallel.pipeline_parallel_size = 3;
+    int l0, l1;
+    /* no list: the even split */
+    mesh_stage_layers_cfg(&c, 3, 1, &l0, &l1);
+    cr_assert(l0 == 4 && l1 == 7, "[%d, %d)", l0, l1);
+    c.parallel.n_pipeline_layers = 3;
+    c.parallel.pipeline_layers[0] = 2;
+    c.parallel.pipeline_layers[1] = 5;
+    c.parallel.pipeline_layers[2] = 3;
+    const int want[4] = {0, 2, 7, 10};
+    for (int s = 0; s < 3; s++) {
+        mesh_stage_layers_cfg(&c, 3, s, &l0, &l1);
+        cr_assert(l0 == want[s] && l1 == want[s + 1], "stage %d [%d, %d)", s, l0, l1);
+    }
+    struct mesh_dims d;
+    char err[256];
+    cr_assert(mesh_dims_of(&c, 6, &d, err, sizeof err), "%s", err);
+    c.parallel.pipeline_layers[2] = 2;
+    cr_assert_not(mesh_dims_of(&c, 6, &d, err, sizeof err));
+    cr_assert(strstr(err, "parallel.pipeline_layers has 3 entries summing to 9"), "%s", err);
+}
+
 static void expect_reject(const struct config *c, int world, const char *want)
 {
     struct mesh_dims d;
