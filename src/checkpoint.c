@@ -152,7 +152,10 @@ static void write_rank_file(const char *path, int step, const struct params *p, 
     params_for_each_run_of(p, p->S_rank, p->F_rank, m->expert0, ck_collect_run, rs);
     struct piece_shape *ps = mt_calloc((size_t)tt->n, sizeof *ps);
     int64_t **file_at = mt_calloc((size_t)tt->n, sizeof *file_at);
+    /* a stage writes only its own tensors (not the tied embedding the last stage keeps too), so
+     * every element of the model is in exactly one piece per EP_FSDP position */
     for (int i = 0; i < tt->n; i++) {
+        if (!mesh_stage_owns(mesh, &tt->t[i])) rs[i].n = 0;
         if (rs[i].n == 0) continue;
         file_at[i] = mt_malloc((size_t)rs[i].n * sizeof(int64_t));
         shape_piece(&tt->t[i], &rs[i], &ps[i], file_at[i]);

@@ -509,23 +509,25 @@ static bool read_piece_overlaps(struct reader *rd, const struct piece *pc, const
     return ok;
 }
 
-/* Fills host[k] (zeroed, [numel] of group k) with buffer `buf` of this rank's shard. */
-static bool read_shard(const char *dir, const struct params *p, const struct manifest *man,
-                       const struct pieces *all, int buf, float *host[TG_COUNT], char *err, int cap)
+/* Fills host[k] (zeroed, [numel] of group k) with buffer `buf` of this rank's shard. The pieces
+ * name tensors of the whole model (`full`); the rank's runs those of its stage's table. */
+static bool read_shard(const char *dir, const struct params *p, const struct tensor_table *full,
+                       const struct manifest *man, const struct pieces *all, int buf,
+                       float *host[TG_COUNT], char *err, int cap)
 {
     const struct model *m = p->m;
     const struct tensor_table *tt = &m->tt;
     struct ck_runs *rs = mt_calloc((size_t)tt->n, sizeof *rs);
     params_for_each_run_of(p, p->S_rank, p->F_rank, m->expert0, ck_collect_run, rs);
-    /* pieces of tensor i: order[first[i] .. first[i + 1]) */
-    int *first = mt_calloc((size_t)tt->n + 1, sizeof(int)), *order = mt_malloc((size_t)MT_MAX(all->n, 1) * sizeof(int));
+    /* pieces of whole-model tensor i: order[first[i] .. first[i + 1]) */
+    int *first = mt_calloc((size_t)full->n + 1, sizeof(int)), *order = mt_malloc((size_t)MT_MAX(all->n, 1) * sizeof(int));
     for (int j = 0; j < all->n; j++) first[all->v[j].tensor + 1]++;
-    for (int i = 0; i < tt->n; i++) first[i + 1] += first[i];
-    int *fill = mt_calloc((size_t)tt->n, sizeof(int));
+    for (int i = 0; i < full->n; i++) first[i + 1] += first[i];
+    int *fill = mt_calloc((size_t)full->n, sizeof(int));
     for (int j = 0; j < all->n; j++) order[first[all->v[j].tensor] + fill[all->v[j].tensor]++] = j;
     free(fill);
 
-    struct reader rd = {.dir = dir, .tt = tt, .buf = buf, .err = err, .cap = cap};
+    struct reader rd = {.dir = dir, .tt = full, .buf = buf, .err = err, .cap = cap};
     rd.files = mt_malloc((size_t)man->world * sizeof(hid_t));
     for (int64_t f = 0; f < man->world; f++) rd.files[f] = -1;
     rd.dapl = CK_H5(H5Pcreate(H5P_DATASET_ACCESS));
@@ -534,8 +536,10 @@ static bool read_shard(const char *dir, const struct params *p, const struct man
     for (int i = 0; i < tt->n && ok; i++) {
         if (rs[i].n == 0) continue;
         const struct tensor_spec *s = &tt->t[i];
+        const int fi = tensor_find(full, s->name);
+        MT_CHECK(fi >= 0, "checkpoint: the stage's tensor %s is not in the model's table", s->name);
         int64_t *covered = mt_calloc((size_t)rs[i].n, sizeof(int64_t));
-        for (int q = first[i]; q < first[i + 1] && ok; q++)
+        for (int q = first[fi]; q < first[fi + 1] && ok; q++)
             ok = read_piece_overlaps(&rd, &all->v[order[q]], &rs[i], host[tensor_group_of(s)], covered);
         for (int j = 0; j < rs[i].n && ok; j++) {
             const struct ck_run *r = &rs[i].r[j];
@@ -583,15 +587,19 @@ bool ckpt_load_checked(const char *dir, struct params *p, const struct mesh *mes
             MT_CHECK_MPI(MPI_Bcast(bias, (int)(man.bias_L * man.bias_E), MPI_FLOAT, 0, mesh->world_comm));
         }
     }
+    /* the old files hold tensors of every stage of the old mesh: index them against the whole
+     * model's table, whatever part of it this rank's stage keeps */
+    struct tensor_table full;
+    tensor_table_build(&full, &c->model);
     struct pieces all = {0};
-    if (ok) ok = build_index(dir, &man, &p->m->tt, mesh, &all, e, sizeof e);
+    if (ok) ok = build_index(dir, &man, &full, mesh, &all, e, sizeof e);
 
     /* one buffer at a time (host memory of one shard); each goes to p once every rank has it */
     const struct backend *be = p->m->be;
     for (int b = 0; b < (weights_only ? 1 : CK_N_BUFS) && ok; b++) {
         float *host[TG_COUNT];
         for (int k = 0; k < TG_COUNT; k++) host[k] = mt_calloc((size_t)MT_MAX(p->g[k].numel, 1), sizeof(float));
-        read_shard(dir, p, &man, &all, b, host, e, sizeof e);
+        read_shard(dir, p, &full, &man, &all, b, host, e, sizeof e);
         ok = ck_agree(mesh, e, sizeof e);
         for (int k = 0; k < TG_COUNT && ok; k++) {
             struct param_group_shard *g = &p->g[k];
@@ -620,6 +628,7 @@ bool ckpt_load_checked(const char *dir, struct params *p, const struct mesh *mes
     }
     free(all.v);
     free(bias);
+    tensor_table_free(&full);
     return ok;
 }
 

@@ -16,6 +16,13 @@ bool hf_export_model(const char *dir, const struct model_config *m, const struct
 
 struct params;
 struct mesh;
+/* Collective over the mesh's world: rank 0 assembles buffer `buf` (0 master, 1 Adam m, 2 Adam v) of
+ * the whole model in the global layout of `full` (the whole model's table) from every rank's runs
+ * of its own stage's tensors (mesh_stage_owns), one rank at a time; the others' `global` is
+ * unused. Any mesh, pipeline stages included. */
+void export_gather_global(const struct params *p, const struct mesh *mesh, int buf,
+                          const struct tensor_table *full, float *const global[TG_COUNT]);
+
 /* Collective over the mesh's world: gathers the fp32 master shards of every rank and rank 0 writes
  * them to dir with hf_export_model (the others return true). */
 bool export_params_hf(const struct params *p, const struct mesh *mesh, const struct model_config *m,

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "tensors.h"
 
 static bool fail(char *err, int errcap, const char *msg)
 {
@@ -127,6 +128,13 @@ void mesh_stage_layers_cfg(const struct config *c, int pp, int stage, int *l0, i
     *l0 = 0;
     for (int s = 0; s < stage; s++) *l0 += p->pipeline_layers[s];
     *l1 = *l0 + p->pipeline_layers[stage];
+}
+
+bool mesh_stage_owns(const struct mesh *m, const struct tensor_spec *s)
+{
+    if (s->layer >= 0) return s->layer >= m->layer0 && s->layer < m->layer1;
+    if (s->role == TR_EMBED) return m->me.stage == 0;
+    return m->me.stage == m->d.pp - 1;
 }
 
 void mesh_expert_range(int n_experts, int ep, int ep_rank, int *e0, int *e1)

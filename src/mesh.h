@@ -54,6 +54,12 @@ struct mesh {
     MPI_Comm pp_comm;           /* size pp, rank = stage */
 };
 
+struct tensor_spec;
+/* Whether m's stage is the one that saves, loads as its own and exports tensor s: the stage that
+ * runs s's layer; the embedding is the first stage's and the final norm and LM head the last's
+ * (a tied embedding the last stage keeps for its head is the first stage's tensor). */
+bool mesh_stage_owns(const struct mesh *m, const struct tensor_spec *s);
+
 /* Builds every communicator from `world`. Constraint violations: mt_user_error on every rank. */
 void mesh_build(struct mesh *m, const struct config *c, MPI_Comm world);
 void mesh_free(struct mesh *m);

@@ -1,4 +1,4 @@
-/* mpirun -np N ckpt_check save|load|fail DIR EP EP_OUTSIDE
+/* mpirun -np N ckpt_check save|load|fail DIR EP EP_OUTSIDE [PP]
  *
  * Checkpoints across meshes (src/checkpoint.h). The state is a pattern: element j of tensor i
  * holds value(buffer, i, j) in the master weights, m1 and m2, whatever the mesh, so every rank
@@ -23,6 +23,7 @@
 #include "comm.h"
 #include "common.h"
 #include "config.h"
+#include "hf_export.h"
 #include "mesh.h"
 #include "model.h"
 #include "ops.h"
@@ -199,8 +200,8 @@ static void check_global(const struct tensor_table *tt, int b, float *const glob
 int main(int argc, char **argv)
 {
     MT_CHECK_MPI(MPI_Init(&argc, &argv));
-    if (argc != 5 || (strcmp(argv[1], "save") && strcmp(argv[1], "load") && strcmp(argv[1], "fail")))
-        mt_user_error("usage: ckpt_check save|load|fail DIR EP EP_OUTSIDE");
+    if (argc < 5 || argc > 6 || (strcmp(argv[1], "save") && strcmp(argv[1], "load") && strcmp(argv[1], "fail")))
+        mt_user_error("usage: ckpt_check save|load|fail DIR EP EP_OUTSIDE [PP]");
     const char *mode = argv[1], *dir = argv[2];
     struct config c;
     config_defaults(&c);
@@ -219,6 +220,7 @@ int main(int argc, char **argv)
     mc->mlp_only_layers[0] = 0;
     c.parallel.expert_parallel_size = atoi(argv[3]);
     c.parallel.ep_outside = atoi(argv[4]) != 0;
+    c.parallel.pipeline_parallel_size = argc > 5 ? atoi(argv[5]) : 1;
     c.train.seq_len = 8;
     c.train.micro_batch_size = 1;
     c.checkpoint.keep = 2;
@@ -261,9 +263,23 @@ int main(int argc, char **argv)
             float *global[TG_COUNT] = {NULL, NULL};
             if (mesh.rank == 0)
                 for (int k = 0; k < TG_COUNT; k++) global[k] = mt_calloc((size_t)MT_MAX(m.tt.group_numel[k], 1), sizeof(float));
+            if (mesh.d.pp > 1) {
+                /* every stage's own tensors, assembled the way a pipelined export does it */
+                struct tensor_table full;
+                tensor_table_build(&full, mc);
+                for (int b = 0; b <= 2; b++) {
+                    if (mesh.rank == 0)
+                        for (int k = 0; k < TG_COUNT; k++)
+                            memset(global[k], 0xff, (size_t)MT_MAX(full.group_numel[k], 1) * sizeof(float));
+                    export_gather_global(&p, &mesh, b, &full, global);
+                    if (mesh.rank == 0) check_global(&full, b, global);
+                }
+                tensor_table_free(&full);
+            } else {
             params_gather_global(&p, &mesh, global);
             if (mesh.rank == 0) check_global(&m.tt, 0, global);
-            for (int b = 1; b <= 2; b++) {
+            }
+            for (int b = 1; b <= 2 && mesh.d.pp == 1; b++) {
                 if (mesh.rank == 0)
                     for (int k = 0; k < TG_COUNT; k++)
                         memset(global[k], 0xff, (size_t)MT_MAX(m.tt.group_numel[k], 1) * sizeof(float));
@@ -277,7 +293,7 @@ int main(int argc, char **argv)
     int bad = n_problems > 0, any = 0;
     MT_CHECK_MPI(MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
     if (bad) fprintf(stderr, "ckpt_check: rank %d: %d problems, first: %s\n", mesh.rank, n_problems, first_problem);
-    if (!any) mt_log0("ckpt_check %s: OK on %d ranks (ep %d x ep_fsdp %d%s)\n", mode, mesh.d.world, mesh.d.ep,
+    if (!any) mt_log0("ckpt_check %s: OK on %d ranks (pp %d x ep %d x ep_fsdp %d%s)\n", mode, mesh.d.world, mesh.d.pp, mesh.d.ep,
                       mesh.d.ep_fsdp, mesh.d.ep_outside ? ", ep_outside" : "");
     free(bias);
     params_free(&p);

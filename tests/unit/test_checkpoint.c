@@ -615,6 +615,37 @@ Test(checkpoint_mpi, resliced_from_a_padded_mesh, .timeout = 300)
     remove_dir(dir);
 }
 
+/* Pipeline stages (args: ... PP): each stage writes only its own tensors (the tied embedding once,
+ * by the first stage; a second copy would make the loader report overlapping pieces, a missing
+ * one missing elements), and any mesh reads them back bit for bit; the global tensors are
+ * assembled as a pipelined export does (export_gather_global). */
+Test(checkpoint_mpi, pipeline_stages_save_their_own_tensors_and_reslice, .timeout = 400)
+{
+    char dir[128], args[256];
+    fresh_dir(dir, sizeof dir, "pp2");
+    snprintf(args, sizeof args, "save %s 2 0 2", dir);
+    expect_ok(4, args);                          /* pp 2 x ep 2 */
+    const struct { int np, ep, outside, pp; } to[] = {
+        {4, 2, 0, 2},   /* the same mesh */
+        {1, 1, 0, 1},   /* PP=2 -> one rank */
+        {2, 1, 0, 1},   /* PP=2 -> PP=1 with two data-parallel ranks */
+        {3, 1, 0, 3},   /* one layer per stage */
+        {8, 2, 1, 2},   /* pp 2 x ep 2 x ep_fsdp 2, ep_outside */
+    };
+    for (size_t j = 0; j < sizeof to / sizeof to[0]; j++) {
+        snprintf(args, sizeof args, "load %s/step_00000004 %d %d %d", dir, to[j].ep, to[j].outside, to[j].pp);
+        expect_ok(to[j].np, args);
+    }
+    remove_dir(dir);
+    /* and back: PP=1 -> PP=2 */
+    fresh_dir(dir, sizeof dir, "pp1");
+    snprintf(args, sizeof args, "save %s 1 0 1", dir);
+    expect_ok(2, args);
+    snprintf(args, sizeof args, "load %s/step_00000004 2 0 2", dir);
+    expect_ok(4, args);
+    remove_dir(dir);
+}
+
 /* A bad checkpoint under several ranks: one line from rank 0, non-zero exit, no hang. */
 static void expect_mpi_failure(int np, const char *args, const char *want)
 {
