@@ -183,7 +183,7 @@ static void detect_nodes(MPI_Comm world, int rank, int *node, int *n_nodes, int 
 void mesh_build(struct mesh *m, const struct config *c, MPI_Comm world)
 {
     memset(m, 0, sizeof *m);
-    m->world_comm = m->stage_comm = m->ep_comm = m->fsdp_comm = m->pp_comm = MPI_COMM_NULL;
+    m->world_comm = m->stage_comm = m->ep_comm = m->fsdp_comm = m->pp_comm = m->ends_comm = MPI_COMM_NULL;
     int size = 0, rank = 0;
     MT_CHECK_MPI(MPI_Comm_size(world, &size));
     MT_CHECK_MPI(MPI_Comm_rank(world, &rank));
@@ -206,12 +206,15 @@ void mesh_build(struct mesh *m, const struct config *c, MPI_Comm world)
     m->fsdp_comm = split_checked(world, me->stage * d->ep + me->ep_rank, me->fsdp_rank, d->ep_fsdp,
                                  "EP_FSDP");
     m->pp_comm = split_checked(world, me->local, me->stage, d->pp, "PP");
+    const bool end = me->stage == 0 || me->stage == d->pp - 1;
+    MT_CHECK_MPI(MPI_Comm_split(world, end ? me->local : MPI_UNDEFINED, me->stage, &m->ends_comm));
     detect_nodes(world, rank, &m->node, &m->n_nodes, &m->local_rank);
 }
 
 void mesh_free(struct mesh *m)
 {
-    MPI_Comm *all[] = {&m->world_comm, &m->stage_comm, &m->ep_comm, &m->fsdp_comm, &m->pp_comm};
+    MPI_Comm *all[] = {&m->world_comm, &m->stage_comm, &m->ep_comm, &m->fsdp_comm, &m->pp_comm,
+                       &m->ends_comm};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         if (*all[i] != MPI_COMM_NULL) MT_CHECK_MPI(MPI_Comm_free(all[i]));
 }

@@ -52,6 +52,9 @@ struct mesh {
     MPI_Comm ep_comm;           /* size ep, rank = ep_rank */
     MPI_Comm fsdp_comm;         /* size ep_fsdp, rank = fsdp_rank */
     MPI_Comm pp_comm;           /* size pp, rank = stage */
+    MPI_Comm ends_comm;         /* the first and last stage's ranks of this local index (tied
+                                 * embedding gradients); size 2 (1 when pp = 1), rank 0 = first
+                                 * stage; MPI_COMM_NULL on the middle stages */
 };
 
 struct tensor_spec;

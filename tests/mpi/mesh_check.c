@@ -135,6 +135,14 @@ int main(int argc, char **argv)
     check_members(m.fsdp_comm, rank, want, F, "EP_FSDP");
     for (int i = 0; i < pp; i++) want[i] = i * S + (rank - stage * S);
     check_members(m.pp_comm, rank, want, pp, "PP");
+    /* the tied-embedding pair: first and last stage of this local index */
+    if (stage == 0 || stage == pp - 1) {
+        want[0] = rank - stage * S;
+        want[1] = (pp - 1) * S + (rank - stage * S);
+        check_members(m.ends_comm, rank, want, pp > 1 ? 2 : 1, "ends");
+    } else {
+        EXPECT(m.ends_comm == MPI_COMM_NULL, "a middle stage has an ends communicator");
+    }
     for (int i = 0; i < world; i++) want[i] = i;
     check_members(m.world_comm, rank, want, world, "world");
     free(want);
