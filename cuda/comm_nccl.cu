@@ -21,6 +21,7 @@ struct nccl_impl {
     struct ipc_a2a *ipc; /* copy-engine all_to_all_inbox when every rank is on this host */
     void *inbox;         /* all_to_all_inbox's buffer otherwise (NCCL moves the data) */
     size_t inbox_cap;
+    cudaStream_t side;   /* p2p_start's transfers (created on first use) */
 };
 
 static struct nccl_impl *impl_of(struct comm *c) { return (struct nccl_impl *)c->impl; }
@@ -183,11 +184,10 @@ static const void *nccl_all_to_all_inbox(struct comm *c, const int64_t *recv_cou
     return im->inbox;
 }
 
-/* One ncclGroup on the backend's stream: asynchronous like every op here (what follows on the stream
- * sees the data). All-host op lists go to the MPI twin; a mixed list is an error. */
-static void nccl_p2p(struct comm *c, const struct comm_p2p_op *ops, int n)
+/* 1 when every sized op's buffer is host memory, 0 when all are device memory, -1 when none
+ * has a size; a mix is an error. Also checks the peers. */
+static int p2p_on_host(struct comm *c, const struct comm_p2p_op *ops, int n)
 {
-    struct nccl_impl *im = impl_of(c);
     int n_dev = 0, n_sized = 0;
     for (int i = 0; i < n; i++) {
         MT_CHECK(ops[i].peer >= 0 && ops[i].peer < c->size && ops[i].peer != c->rank,
@@ -197,23 +197,79 @@ static void nccl_p2p(struct comm *c, const struct comm_p2p_op *ops, int n)
         n_sized++;
         n_dev += is_device(ops[i].buf);
     }
-    if (n_sized == 0) return;
+    if (n_sized == 0) return -1;
     MT_CHECK(n_dev == 0 || n_dev == n_sized, "p2p: %d of %d buffers are device memory (mixed)", n_dev,
              n_sized);
-    if (n_dev == 0) {
-        im->host->ops->p2p(im->host, ops, n);
-        return;
-    }
+    return n_dev == 0;
+}
+
+static void p2p_group(struct nccl_impl *im, const struct comm_p2p_op *ops, int n, cudaStream_t stream)
+{
     NCCL_CHECK(ncclGroupStart());
     for (int i = 0; i < n; i++) {
         const struct comm_p2p_op *o = &ops[i];
         if (!o->count) continue;
         if (o->kind == COMM_SEND)
-            NCCL_CHECK(ncclSend(o->buf, o->count, nccl_type(o->dtype), o->peer, im->nccl, g_cuda.stream));
+            NCCL_CHECK(ncclSend(o->buf, o->count, nccl_type(o->dtype), o->peer, im->nccl, stream));
         else
-            NCCL_CHECK(ncclRecv(o->buf, o->count, nccl_type(o->dtype), o->peer, im->nccl, g_cuda.stream));
+            NCCL_CHECK(ncclRecv(o->buf, o->count, nccl_type(o->dtype), o->peer, im->nccl, stream));
     }
     NCCL_CHECK(ncclGroupEnd());
+}
+
+/* One ncclGroup on the backend's stream: asynchronous like every op here (what follows on the stream
+ * sees the data). All-host op lists go to the MPI twin. */
+static void nccl_p2p(struct comm *c, const struct comm_p2p_op *ops, int n)
+{
+    struct nccl_impl *im = impl_of(c);
+    const int host = p2p_on_host(c, ops, n);
+    if (host == 1) im->host->ops->p2p(im->host, ops, n);
+    else if (host == 0) p2p_group(im, ops, n, g_cuda.stream);
+}
+
+struct nccl_p2p_state {
+    struct comm_p2p_req host;  /* the MPI twin's request for host buffers */
+    cudaEvent_t done;          /* recorded on the side stream after the group */
+};
+
+/* The group goes on the side stream once the compute stream's queued work (which wrote the send
+ * buffers and last read the receive buffers) is done. */
+static void nccl_p2p_start(struct comm *c, const struct comm_p2p_op *ops, int n, struct comm_p2p_req *r)
+{
+    struct nccl_impl *im = impl_of(c);
+    r->state = NULL;
+    const int host = p2p_on_host(c, ops, n);
+    if (host < 0) return;
+    struct nccl_p2p_state *st = (struct nccl_p2p_state *)mt_calloc(1, sizeof *st);
+    if (host == 1) {
+        im->host->ops->p2p_start(im->host, ops, n, &st->host);
+    } else {
+        if (!im->side) CUDA_CHECK(cudaStreamCreateWithFlags(&im->side, cudaStreamNonBlocking));
+        cudaEvent_t ready;
+        CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+        CUDA_CHECK(cudaEventRecord(ready, g_cuda.stream));
+        CUDA_CHECK(cudaStreamWaitEvent(im->side, ready, 0));
+        CUDA_CHECK(cudaEventDestroy(ready));
+        p2p_group(im, ops, n, im->side);
+        CUDA_CHECK(cudaEventCreateWithFlags(&st->done, cudaEventDisableTiming));
+        CUDA_CHECK(cudaEventRecord(st->done, im->side));
+    }
+    r->state = st;
+}
+
+static void nccl_p2p_wait(struct comm *c, struct comm_p2p_req *r)
+{
+    struct nccl_impl *im = impl_of(c);
+    struct nccl_p2p_state *st = (struct nccl_p2p_state *)r->state;
+    if (!st) return;
+    if (st->host.state) {
+        im->host->ops->p2p_wait(im->host, &st->host);
+    } else {
+        CUDA_CHECK(cudaStreamWaitEvent(g_cuda.stream, st->done, 0));
+        CUDA_CHECK(cudaEventDestroy(st->done));
+    }
+    free(st);
+    r->state = NULL;
 }
 
 static void nccl_destroy(struct comm *c)
@@ -223,6 +279,10 @@ static void nccl_destroy(struct comm *c)
     ipc_a2a_free(im->ipc);
     CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
     if (im->inbox) CUDA_CHECK(cudaFree(im->inbox));
+    if (im->side) {
+        CUDA_CHECK(cudaStreamSynchronize(im->side));
+        CUDA_CHECK(cudaStreamDestroy(im->side));
+    }
     NCCL_CHECK(ncclCommFinalize(im->nccl));
     NCCL_CHECK(ncclCommDestroy(im->nccl));
     comm_free(im->host);
@@ -232,7 +292,7 @@ static void nccl_destroy(struct comm *c)
 
 static const struct comm_ops nccl_ops = {
     nccl_all_gather, nccl_reduce_scatter_sum, nccl_all_reduce_sum, nccl_all_to_all_v,
-    nccl_all_to_all, nccl_all_to_all_inbox, nccl_p2p, nccl_destroy,
+    nccl_all_to_all, nccl_all_to_all_inbox, nccl_p2p, nccl_p2p_start, nccl_p2p_wait, nccl_destroy,
 };
 
 extern "C" struct comm *comm_nccl_create(MPI_Comm mpi)

@@ -30,6 +30,11 @@ struct comm_p2p_op {
     enum comm_dtype dtype;
 };
 
+/* A grouped transfer in flight between comm_p2p_start and comm_p2p_wait. */
+struct comm_p2p_req {
+    void *state;           /* the implementation's; NULL when nothing is in flight */
+};
+
 struct comm_ops {
     /* recv[size * n] = concatenation of every rank's send[n], in rank order */
     void (*all_gather)(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t);
@@ -54,6 +59,13 @@ struct comm_ops {
      * stream in one ncclGroup, so neighbours that send to each other cannot deadlock whatever order
      * they list the ops in). Matching is by (peer, order): the k-th send to p meets p's k-th recv. */
     void (*p2p)(struct comm *c, const struct comm_p2p_op *ops, int n);
+    /* p2p split in two so the transfers run while the caller computes: start posts the group
+     * (MPI: Isend/Irecv; NCCL: on a side stream, after the work already queued on the compute
+     * stream) and returns; wait makes the received data usable (MPI: Waitall; NCCL: the compute
+     * stream waits for the side stream) and the send buffers writable again. Between the two the
+     * buffers are the transfer's. Groups started on one comm complete in the order started. */
+    void (*p2p_start)(struct comm *c, const struct comm_p2p_op *ops, int n, struct comm_p2p_req *r);
+    void (*p2p_wait)(struct comm *c, struct comm_p2p_req *r);
     /* optional (NULL for MPI): releases c->impl; comm_free calls it before freeing c */
     void (*destroy)(struct comm *c);
 };
@@ -82,6 +94,9 @@ void comm_all_to_all_v(struct comm *c, void *recv, const int64_t *recv_counts, c
 void comm_all_to_all(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t);
 /* Grouped sends/receives (ops->p2p). A NULL comm has no peers: only n == 0 is allowed. */
 void comm_p2p(struct comm *c, const struct comm_p2p_op *ops, int n);
+void comm_p2p_start(struct comm *c, const struct comm_p2p_op *ops, int n, struct comm_p2p_req *r);
+/* (a request with nothing in flight returns at once) */
+void comm_p2p_wait(struct comm *c, struct comm_p2p_req *r);
 /* (for a NULL comm the result is `send` itself) */
 const void *comm_all_to_all_inbox(struct comm *c, const int64_t *recv_counts, const void *send,
                                   const int64_t *send_counts, enum comm_dtype t);

@@ -94,9 +94,14 @@ void comm_mpi_set_p2p_chunk(size_t elements)
     p2p_chunk = elements >= 1 && elements <= INT_MAX ? elements : INT_MAX;
 }
 
+struct mpi_p2p_state {
+    int n;
+    MPI_Request req[];
+};
+
 /* Each op becomes ceil(count / chunk) requests of at most INT_MAX elements; both sides split the
  * same count the same way, so the k-th piece of a send meets the k-th piece of its recv. */
-static void mpi_p2p(struct comm *c, const struct comm_p2p_op *ops, int n)
+static void mpi_p2p_start(struct comm *c, const struct comm_p2p_op *ops, int n, struct comm_p2p_req *r)
 {
     const size_t chunk = p2p_chunk;
     size_t n_req = 0;
@@ -106,7 +111,9 @@ static void mpi_p2p(struct comm *c, const struct comm_p2p_op *ops, int n)
                  c->size, c->rank);
         n_req += (ops[i].count + chunk - 1) / chunk;
     }
-    MPI_Request *req = mt_malloc(MT_MAX(n_req, 1) * sizeof *req);
+    MT_CHECK(n_req <= INT_MAX, "p2p: %zu requests", n_req);
+    struct mpi_p2p_state *st = mt_malloc(sizeof *st + MT_MAX(n_req, 1) * sizeof(MPI_Request));
+    MPI_Request *req = st->req;
     size_t k = 0;
     for (int i = 0; i < n; i++) {
         const struct comm_p2p_op *o = &ops[i];
@@ -120,8 +127,25 @@ static void mpi_p2p(struct comm *c, const struct comm_p2p_op *ops, int n)
                 MT_CHECK_MPI(MPI_Irecv(p, cnt, mpi_type(o->dtype), o->peer, 0, c->mpi, &req[k++]));
         }
     }
-    MT_CHECK_MPI(MPI_Waitall((int)k, req, MPI_STATUSES_IGNORE));
-    free(req);
+    st->n = (int)k;
+    r->state = st;
+}
+
+static void mpi_p2p_wait(struct comm *c, struct comm_p2p_req *r)
+{
+    (void)c;
+    struct mpi_p2p_state *st = r->state;
+    if (!st) return;
+    MT_CHECK_MPI(MPI_Waitall(st->n, st->req, MPI_STATUSES_IGNORE));
+    free(st);
+    r->state = NULL;
+}
+
+static void mpi_p2p(struct comm *c, const struct comm_p2p_op *ops, int n)
+{
+    struct comm_p2p_req r = {NULL};
+    mpi_p2p_start(c, ops, n, &r);
+    mpi_p2p_wait(c, &r);
 }
 
 /* c->impl of an MPI comm: the all_to_all_inbox buffer, grown on demand */
@@ -164,6 +188,8 @@ static const struct comm_ops mpi_ops = {
     .all_to_all = mpi_all_to_all,
     .all_to_all_inbox = mpi_all_to_all_inbox,
     .p2p = mpi_p2p,
+    .p2p_start = mpi_p2p_start,
+    .p2p_wait = mpi_p2p_wait,
     .destroy = mpi_destroy,
 };
 
@@ -252,6 +278,23 @@ void comm_p2p(struct comm *c, const struct comm_p2p_op *ops, int n)
         return;
     }
     if (n > 0) TIMED(c->ops->p2p(c, ops, n));
+}
+
+void comm_p2p_start(struct comm *c, const struct comm_p2p_op *ops, int n, struct comm_p2p_req *r)
+{
+    r->state = NULL;
+    if (single(c)) {
+        MT_CHECK(n == 0, "p2p: %d transfers on a group of one rank (no peers)", n);
+        return;
+    }
+    if (n > 0) TIMED(c->ops->p2p_start(c, ops, n, r));
+}
+
+void comm_p2p_wait(struct comm *c, struct comm_p2p_req *r)
+{
+    if (!r->state) return;
+    TIMED(c->ops->p2p_wait(c, r));
+    r->state = NULL;
 }
 
 const void *comm_all_to_all_inbox(struct comm *c, const int64_t *recv_counts, const void *send,

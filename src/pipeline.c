@@ -267,14 +267,45 @@ out:
 
 /* ---- execution --------------------------------------------------------------------------- */
 
-void pipe_run(const struct pipe_schedule *s, struct comm *pp_comm, const struct pipe_stage *st)
+/* a transfer point in flight (overlap) */
+struct in_flight {
+    struct comm_p2p_req req;
+    struct pipe_action a;
+    bool live;
+};
+
+/* Waits for every point in flight that receives into, or sends from, what the compute of `micro`
+ * (kind k) touches: its input (forward) or output gradient (backward), and its slot's sends. */
+static void wait_for(const struct pipe_schedule *s, struct comm *c, struct in_flight *fl, int n_fl,
+                     enum pipe_action_kind k, int micro)
+{
+    const enum pipe_xfer_kind needed = k == PIPE_FORWARD ? PIPE_RECV_FORWARD : PIPE_RECV_BACKWARD;
+    for (int f = 0; f < n_fl; f++) {
+        if (!fl[f].live) continue;
+        bool hit = false;
+        for (int j = 0; j < fl[f].a.n_xfer; j++) {
+            const struct pipe_xfer *x = &fl[f].a.xfer[j];
+            hit |= x->kind == needed && x->micro == micro;
+            hit |= is_send(x->kind) && pipe_slot(s, x->micro) == pipe_slot(s, micro);
+        }
+        if (hit) {
+            comm_p2p_wait(c, &fl[f].req);
+            fl[f].live = false;
+        }
+    }
+}
+
+void pipe_run(const struct pipe_schedule *s, struct comm *pp_comm, const struct pipe_stage *st, bool overlap)
 {
     MT_CHECK(s->pp == 1 || (pp_comm && pp_comm->size == s->pp && pp_comm->rank == s->stage),
              "pipeline: the PP comm (rank %d of %d) does not match stage %d of %d",
              pp_comm ? pp_comm->rank : 0, pp_comm ? pp_comm->size : 1, s->stage, s->pp);
     struct comm_p2p_op ops[2 * PIPE_MAX_BUFS];
+    struct in_flight *fl = overlap ? mt_calloc((size_t)MT_MAX(s->n, 1), sizeof *fl) : NULL;
+    int n_fl = 0;
     for (int k = 0; k < s->n; k++) {
         const struct pipe_action *a = &s->a[k];
+        if (a->kind != PIPE_COMM && overlap) wait_for(s, pp_comm, fl, n_fl, a->kind, a->micro);
         if (a->kind == PIPE_FORWARD) {
             st->forward(st->ctx, pipe_slot(s, a->micro), a->micro);
             continue;
@@ -295,6 +326,15 @@ void pipe_run(const struct pipe_schedule *s, struct comm *pp_comm, const struct 
             }
             n += got;
         }
-        comm_p2p(pp_comm, ops, n);
+        if (!overlap) {
+            comm_p2p(pp_comm, ops, n);
+            continue;
+        }
+        fl[n_fl].a = *a;
+        fl[n_fl].live = true;
+        comm_p2p_start(pp_comm, ops, n, &fl[n_fl++].req);
     }
+    for (int f = 0; f < n_fl; f++)
+        if (fl[f].live) comm_p2p_wait(pp_comm, &fl[f].req);
+    free(fl);
 }

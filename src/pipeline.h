@@ -83,7 +83,12 @@ struct pipe_stage {
 #define PIPE_MAX_BUFS 4
 
 /* Runs the schedule of this rank's stage: pp_comm has rank = stage and size = pp (a NULL comm
- * for pp = 1). */
-void pipe_run(const struct pipe_schedule *s, struct comm *pp_comm, const struct pipe_stage *st);
+ * for pp = 1) and carries nothing else meanwhile.
+ * overlap false: each transfer point completes before the next action.
+ * overlap true: a transfer point is started (comm_p2p_start) and waited for only before the
+ * compute that reads what it receives, or that runs in the slot of a micro-batch it sends, so
+ * sends run under the next compute. The stage must then keep each slot's transfer buffers
+ * apart from what compute on other slots writes. */
+void pipe_run(const struct pipe_schedule *s, struct comm *pp_comm, const struct pipe_stage *st, bool overlap);
 
 #endif

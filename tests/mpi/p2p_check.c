@@ -1,11 +1,12 @@
-/* mpirun -np N p2p_check [CHUNK]
+/* mpirun -np N p2p_check [CHUNK [ASYNC]]
  *
  * Grouped point-to-point transfers of the comm layer (comm_p2p, src/comm.h) over MPI. Every rank
  * posts, in ONE group, sends to both ring neighbours and receives from both, listing its sends
  * before its receives (blocking sends in that order would deadlock on a ring), with two messages to
  * the same peer in one group (matched in order), three dtypes and a zero-count op. CHUNK > 0 cuts
  * every transfer into pieces of at most CHUNK elements (comm_mpi_set_p2p_chunk), exercising the
- * split that counts above INT_MAX take. Each received element must equal what the sender wrote.
+ * split that counts above INT_MAX take. ASYNC 1 posts the sends and the receives as two groups
+ * with comm_p2p_start, both in flight before either is waited on (comm_p2p_wait). Each received element must equal what the sender wrote.
  * Exits 0 when everything matches, else each failing rank prints its first problem and all exit 1. */
 #include <mpi.h>
 #include <stdint.h>
@@ -52,7 +53,15 @@ int main(int argc, char **argv)
         {COMM_RECV, prev, r1, n_prev, COMM_I64},
         {COMM_RECV, next, r2, 1000 + 37 * (size_t)next, COMM_BF16},
     };
-    comm_p2p(c, ops, n_ops);
+    if (argc > 2 && atoi(argv[2])) {
+        struct comm_p2p_req sends, recvs;
+        comm_p2p_start(c, ops, n_ops ? 4 : 0, &sends);
+        comm_p2p_start(c, ops + 4, n_ops ? 3 : 0, &recvs);
+        comm_p2p_wait(c, &recvs);
+        comm_p2p_wait(c, &sends);
+    } else {
+        comm_p2p(c, ops, n_ops);
+    }
 
     int bad = 0;
     char first[256] = "";

@@ -1,4 +1,4 @@
-/* mpirun -np PP pipe_check N_MICRO
+/* mpirun -np PP pipe_check N_MICRO [OVERLAP]
  *
  * Runs the 1F1B executor (src/pipeline.h) over real MPI point-to-point transfers, one stage per
  * rank, on a toy pipeline: stage s maps a vector x[D] to y = a_s·x + c·x², the first stage's input
@@ -7,6 +7,7 @@
  * early or a transfer of the wrong micro-batch changes the numbers. Every transfer also carries
  * the micro-batch index as a second buffer, checked on arrival. Every rank recomputes the whole
  * chain serially and compares its stage's da_s (and, on the last stage, each loss) exactly.
+ * OVERLAP 1 runs the executor with transfers started and waited for late (comm_p2p_start/wait).
  * Exit 0 when all match; otherwise the failing rank prints why and all exit 1. */
 #include <math.h>
 #include <mpi.h>
@@ -91,7 +92,7 @@ int main(int argc, char **argv)
     t.tag_out = mt_calloc((size_t)s.n_slots, sizeof(int64_t));
     t.loss = mt_calloc((size_t)t.n_micro, sizeof(double));
     struct pipe_stage st = {.ctx = &t, .forward = fwd, .backward = bwd, .buffers = bufs};
-    pipe_run(&s, t.pp > 1 ? pp : NULL, &st);
+    pipe_run(&s, t.pp > 1 ? pp : NULL, &st, argc > 2 && atoi(argv[2]) != 0);
 
     /* the same chain, serially, the same operations in the same order per element */
     double da_ref = 0, x[D], xs[64][D];

@@ -166,6 +166,9 @@ static void expect_mpi_ok(const char *prog, int np, const char *args)
 
 Test(pipeline_mpi, p2p_ring, .timeout = 180) { expect_mpi_ok("p2p_check", 3, "0"); }
 Test(pipeline_mpi, p2p_two_ranks_split_in_pieces, .timeout = 180) { expect_mpi_ok("p2p_check", 2, "7"); }
+Test(pipeline_mpi, p2p_start_wait_two_groups_in_flight, .timeout = 180) { expect_mpi_ok("p2p_check", 3, "5 1"); }
 Test(pipeline_mpi, executor_pp2, .timeout = 180) { expect_mpi_ok("pipe_check", 2, "5"); }
 Test(pipeline_mpi, executor_pp4_fewer_micro_than_stages, .timeout = 180) { expect_mpi_ok("pipe_check", 4, "3"); }
 Test(pipeline_mpi, executor_pp4, .timeout = 180) { expect_mpi_ok("pipe_check", 4, "9"); }
+Test(pipeline_mpi, executor_pp4_overlapped, .timeout = 180) { expect_mpi_ok("pipe_check", 4, "9 1"); }
+Test(pipeline_mpi, executor_pp3_overlapped_few_micro, .timeout = 180) { expect_mpi_ok("pipe_check", 3, "2 1"); }
