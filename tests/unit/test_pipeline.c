@@ -7,7 +7,10 @@
 #include <string.h>
 
 #include "common.h"
+#include "config.h"
 #include "pipeline.h"
+#include "train.h"
+#include "train_pipeline.h"
 #include "../test_util.h"
 
 static void build_all(struct pipe_schedule *s, int pp, int m)
@@ -172,3 +175,38 @@ Test(pipeline_mpi, executor_pp4_fewer_micro_than_stages, .timeout = 180) { expec
 Test(pipeline_mpi, executor_pp4, .timeout = 180) { expect_mpi_ok("pipe_check", 4, "9"); }
 Test(pipeline_mpi, executor_pp4_overlapped, .timeout = 180) { expect_mpi_ok("pipe_check", 4, "9 1"); }
 Test(pipeline_mpi, executor_pp3_overlapped_few_micro, .timeout = 180) { expect_mpi_ok("pipe_check", 3, "2 1"); }
+
+/* ---- the pooled router statistics that ride with the activations ---- */
+
+/* Pooling layer by layer across stage boundaries gives aux_from_stats' number bit for bit,
+ * whatever the split, with dense layers in between. */
+Test(pipeline, pooled_aux_equals_the_single_stage_statistic)
+{
+    struct config c;
+    config_defaults(&c);
+    struct model_config *mc = &c.model;
+    mc->num_hidden_layers = 7;
+    mc->num_experts = 5;
+    mc->n_mlp_only_layers = 2;
+    mc->mlp_only_layers[0] = 0;
+    mc->mlp_only_layers[1] = 4;
+    const int L = 7, E = 5, n_moe = 5;
+    const int64_t tokens = 96;
+    float stats[7 * 2 * 5];
+    mt_rng r;
+    mt_rng_seed(&r, 3);
+    for (int j = 0; j < L * 2 * E; j++) stats[j] = (float)(mt_rng_uniform(&r) * 40);
+    double want, cnt[5];
+    aux_from_stats(stats, L, mc, tokens, &want, cnt);
+    const int splits[][4] = {{0, 7, 7, 7}, {0, 3, 7, 7}, {0, 1, 2, 7}, {0, 5, 6, 7}};
+    for (size_t k = 0; k < sizeof splits / sizeof splits[0]; k++) {
+        double ps[5] = {0}, ct[5] = {0};
+        for (int s = 0; s < 3; s++) {
+            const int l0 = splits[k][s], l1 = splits[k][s + 1];
+            pipe_pool_stats(mc, stats + (size_t)l0 * 2 * E, l0, l1, ps, ct);
+        }
+        const double got = pipe_aux_pooled(ps, ct, E, n_moe, tokens);
+        cr_assert(memcmp(&got, &want, sizeof got) == 0, "split %zu: %.17g vs %.17g", k, got, want);
+        cr_assert(memcmp(ct, cnt, sizeof cnt) == 0, "split %zu: counts differ", k);
+    }
+}
