@@ -605,8 +605,8 @@ bool ckpt_load_checked(const char *dir, struct params *p, const struct mesh *mes
             struct param_group_shard *g = &p->g[k];
             float *dst = b == CK_MASTER ? g->master : b == CK_ADAM_M ? g->m1 : g->m2;
             be->upload(dst, host[k], (size_t)g->numel * sizeof(float));
-            if (b == CK_MASTER) be->cast_f32_to_x(g->param_x, g->master, (size_t)g->numel);
         }
+        if (ok && b == CK_MASTER) params_refresh_copy(p);
         for (int k = 0; k < TG_COUNT; k++) free(host[k]);
     }
     if (ok) {

@@ -49,6 +49,7 @@ void config_defaults(struct config *c)
     c->parallel.expert_parallel_size = 1;
     c->parallel.ep_outside = false;
     c->parallel.n_pipeline_layers = 0;
+    c->parallel.reshard_after_forward = true;
     c->parallel.backend = MT_BACKEND_AUTO;
 
     struct train_config *t = &c->train;
@@ -67,6 +68,8 @@ void config_defaults(struct config *c)
     t->seed = 1234;
     t->activation_checkpointing = false;
     t->load_balance = MT_LB_AUX;
+    t->weight_copy = MT_COPY_AUTO;
+    t->optimizer_state_dtype = MT_STATE_FP32;
     t->bias_update_rate = 1e-3;
 
     c->data.kind = MT_DATA_SYNTHETIC;

@@ -26,8 +26,11 @@
 #include "config.h"
 #include "data.h"
 #include "flops.h"
+#include "fsdp.h"
 #include "hf_export.h"
 #include "hf_load.h"
+#include "mem_report.h"
+#include "memory_estimate.h"
 #include "mesh.h"
 #include "metrics.h"
 #include "model.h"
@@ -184,6 +187,14 @@ static void agree_or_exit(const struct mesh *mesh, bool ok, const char *err)
     mt_user_error("%s", msg);
 }
 
+/* train.weight_copy: keep the shard's compute copy unless told not to, or (auto) unless the plan
+ * with it does not fit the device's memory (known on the GPU only; with fp32 compute the copy is the
+ * master itself and costs nothing). */
+bool train_keep_weight_copy(const struct config *c, const struct mesh_dims *d, const struct backend *be)
+{
+    return be->x_size == sizeof(float) || estimate_keep_copy(c, d, be->mem_bytes);
+}
+
 /* The comm that moves tensors living in `be`'s memory. */
 static struct comm *comm_for_backend(const struct backend *be, MPI_Comm c)
 {
@@ -240,7 +251,8 @@ int cmd_train(const struct cli *a)
     }
     float *bias_h = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(float));
     struct params p;
-    params_init(&p, &m, stage, fsdp);
+    const bool keep_copy = train_keep_weight_copy(&c, &mesh.d, be);
+    params_init_opts(&p, &m, stage, fsdp, keep_copy);
     int start_step = 0;
     if (resuming) {
         ckpt_load(resume_dir, &p, &mesh, &c, bias_h, &start_step);
@@ -256,7 +268,8 @@ int cmd_train(const struct cli *a)
     } else {
         params_init_random(&p, tc->seed);
     }
-    params_gather_weights(&p);
+    struct fsdp sharding;
+    fsdp_init(&sharding, &p, c.parallel.reshard_after_forward);
     plan_print_mesh(stdout, &c, &mesh);
     char init[3 * MT_PATH_MAX];
     if (resuming) snprintf(init, sizeof init, "resumed from %s (step %d)", resume_dir, start_step);
@@ -285,7 +298,7 @@ int cmd_train(const struct cli *a)
         double t0 = mt_now();
         double split[PROF_COUNT];
         profile_reset();
-        model_zero_grad(&m);
+        params_zero_grad(&p);
         double ce_local = 0, aux_sum = 0;
         int64_t valid_local = 0;
         memset(layer_counts, 0, (size_t)L * MT_MAX(E, 1) * sizeof(double));
@@ -308,12 +321,12 @@ int cmd_train(const struct cli *a)
             }
             model_backward(&m, (float)(1.0 / n_valid_global), use_aux ? aux_dp : NULL);
         }
-        double gsq = params_reduce_grads(&p, world);
+        double gsq = params_grad_sumsq(&p, world);
         double gnorm = sqrt(gsq);
         double scale = tc->grad_clip > 0 && gnorm > tc->grad_clip ? tc->grad_clip / gnorm : 1.0;
         double lr = train_lr_at(tc, step);
         params_adamw_step(&p, tc, (float)lr, (float)scale);
-        params_gather_weights(&p);
+        fsdp_invalidate(&sharding);
 
         double sums[2] = {ce_local, (double)valid_local};
         comm_all_reduce_sum(world, sums, 2, COMM_F64);
@@ -323,6 +336,7 @@ int cmd_train(const struct cli *a)
             balance_bias_update(bias_h, layer_counts, &c.model, tc->bias_update_rate);
             be->upload(m.bias, bias_h, (size_t)L * E * sizeof(float));
         }
+        mem_report_sample(be);
         double step_s = mt_now() - t0;
         if (step == start_step + 1) first_step_s = step_s;
         double ce = sums[0] / n_valid_global, aux = aux_sum / n_micro;
@@ -352,6 +366,9 @@ int cmd_train(const struct cli *a)
         if (ckpt_due(&c, step)) ckpt_save(c.checkpoint.dir, step, &p, &mesh, &c, m.bias ? bias_h : NULL);
     }
     mt_log0("done: %d steps in %.1f s\n", tc->steps - start_step, mt_now() - t_start);
+    struct mem_peak peak;
+    mem_report_collect(&mesh, &peak);
+    mem_report_print(&c, &mesh, &peak, keep_copy, be->x_size);
     if (*c.checkpoint.export_hf) {
         if (!export_params_hf(&p, &mesh, &c.model, c.checkpoint.export_hf, err, sizeof err)) mt_fatal("%s", err);
         mt_log0("exported the final weights to %s (Hugging Face layout)\n", c.checkpoint.export_hf);
@@ -359,6 +376,7 @@ int cmd_train(const struct cli *a)
     metrics_close(&ml);
     free(ids); free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv);
     free(tok); free(bias_h);
+    fsdp_free(&sharding);
     params_free(&p);
     model_free(&m);
     comm_free(world); comm_free(stage_h); comm_free(stage); comm_free(ep); comm_free(fsdp);

@@ -10,6 +10,10 @@ bool train_check(const struct config *c, const struct mesh_dims *d, int *n_micro
     const char *path = c->path[0] ? c->path : "config";
     const struct train_config *tc = &c->train;
     const int dp = d->S, mb = tc->micro_batch_size;
+    if (tc->optimizer_state_dtype == MT_STATE_BF16) {
+        snprintf(err, (size_t)errcap, "%s: train.optimizer_state_dtype: bf16 is not implemented yet", path);
+        return false;
+    }
     if (d->pp > 1) {
         snprintf(err, (size_t)errcap, "%s: parallel.pipeline_parallel_size %d: pipeline execution is not "
                  "implemented yet (plan lays it out)", path, d->pp);
