@@ -39,6 +39,7 @@
 #include "profile.h"
 #include "train.h"
 #include "train_check.h"
+#include "train_pipeline.h"
 
 double train_lr_at(const struct train_config *t, int step)
 {
@@ -243,7 +244,15 @@ int cmd_train(const struct cli *a)
     struct comm *ep = comm_for_backend(be, mesh.ep_comm);
     struct comm *fsdp = comm_for_backend(be, mesh.fsdp_comm);
     struct model m;
-    model_init(&m, be, &c.model, mb, tc->seq_len, ep, tc->activation_checkpointing);
+    const bool piped = mesh.d.pp > 1;
+    struct comm *pp = piped ? comm_for_backend(be, mesh.pp_comm) : NULL;
+    struct comm *ends = piped && mesh.ends_comm != MPI_COMM_NULL ? comm_for_backend(be, mesh.ends_comm) : NULL;
+    if (piped) {
+        const struct model_stage st = pipe_model_stage(&mesh, n_micro);
+        model_init_stage(&m, be, &c.model, mb, tc->seq_len, ep, tc->activation_checkpointing, &st);
+    } else {
+        model_init(&m, be, &c.model, mb, tc->seq_len, ep, tc->activation_checkpointing);
+    }
     const int E = m.E, L = m.L;
     if (tc->load_balance == MT_LB_BIAS && E > 0) {
         m.bias = be->alloc((size_t)L * E * sizeof(float));
@@ -293,6 +302,8 @@ int cmd_train(const struct cli *a)
     double *tok = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(double));
     const double flops_tok = flops_train_per_token(&c.model, tc->seq_len);
     double t_start = mt_now(), first_step_s = 0;
+    struct pipe_train pt;
+    if (piped) pipe_train_init(&pt, &c, &mesh, &m, data, stage_h, pp, n_micro);
 
     for (int step = start_step + 1; step <= tc->steps; step++) {
         double t0 = mt_now();
@@ -302,7 +313,11 @@ int cmd_train(const struct cli *a)
         double ce_local = 0, aux_sum = 0;
         int64_t valid_local = 0;
         memset(layer_counts, 0, (size_t)L * MT_MAX(E, 1) * sizeof(double));
-        for (int micro = 0; micro < n_micro; micro++) {
+        if (piped) {
+            pipe_train_step(&pt, step);
+            pipe_train_results(&pt, &ce_local, &valid_local, &aux_sum, layer_counts);
+        }
+        for (int micro = 0; micro < n_micro && !piped; micro++) {
             int64_t first = data_first_seq(step - 1, micro, n_micro, mesh.me.local, dp, mb);
             data_get_sequences(data, first, mb, ids);
             struct model_step_out o;
@@ -321,7 +336,7 @@ int cmd_train(const struct cli *a)
             }
             model_backward(&m, (float)(1.0 / n_valid_global), use_aux ? aux_dp : NULL);
         }
-        double gsq = params_grad_sumsq(&p, world);
+        double gsq = piped ? pipe_grad_sumsq(&p, &mesh, ends, world) : params_grad_sumsq(&p, world);
         double gnorm = sqrt(gsq);
         double scale = tc->grad_clip > 0 && gnorm > tc->grad_clip ? tc->grad_clip / gnorm : 1.0;
         double lr = train_lr_at(tc, step);
@@ -376,6 +391,8 @@ int cmd_train(const struct cli *a)
     metrics_close(&ml);
     free(ids); free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv);
     free(tok); free(bias_h);
+    if (piped) pipe_train_free(&pt);
+    comm_free(pp); comm_free(ends);
     fsdp_free(&sharding);
     params_free(&p);
     model_free(&m);

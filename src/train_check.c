@@ -14,11 +14,6 @@ bool train_check(const struct config *c, const struct mesh_dims *d, int *n_micro
         snprintf(err, (size_t)errcap, "%s: train.optimizer_state_dtype: bf16 is not implemented yet", path);
         return false;
     }
-    if (d->pp > 1) {
-        snprintf(err, (size_t)errcap, "%s: parallel.pipeline_parallel_size %d: pipeline execution is not "
-                 "implemented yet (plan lays it out)", path, d->pp);
-        return false;
-    }
     if (tc->global_batch_size % (dp * mb) != 0) {
         snprintf(err, (size_t)errcap, "%s: train.global_batch_size %d is not a multiple of "
                  "train.micro_batch_size %d x %d data-parallel ranks (ranks per pipeline stage)",

@@ -2,8 +2,12 @@
 #include "train_pipeline.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #include "common.h"
+#include "data.h"
+#include "pipeline.h"
+#include "train.h"
 
 double pipe_aux_pooled(const double *psum, const double *count, int E, int n_moe, int64_t tokens)
 {
@@ -27,12 +31,30 @@ void pipe_pool_stats(const struct model_config *mc, const float *stats, int l0, 
     }
 }
 
-void pipe_tie_grads(struct model *m, const struct mesh *mesh, struct comm *ends)
+void pipe_tie_grads(struct params *p, const struct mesh *mesh, struct comm *ends)
 {
-    if (mesh->d.pp == 1 || !m->cfg.tie_word_embeddings || !ends) return;
-    const int i = tensor_lookup(&m->tt, TR_EMBED, -1);
-    MT_CHECK(i >= 0, "pipeline: stage %d of %d keeps no embedding to tie", mesh->me.stage, mesh->d.pp);
-    comm_all_reduce_sum(ends, model_grad(m, i), (size_t)model_work_numel_of(m, i), COMM_F32);
+    if (mesh->d.pp == 1 || !p->m->cfg.tie_word_embeddings || !ends) return;
+    const struct param_group_shard *g = &p->g[TG_DENSE];
+    MT_CHECK(g->u_piece[0] > 0, "pipeline: stage %d of %d keeps no embedding to tie", mesh->me.stage, mesh->d.pp);
+    comm_all_reduce_sum(ends, g->grad + g->u_off[0], (size_t)g->u_piece[0], COMM_F32);
+}
+
+double pipe_grad_sumsq(struct params *p, const struct mesh *mesh, struct comm *ends, struct comm *world)
+{
+    pipe_tie_grads(p, mesh, ends);
+    double all = params_grad_sumsq(p, world), dup = pipe_unowned_grad_sq(p, mesh);
+    comm_all_reduce_sum(world, &dup, 1, COMM_F64);
+    return all - dup;
+}
+
+struct model_stage pipe_model_stage(const struct mesh *mesh, int n_micro)
+{
+    struct pipe_schedule s;
+    pipe_schedule_1f1b(&s, mesh->d.pp, mesh->me.stage, n_micro);
+    struct model_stage st = {.layer0 = mesh->layer0, .layer1 = mesh->layer1, .first = mesh->me.stage == 0,
+                             .last = mesh->me.stage == mesh->d.pp - 1, .n_slots = s.n_slots};
+    pipe_schedule_free(&s);
+    return st;
 }
 
 struct unowned {
@@ -61,4 +83,162 @@ double pipe_unowned_grad_sq(const struct params *p, const struct mesh *mesh)
     params_for_each_run_of(p, p->S_rank, p->F_rank, p->m->expert0, add_unowned, &u);
     for (int k = 0; k < TG_COUNT; k++) free(u.grad[k]);
     return u.sq;
+}
+
+/* ---- the stage as the executor sees it ---------------------------------------------------- */
+
+static void stage_forward(void *ctx, int slot, int micro)
+{
+    struct pipe_train *t = ctx;
+    struct model *m = t->m;
+    const struct mesh *mesh = t->mesh;
+    const struct train_config *tc = &t->c->train;
+    const int E = m->E, L = m->L, mb = tc->micro_batch_size;
+    const bool first = m->st.first, last = m->st.last;
+    if (first || last) {
+        /* the first stage embeds the ids; the last takes its labels from them */
+        const int64_t q = data_first_seq(t->step - 1, micro, t->n_micro, mesh->me.local, mesh->d.S, mb);
+        data_get_sequences(t->data, q, mb, t->ids);
+    }
+    struct model_step_out o;
+    model_stage_forward(m, slot, first || last ? t->ids : NULL, NULL, &o);
+    t->ce_local += o.ce_sum;
+    t->valid_local += o.n_valid;
+    if (E == 0) return;
+    comm_all_reduce_sum(t->stage_h, m->stats_h, (size_t)L * 2 * E, COMM_F32);
+    for (int l = m->st.layer0; l < m->st.layer1; l++)
+        for (int e = 0; e < E; e++) t->layer_counts[(size_t)l * E + e] += m->stats_h[(size_t)l * 2 * E + E + e];
+    /* the sums of the earlier stages' layers arrived with the activations */
+    if (first) memset(t->pool, 0, (size_t)2 * E * sizeof(double));
+    else m->be->download(t->pool, t->carry[slot], (size_t)2 * E * sizeof(double));
+    pipe_pool_stats(&m->cfg, m->stats_h + (size_t)m->st.layer0 * 2 * E, m->st.layer0, m->st.layer1, t->pool,
+                    t->pool + E);
+    if (!last) {
+        m->be->upload(t->carry[slot], t->pool, (size_t)2 * E * sizeof(double));
+        return;
+    }
+    /* every MoE layer of the micro-batch is in: its aux and the aux gradient for the backwards */
+    const double coef = m->cfg.router_aux_loss_coef;
+    t->aux_sum += pipe_aux_pooled(t->pool, t->pool + E, E, m->n_moe_layers, t->tokens_micro_global);
+    aux_grad_from_counts(t->pool + E, E, m->n_moe_layers, t->tokens_micro_global, coef / t->n_micro,
+                         t->aux_host[slot]);
+}
+
+static void stage_backward(void *ctx, int slot, int micro)
+{
+    (void)micro;
+    struct pipe_train *t = ctx;
+    struct model *m = t->m;
+    const int E = m->E;
+    if (E > 0) {
+        /* aux_dp is one vector per micro-batch, from the last stage back through every stage */
+        if (m->st.last) m->be->upload(t->aux_dev[slot], t->aux_host[slot], (size_t)E * sizeof(float));
+        else m->be->download(t->aux_host[slot], t->aux_dev[slot], (size_t)E * sizeof(float));
+    }
+    model_stage_backward(m, slot, (float)(1.0 / t->n_valid_global), t->use_aux ? t->aux_host[slot] : NULL);
+}
+
+static int stage_buffers(void *ctx, enum pipe_xfer_kind k, int slot, int micro, struct comm_p2p_op *ops)
+{
+    (void)micro;
+    struct pipe_train *t = ctx;
+    struct model *m = t->m;
+    const size_t th = (size_t)m->T * m->H;
+    const enum comm_dtype xt = comm_dtype_of_x(m->be->x_size);
+    int n = 0;
+    switch (k) {
+    case PIPE_RECV_FORWARD: ops[n++] = (struct comm_p2p_op){.buf = model_stage_input(m, slot), .count = th, .dtype = xt}; break;
+    case PIPE_SEND_FORWARD: ops[n++] = (struct comm_p2p_op){.buf = model_stage_output(m, slot), .count = th, .dtype = xt}; break;
+    /* the model takes dL/d(output) in d_h and leaves dL/d(input) there: the executor completes
+     * each transfer point before the next compute (no overlap), so one buffer serves every slot */
+    case PIPE_RECV_BACKWARD:
+    case PIPE_SEND_BACKWARD: ops[n++] = (struct comm_p2p_op){.buf = m->d_h, .count = th, .dtype = xt}; break;
+    }
+    if (m->E > 0) {
+        if (k == PIPE_RECV_FORWARD || k == PIPE_SEND_FORWARD)
+            ops[n++] = (struct comm_p2p_op){.buf = t->carry[slot], .count = (size_t)2 * m->E, .dtype = COMM_F64};
+        else
+            ops[n++] = (struct comm_p2p_op){.buf = t->aux_dev[slot], .count = (size_t)m->E, .dtype = COMM_F32};
+    }
+    return n;
+}
+
+void pipe_train_init(struct pipe_train *t, const struct config *c, const struct mesh *mesh, struct model *m,
+                     struct data_source *data, struct comm *stage_h, struct comm *pp, int n_micro)
+{
+    memset(t, 0, sizeof *t);
+    t->c = c;
+    t->mesh = mesh;
+    t->m = m;
+    t->data = data;
+    t->stage_h = stage_h;
+    t->pp = pp;
+    t->n_micro = n_micro;
+    const struct train_config *tc = &c->train;
+    t->tokens_micro_global = (int64_t)mesh->d.S * tc->micro_batch_size * tc->seq_len;
+    t->n_valid_global = (int64_t)tc->global_batch_size * (tc->seq_len - 1);
+    t->use_aux = tc->load_balance == MT_LB_AUX && m->E > 0;
+    t->sched = mt_calloc(1, sizeof *t->sched);
+    pipe_schedule_1f1b(t->sched, mesh->d.pp, mesh->me.stage, n_micro);
+    MT_CHECK(t->sched->n_slots == m->st.n_slots, "pipeline: the model has %d slots, the schedule needs %d",
+             m->st.n_slots, t->sched->n_slots);
+    const int ns = t->sched->n_slots, E = MT_MAX(m->E, 1);
+    t->carry = mt_calloc((size_t)ns, sizeof *t->carry);
+    t->aux_dev = mt_calloc((size_t)ns, sizeof *t->aux_dev);
+    t->aux_host = mt_calloc((size_t)ns, sizeof *t->aux_host);
+    for (int s = 0; s < ns; s++) {
+        t->carry[s] = m->be->alloc((size_t)2 * E * sizeof(double));
+        t->aux_dev[s] = m->be->alloc((size_t)E * sizeof(float));
+        t->aux_host[s] = mt_calloc((size_t)E, sizeof(float));
+    }
+    t->pool = mt_calloc((size_t)2 * E, sizeof(double));
+    t->ids = mt_malloc((size_t)tc->micro_batch_size * tc->seq_len * sizeof(int32_t));
+    t->layer_counts = mt_calloc((size_t)m->L * E, sizeof(double));
+    t->pp_h = comm_mpi_create(mesh->pp_comm);
+    t->world_h = comm_mpi_create(mesh->world_comm);
+}
+
+void pipe_train_results(struct pipe_train *t, double *ce_local, int64_t *valid_local, double *aux_sum,
+                        double *layer_counts)
+{
+    const struct model *m = t->m;
+    *ce_local = t->ce_local;
+    *valid_local = t->valid_local;
+    /* every rank of the last stage computed the same aux: count one of them */
+    double aux = m->st.last && t->mesh->me.local == 0 ? t->aux_sum : 0;
+    comm_all_reduce_sum(t->world_h, &aux, 1, COMM_F64);
+    *aux_sum = aux;
+    const size_t n = (size_t)m->L * MT_MAX(m->E, 1);
+    memcpy(layer_counts, t->layer_counts, n * sizeof(double));
+    if (m->E > 0) comm_all_reduce_sum(t->pp_h, layer_counts, n, COMM_F64);
+}
+
+void pipe_train_step(struct pipe_train *t, int step)
+{
+    t->step = step;
+    t->ce_local = t->aux_sum = 0;
+    t->valid_local = 0;
+    memset(t->layer_counts, 0, (size_t)t->m->L * MT_MAX(t->m->E, 1) * sizeof(double));
+    const struct pipe_stage st = {.ctx = t, .forward = stage_forward, .backward = stage_backward,
+                                  .buffers = stage_buffers};
+    pipe_run(t->sched, t->pp, &st, false);
+}
+
+void pipe_train_free(struct pipe_train *t)
+{
+    for (int s = 0; s < t->sched->n_slots; s++) {
+        t->m->be->free(t->carry[s]);
+        t->m->be->free(t->aux_dev[s]);
+        free(t->aux_host[s]);
+    }
+    free(t->carry);
+    free(t->aux_dev);
+    free(t->aux_host);
+    free(t->pool);
+    free(t->ids);
+    free(t->layer_counts);
+    pipe_schedule_free(t->sched);
+    free(t->sched);
+    comm_free(t->pp_h);
+    comm_free(t->world_h);
 }

@@ -23,13 +23,59 @@ void pipe_pool_stats(const struct model_config *mc, const float *stats, int l0, 
                      double *count);
 
 /* With tied embeddings and pp > 1 the first and last stage each hold the embedding (the last for
- * its LM head): sums their working-layout gradients over `ends` (mesh.ends_comm, in the backend's
- * memory) so both apply the same update. No-op otherwise. */
-void pipe_tie_grads(struct model *m, const struct mesh *mesh, struct comm *ends);
+ * its LM head) as FSDP unit 0, sharded the same way on both: sums the two shard gradients of that
+ * unit over `ends` (mesh.ends_comm in the backend's memory) so both stages apply the same update
+ * to the same weights. No-op otherwise. */
+void pipe_tie_grads(struct params *p, const struct mesh *mesh, struct comm *ends);
 
 /* The squared L2 norm of the reduced shard gradient of the tensors this rank keeps but does not
- * own (mesh_stage_owns: the last stage's tied embedding). params_reduce_grads counts them on
- * every stage that keeps them; subtract the world sum of this to count each parameter once. */
+ * own (mesh_stage_owns: the last stage's tied embedding). params_grad_sumsq counts them on every
+ * stage that keeps them; subtract the world sum of this to count each parameter once. */
 double pipe_unowned_grad_sq(const struct params *p, const struct mesh *mesh);
+
+/* After the step's backwards: ties the embedding's gradient and returns the squared global
+ * gradient norm, each parameter counted once (world: host comm over every rank). */
+double pipe_grad_sumsq(struct params *p, const struct mesh *mesh, struct comm *ends, struct comm *world);
+
+/* The model's stage for this rank: its layers, first/last, and the 1F1B slots it needs. */
+struct model_stage pipe_model_stage(const struct mesh *mesh, int n_micro);
+
+struct data_source;
+struct pipe_schedule;
+/* One rank's pipelined training step (pp > 1): the 1F1B schedule over the micro-batches of a step
+ * with the activations, the pooled router statistics [2, E] (f64) carried forward, and dL/dh with
+ * the aux-loss gradient aux_dp [E] carried back. */
+struct pipe_train {
+    const struct config *c;
+    const struct mesh *mesh;
+    struct model *m;
+    struct data_source *data;
+    struct comm *stage_h;      /* host, the stage's ranks (router statistics) */
+    struct comm *pp;           /* the backend's, this rank's pipeline */
+    struct comm *pp_h, *world_h; /* host: the pipeline, every rank */
+    struct pipe_schedule *sched;
+    int n_micro, step;
+    int64_t tokens_micro_global, n_valid_global;
+    bool use_aux;
+    double **carry;            /* [n_slots] backend [2E] f64: pooled psum then count */
+    float **aux_dev;           /* [n_slots] backend [E] */
+    float **aux_host;          /* [n_slots] host [E] */
+    double *pool;              /* host [2E] */
+    int32_t *ids;              /* host [B, S] */
+    /* the step's results on this rank */
+    double ce_local, aux_sum;  /* aux_sum: Σ over micro-batches of aux, on the last stage */
+    int64_t valid_local;
+    double *layer_counts;      /* [L, E] of this stage's layers (others 0) */
+};
+void pipe_train_init(struct pipe_train *t, const struct config *c, const struct mesh *mesh, struct model *m,
+                     struct data_source *data, struct comm *stage_h, struct comm *pp, int n_micro);
+/* Runs the step's forwards and backwards; then the results above are this rank's. */
+void pipe_train_step(struct pipe_train *t, int step);
+/* The step's results as the single-stage loop has them: ce and labelled tokens of this rank (the
+ * last stage's; the caller sums them over the world), aux summed over micro-batches (the same on
+ * every rank), layer_counts [L, E] of every layer (the same on every rank of the stage). */
+void pipe_train_results(struct pipe_train *t, double *ce_local, int64_t *valid_local, double *aux_sum,
+                        double *layer_counts);
+void pipe_train_free(struct pipe_train *t);
 
 #endif

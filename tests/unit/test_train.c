@@ -218,14 +218,14 @@ Test(train, loss_falls_toward_the_corpus_entropy, .timeout = 300)
 /* Same global batch on every mesh: per-step losses and the exported final weights must equal the
  * single-rank run's to 1e-5 relative. The global micro-batch (8 sequences) is the same on every
  * mesh, so the pooled aux statistic is too (design.md). */
-static void run_mesh(int np, int ep, const char *tag, const char *extra)
+static void run_mesh(int np, int ep, const char *tag, const char *extra, const char *mesh_extra)
 {
     char cmd[2048], *out = NULL;
     snprintf(cmd, sizeof cmd, "rm -rf /tmp/mt_mesh_%s && timeout 240 %s -np %d %s/moetrain train configs/tiny.yaml "
              "--backend cpu --set train.steps=5 --set train.micro_batch_size=%d "
              "--set parallel.expert_parallel_size=%d --set log.metrics=/tmp/mt_mesh_%s.jsonl "
-             "--set checkpoint.export_hf=/tmp/mt_mesh_%s %s",
-             tag, tu_mpirun(), np, tu_build(), 8 / np, ep, tag, tag, extra);
+             "--set checkpoint.export_hf=/tmp/mt_mesh_%s %s %s",
+             tag, tu_mpirun(), np, tu_build(), 8 / np, ep, tag, tag, extra, mesh_extra ? mesh_extra : "");
     int rc = tu_run(cmd, &out);
     cr_assert_eq(rc, 0, "mesh %s failed:\n%s", tag, out);
     free(out);
@@ -250,12 +250,12 @@ static double tensor_rel_diff(const struct st_file *a, const struct st_file *b, 
 
 /* Runs the single-rank reference and the given meshes with `extra` options; compares losses,
  * gradient norms (each element counted once) and the final weights. */
-static void check_meshes(int n, const int (*meshes)[2], const char *const *names, const char *ref_name,
-                         const char *extra)
+static void check_meshes_ex(int n, const int (*meshes)[2], const char *const *names, const char *ref_name,
+                            const char *extra, const char *const *mesh_extra)
 {
     double ref[8], got[8], gref[8], ggot[8];
     char err[512], path[256];
-    run_mesh(1, 1, ref_name, extra);
+    run_mesh(1, 1, ref_name, extra, NULL);
     snprintf(path, sizeof path, "/tmp/mt_mesh_%s.jsonl", ref_name);
     cr_assert_eq(tu_read_losses(path, ref, 8), 5);
     cr_assert_eq(tu_read_metric(path, "grad_norm", gref, 8), 5);
@@ -263,7 +263,7 @@ static void check_meshes(int n, const int (*meshes)[2], const char *const *names
     struct st_file *a = st_open(path, err, sizeof err);
     cr_assert(a, "%s", err);
     for (int k = 0; k < n; k++) {
-        run_mesh(meshes[k][0], meshes[k][1], names[k], extra);
+        run_mesh(meshes[k][0], meshes[k][1], names[k], extra, mesh_extra ? mesh_extra[k] : NULL);
         snprintf(path, sizeof path, "/tmp/mt_mesh_%s.jsonl", names[k]);
         cr_assert_eq(tu_read_losses(path, got, 8), 5);
         cr_assert_eq(tu_read_metric(path, "grad_norm", ggot, 8), 5);
@@ -289,6 +289,38 @@ static void check_meshes(int n, const int (*meshes)[2], const char *const *names
     for (int k = 0; k < n; k++)
         snprintf(cmd + strlen(cmd), sizeof cmd - strlen(cmd), " /tmp/mt_mesh_%s*", names[k]);
     tu_run(cmd, NULL);
+}
+
+static void check_meshes(int n, const int (*meshes)[2], const char *const *names, const char *ref_name,
+                         const char *extra)
+{
+    check_meshes_ex(n, meshes, names, ref_name, extra, NULL);
+}
+
+/* Pipeline stages (1F1B) with EP and EP_FSDP inside them: micro_batch_size keeps 8 sequences per
+ * global micro-batch (8 / ranks per stage). */
+Test(train, pipelines_train_the_same_model, .timeout = 900)
+{
+    const int meshes[][2] = {{4, 2}, {8, 2}};
+    const char *names[] = {"pp2ep2", "pp2ep2fsdp2"};
+    const char *extra[] = {"--set parallel.pipeline_parallel_size=2 --set train.micro_batch_size=4",
+                           "--set parallel.pipeline_parallel_size=2 --set train.micro_batch_size=2"};
+    check_meshes_ex(2, meshes, names, "pp_ref1x1", "", extra);
+}
+
+/* One layer per stage on a 4-layer model, and a tied embedding shared by the first and the last
+ * stage (its gradient summed over both, counted once in the norm), uneven pipeline_layers. */
+Test(train, pipelines_of_one_layer_per_stage_and_tied_embeddings, .timeout = 900)
+{
+    const int m4[][2] = {{4, 1}};
+    const char *n4[] = {"pp4"}, *e4[] = {"--set parallel.pipeline_parallel_size=4 --set train.micro_batch_size=8"};
+    check_meshes_ex(1, m4, n4, "pp4_ref1x1", "--set model.num_hidden_layers=4", e4);
+    const int mt[][2] = {{2, 1}, {6, 2}};
+    const char *nt[] = {"pp2tied", "pp3tied_ep2"};
+    const char *et[] = {"--set parallel.pipeline_parallel_size=2 --set train.micro_batch_size=8",
+                        "--set parallel.pipeline_parallel_size=3 --set parallel.pipeline_layers=[1,2,1] "
+                        "--set train.micro_batch_size=4"};
+    check_meshes_ex(2, mt, nt, "tied_ref1x1", "--set model.num_hidden_layers=4 --set model.tie_word_embeddings=true", et);
 }
 
 Test(train, every_mesh_trains_the_same_model, .timeout = 900)
