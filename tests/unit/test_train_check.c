@@ -64,9 +64,19 @@ static void same_refusal(int np, const char *sets, const char *key)
     free(real);
 }
 
-Test(train_check, dry_run_refuses_a_pipeline_while_train_cannot_run_one, .timeout = 300)
+Test(train_check, dry_run_refuses_bf16_optimizer_state_as_train_does, .timeout = 300)
 {
-    same_refusal(2, "--set parallel.pipeline_parallel_size=2", "parallel.pipeline_parallel_size");
+    same_refusal(2, "--set train.optimizer_state_dtype=bf16", "train.optimizer_state_dtype");
+}
+
+/* and approves a pipeline, which train runs */
+Test(train_check, dry_run_approves_a_pipeline, .timeout = 300)
+{
+    char *out = NULL;
+    int rc = train(2, "--dry-run --set parallel.pipeline_parallel_size=2", &out);
+    cr_assert_eq(rc, 0, "%s", out);
+    cr_assert_not_null(strstr(out, "pp 2"), "%s", out);
+    free(out);
 }
 
 Test(train_check, dry_run_refuses_an_indivisible_batch, .timeout = 300)
