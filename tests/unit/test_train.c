@@ -303,9 +303,21 @@ Test(train, pipelines_train_the_same_model, .timeout = 900)
 {
     const int meshes[][2] = {{4, 2}, {8, 2}};
     const char *names[] = {"pp2ep2", "pp2ep2fsdp2"};
+    /* activation checkpointing changes no number, so it may differ from the reference */
     const char *extra[] = {"--set parallel.pipeline_parallel_size=2 --set train.micro_batch_size=4",
-                           "--set parallel.pipeline_parallel_size=2 --set train.micro_batch_size=2"};
+                           "--set parallel.pipeline_parallel_size=2 --set train.micro_batch_size=2 "
+                           "--set train.activation_checkpointing=true"};
     check_meshes_ex(2, meshes, names, "pp_ref1x1", "", extra);
+}
+
+/* Aux-loss-free balancing: the bias update needs every stage's per-layer token counts. */
+Test(train, pipelines_with_bias_balancing, .timeout = 600)
+{
+    const int meshes[][2] = {{4, 2}};
+    const char *names[] = {"bias_pp2ep2"};
+    const char *extra[] = {"--set parallel.pipeline_parallel_size=2 --set train.micro_batch_size=4"};
+    check_meshes_ex(1, meshes, names, "bias_pp_ref1x1", "--set train.load_balance=bias --set train.bias_update_rate=0.05",
+                    extra);
 }
 
 /* One layer per stage on a 4-layer model, and a tied embedding shared by the first and the last
