@@ -191,7 +191,8 @@ static void agree_or_exit(const struct mesh *mesh, bool ok, const char *err)
  * master itself and costs nothing). */
 bool train_keep_weight_copy(const struct config *c, const struct mesh_dims *d, const struct backend *be)
 {
-    return be->x_size == sizeof(float) || estimate_keep_copy(c, d, be->mem_bytes);
+    if (be->x_size == sizeof(float) && c->train.weight_copy == MT_COPY_AUTO) return true;
+    return estimate_keep_copy(c, d, be->mem_bytes);
 }
 
 /* The comm that moves tensors living in `be`'s memory. */
