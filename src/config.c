@@ -74,6 +74,8 @@ void config_defaults(struct config *c)
 
     c->checkpoint.interval = 0;
     c->checkpoint.keep = 2;
+    c->checkpoint.export_dtype = MT_PREC_BF16;
+    c->checkpoint.export_shard_bytes = 5000000000ull;
 
     c->log.interval = 1;
 }
