@@ -322,3 +322,45 @@ Test(export, init_from_the_export_reproduces_the_loss, .timeout = 300)
     cr_expect(fabs(a[0] - b[0]) <= 1e-6 * fabs(a[0]), "init_from checkpoint %.9g, export %.9g", a[0], b[0]);
     tu_run("rm -rf /tmp/mt_exp_if", NULL);
 }
+
+static void write_file(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+/* model.init_from of a Hugging Face directory takes the shapes from its config.json (no
+ * hf_config needed); a model key written in the YAML that disagrees is a one-line error naming the
+ * key, its place and both values; one that agrees, or a training hyper-parameter, is accepted. */
+Test(export, init_from_reads_the_shapes_of_config_json)
+{
+    struct config c;
+    char err[1024];
+    write_file("/tmp/mt_exp_cfg.yaml", "model:\n  init_from: tests/fixtures/qwen3moe-untied-free\n");
+    cr_assert(config_load_checked(&c, "/tmp/mt_exp_cfg.yaml", 0, NULL, err, sizeof err), "%s", err);
+    cr_expect_eq(c.model.vocab_size, 256);
+    cr_expect_eq(c.model.hidden_size, 48);
+    cr_expect_eq(c.model.num_experts, 8);
+    cr_expect_eq(c.model.tie_word_embeddings, true);
+    cr_expect_eq(c.model.norm_topk_prob, false);
+
+    write_file("/tmp/mt_exp_cfg.yaml", "model:\n  init_from: tests/fixtures/qwen3moe-untied-free\n"
+                                       "  hidden_size: 48\n  router_aux_loss_coef: 0.5\n");
+    cr_assert(config_load_checked(&c, "/tmp/mt_exp_cfg.yaml", 0, NULL, err, sizeof err), "%s", err);
+    cr_expect_eq(c.model.router_aux_loss_coef, 0.5);
+
+    write_file("/tmp/mt_exp_cfg.yaml", "model:\n  init_from: tests/fixtures/qwen3moe-untied-free\n"
+                                       "  hidden_size: 64\n");
+    cr_assert_not(config_load_checked(&c, "/tmp/mt_exp_cfg.yaml", 0, NULL, err, sizeof err));
+    cr_expect(strstr(err, "/tmp/mt_exp_cfg.yaml:3:") && strstr(err, "model.hidden_size is 64 but "
+              "tests/fixtures/qwen3moe-untied-free/config.json (model.init_from) says 48"), "%s", err);
+    cr_expect(!strchr(err, '\n'), "%s", err);
+
+    char *sets[] = {"model.num_experts=4"};
+    write_file("/tmp/mt_exp_cfg.yaml", "model:\n  init_from: tests/fixtures/qwen3moe-untied-free\n");
+    cr_assert_not(config_load_checked(&c, "/tmp/mt_exp_cfg.yaml", 1, sets, err, sizeof err));
+    cr_expect(strstr(err, "model.num_experts is 4 but"), "%s", err);
+    unlink("/tmp/mt_exp_cfg.yaml");
+}
