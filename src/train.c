@@ -268,6 +268,7 @@ int cmd_train(const struct cli *a)
     else if (*c.model.init_from) snprintf(init, sizeof init, "weights from %s", c.model.init_from);
     else snprintf(init, sizeof init, "random (seed %llu)", (unsigned long long)tc->seed);
     print_startup(&c, &mesh, be, data, n_micro, &m, init);
+    metrics_print_config(&c, c.log.metrics);
 
     struct metrics_log ml;
     metrics_open(&ml, c.log.metrics, resuming);
@@ -345,7 +346,8 @@ int cmd_train(const struct cli *a)
             .mfu = be->peak_flops > 0 ? tps * flops_tok / (be->peak_flops * mesh.d.world) : -1,
             .step_ms = 1e3 * step_s, .eta_s = avg * (tc->steps - step), .n_layers = n_moe,
             .load_min = lmin, .load_max = lmax, .load_cv = lcv, .n_experts = E, .expert_tokens = tok,
-            .time_split = c.log.profile ? split : NULL,
+            .time_split = c.log.profile ? split : NULL, .wall_time = metrics_wall_clock(),
+            .tokens_seen = (int64_t)step * tc->global_batch_size * tc->seq_len, .val_loss = NAN,
         };
         profile_read(split);
         bool print = step == 1 || step == tc->steps || step % MT_MAX(c.log.interval, 1) == 0;
