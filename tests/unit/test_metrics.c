@@ -87,3 +87,48 @@ Test(metrics, tokens_time_and_config_in_a_resumed_run, .timeout = 120)
     free(out);
     tu_run("rm -rf /tmp/mt_metrics", NULL);
 }
+
+/* width and height of a PNG from its IHDR chunk; false if the signature or chunk is not a PNG's */
+static bool png_size(const char *path, unsigned *w, unsigned *h, long *bytes)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) return false;
+    unsigned char b[24];
+    bool ok = fread(b, 1, 24, f) == 24 && !memcmp(b, "\x89PNG\r\n\x1a\n", 8) && !memcmp(b + 12, "IHDR", 4);
+    fseek(f, 0, SEEK_END);
+    *bytes = ftell(f);
+    fclose(f);
+    *w = (unsigned)b[16] << 24 | (unsigned)b[17] << 16 | (unsigned)b[18] << 8 | b[19];
+    *h = (unsigned)b[20] << 24 | (unsigned)b[21] << 16 | (unsigned)b[22] << 8 | b[23];
+    return ok;
+}
+
+/* tools/plot.py on the JSONL of a short run writes every picture as a real PNG of plausible size;
+ * a broken JSONL is a one-line error. */
+Test(metrics, plot_writes_the_pictures, .timeout = 180)
+{
+    char cmd[2048], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "rm -rf /tmp/mt_plot && mkdir -p /tmp/mt_plot && %s/moetrain train configs/tiny.yaml --backend cpu "
+             "--set train.steps=6 --set log.metrics=/tmp/mt_plot/m.jsonl > /dev/null && "
+             "python3 tools/plot.py /tmp/mt_plot/m.jsonl --out /tmp/mt_plot/png --steps first,3,last",
+             tu_build());
+    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+    free(out);
+    const char *names[] = {"loss", "lr", "grad_norm", "throughput", "expert_load", "load_balance"};
+    for (size_t k = 0; k < sizeof names / sizeof names[0]; k++) {
+        char path[256];
+        snprintf(path, sizeof path, "/tmp/mt_plot/png/%s.png", names[k]);
+        unsigned w = 0, h = 0;
+        long bytes = 0;
+        cr_expect(png_size(path, &w, &h, &bytes), "%s is not a PNG", path);
+        cr_expect(w >= 300 && w <= 4000 && h >= 200 && h <= 2000, "%s is %ux%u", path, w, h);
+        cr_expect(bytes > 5000, "%s has only %ld bytes", path, bytes);
+    }
+    tu_run("echo '{\"step\": 1' >> /tmp/mt_plot/m.jsonl", NULL);
+    int rc = tu_run("python3 tools/plot.py /tmp/mt_plot/m.jsonl --out /tmp/mt_plot/png", &out);
+    cr_expect_neq(rc, 0);
+    cr_expect(strstr(out, "/tmp/mt_plot/m.jsonl:7: not JSON"), "%s", out);
+    free(out);
+    tu_run("rm -rf /tmp/mt_plot", NULL);
+}
