@@ -13,7 +13,7 @@ static void usage(FILE *f)
             "usage:\n"
             "  moetrain train  CONFIG.yaml [--set section.key=value ...] [--resume auto|DIR] [--dry-run]\n"
             "  moetrain plan   CONFIG.yaml --world N [--gpus-per-node G] [--set ...]\n"
-            "  moetrain verify MODEL_DIR REFERENCE.safetensors [--tolerance X] [--set ...]\n"
+            "  moetrain verify MODEL_DIR|CHECKPOINT REFERENCE.safetensors [--forward-only] [--tolerance X] [--set ...]\n"
             "  moetrain export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--max-shard-bytes N]\n"
             "                  [--tokenizer HF_DIR] [--force]   (checkpoint -> Hugging Face directory)\n"
             "common options: --backend cpu|cuda|auto   --help\n"

@@ -291,6 +291,21 @@ Test(export, round_trip_through_the_reference, .timeout = 300)
         if (k == 1) cr_expect(strstr(out, "routing with the aux-loss-free balancing bias"), "%s", out);
         free(out);
     }
+    /* a dump of input_ids and logits alone is enough; logits 1% off fail */
+    char cmd[2048], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "python3 -c \"from safetensors.numpy import load_file, save_file; d = load_file('/tmp/mt_exp_rt/ref.safetensors'); "
+             "save_file({'input_ids': d['input_ids'], 'logits': d['logits']}, '/tmp/mt_exp_rt/bare.safetensors'); "
+             "save_file({'input_ids': d['input_ids'], 'logits': d['logits'] * 1.01}, '/tmp/mt_exp_rt/off.safetensors')\" && "
+             "%s/moetrain verify /tmp/mt_exp_rt/hf /tmp/mt_exp_rt/bare.safetensors --forward-only", tu_build());
+    cr_expect_eq(tu_run(cmd, &out), 0, "%s", out);
+    cr_expect(strstr(out, "the reference has no loss") && strstr(out, "PASSED"), "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s/moetrain verify /tmp/mt_exp_rt/hf /tmp/mt_exp_rt/off.safetensors --forward-only",
+             tu_build());
+    cr_expect_neq(tu_run(cmd, &out), 0, "%s", out);
+    cr_expect(strstr(out, "FAILED"), "%s", out);
+    free(out);
     tu_run("rm -rf /tmp/mt_exp_rt", NULL);
 }
 
