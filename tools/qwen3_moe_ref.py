@@ -201,11 +201,20 @@ def ce_loss(logits, labels):
 def run_transformers(model_dir, ids):
     try:
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as e:
         raise SystemExit(f"--transformers needs torch and transformers ({e})")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
-                                                 experts_implementation="eager")
+    config = AutoConfig.from_pretrained(model_dir)
+    # eager attention and experts: the reference semantics of the spec (no fused kernels)
+    for attr in ("_attn_implementation", "_experts_implementation"):
+        try:
+            setattr(config, attr, "eager")
+        except Exception:
+            pass
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32)
+    except TypeError:  # transformers 4.x spells it torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, torch_dtype=torch.float32)
     model.eval()
     t = torch.tensor(ids, dtype=torch.long)
     with torch.no_grad():
