@@ -77,6 +77,13 @@ bool hf_export_check_dir(const char *dir, bool force, char *err, int errcap)
         return failf(err, errcap, "%s: already exists; refusing to overwrite it (remove it or pass --force)", dir);
     char tmp[MT_PATH_MAX + 8];
     if (snprintf(tmp, sizeof tmp, "%s.tmp", dir) >= (int)sizeof tmp) return failf(err, errcap, "%s: path too long", dir);
+    /* the parent is created as checkpoint.dir is (runs/exp1/hf in a fresh runs/exp1) */
+    char parent[MT_PATH_MAX + 8];
+    mt_strlcpy(parent, dir, sizeof parent);
+    char *slash = strrchr(parent, '/');
+    if (slash && slash != parent) *slash = 0;
+    if (slash && slash != parent && !ck_mkdir_p(parent))
+        return failf(err, errcap, "%s: cannot create the export directory: %s", dir, strerror(errno));
     if (!ck_remove_tree(tmp) || mkdir(tmp, 0777) != 0)
         return failf(err, errcap, "%s: cannot create the export directory: %s", dir, strerror(errno));
     rmdir(tmp);
