@@ -377,5 +377,53 @@ Test(export, init_from_reads_the_shapes_of_config_json)
     write_file("/tmp/mt_exp_cfg.yaml", "model:\n  init_from: tests/fixtures/qwen3moe-untied-free\n");
     cr_assert_not(config_load_checked(&c, "/tmp/mt_exp_cfg.yaml", 1, sets, err, sizeof err));
     cr_expect(strstr(err, "model.num_experts is 4 but"), "%s", err);
+
+    /* the export keys: defaults, and a bad value is one line naming the key */
+    cr_assert(config_load_checked(&c, "configs/tiny.yaml", 0, NULL, err, sizeof err), "%s", err);
+    cr_expect_eq(c.checkpoint.export_dtype, MT_PREC_BF16);
+    cr_expect_eq(c.checkpoint.export_shard_bytes, 5000000000ull);
+    char *bad[] = {"checkpoint.export_dtype=fp16"};
+    cr_assert_not(config_load_checked(&c, "configs/tiny.yaml", 1, bad, err, sizeof err));
+    cr_expect(strstr(err, "checkpoint.export_dtype") && strstr(err, "fp16") && !strchr(err, '\n'), "%s", err);
     unlink("/tmp/mt_exp_cfg.yaml");
+}
+
+/* checkpoint.export_hf naming an existing directory stops the run before any training, on every
+ * rank, with one line; train --force replaces it at the end. A balancing-bias tensor of the wrong
+ * shape in an init_from directory is a one-line error naming it. */
+Test(export, train_refuses_an_existing_export_and_a_bad_bias, .timeout = 120)
+{
+    char cmd[2048], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "rm -rf /tmp/mt_exp_tr && mkdir -p /tmp/mt_exp_tr/hf && %s -np 2 %s/moetrain train configs/tiny.yaml "
+             "--backend cpu --set train.steps=1 --set parallel.expert_parallel_size=2 "
+             "--set checkpoint.export_hf=/tmp/mt_exp_tr/hf", tu_mpirun(), tu_build());
+    cr_expect_neq(tu_run(cmd, &out), 0, "%s", out);
+    cr_expect(strstr(out, "moetrain: error: /tmp/mt_exp_tr/hf: already exists; refusing to overwrite it (remove it or "
+                          "pass --force) (checkpoint.export_hf)"), "%s", out);
+    cr_expect(!strstr(out, "step 1/1"), "trained first:\n%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd,
+             "%s/moetrain train configs/tiny.yaml --backend cpu --set train.steps=1 --set checkpoint.export_hf=/tmp/mt_exp_tr/hf "
+             "--set train.load_balance=bias --force > /dev/null && ls /tmp/mt_exp_tr/hf", tu_build());
+    cr_expect_eq(tu_run(cmd, &out), 0, "%s", out);
+    cr_expect(strstr(out, "model.safetensors") && strstr(out, "config.json"), "%s", out);
+    free(out);
+    /* the bias row of layer 1 replaced by one of 3 elements */
+    snprintf(cmd, sizeof cmd,
+             "python3 - <<'PY'\n"
+             "import json, struct, numpy as np\n"
+             "from safetensors.numpy import save_file\n"
+             "import sys; sys.path.insert(0, 'tools')\n"
+             "from qwen3_moe_ref import read_safetensors\n"
+             "d = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in read_safetensors('/tmp/mt_exp_tr/hf/model.safetensors').items()}\n"
+             "d['model.layers.1.mlp.gate.e_score_correction_bias'] = np.zeros(3, np.float32)\n"
+             "save_file(d, '/tmp/mt_exp_tr/hf/model.safetensors')\n"
+             "PY\n"
+             "%s/moetrain train configs/tiny.yaml --backend cpu --set train.steps=1 --set train.load_balance=bias "
+             "--set model.init_from=/tmp/mt_exp_tr/hf", tu_build());
+    cr_expect_neq(tu_run(cmd, &out), 0, "%s", out);
+    cr_expect(strstr(out, "tensor 'model.layers.1.mlp.gate.e_score_correction_bias' has shape [3], expected [8]"), "%s", out);
+    free(out);
+    tu_run("rm -rf /tmp/mt_exp_tr", NULL);
 }
