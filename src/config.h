@@ -90,7 +90,9 @@ struct ckpt_config {
     int interval;                 /* steps between checkpoints; 0 = only at the end */
     int keep;                     /* newest checkpoints kept; 0 = all */
     char export_hf[MT_PATH_MAX];  /* after training, write a Hugging Face model directory here
-                                   * (config.json + model.safetensors, fp32); "" = none */
+                                   * (docs/export.md); "" = none */
+    enum mt_precision export_dtype;   /* bf16 (default) | fp32 weights in the export */
+    uint64_t export_shard_bytes;      /* tensor data per safetensors shard (default 5e9) */
 };
 
 struct log_config {

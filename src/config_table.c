@@ -107,6 +107,8 @@ const struct cfg_key cfg_keys[] = {
     INT("checkpoint", "interval", checkpoint.interval, NONNEG),
     INT("checkpoint", "keep", checkpoint.keep, NONNEG),
     STR("checkpoint", "export_hf", checkpoint.export_hf),
+    ENUM("checkpoint", "export_dtype", checkpoint.export_dtype, precision_names),
+    U64("checkpoint", "export_shard_bytes", checkpoint.export_shard_bytes),
 
     INT("log", "interval", log.interval, POS),
     STR("log", "metrics", log.metrics),

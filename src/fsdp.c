@@ -13,8 +13,20 @@ static bool any_dynamic(const struct fsdp *f)
     return f->dyn_w[TG_DENSE] || f->dyn_w[TG_EXPERT] || f->dyn_g[TG_DENSE] || f->dyn_g[TG_EXPERT];
 }
 
-/* The buffer holding unit u's weights, gathering them into the least recently used free buffer
- * when none does. Without resharding every unit has a buffer of its own. */
+static int64_t unit_work(const struct fsdp *f, int g, int u) { return f->dyn_w[g] ? f->p->g[g].u_work[u] : 0; }
+
+static bool fits(const struct fsdp *f, const struct fsdp_wbuf *b, int u)
+{
+    for (int g = 0; g < TG_COUNT; g++)
+        if (unit_work(f, g, u) > b->cap[g]) return false;
+    return true;
+}
+
+static int64_t size_of(const struct fsdp_wbuf *b) { return b->cap[TG_DENSE] + b->cap[TG_EXPERT]; }
+
+/* The buffer holding unit u's weights, building them into a free buffer when none does: the
+ * smallest that fits, the least recently used among equals. Without resharding every unit has a
+ * buffer of its own. */
 static struct fsdp_wbuf *weights_of(struct fsdp *f, int u)
 {
     struct fsdp_wbuf *hit = NULL, *victim = NULL;
@@ -25,15 +37,16 @@ static struct fsdp_wbuf *weights_of(struct fsdp *f, int u)
         for (int k = 0; k < f->n_bufs; k++) {
             struct fsdp_wbuf *b = &f->wbuf[k];
             if (b->unit == u) hit = b;
-            else if (b->users == 0 && (!victim || b->unit < 0 || (victim->unit >= 0 && b->last_use < victim->last_use)))
+            else if (b->users == 0 && fits(f, b, u) &&
+                     (!victim || size_of(b) < size_of(victim) ||
+                      (size_of(b) == size_of(victim) && b->last_use < victim->last_use)))
                 victim = b;
         }
     }
     if (!hit) {
-        MT_CHECK(victim, "fsdp: every working buffer is in use (unit %d)", u);
+        MT_CHECK(victim, "fsdp: no free working buffer holds unit %d", u);
         for (int g = 0; g < TG_COUNT; g++)
-            if (f->dyn_w[g])
-                params_gather_unit(f->p, (enum tensor_group)g, u, victim->w[g], f->stage_x[g], f->send_x[g]);
+            if (f->dyn_w[g]) params_gather_unit(f->p, (enum tensor_group)g, u, victim->w[g], f->stage);
         victim->unit = u;
         hit = victim;
     }
@@ -96,8 +109,7 @@ static void after_backward(void *ctx, int u)
         if (f->gbuf[k].unit == u) gb = &f->gbuf[k];
     MT_CHECK(gb, "fsdp: unit %d has no gradient buffer", u);
     for (int g = 0; g < TG_COUNT; g++)
-        if (f->dyn_g[g])
-            params_reduce_unit(f->p, (enum tensor_group)g, u, gb->g[g], f->stage_f[g], f->out_f[g]);
+        if (f->dyn_g[g]) params_reduce_unit(f->p, (enum tensor_group)g, u, gb->g[g], f->stage);
     gb->unit = -1;
     holding(f, u)->users--;
 }
@@ -123,24 +135,23 @@ void fsdp_init(struct fsdp *f, struct params *p, bool reshard)
     for (int g = 0; g < TG_COUNT; g++) {
         int64_t work, piece;
         params_unit_max(p, (enum tensor_group)g, &work, &piece);
-        const int gs = p->g[g].group_size;
         if (f->dyn_w[g]) {
             mem_track_set(MEM_WEIGHTS);
             for (int k = 0; k < f->n_bufs; k++) {
-                /* without resharding buffer k is unit k's, sized for it */
-                int64_t n = reshard ? work : p->g[g].u_work[k];
+                /* without resharding buffer k is unit k's; with it, one buffer for the largest
+                 * unit and one for the largest layer */
+                int64_t n = !reshard ? p->g[g].u_work[k] : k == 0 ? work : params_layer_unit_max(p, (enum tensor_group)g);
+                f->wbuf[k].cap[g] = n;
                 f->wbuf[k].w[g] = be->alloc((size_t)MT_MAX(n, 1) * be->x_size);
             }
-            mem_track_set(MEM_BUFFERS);
-            if (g == TG_EXPERT && gs > 1) f->stage_x[g] = be->alloc((size_t)MT_MAX(piece * gs, 1) * be->x_size);
-            if (!p->g[g].param_x && gs > 1) f->send_x[g] = be->alloc((size_t)MT_MAX(piece, 1) * be->x_size);
         }
         if (f->dyn_g[g]) {
             mem_track_set(MEM_GRADS);
             for (int k = 0; k < n_gbufs; k++) f->gbuf[k].g[g] = be->alloc((size_t)MT_MAX(work, 1) * sizeof(float));
+        }
+        if (g == TG_EXPERT && p->g[g].group_size > 1 && (f->dyn_w[g] || f->dyn_g[g])) {
             mem_track_set(MEM_BUFFERS);
-            if (g == TG_EXPERT) f->stage_f[g] = be->alloc((size_t)MT_MAX(piece * gs, 1) * sizeof(float));
-            f->out_f[g] = be->alloc((size_t)MT_MAX(piece, 1) * sizeof(float));
+            f->stage = be->alloc((size_t)MT_MAX(piece * p->g[g].group_size, 1) * sizeof(float));
         }
     }
     mem_track_set(was);
@@ -167,10 +178,8 @@ void fsdp_free(struct fsdp *f)
             if (f->wbuf[k].w[g]) be->free(f->wbuf[k].w[g]);
         for (int k = 0; k < FSDP_GRAD_BUFS; k++)
             if (f->gbuf[k].g[g]) be->free(f->gbuf[k].g[g]);
-        void *bufs[] = {f->stage_x[g], f->send_x[g], f->stage_f[g], f->out_f[g]};
-        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
-            if (bufs[i]) be->free(bufs[i]);
     }
+    if (f->stage) be->free(f->stage);
     free(f->wbuf);
     memset(f, 0, sizeof *f);
 }

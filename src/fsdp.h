@@ -2,8 +2,10 @@
  * unit hooks: before a unit's forward it all-gathers the unit's weights into a working buffer
  * (reused while it still holds them), before its backward it binds a zeroed working gradient, and
  * after the backward it reduce-scatters that gradient into the rank's shard. A group of one rank
- * (no sharding) is bound once and skipped. What stays resident per rank is the shard's state plus
- * `n_bufs` units of working weights, two units of working gradients and the collective staging.
+ * with a compute copy is bound once and skipped. What stays resident per rank is the shard's state
+ * plus two units of working weights (one sized for the largest unit, the embedding or the head,
+ * one for the largest decoder layer: the model never uses two layers or two large units at once),
+ * one unit of working gradients (two with tied embeddings) and the expert staging.
  * The train loop owns it; the model never sees it. */
 #ifndef MT_FSDP_H
 #define MT_FSDP_H
@@ -19,7 +21,8 @@ struct fsdp_wbuf {
     int unit;              /* unit whose weights it holds (-1: none) */
     int users;             /* hooks between before_* and after_* on it */
     uint64_t last_use;     /* for reuse: the least recently used free buffer goes first */
-    void *w[TG_COUNT];     /* [params_unit_max work] compute dtype, per sharded group */
+    void *w[TG_COUNT];     /* compute dtype, per group built per unit */
+    int64_t cap[TG_COUNT]; /* elements w holds */
 };
 
 struct fsdp_gbuf {
@@ -37,10 +40,8 @@ struct fsdp {
     struct fsdp_wbuf *wbuf;
     struct fsdp_gbuf gbuf[FSDP_GRAD_BUFS];
     uint64_t clock;
-    void *stage_x[TG_COUNT];   /* expert all-gather output, group x piece */
-    void *send_x[TG_COUNT];    /* cast of the master piece when there is no compute copy */
-    float *stage_f[TG_COUNT];  /* expert reduce-scatter input, group x piece */
-    float *out_f[TG_COUNT];    /* reduce-scatter output, piece */
+    float *stage;              /* expert all-gather output / reduce-scatter input, ep_fsdp x
+                                * piece fp32 (the gather uses it in the compute dtype) */
 };
 
 /* reshard: parallel.reshard_after_forward. Installs the hooks on p->m and binds the unsharded

@@ -35,7 +35,9 @@ void mem_report_print(const struct config *cfg, const struct mesh *mesh, const s
     if (mesh->rank != 0) return;
     struct config cc = *cfg, *c = &cc;
     if (x_size == 4) c->model.precision = MT_PREC_FP32;   /* the CPU computes in fp32 */
-    const double gib = 1024.0 * 1024 * 1024;
+    const bool big = pk->bytes >= 1024.0 * 1024 * 1024;
+    const double gib = big ? 1024.0 * 1024 * 1024 : 1024.0 * 1024;
+    const char *unit = big ? "GiB" : "MiB";
     struct mesh_coord co;
     mesh_coord_of(&mesh->d, pk->rank, &co);
     struct tensor_table tt;
@@ -50,9 +52,10 @@ void mem_report_print(const struct config *cfg, const struct mesh *mesh, const s
     for (int k = 0; k < MEM_N; k++)
         n += snprintf(parts + n, sizeof parts - (size_t)n, "%s%s %.3f/%.3f", k ? ", " : "",
                       mem_cat_name((enum mem_cat)k), pk->by_cat[k] / gib, plan[k] / gib);
-    printf("memory: peak %.3f GiB on rank %d, plan %.3f GiB (%+.1f%%); measured/plan GiB: %s", pk->bytes / gib,
-           pk->rank, e.total_bytes / gib, 100.0 * (pk->bytes - e.total_bytes) / e.total_bytes, parts);
-    if (pk->device_bytes > 0) printf("; device in use %.3f GiB", pk->device_bytes / gib);
+    printf("memory: peak %.3f %s (%.0f bytes) on rank %d, plan %.3f %s (%+.1f%%); measured/plan %s: %s",
+           pk->bytes / gib, unit, pk->bytes, pk->rank, e.total_bytes / gib, unit,
+           100.0 * (pk->bytes - e.total_bytes) / e.total_bytes, unit, parts);
+    if (pk->device_bytes > 0) printf("; device in use %.3f %s", pk->device_bytes / gib, unit);
     printf("\n");
     fflush(stdout);
 }

@@ -4,12 +4,12 @@
  *    tensors dim 0 across EP and dim 1 across EP_FSDP, padded), plus its compute-dtype copy when
  *    train.weight_copy keeps one (none needed with fp32 compute: the copy is the master);
  *  - working weights (fsdp.c): a group of one with a copy computes from it in place; any other
- *    group builds units in working buffers: two of the largest unit (parallel.reshard_after_forward)
- *    or one per unit of the stage;
+ *    group builds units in working buffers: one of the largest unit and one of the largest layer
+ *    (parallel.reshard_after_forward), or one per unit of the stage;
  *  - working gradients: groups of several ranks accumulate a unit's gradient in a buffer of the
  *    largest unit (two with tied embeddings) before the reduce-scatter into the shard;
- *  - buffers: the expert all-gather / reduce-scatter staging (group x piece), the reduce-scatter
- *    output and the cast send buffer, the backward scratch of the model (model.c, moe.c) and, with
+ *  - buffers: the expert all-gather / reduce-scatter staging (group x piece, fp32; the collectives
+ *    run in place), the backward scratch of the model (model.c, moe.c) and, with
  *    ep > 1, the all-to-all send rows and receive window;
  *  - the embedding lives on stage 0, final norm and lm_head on the last stage; with tied embeddings
  *    and pp > 1 the last stage keeps its own copy of the embedding for the head. */
@@ -154,18 +154,21 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
             wd[u] += s->numel;
         }
     }
-    int64_t max_wd = 0, max_we = 0, max_pd = 0, max_pe = 0, all_wd = 0, all_we = 0;
+    int64_t max_wd = 0, max_we = 0, max_pe = 0, all_wd = 0, all_we = 0, lay_wd = 0, lay_we = 0;
     for (int u = 0; u < n_units; u++) {
         int64_t pd = MT_CEIL_DIV(wd[u], d->S);
         e->dense_numel += pd;
         e->expert_numel += pe[u];
         e->work_numel += wd[u] + we[u];
         max_wd = MT_MAX(max_wd, pd * d->S);
-        max_pd = MT_MAX(max_pd, pd);
         max_we = MT_MAX(max_we, we[u]);
         max_pe = MT_MAX(max_pe, pe[u]);
         all_wd += pd * d->S;
         all_we += we[u];
+        if (u >= 1 && u <= L) {
+            lay_wd = MT_MAX(lay_wd, pd * d->S);
+            lay_we = MT_MAX(lay_we, we[u]);
+        }
     }
     free(wd);
     free(we);
@@ -174,20 +177,18 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
     const bool fp32 = m->precision == MT_PREC_FP32;
     const double x = fp32 ? 4 : 2;
     const double held = (double)(e->dense_numel + e->expert_numel);
-    const bool copy = keep_copy && !fp32;   /* an fp32 copy is the master itself */
+    const bool copy = keep_copy && !fp32;   /* a kept fp32 copy is the master itself */
     const bool reshard = c->parallel.reshard_after_forward;
-    const bool dyn_wd = !(d->S == 1 && (copy || fp32)), dyn_we = !(d->ep_fsdp == 1 && (copy || fp32));
+    const bool dyn_wd = !(d->S == 1 && keep_copy), dyn_we = !(d->ep_fsdp == 1 && keep_copy);
     const int n_gbufs = tied ? 2 : 1;
     double work_w = 0, work_g = 0, staging = 0;
-    if (dyn_wd) work_w += (reshard ? 2.0 * (double)max_wd : (double)all_wd) * x;
-    if (dyn_we) work_w += (reshard ? 2.0 * (double)max_we : (double)all_we) * x;
-    if (d->S > 1) {
-        work_g += n_gbufs * (double)max_wd * 4;
-        staging += (double)max_pd * (4 + (copy || fp32 ? 0 : x));
-    }
+    /* fsdp.c: one buffer for the largest unit, one for the largest layer; collectives in place */
+    if (dyn_wd) work_w += (reshard ? (double)(max_wd + lay_wd) : (double)all_wd) * x;
+    if (dyn_we) work_w += (reshard ? (double)(max_we + lay_we) : (double)all_we) * x;
+    if (d->S > 1) work_g += n_gbufs * (double)max_wd * 4;
     if (d->ep_fsdp > 1) {
         work_g += n_gbufs * (double)max_we * 4;
-        staging += (double)d->ep_fsdp * max_pe * (x + 4) + (double)max_pe * (4 + (copy || fp32 ? 0 : x));
+        staging += (double)d->ep_fsdp * max_pe * 4;
     }
     e->param_bytes = (copy ? held * x : 0) + work_w;
     e->grad_bytes = held * 4 + work_g;

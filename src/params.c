@@ -24,7 +24,8 @@ static void add_segment(struct param_group_shard *g, int *cap, int64_t off, int6
     g->seg[g->n_seg++] = (struct param_segment){off, len, s->decay, s->frozen};
 }
 
-/* Shard buffers of a group. The compute copy is the master itself when the compute dtype is fp32. */
+/* Shard buffers of a group. A kept compute copy is the master itself when the compute dtype is fp32
+ * (without one, gathers cast from the master on every backend: the CPU tests run that path too). */
 static void alloc_group(const struct backend *be, struct param_group_shard *g, bool keep_copy)
 {
     size_t n = (size_t)MT_MAX(g->numel, 1);
@@ -38,8 +39,7 @@ static void alloc_group(const struct backend *be, struct param_group_shard *g, b
     }
     g->aliased = g->group_size == 1;
     enum mem_cat was = mem_track_set(MEM_WEIGHTS);
-    if (be->x_size == sizeof(float)) g->param_x = g->master;
-    else if (keep_copy) g->param_x = be->alloc(n * be->x_size);
+    if (keep_copy) g->param_x = be->x_size == sizeof(float) ? (void *)g->master : be->alloc(n * be->x_size);
     mem_track_set(was);
 }
 
@@ -413,6 +413,13 @@ static void expert_blocks_copy(const struct params *p, int u, void *packed, void
     }
 }
 
+int64_t params_layer_unit_max(const struct params *p, enum tensor_group g)
+{
+    int64_t w = 0;
+    for (int u = 1; u <= p->m->L; u++) w = MT_MAX(w, p->g[g].u_work[u]);
+    return w;
+}
+
 void params_unit_max(const struct params *p, enum tensor_group g, int64_t *work, int64_t *piece)
 {
     *work = *piece = 0;
@@ -422,43 +429,43 @@ void params_unit_max(const struct params *p, enum tensor_group g, int64_t *work,
     }
 }
 
-void params_gather_unit(struct params *p, enum tensor_group g, int u, void *work, void *stage_x,
-                        void *send_x)
+/* The gathers run in place: the rank's piece is put at its slot of the gather's output (a copy
+ * of the compute copy, or a cast of the master), so no send buffer is needed. Experts gather into
+ * `stage` and are reordered into `work`. */
+void params_gather_unit(struct params *p, enum tensor_group g, int u, void *work, void *stage)
 {
     const struct backend *be = p->m->be;
     struct param_group_shard *gs = &p->g[g];
     const int64_t n = gs->u_piece[u];
     if (n == 0) return;
-    if (gs->group_size == 1) { /* no copy kept: the unit's piece is its working layout */
-        be->cast_f32_to_x(work, gs->master + gs->u_off[u], (size_t)n);
-        return;
-    }
-    const void *send = gs->param_x ? xat(be, gs->param_x, gs->u_off[u]) : send_x;
-    if (!gs->param_x) be->cast_f32_to_x(send_x, gs->master + gs->u_off[u], (size_t)n);
-    struct comm *c = g == TG_DENSE ? p->stage : p->fsdp;
-    if (g == TG_DENSE) {
-        comm_all_gather(c, work, send, (size_t)n, comm_dtype_of_x(be->x_size));
-        return;
-    }
-    comm_all_gather(c, stage_x, send, (size_t)n, comm_dtype_of_x(be->x_size));
-    expert_blocks_copy(p, u, stage_x, work, be->x_size, true);
+    const int rank = g == TG_DENSE ? p->S_rank : p->F_rank;
+    void *out = g == TG_DENSE || gs->group_size == 1 ? work : stage;
+    void *mine = xat(be, out, (int64_t)rank * n);
+    if (gs->param_x) be->copy(mine, xat(be, gs->param_x, gs->u_off[u]), (size_t)n * be->x_size);
+    else be->cast_f32_to_x(mine, gs->master + gs->u_off[u], (size_t)n);
+    if (gs->group_size == 1) return;   /* the unit's piece is its working layout */
+    comm_all_gather(g == TG_DENSE ? p->stage : p->fsdp, out, mine, (size_t)n, comm_dtype_of_x(be->x_size));
+    if (g == TG_EXPERT) expert_blocks_copy(p, u, stage, work, be->x_size, true);
 }
 
-void params_reduce_unit(struct params *p, enum tensor_group g, int u, float *work_g, float *stage_f,
-                        float *out_f)
+/* In place as well: the dense unit's gradient buffer is the reduce-scatter's input, the experts'
+ * are reordered into `stage` first; the rank's sum lands at its slot and is added to the shard. */
+void params_reduce_unit(struct params *p, enum tensor_group g, int u, float *work_g, float *stage)
 {
     const struct backend *be = p->m->be;
     struct param_group_shard *gs = &p->g[g];
     const int64_t n = gs->u_piece[u];
     if (n == 0) return;
-    if (g == TG_DENSE) {
-        comm_reduce_scatter_sum(p->stage, out_f, work_g, (size_t)n, COMM_F32);
-    } else {
-        be->zero(stage_f, (size_t)n * p->F * sizeof(float));
-        expert_blocks_copy(p, u, stage_f, work_g, sizeof(float), false);
-        comm_reduce_scatter_sum(p->fsdp, out_f, stage_f, (size_t)n, COMM_F32);
+    float *in = work_g;
+    if (g == TG_EXPERT) {
+        in = stage;
+        be->zero(stage, (size_t)n * p->F * sizeof(float));
+        expert_blocks_copy(p, u, stage, work_g, sizeof(float), false);
     }
-    be->add_f32(gs->grad + gs->u_off[u], out_f, (size_t)n);
+    const int rank = g == TG_DENSE ? p->S_rank : p->F_rank;
+    float *mine = in + (size_t)rank * n;
+    comm_reduce_scatter_sum(g == TG_DENSE ? p->stage : p->fsdp, mine, in, (size_t)n, COMM_F32);
+    be->add_f32(gs->grad + gs->u_off[u], mine, (size_t)n);
 }
 
 void params_gather_weights(struct params *p)

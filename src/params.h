@@ -78,13 +78,13 @@ void params_refresh_copy(struct params *p);
  * (tests, verify: params_init with NULL comms) everything is a group of one. */
 void params_bind_aliased(struct params *p);
 /* Unit u of group g: its working weights from every rank's piece into `work` (compute dtype,
- * [g->u_work[u]]; `stage_x` is scratch of group_size x piece, for experts), and its working
- * gradient `work_g` (fp32 [u_work], padding zero) reduce-scattered and added to the shard gradient
- * (`stage_f`: fp32 scratch of group_size x piece for experts; `out_f` [piece]). */
-void params_gather_unit(struct params *p, enum tensor_group g, int u, void *work, void *stage_x,
-                        void *send_x);
-void params_reduce_unit(struct params *p, enum tensor_group g, int u, float *work_g, float *stage_f,
-                        float *out_f);
+ * [g->u_work[u]]), and its working gradient `work_g` (fp32 [u_work], padding zero; clobbered)
+ * reduce-scattered and added to the shard gradient. `stage`: expert scratch of group_size x piece
+ * fp32 elements (unused for the dense group). */
+void params_gather_unit(struct params *p, enum tensor_group g, int u, void *work, void *stage);
+void params_reduce_unit(struct params *p, enum tensor_group g, int u, float *work_g, float *stage);
+/* Largest working elements of group g over the decoder layers' units alone. */
+int64_t params_layer_unit_max(const struct params *p, enum tensor_group g);
 /* Group of one with a compute copy: its weights are bound for good. */
 bool params_static_weights(const struct params *p, enum tensor_group g);
 /* Binds unit u's tensors of group g to working buffers (NULL leaves that binding as it is). */

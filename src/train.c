@@ -159,18 +159,13 @@ static void load_summary(const struct model *m, const double *counts /*[L, E]*/,
 }
 
 /* checkpoint.export_hf is written after the last step: find out now, not hours later, that it
- * cannot be. Rank 0 creates the directory; every rank learns the verdict. */
-static void check_export_dir(const struct config *c, const struct mesh *mesh)
+ * cannot be. Rank 0 looks; every rank learns the verdict. */
+static void check_export_dir(const struct config *c, const struct mesh *mesh, bool force)
 {
     const char *dir = c->checkpoint.export_hf;
     if (!*dir) return;
     char err[MT_PATH_MAX + 128] = "";
-    if (mesh->rank == 0) {
-        if (mkdir(dir, 0777) != 0 && errno != EEXIST)
-            snprintf(err, sizeof err, "%s: cannot create the export directory: %s", dir, strerror(errno));
-        else if (access(dir, W_OK) != 0)
-            snprintf(err, sizeof err, "%s: the export directory is not writable: %s", dir, strerror(errno));
-    }
+    if (mesh->rank == 0) hf_export_check_dir(dir, force, err, sizeof err);
     MT_CHECK_MPI(MPI_Bcast(err, (int)sizeof err, MPI_CHAR, 0, mesh->world_comm));
     if (*err) mt_user_error("%s (checkpoint.export_hf)", err);
 }
@@ -193,7 +188,8 @@ static void agree_or_exit(const struct mesh *mesh, bool ok, const char *err)
  * master itself and costs nothing). */
 bool train_keep_weight_copy(const struct config *c, const struct mesh_dims *d, const struct backend *be)
 {
-    return be->x_size == sizeof(float) || estimate_keep_copy(c, d, be->mem_bytes);
+    if (be->x_size == sizeof(float) && c->train.weight_copy == MT_COPY_AUTO) return true;
+    return estimate_keep_copy(c, d, be->mem_bytes);
 }
 
 /* The comm that moves tensors living in `be`'s memory. */
@@ -223,7 +219,7 @@ int cmd_train(const struct cli *a)
         return 0;
     }
     ckpt_check_dir(&c, &mesh);
-    check_export_dir(&c, &mesh);
+    check_export_dir(&c, &mesh, a->force);
     char resume_dir[2 * MT_PATH_MAX];
     const bool resuming = ckpt_resume_dir(a->resume, &c, &mesh, resume_dir, sizeof resume_dir);
 
@@ -274,6 +270,11 @@ int cmd_train(const struct cli *a)
     } else if (*c.model.init_from) {
         err[0] = 0;
         agree_or_exit(&mesh, params_load_hf(&p, c.model.init_from, err, sizeof err), err);
+        if (m.bias) {
+            int rows = 0;
+            agree_or_exit(&mesh, hf_load_bias(c.model.init_from, &c.model, bias_h, &rows, err, sizeof err), err);
+            be->upload(m.bias, bias_h, (size_t)L * E * sizeof(float));
+        }
     } else {
         params_init_random(&p, tc->seed);
     }
@@ -285,6 +286,7 @@ int cmd_train(const struct cli *a)
     else if (*c.model.init_from) snprintf(init, sizeof init, "weights from %s", c.model.init_from);
     else snprintf(init, sizeof init, "random (seed %llu)", (unsigned long long)tc->seed);
     print_startup(&c, &mesh, be, data, n_micro, &m, init);
+    metrics_print_config(&c, c.log.metrics);
 
     struct metrics_log ml;
     metrics_open(&ml, c.log.metrics, resuming);
@@ -369,7 +371,8 @@ int cmd_train(const struct cli *a)
             .mfu = be->peak_flops > 0 ? tps * flops_tok / (be->peak_flops * mesh.d.world) : -1,
             .step_ms = 1e3 * step_s, .eta_s = avg * (tc->steps - step), .n_layers = n_moe,
             .load_min = lmin, .load_max = lmax, .load_cv = lcv, .n_experts = E, .expert_tokens = tok,
-            .time_split = c.log.profile ? split : NULL,
+            .time_split = c.log.profile ? split : NULL, .wall_time = metrics_wall_clock(),
+            .tokens_seen = (int64_t)step * tc->global_batch_size * tc->seq_len, .val_loss = NAN,
         };
         profile_read(split);
         bool print = step == 1 || step == tc->steps || step % MT_MAX(c.log.interval, 1) == 0;
@@ -385,7 +388,9 @@ int cmd_train(const struct cli *a)
     mem_report_collect(&mesh, &peak);
     mem_report_print(&c, &mesh, &peak, keep_copy, be->x_size);
     if (*c.checkpoint.export_hf) {
-        if (!export_params_hf(&p, &mesh, &c.model, c.checkpoint.export_hf, err, sizeof err)) mt_fatal("%s", err);
+        if (!export_params_hf(&p, &mesh, &c, m.bias ? bias_h : NULL, a->force, c.checkpoint.export_hf, err,
+                              sizeof err))
+            mt_user_error("%s", err);
         mt_log0("exported the final weights to %s (Hugging Face layout)\n", c.checkpoint.export_hf);
     }
     metrics_close(&ml);

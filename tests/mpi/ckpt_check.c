@@ -20,10 +20,10 @@
 #include <string.h>
 
 #include "checkpoint.h"
+#include "checkpoint_internal.h"
 #include "comm.h"
 #include "common.h"
 #include "config.h"
-#include "hf_export.h"
 #include "mesh.h"
 #include "model.h"
 #include "ops.h"
@@ -181,6 +181,73 @@ static void gather_moment(const struct params *p, const struct mesh *mesh, int b
     free(all);
 }
 
+/* Rank 0 assembles buffer b (0 master, 1 m1, 2 m2) of the whole model (table `full`) from every
+ * rank's runs of its own stage's tensors (mesh_stage_owns), as a pipelined export takes them. */
+static void gather_stages(const struct params *p, const struct mesh *mesh, int b, const struct tensor_table *full,
+                          float *const global[TG_COUNT])
+{
+    const struct backend *be = p->m->be;
+    float *shard[TG_COUNT];
+    for (int k = 0; k < TG_COUNT; k++) {
+        const struct param_group_shard *g = &p->g[k];
+        shard[k] = mt_malloc((size_t)MT_MAX(g->numel, 1) * sizeof(float));
+        be->download(shard[k], b == 0 ? g->master : b == 1 ? g->m1 : g->m2, (size_t)g->numel * sizeof(float));
+    }
+    struct ck_runs *rs = mt_calloc((size_t)p->m->tt.n, sizeof *rs);
+    params_for_each_run_of(p, p->S_rank, p->F_rank, p->m->expert0, ck_collect_run, rs);
+    /* (tensor, global element, length) triples and the values, one rank at a time to rank 0 */
+    int64_t n_head = 0, n_data = 0;
+    for (int i = 0; i < p->m->tt.n; i++)
+        if (mesh_stage_owns(mesh, &p->m->tt.t[i]))
+            for (int j = 0; j < rs[i].n; j++) n_head++, n_data += rs[i].r[j].len;
+    int64_t *head = mt_malloc((size_t)MT_MAX(n_head, 1) * 3 * sizeof(int64_t)), h = 0, d = 0;
+    float *data = mt_malloc((size_t)MT_MAX(n_data, 1) * sizeof(float));
+    for (int i = 0; i < p->m->tt.n; i++) {
+        if (!mesh_stage_owns(mesh, &p->m->tt.t[i])) continue;
+        const int fi = tensor_find(full, p->m->tt.t[i].name);
+        for (int j = 0; j < rs[i].n; j++) {
+            const struct ck_run *r = &rs[i].r[j];
+            head[3 * h] = fi, head[3 * h + 1] = r->gidx, head[3 * h + 2] = r->len;
+            memcpy(data + d, shard[tensor_group_of(&p->m->tt.t[i])] + r->soff, (size_t)r->len * sizeof(float));
+            h++, d += r->len;
+        }
+    }
+    struct comm *w = comm_mpi_create(mesh->world_comm);
+    for (int r = 0; r < mesh->d.world; r++) {
+        int64_t sizes[2] = {n_head, n_data}, *hh = head;
+        float *dd = data;
+        if (r > 0 && (mesh->rank == r || mesh->rank == 0)) {
+            const bool me = mesh->rank == r;
+            struct comm_p2p_op op = {me ? COMM_SEND : COMM_RECV, me ? 0 : r, sizes, 2, COMM_I64};
+            comm_p2p(w, &op, 1);
+            if (!me) {
+                hh = mt_malloc((size_t)MT_MAX(sizes[0], 1) * 3 * sizeof(int64_t));
+                dd = mt_malloc((size_t)MT_MAX(sizes[1], 1) * sizeof(float));
+            }
+            struct comm_p2p_op ops[2] = {{op.kind, op.peer, hh, (size_t)(3 * sizes[0]), COMM_I64},
+                                         {op.kind, op.peer, dd, (size_t)sizes[1], COMM_F32}};
+            comm_p2p(w, ops, 2);
+        } else if (r > 0 || mesh->rank != 0) {
+            continue;
+        }
+        if (mesh->rank == 0) {
+            const float *v = dd;
+            for (int64_t k = 0; k < sizes[0]; k++) {
+                const struct tensor_spec *s = &full->t[hh[3 * k]];
+                memcpy(global[tensor_group_of(s)] + s->offset + hh[3 * k + 1], v, (size_t)hh[3 * k + 2] * sizeof(float));
+                v += hh[3 * k + 2];
+            }
+            if (hh != head) free(hh), free(dd);
+        }
+    }
+    comm_free(w);
+    for (int i = 0; i < p->m->tt.n; i++) free(rs[i].r);
+    free(rs);
+    free(head);
+    free(data);
+    for (int k = 0; k < TG_COUNT; k++) free(shard[k]);
+}
+
 static void check_global(const struct tensor_table *tt, int b, float *const global[TG_COUNT])
 {
     for (int i = 0; i < tt->n; i++) {
@@ -271,7 +338,7 @@ int main(int argc, char **argv)
                     if (mesh.rank == 0)
                         for (int k = 0; k < TG_COUNT; k++)
                             memset(global[k], 0xff, (size_t)MT_MAX(full.group_numel[k], 1) * sizeof(float));
-                    export_gather_global(&p, &mesh, b, &full, global);
+                    gather_stages(&p, &mesh, b, &full, global);
                     if (mesh.rank == 0) check_global(&full, b, global);
                 }
                 tensor_table_free(&full);
