@@ -135,7 +135,10 @@ static void stage_backward(void *ctx, int slot, int micro)
         if (m->st.last) m->be->upload(t->aux_dev[slot], t->aux_host[slot], (size_t)E * sizeof(float));
         else m->be->download(t->aux_host[slot], t->aux_dev[slot], (size_t)E * sizeof(float));
     }
+    const size_t bytes = (size_t)m->T * m->H * m->be->x_size;
+    if (!m->st.last) m->be->copy(m->d_h, t->grad_in[slot], bytes);
     model_stage_backward(m, slot, (float)(1.0 / t->n_valid_global), t->use_aux ? t->aux_host[slot] : NULL);
+    if (!m->st.first) m->be->copy(t->grad_out[slot], m->d_h, bytes);
 }
 
 static int stage_buffers(void *ctx, enum pipe_xfer_kind k, int slot, int micro, struct comm_p2p_op *ops)
@@ -149,10 +152,8 @@ static int stage_buffers(void *ctx, enum pipe_xfer_kind k, int slot, int micro, 
     switch (k) {
     case PIPE_RECV_FORWARD: ops[n++] = (struct comm_p2p_op){.buf = model_stage_input(m, slot), .count = th, .dtype = xt}; break;
     case PIPE_SEND_FORWARD: ops[n++] = (struct comm_p2p_op){.buf = model_stage_output(m, slot), .count = th, .dtype = xt}; break;
-    /* the model takes dL/d(output) in d_h and leaves dL/d(input) there: the executor completes
-     * each transfer point before the next compute (no overlap), so one buffer serves every slot */
-    case PIPE_RECV_BACKWARD:
-    case PIPE_SEND_BACKWARD: ops[n++] = (struct comm_p2p_op){.buf = m->d_h, .count = th, .dtype = xt}; break;
+    case PIPE_RECV_BACKWARD: ops[n++] = (struct comm_p2p_op){.buf = t->grad_in[slot], .count = th, .dtype = xt}; break;
+    case PIPE_SEND_BACKWARD: ops[n++] = (struct comm_p2p_op){.buf = t->grad_out[slot], .count = th, .dtype = xt}; break;
     }
     if (m->E > 0) {
         if (k == PIPE_RECV_FORWARD || k == PIPE_SEND_FORWARD)
@@ -186,7 +187,12 @@ void pipe_train_init(struct pipe_train *t, const struct config *c, const struct 
     t->carry = mt_calloc((size_t)ns, sizeof *t->carry);
     t->aux_dev = mt_calloc((size_t)ns, sizeof *t->aux_dev);
     t->aux_host = mt_calloc((size_t)ns, sizeof *t->aux_host);
+    t->grad_in = mt_calloc((size_t)ns, sizeof *t->grad_in);
+    t->grad_out = mt_calloc((size_t)ns, sizeof *t->grad_out);
+    const size_t th = (size_t)m->T * m->H * m->be->x_size;
     for (int s = 0; s < ns; s++) {
+        t->grad_in[s] = m->st.last ? NULL : m->be->alloc(th);
+        t->grad_out[s] = m->st.first ? NULL : m->be->alloc(th);
         t->carry[s] = m->be->alloc((size_t)2 * E * sizeof(double));
         t->aux_dev[s] = m->be->alloc((size_t)E * sizeof(float));
         t->aux_host[s] = mt_calloc((size_t)E, sizeof(float));
@@ -221,7 +227,8 @@ void pipe_train_step(struct pipe_train *t, int step)
     memset(t->layer_counts, 0, (size_t)t->m->L * MT_MAX(t->m->E, 1) * sizeof(double));
     const struct pipe_stage st = {.ctx = t, .forward = stage_forward, .backward = stage_backward,
                                   .buffers = stage_buffers};
-    pipe_run(t->sched, t->pp, &st, false);
+    /* every transfer buffer is its slot's own: transfers may run under the next compute */
+    pipe_run(t->sched, t->pp, &st, true);
 }
 
 void pipe_train_free(struct pipe_train *t)
@@ -230,7 +237,11 @@ void pipe_train_free(struct pipe_train *t)
         t->m->be->free(t->carry[s]);
         t->m->be->free(t->aux_dev[s]);
         free(t->aux_host[s]);
+        if (t->grad_in[s]) t->m->be->free(t->grad_in[s]);
+        if (t->grad_out[s]) t->m->be->free(t->grad_out[s]);
     }
+    free(t->grad_in);
+    free(t->grad_out);
     free(t->carry);
     free(t->aux_dev);
     free(t->aux_host);

@@ -60,6 +60,8 @@ struct pipe_train {
     double **carry;            /* [n_slots] backend [2E] f64: pooled psum then count */
     float **aux_dev;           /* [n_slots] backend [E] */
     float **aux_host;          /* [n_slots] host [E] */
+    void **grad_in, **grad_out; /* [n_slots] backend [T, H]: dL/d(output) received, dL/d(input) sent
+                                 * (the model's d_h is one buffer for every slot) */
     double *pool;              /* host [2E] */
     int32_t *ids;              /* host [B, S] */
     /* the step's results on this rank */
