@@ -132,6 +132,7 @@ void mesh_stage_layers_cfg(const struct config *c, int pp, int stage, int *l0, i
 
 bool mesh_stage_owns(const struct mesh *m, const struct tensor_spec *s)
 {
+    if (m->d.pp <= 1) return true;   /* (also meshes built by hand, without layer ranges) */
     if (s->layer >= 0) return s->layer >= m->layer0 && s->layer < m->layer1;
     if (s->role == TR_EMBED) return m->me.stage == 0;
     return m->me.stage == m->d.pp - 1;
