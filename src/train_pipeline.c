@@ -60,7 +60,6 @@ struct model_stage pipe_model_stage(const struct mesh *mesh, int n_micro)
 struct unowned {
     const struct params *p;
     const struct mesh *mesh;
-    float *grad[TG_COUNT];     /* host copies, downloaded on first need */
     double sq;
 };
 
@@ -69,19 +68,17 @@ static void add_unowned(void *ctx, enum tensor_group g, int i, int64_t gidx, int
     (void)gidx;
     struct unowned *u = ctx;
     if (mesh_stage_owns(u->mesh, &u->p->m->tt.t[i])) return;
-    if (!u->grad[g]) {
-        const struct param_group_shard *s = &u->p->g[g];
-        u->grad[g] = mt_malloc((size_t)MT_MAX(s->numel, 1) * sizeof(float));
-        u->p->m->be->download(u->grad[g], s->grad, (size_t)s->numel * sizeof(float));
-    }
-    for (int64_t j = 0; j < len; j++) u->sq += (double)u->grad[g][soff + j] * u->grad[g][soff + j];
+    /* only the run itself leaves the device: a piece of the tied embedding */
+    float *run = mt_malloc((size_t)MT_MAX(len, 1) * sizeof(float));
+    u->p->m->be->download(run, u->p->g[g].grad + soff, (size_t)len * sizeof(float));
+    for (int64_t j = 0; j < len; j++) u->sq += (double)run[j] * run[j];
+    free(run);
 }
 
 double pipe_unowned_grad_sq(const struct params *p, const struct mesh *mesh)
 {
     struct unowned u = {.p = p, .mesh = mesh};
     params_for_each_run_of(p, p->S_rank, p->F_rank, p->m->expert0, add_unowned, &u);
-    for (int k = 0; k < TG_COUNT; k++) free(u.grad[k]);
     return u.sq;
 }
 
