@@ -67,6 +67,7 @@ void config_defaults(struct config *c)
     t->activation_checkpointing = false;
     t->load_balance = MT_LB_AUX;
     t->bias_update_rate = 1e-3;
+    t->watchdog_s = 600;
 
     c->data.kind = MT_DATA_SYNTHETIC;
     c->data.synthetic_branching = 4;

@@ -68,6 +68,7 @@ struct train_config {
     bool activation_checkpointing;
     enum mt_load_balance load_balance;  /* aux | bias | none */
     double bias_update_rate;      /* aux-loss-free balancing: bias += rate * sign(mean - load) */
+    int watchdog_s;               /* seconds without progress before the job aborts; 0 = off */
 };
 
 struct data_config {

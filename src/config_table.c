@@ -87,6 +87,7 @@ const struct cfg_key cfg_keys[] = {
     BOOL("train", "activation_checkpointing", train.activation_checkpointing),
     ENUM("train", "load_balance", train.load_balance, load_balance_names),
     DBL("train", "bias_update_rate", train.bias_update_rate, NONNEG),
+    INT("train", "watchdog_s", train.watchdog_s, NONNEG),
 
     ENUM("data", "kind", data.kind, data_kind_names),
     STR("data", "path", data.path),
