@@ -22,6 +22,7 @@ static _Atomic(const char *) g_coll;
 static atomic_int g_coll_ranks;
 static atomic_int g_step;
 static atomic_llong g_progress_ms; /* monotonic ms of the last watchdog_phase */
+static bool (*g_poll_hook)(char *why, int cap);
 static void (*g_abort_hook)(void);
 
 static struct {
@@ -57,7 +58,11 @@ void watchdog_collective(const char *name, int ranks)
     atomic_store_explicit(&g_coll, name, memory_order_release);
 }
 
-void watchdog_set_abort_hook(void (*hook)(void)) { g_abort_hook = hook; }
+void watchdog_set_nccl_hooks(bool (*poll)(char *why, int cap), void (*abort)(void))
+{
+    g_poll_hook = poll;
+    g_abort_hook = abort;
+}
 
 static void hb_path(const char *dir, int rank, char *out, size_t cap)
 {
@@ -149,7 +154,7 @@ void watchdog_judge(const char *dir, int rank, int my_step, double now_wall, dou
 /* The one report line of this rank, then the job ends. Every live rank gets here within a few
  * seconds of the others (they stalled together), so each waits briefly before aborting to let
  * the others print. */
-static _Noreturn void fire(double idle_s)
+static _Noreturn void fire(double idle_s, const char *why)
 {
     const char *coll = atomic_load(&g_coll);
     const int step = atomic_load(&g_step);
@@ -169,8 +174,11 @@ static _Noreturn void fire(double idle_s)
         used += n > 0 ? (size_t)n : 0;
     }
     if (!late[0]) mt_strlcpy(late, "none found (every rank's heartbeat is fresh and at this step)", sizeof late);
-    fprintf(stderr, "moetrain: rank %d: watchdog: no progress for %.0f s (train.watchdog_s %d) at "
-            "step %d %s; late: %s; aborting the job\n", W.rank, idle_s, W.limit_s, step, where, late);
+    char cause[600];
+    if (why) snprintf(cause, sizeof cause, "%s after %.0f s without progress", why, idle_s);
+    else snprintf(cause, sizeof cause, "no progress for %.0f s (train.watchdog_s %d)", idle_s, W.limit_s);
+    fprintf(stderr, "moetrain: rank %d: watchdog: %s at step %d %s; late: %s; aborting the job\n",
+            W.rank, cause, step, where, late);
     fflush(stderr);
     fflush(stdout);
     if (g_abort_hook) g_abort_hook();
@@ -196,9 +204,14 @@ static void *thread_main(void *arg)
             next_beat = t + W.hb_every_s;
         }
         const double idle_s = (now_ms() - atomic_load_explicit(&g_progress_ms, memory_order_acquire)) / 1e3;
+        char why[512];
+        if (g_poll_hook && !g_poll_hook(why, sizeof why)) {
+            pthread_mutex_unlock(&W.mu);
+            fire(idle_s, why);
+        }
         if (idle_s > W.limit_s) {
             pthread_mutex_unlock(&W.mu);
-            fire(idle_s);
+            fire(idle_s, NULL);
         }
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);

@@ -30,8 +30,11 @@ void watchdog_stop(void);
 void watchdog_phase(int step, const char *phase);
 /* The comm layer: entering (name) or leaving (NULL) a collective over `ranks` ranks. */
 void watchdog_collective(const char *name, int ranks);
-/* Called by the watchdog thread before MPI_Abort (the NCCL comm registers ncclCommAbort here). */
-void watchdog_set_abort_hook(void (*hook)(void));
+/* The NCCL comm's hooks, called from the watchdog thread: `poll` (every tick) returns false with a
+ * one-line reason when a communicator reports an asynchronous error (a peer died, the network
+ * failed), which fires the watchdog at once; `abort` (before MPI_Abort) aborts every
+ * communicator, so no kernel is left waiting for a peer that will never come. */
+void watchdog_set_nccl_hooks(bool (*poll)(char *why, int cap), void (*abort)(void));
 
 /* The heartbeat verdict on `rank` (for the one-line report): "dead (pid 12 on host x is gone)",
  * "stopped (SIGSTOP) ...", "silent for N s", "behind: step S in PHASE" or "" when it looks fine.
