@@ -132,19 +132,20 @@ void watchdog_judge(const char *dir, int rank, int my_step, double now_wall, dou
     if (!strcmp(host, h.host)) {
         char st = proc_state(h.pid);
         if (st == 0 || st == 'Z') {
-            snprintf(out, (size_t)cap, "dead (pid %ld on %s is gone; last heartbeat at step %d in %s)", h.pid, h.host,
-                     h.step, h.phase);
+            snprintf(out, (size_t)cap, "dead (pid %ld on %s is gone; last heartbeat at step %d in %s)",
+                     h.pid, h.host, h.step, h.phase);
             return;
         }
         if (st == 'T' || st == 't') {
-            snprintf(out, (size_t)cap, "stopped (pid %ld on %s: SIGSTOP or a debugger; last heartbeat at step %d in %s)",
-                     h.pid, h.host, h.step, h.phase);
+            snprintf(out, (size_t)cap, "stopped (pid %ld on %s: SIGSTOP or a debugger; last heartbeat "
+                     "at step %d in %s)", h.pid, h.host, h.step, h.phase);
             return;
         }
     }
     if (now_wall - h.beat_wall > stale_s) {
         snprintf(out, (size_t)cap, "silent for %.0f s (pid %ld on %s: stopped, dead or its node is "
-                 "down; last heartbeat at step %d in %s)", now_wall - h.beat_wall, h.pid, h.host, h.step, h.phase);
+                 "down; last heartbeat at step %d in %s)", now_wall - h.beat_wall, h.pid, h.host, h.step,
+                 h.phase);
         return;
     }
     if (h.step < my_step)
@@ -173,7 +174,8 @@ static _Noreturn void fire(double idle_s, const char *why)
         int n = snprintf(late + used, sizeof late - used, "%srank %d %s", used ? "; " : "", r, one);
         used += n > 0 ? (size_t)n : 0;
     }
-    if (!late[0]) mt_strlcpy(late, "none found (every rank's heartbeat is fresh and at this step)", sizeof late);
+    if (!late[0])
+        mt_strlcpy(late, "none found (every rank's heartbeat is fresh and at this step)", sizeof late);
     char cause[600];
     if (why) snprintf(cause, sizeof cause, "%s after %.0f s without progress", why, idle_s);
     else snprintf(cause, sizeof cause, "no progress for %.0f s (train.watchdog_s %d)", idle_s, W.limit_s);
@@ -242,6 +244,16 @@ static void choose_dir(const struct config *c, MPI_Comm world)
     mt_strlcpy(W.dir, *dir ? dir : "/nonexistent", sizeof W.dir);
 }
 
+/* An error exit (mt_user_error) leaves no heartbeat of this rank behind; the thread dies with the
+ * process. */
+static void remove_own_heartbeat(void)
+{
+    char path[MT_PATH_MAX + 32];
+    hb_path(W.dir, W.rank, path, sizeof path);
+    unlink(path);
+    rmdir(W.dir);
+}
+
 void watchdog_start(const struct config *c, MPI_Comm world)
 {
     MT_CHECK_MPI(MPI_Comm_rank(world, &W.rank));
@@ -257,6 +269,7 @@ void watchdog_start(const struct config *c, MPI_Comm world)
     W.stale_s = 3 * W.hb_every_s;
     choose_dir(c, world);
     hb_write();
+    atexit(remove_own_heartbeat);
     W.stop = false;
     int rc = pthread_create(&W.thread, NULL, thread_main, NULL);
     MT_CHECK(rc == 0, "watchdog: pthread_create: %s", strerror(rc));
