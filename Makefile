@@ -103,7 +103,7 @@ test-unit: $(BUILD)/moetrain $(BUILD)/tests/unit_tests $(MPI_TEST_BINS) $(TOOL_B
 
 # Under a real one-node Slurm started by ../shared/slurm/local-slurm.sh (root; skipped with a
 # message where the machine cannot run it): sbatch of scripts/launch-slurm.sh, requeue, the
-# time-limit signal, a killed and a stopped rank (tests/slurm/run.sh, about 2 minutes).
+# time-limit signal, a killed and a stopped rank (tests/slurm/run.sh, about a minute).
 test-slurm: $(BUILD)/moetrain
 	BUILD=$(BUILD) tests/slurm/run.sh
 
