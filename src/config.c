@@ -71,6 +71,7 @@ void config_defaults(struct config *c)
     t->weight_copy = MT_COPY_AUTO;
     t->optimizer_state_dtype = MT_STATE_FP32;
     t->bias_update_rate = 1e-3;
+    t->watchdog_s = 600;
 
     c->data.kind = MT_DATA_SYNTHETIC;
     c->data.synthetic_branching = 4;

@@ -74,6 +74,7 @@ struct train_config {
     double bias_update_rate;      /* aux-loss-free balancing: bias += rate * sign(mean - load) */
     enum mt_weight_copy weight_copy;   /* compute copy of the shard: auto | keep | cast */
     enum mt_state_dtype optimizer_state_dtype; /* Adam moments: fp32 | bf16 */
+    int watchdog_s;               /* seconds without progress before the job aborts; 0 = off */
 };
 
 struct data_config {

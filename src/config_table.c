@@ -94,6 +94,7 @@ const struct cfg_key cfg_keys[] = {
     DBL("train", "bias_update_rate", train.bias_update_rate, NONNEG),
     ENUM("train", "weight_copy", train.weight_copy, weight_copy_names),
     ENUM("train", "optimizer_state_dtype", train.optimizer_state_dtype, state_dtype_names),
+    INT("train", "watchdog_s", train.watchdog_s, NONNEG),
 
     ENUM("data", "kind", data.kind, data_kind_names),
     STR("data", "path", data.path),

@@ -36,8 +36,10 @@
 #include "model.h"
 #include "params.h"
 #include "plan.h"
+#include "preempt.h"
 #include "profile.h"
 #include "train.h"
+#include "watchdog.h"
 
 double train_lr_at(const struct train_config *t, int step)
 {
@@ -285,6 +287,8 @@ int cmd_train(const struct cli *a)
     else snprintf(init, sizeof init, "random (seed %llu)", (unsigned long long)tc->seed);
     print_startup(&c, &mesh, be, data, n_micro, &m, init);
     metrics_print_config(&c, c.log.metrics);
+    preempt_install();
+    watchdog_start(&c, mesh.world_comm);
 
     struct metrics_log ml;
     metrics_open(&ml, c.log.metrics, resuming);
@@ -313,6 +317,7 @@ int cmd_train(const struct cli *a)
         memset(layer_counts, 0, (size_t)L * MT_MAX(E, 1) * sizeof(double));
         for (int micro = 0; micro < n_micro; micro++) {
             int64_t first = data_first_seq(step - 1, micro, n_micro, mesh.me.local, dp, mb);
+            watchdog_phase(step, "forward");
             data_get_sequences(data, first, mb, ids);
             struct model_step_out o;
             model_forward(&m, ids, NULL, &o);
@@ -328,16 +333,20 @@ int cmd_train(const struct cli *a)
                     for (int e = 0; e < E; e++)
                         layer_counts[(size_t)l * E + e] += m.stats_h[(size_t)l * 2 * E + E + e];
             }
+            watchdog_phase(step, "backward");
             model_backward(&m, (float)(1.0 / n_valid_global), use_aux ? aux_dp : NULL);
         }
+        watchdog_phase(step, "gradient norm");
         double gsq = params_grad_sumsq(&p, world);
         double gnorm = sqrt(gsq);
         double scale = tc->grad_clip > 0 && gnorm > tc->grad_clip ? tc->grad_clip / gnorm : 1.0;
         double lr = train_lr_at(tc, step);
+        watchdog_phase(step, "optimizer step");
         params_adamw_step(&p, tc, (float)lr, (float)scale);
         fsdp_invalidate(&sharding);
 
         double sums[2] = {ce_local, (double)valid_local};
+        watchdog_phase(step, "loss all-reduce");
         comm_all_reduce_sum(world, sums, 2, COMM_F64);
         MT_CHECK((int64_t)sums[1] == n_valid_global, "step %d counted %.0f labelled tokens, expected %lld",
                  step, sums[1], (long long)n_valid_global);
@@ -373,18 +382,28 @@ int cmd_train(const struct cli *a)
             profile_print_ops(stdout, step_s);
             fflush(stdout);
         }
+        watchdog_phase(step, "checkpoint save");
         if (ckpt_due(&c, step)) ckpt_save(c.checkpoint.dir, step, &p, &mesh, &c, m.bias ? bias_h : NULL);
+        watchdog_phase(step, "preemption check");
+        if (preempt_requested(mesh.world_comm)) {
+            watchdog_phase(step, "checkpoint save (preempted)");
+            if (*c.checkpoint.dir && !ckpt_due(&c, step))
+                ckpt_save(c.checkpoint.dir, step, &p, &mesh, &c, m.bias ? bias_h : NULL);
+            preempt_exit(&c, step);
+        }
     }
     mt_log0("done: %d steps in %.1f s\n", tc->steps - start_step, mt_now() - t_start);
     struct mem_peak peak;
     mem_report_collect(&mesh, &peak);
     mem_report_print(&c, &mesh, &peak, keep_copy, be->x_size);
     if (*c.checkpoint.export_hf) {
+        watchdog_phase(tc->steps, "export");
         if (!export_params_hf(&p, &mesh, &c, m.bias ? bias_h : NULL, a->force, c.checkpoint.export_hf, err,
                               sizeof err))
             mt_user_error("%s", err);
         mt_log0("exported the final weights to %s (Hugging Face layout)\n", c.checkpoint.export_hf);
     }
+    watchdog_stop();
     metrics_close(&ml);
     free(ids); free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv);
     free(tok); free(bias_h);
