@@ -22,6 +22,7 @@ struct step_metrics {
     int n_experts;
     const double *expert_tokens;  /* [n_layers, n_experts]: routed tokens this step, whole job */
     const double *time_split;     /* [PROF_COUNT] seconds by category (rank 0), NULL = not profiled */
+    const char *warning;          /* expert collapse / overload (expert_watch.h); NULL or "" = none */
 };
 
 struct metrics_log {
@@ -32,7 +33,8 @@ struct metrics_log {
  * An unwritable path: mt_fatal. */
 void metrics_open(struct metrics_log *ml, const char *path, bool append);
 void metrics_close(struct metrics_log *ml);
-/* Rank 0: prints the step line (when print is true) and writes the JSONL record. */
+/* Rank 0: prints the step line (when print is true, or when there is a warning) and writes the
+ * JSONL record. */
 void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool print);
 
 #endif

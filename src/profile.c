@@ -108,12 +108,13 @@ W(attention_backward, PROF_ATTN, S,
    const void *o, const float *lse, int B, int S, int Hq, int Hkv, int D),
   (dq, dk, dv, d, q, k, v, o, lse, B, S, Hq, Hkv, D))
 W(router_forward, PROF_MOE_ROWS, E,
-  (int32_t *ti, float *tw, float *p, const float *l, const float *b, int T, int E, int k, bool n),
-  (ti, tw, p, l, b, T, E, k, n))
+  (int32_t *ti, float *tw, float *p, const float *l, const float *b, int T, int E, int k,
+   const struct router_opts *o),
+  (ti, tw, p, l, b, T, E, k, o))
 W(router_backward, PROF_MOE_ROWS, E,
   (float *dl, const float *dtw, const float *p, const int32_t *ti, const float *a, int T, int E,
-   int k, bool n),
-  (dl, dtw, p, ti, a, T, E, k, n))
+   int k, const struct router_opts *o),
+  (dl, dtw, p, ti, a, T, E, k, o))
 W(router_stats, PROF_MOE_ROWS, E,
   (float *ps, float *c, const float *p, const int32_t *ti, int T, int E, int k),
   (ps, c, p, ti, T, E, k))
