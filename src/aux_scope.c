@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "route_replay.h"
 #include "train.h"
 
 double aux_global_prepass(struct model *m, const struct aux_prepass *a, int step, double coef,
@@ -14,6 +15,7 @@ double aux_global_prepass(struct model *m, const struct aux_prepass *a, int step
     for (int micro = 0; micro < a->n_micro; micro++) {
         int64_t first = data_first_seq(step - 1, micro, a->n_micro, a->dp_rank, a->dp, a->micro_batch);
         data_get_sequences(a->data, first, a->micro_batch, a->ids);
+        route_replay_load(m, first);
         struct model_step_out o;
         model_forward(m, a->ids, NULL, &o);
         comm_all_reduce_sum(a->stage_h, m->stats_h, nstat, COMM_F32);

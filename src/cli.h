@@ -17,11 +17,15 @@ struct cli {
     const char *reference;     /* verify REFERENCE.safetensors */
     double tolerance;          /* verify --tolerance (default 1e-4) */
     const char *backend;       /* --backend cpu|cuda|auto (default auto) */
+    const char *record;        /* route --record OUT */
+    bool with_weights;         /* route --with-weights: the file carries the gate weights too */
 };
 
 int cmd_train(const struct cli *a);
 int cmd_plan(const struct cli *a);
 int cmd_verify(const struct cli *a);
+/* route --record OUT CONFIG.yaml: a routing file for data.routing_replay (route_replay.h) */
+int cmd_route(const struct cli *a);
 /* export CHECKPOINT OUT_DIR: model_dir = the checkpoint, reference = the output directory */
 int cmd_export(const struct cli *a);
 

@@ -86,6 +86,7 @@ struct data_config {
     char path[MT_PATH_MAX];       /* token file for kind: tokens */
     int synthetic_branching;      /* successors per state of the synthetic Markov chain */
     uint64_t synthetic_seed;
+    char routing_replay[MT_PATH_MAX]; /* routing file (route_replay.h) the MoE layers follow; "" = none */
 };
 
 struct ckpt_config {

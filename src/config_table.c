@@ -103,6 +103,7 @@ const struct cfg_key cfg_keys[] = {
     STR("data", "path", data.path),
     INT("data", "synthetic_branching", data.synthetic_branching, POS),
     U64("data", "synthetic_seed", data.synthetic_seed),
+    STR("data", "routing_replay", data.routing_replay),
 
     STR("checkpoint", "dir", checkpoint.dir),
     INT("checkpoint", "interval", checkpoint.interval, NONNEG),

@@ -36,6 +36,7 @@
 #include "params.h"
 #include "plan.h"
 #include "profile.h"
+#include "route_replay.h"
 #include "router_opts.h"
 #include "train.h"
 
@@ -271,6 +272,9 @@ int cmd_train(const struct cli *a)
         params_init_random(&p, tc->seed);
     }
     params_gather_weights(&p);
+    if (*c.data.routing_replay &&
+        !route_replay_open(&m, c.data.routing_replay, (int64_t)tc->steps * tc->global_batch_size, err, sizeof err))
+        mt_user_error("data.routing_replay: %s", err);
     plan_print_mesh(stdout, &c, &mesh);
     char init[3 * MT_PATH_MAX];
     if (resuming) snprintf(init, sizeof init, "resumed from %s (step %d)", resume_dir, start_step);
@@ -312,6 +316,7 @@ int cmd_train(const struct cli *a)
         for (int micro = 0; micro < n_micro; micro++) {
             int64_t first = data_first_seq(step - 1, micro, n_micro, mesh.me.local, dp, mb);
             data_get_sequences(data, first, mb, ids);
+            route_replay_load(&m, first);
             struct model_step_out o;
             model_forward(&m, ids, NULL, &o);
             ce_local += o.ce_sum;

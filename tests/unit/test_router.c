@@ -341,3 +341,102 @@ Test(router, global_batch_aux_is_the_whole_batch_statistic_on_any_mesh, .timeout
               a[0]);
     tu_run("rm -rf /tmp/mt_aux_one* /tmp/mt_aux_g1* /tmp/mt_aux_g2ep2* /tmp/mt_aux_micro*", NULL);
 }
+
+/* ---- routing replay --------------------------------------------------------------------------- */
+
+#include "route_replay.h"
+
+/* (a) the recompute gets the forward's routing back, whatever its own router says */
+Test(router, recompute_reuses_the_forward_routing)
+{
+    struct model_config mc;
+    small_model(&mc);
+    struct model m;
+    model_init(&m, backend_cpu(), &mc, GB, GS, NULL, true);
+    const size_t tk = (size_t)m.T * m.K;
+    int32_t *idx = mt_malloc(tk * sizeof(int32_t)), *saved = mt_malloc(tk * sizeof(int32_t));
+    float *w = mt_malloc(tk * sizeof(float)), *wsaved = mt_malloc(tk * sizeof(float));
+    for (size_t i = 0; i < tk; i++) idx[i] = (int32_t)(i % 2 ? 1 : 3), w[i] = 0.25f + (float)i;
+    memcpy(saved, idx, tk * sizeof(int32_t));
+    memcpy(wsaved, w, tk * sizeof(float));
+    route_replay_apply(&m, 1, idx, w, NULL); /* forward: saves */
+    for (size_t i = 0; i < tk; i++) idx[i] = 0, w[i] = -1;
+    m.recomputing = true;
+    route_replay_apply(&m, 1, idx, w, NULL); /* recompute: restores */
+    m.recomputing = false;
+    cr_expect(!memcmp(idx, saved, tk * sizeof(int32_t)) && !memcmp(w, wsaved, tk * sizeof(float)));
+    cr_expect_eq(route_replay_bytes(&m), (size_t)2 * tk * 8);
+    free(idx), free(saved), free(w), free(wsaved);
+    model_free(&m);
+}
+
+static void route_cmd(const char *what, const char *cmd_fmt, const char *arg, int want_rc, const char *want_msg)
+{
+    char cmd[2048], *out = NULL;
+    snprintf(cmd, sizeof cmd, cmd_fmt, tu_build(), arg);
+    int rc = tu_run(cmd, &out);
+    if (want_rc == 0) cr_assert_eq(rc, 0, "%s failed:\n%s", what, out);
+    else cr_expect_neq(rc, 0, "%s should fail:\n%s", what, out);
+    if (want_msg) cr_expect(strstr(out, want_msg), "%s: no '%s' in:\n%s", what, want_msg, out);
+    free(out);
+}
+
+#define TINY "%s/moetrain %s configs/tiny.yaml --backend cpu --set train.steps=1 "
+
+/* (b) record, replay: step 1 of the replay is the recording run's step 1 (same experts, same
+ * weights); without file weights the gradient is too, with them the router's CE part is cut. */
+Test(router, routing_file_round_trip, .timeout = 300)
+{
+    route_cmd("record", TINY "--record /tmp/mt_rr_now.bin", "route", 0, "recorded the routing of 32");
+    route_cmd("record with weights", TINY "--record /tmp/mt_rr_w.bin --with-weights", "route", 0, NULL);
+    route_cmd("plain", TINY "--set log.metrics=/tmp/mt_rr_plain.jsonl", "train", 0, NULL);
+    route_cmd("replay", TINY "--set log.metrics=/tmp/mt_rr_replay.jsonl "
+              "--set data.routing_replay=/tmp/mt_rr_now.bin", "train", 0, NULL);
+    route_cmd("replay with weights", TINY "--set log.metrics=/tmp/mt_rr_w.jsonl "
+              "--set data.routing_replay=/tmp/mt_rr_w.bin --set train.activation_checkpointing=true",
+              "train", 0, NULL);
+    double l0, l1, l2, g0, g1, g2;
+    cr_assert_eq(tu_read_losses("/tmp/mt_rr_plain.jsonl", &l0, 1), 1);
+    cr_assert_eq(tu_read_losses("/tmp/mt_rr_replay.jsonl", &l1, 1), 1);
+    cr_assert_eq(tu_read_losses("/tmp/mt_rr_w.jsonl", &l2, 1), 1);
+    cr_assert_eq(tu_read_metric("/tmp/mt_rr_plain.jsonl", "grad_norm", &g0, 1), 1);
+    cr_assert_eq(tu_read_metric("/tmp/mt_rr_replay.jsonl", "grad_norm", &g1, 1), 1);
+    cr_assert_eq(tu_read_metric("/tmp/mt_rr_w.jsonl", "grad_norm", &g2, 1), 1);
+    cr_expect(fabs(l1 - l0) <= 1e-6 * l0, "replay loss %.9f vs %.9f", l1, l0);
+    cr_expect(fabs(l2 - l0) <= 1e-6 * l0, "replay-with-weights loss %.9f vs %.9f", l2, l0);
+    cr_expect(fabs(g1 - g0) <= 1e-6 * g0, "replay grad norm %.9f vs %.9f", g1, g0);
+    cr_expect(fabs(g2 - g0) > 1e-6 * g0, "fixed weights left the grad norm at %.9f", g2);
+    tu_run("rm -f /tmp/mt_rr_plain.jsonl /tmp/mt_rr_replay.jsonl /tmp/mt_rr_w.jsonl /tmp/mt_rr_w.bin", NULL);
+}
+
+/* Every mismatch is a one-line error on every rank. Uses /tmp/mt_rr_now.bin from a fresh record. */
+Test(router, routing_file_mismatches_are_one_line_errors, .timeout = 300)
+{
+    route_cmd("record", TINY "--record /tmp/mt_rr_bad.bin", "route", 0, NULL);
+    route_cmd("layers", TINY "--set model.num_hidden_layers=3 --set data.routing_replay=/tmp/mt_rr_bad.bin",
+              "train", 1, "routing of 2 MoE layers");
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd, "%s -np 2 %s/moetrain train configs/tiny.yaml --backend cpu --set train.steps=1 "
+             "--set model.num_hidden_layers=3 --set data.routing_replay=/tmp/mt_rr_bad.bin", tu_mpirun(), tu_build());
+    cr_expect_neq(tu_run(cmd, &out), 0);
+    cr_expect(strstr(out, "moetrain: error: data.routing_replay: /tmp/mt_rr_bad.bin: routing of 2 MoE layers, "
+                     "top-2, 64 tokens per sequence, 8 experts; the model and train.seq_len need 3, 2, 64, 8"),
+              "%s", out);
+    free(out);
+    route_cmd("sequences", TINY "--set train.steps=2 --set data.routing_replay=/tmp/mt_rr_bad.bin", "train", 1,
+              "holds the routing of 32 sequences, the run trains on 64");
+    route_cmd("seq_len", TINY "--set train.seq_len=32 --set data.routing_replay=/tmp/mt_rr_bad.bin", "train", 1,
+              "the model and train.seq_len need 2, 2, 32, 8");
+    /* expert id 9 of 8 at sequence 0, layer 0, token 1 (int16 ids right after the header) */
+    tu_run("printf '\\011\\000' | dd of=/tmp/mt_rr_bad.bin bs=1 seek=68 conv=notrunc 2>/dev/null", NULL);
+    route_cmd("bad id", TINY "--set data.routing_replay=/tmp/mt_rr_bad.bin", "train", 1,
+              "sequence 0, MoE layer 0, token 1: expert id 9 is outside [0, num_experts)");
+    tu_run("truncate -s 1000 /tmp/mt_rr_bad.bin", NULL);
+    route_cmd("truncated", TINY "--set data.routing_replay=/tmp/mt_rr_bad.bin", "train", 1,
+              "1000 bytes, but its header describes");
+    route_cmd("not a file", TINY "--set data.routing_replay=configs/tiny.yaml", "train", 1,
+              "not a routing file (no MTROUTE1 header)");
+    route_cmd("missing", TINY "--set data.routing_replay=/tmp/mt_rr_none.bin", "train", 1,
+              "cannot open the routing file");
+    tu_run("rm -f /tmp/mt_rr_bad.bin /tmp/mt_rr_now.bin", NULL);
+}
