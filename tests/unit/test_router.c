@@ -449,3 +449,23 @@ Test(router, routing_file_mismatches_are_one_line_errors, .timeout = 300)
               "cannot open the routing file");
     tu_run("rm -f /tmp/mt_rr_bad.bin /tmp/mt_rr_now.bin", NULL);
 }
+
+/* The warnings reach the step line and the metrics file; round-robin routing loads every expert
+ * equally (load 1.00-1.00 on the step line). */
+Test(router, warnings_and_forced_balance_in_a_run, .timeout = 120)
+{
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd, "%s/moetrain train configs/tiny.yaml --backend cpu --set train.steps=2 "
+             "--set log.interval=10 --set log.load_warn=1.01 --set log.metrics=/tmp/mt_warn.jsonl", tu_build());
+    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+    cr_expect(strstr(out, "step 1/2") && strstr(out, "| WARNING layer "), "%s", out);
+    free(out);
+    cr_expect_eq(tu_run("grep -q '\"warning\": \"layer ' /tmp/mt_warn.jsonl", NULL), 0);
+    snprintf(cmd, sizeof cmd, "%s/moetrain train configs/tiny.yaml --backend cpu --set train.steps=1 "
+             "--set model.debug_force_balance=true", tu_build());
+    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+    cr_expect(strstr(out, "load 1.00-1.00"), "%s", out);
+    cr_expect(!strstr(out, "WARNING"), "%s", out);
+    free(out);
+    tu_run("rm -f /tmp/mt_warn.jsonl", NULL);
+}
