@@ -415,10 +415,11 @@ Test(router, routing_file_round_trip, .timeout = 300)
     cr_expect(fabs(g1 - g0) <= 1e-6 * g0, "replay grad norm %.9f vs %.9f", g1, g0);
     cr_expect(fabs(g2 - g0) > 1e-6 * g0, "fixed weights left the grad norm at %.9f", g2);
     cr_expect(fabs(l3 - l0) <= 1e-5 * l0, "replay on ep 2: loss %.9f vs %.9f", l3, l0);
-    tu_run("rm -f /tmp/mt_rr_ep2.jsonl /tmp/mt_rr_plain.jsonl /tmp/mt_rr_replay.jsonl /tmp/mt_rr_w.jsonl /tmp/mt_rr_w.bin", NULL);
+    tu_run("rm -f /tmp/mt_rr_ep2.jsonl /tmp/mt_rr_plain.jsonl /tmp/mt_rr_replay.jsonl /tmp/mt_rr_w.jsonl "
+           "/tmp/mt_rr_w.bin /tmp/mt_rr_now.bin", NULL);
 }
 
-/* Every mismatch is a one-line error on every rank. Uses /tmp/mt_rr_now.bin from a fresh record. */
+/* Every mismatch is a one-line error on every rank. */
 Test(router, routing_file_mismatches_are_one_line_errors, .timeout = 300)
 {
     route_cmd("record", TINY "--record /tmp/mt_rr_bad.bin", "route", 0, NULL);
@@ -447,7 +448,7 @@ Test(router, routing_file_mismatches_are_one_line_errors, .timeout = 300)
               "not a routing file (no MTROUTE1 header)");
     route_cmd("missing", TINY "--set data.routing_replay=/tmp/mt_rr_none.bin", "train", 1,
               "cannot open the routing file");
-    tu_run("rm -f /tmp/mt_rr_bad.bin /tmp/mt_rr_now.bin", NULL);
+    tu_run("rm -f /tmp/mt_rr_bad.bin", NULL);
 }
 
 /* The warnings reach the step line and the metrics file; round-robin routing loads every expert
