@@ -314,7 +314,8 @@ static void read_run(const char *tag, double *loss, double *aux)
     cr_assert_eq(tu_read_metric(path, "aux_loss", aux, 8), 4);
 }
 
-/* The global-batch statistic of 4 micro-steps of 2 sequences (on 1 and on 2 ranks) is the
+/* The global-batch statistic of 4 micro-steps of 2 sequences (on 1 and on 2 ranks; 2 of 1 on 4
+ * ranks, ep 2 × ep_fsdp 2) is the
  * micro-batch statistic of one micro-step holding all 8 (transformers' formula, which the verify
  * fixtures check): same aux, losses and trained weights. Micro-batch scope on 4 micro-steps is
  * not (the check can fail). */
@@ -323,10 +324,10 @@ Test(router, global_batch_aux_is_the_whole_batch_statistic_on_any_mesh, .timeout
     double lref[8], aref[8], l[8], a[8];
     train_run("one", 1, 1, 8, "");
     read_run("one", lref, aref);
-    const char *tags[] = {"g1", "g2ep2"};
-    const int np[] = {1, 2}, mbs[] = {2, 2};
-    for (int r = 0; r < 2; r++) {
-        train_run(tags[r], np[r], np[r], mbs[r], "--set train.aux_loss_scope=global_batch");
+    const char *tags[] = {"g1", "g2ep2", "g4ep2fsdp2"};
+    const int np[] = {1, 2, 4}, eps[] = {1, 2, 2}, mbs[] = {2, 2, 1};
+    for (int r = 0; r < 3; r++) {
+        train_run(tags[r], np[r], eps[r], mbs[r], "--set train.aux_loss_scope=global_batch");
         read_run(tags[r], l, a);
         for (int s = 0; s < 4; s++) {
             cr_expect(fabs(a[s] - aref[s]) <= 1e-5 * aref[s], "%s step %d: aux %.8f vs %.8f", tags[r],
@@ -339,7 +340,8 @@ Test(router, global_batch_aux_is_the_whole_batch_statistic_on_any_mesh, .timeout
     read_run("micro", l, a);
     cr_expect(fabs(a[0] - aref[0]) > 1e-4 * aref[0], "micro-batch scope matched the global one: %.8f",
               a[0]);
-    tu_run("rm -rf /tmp/mt_aux_one* /tmp/mt_aux_g1* /tmp/mt_aux_g2ep2* /tmp/mt_aux_micro*", NULL);
+    tu_run("rm -rf /tmp/mt_aux_one* /tmp/mt_aux_g1* /tmp/mt_aux_g2ep2* /tmp/mt_aux_g4ep2fsdp2* /tmp/mt_aux_micro*",
+           NULL);
 }
 
 /* ---- routing replay --------------------------------------------------------------------------- */
