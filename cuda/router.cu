@@ -208,6 +208,26 @@ __global__ void count_kernel(float *count, const int32_t *topk_idx, size_t n, in
     for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] += (float)hist[e];
 }
 
+/* one thread per token, the CPU's arithmetic (double sum, one fp32 division) */
+__global__ void gather_weights_kernel(float *topk_w, const float *probs, const int32_t *topk_idx,
+                                      int T_, int E, int k, struct router_opts o)
+{
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T_) return;
+    const float *p = probs + (size_t)t * E;
+    const int32_t *idx = topk_idx + (size_t)t * k;
+    float *w = topk_w + (size_t)t * k;
+    for (int j = 0; j < k; j++) w[j] = p[idx[j]];
+    if (o.norm_topk) {
+        double wsum = 0.0;
+        for (int j = 0; j < k; j++) wsum += w[j];
+        const float ws = (float)wsum;
+        for (int j = 0; j < k; j++) w[j] /= ws;
+    }
+    if (o.route_scale != 1.0f)
+        for (int j = 0; j < k; j++) w[j] *= o.route_scale;
+}
+
 static void check_router(const char *what, int T_, int E, int k)
 {
     MT_CHECK(T_ >= 0 && E > 0 && k > 0 && k <= E, "%s: need T >= 0 and 0 < k <= E, got T=%d k=%d E=%d",
@@ -235,6 +255,16 @@ void cu_router_backward(float *dlogits, const float *dtopk_w, const float *probs
     router_bwd_kernel<<<T_, RT_BLOCK, (size_t)E * sizeof(float), g_cuda.stream>>>(
         dlogits, dtopk_w, probs, topk_idx, aux_dp, E, k, *o);
     CUDA_LAUNCH_CHECK("router backward");
+}
+
+void cu_router_gather_weights(float *topk_w, const float *probs, const int32_t *topk_idx, int T_,
+                              int E, int k, const struct router_opts *o)
+{
+    check_router("router_gather_weights", T_, E, k);
+    if (T_ == 0) return;
+    gather_weights_kernel<<<(T_ + 127) / 128, 128, 0, g_cuda.stream>>>(topk_w, probs, topk_idx, T_, E,
+                                                                       k, *o);
+    CUDA_LAUNCH_CHECK("router_gather_weights");
 }
 
 void cu_router_stats(float *psum, float *count, const float *probs, const int32_t *topk_idx, int T_,

@@ -12,6 +12,8 @@ void cu_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const flo
 void cu_router_backward(float *dlogits, const float *dtopk_w, const float *probs,
                         const int32_t *topk_idx, const float *aux_dp, int T_, int E, int k,
                         const struct router_opts *o);
+void cu_router_gather_weights(float *topk_w, const float *probs, const int32_t *topk_idx, int T_,
+                              int E, int k, const struct router_opts *o);
 void cu_router_stats(float *psum, float *count, const float *probs, const int32_t *topk_idx, int T_,
                      int E, int k);
 

@@ -122,6 +122,12 @@ struct backend {
                             const float *aux_dp /*[E] or NULL*/, int T, int E, int k,
                             const struct router_opts *o);
     /* Aux-loss / load statistics: psum[e] += Σ_t probs[t,e]; count[e] += #(t, j) with idx = e. */
+    /* The weights router_forward gives a selection made elsewhere (data.routing_replay):
+     * topk_w[t, j] = probs[t, topk_idx[t, j]], renormalised to sum 1 if o->norm_topk, then
+     * × o->route_scale; router_backward is its backward. */
+    void (*router_gather_weights)(float *topk_w /*[T,k]*/, const float *probs /*[T,E]*/,
+                                  const int32_t *topk_idx /*[T,k]*/, int T, int E, int k,
+                                  const struct router_opts *o);
     void (*router_stats)(float *psum /*[E]*/, float *count /*[E]*/, const float *probs,
                          const int32_t *topk_idx, int T, int E, int k);
 

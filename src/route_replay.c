@@ -20,8 +20,7 @@ struct route_replay {
     char path[MT_PATH_MAX];
     struct route_file_header h;
     int32_t *idx_h;               /* [n_moe, T, k] the loaded micro-batch */
-    float *w_h;                   /* [n_moe, T, k] (file weights, or gathered from probs) */
-    float *probs_h;               /* [T, E] */
+    float *w_h;                   /* [n_moe, T, k] the file's weights, if any */
     void *rec;                    /* one sequence's record */
 };
 
@@ -181,7 +180,6 @@ bool route_replay_open(struct model *m, const char *path, int64_t needed, char *
     const size_t tk = (size_t)m->T * m->K;
     r->idx_h = mt_malloc((size_t)MT_MAX(r->n_moe, 1) * tk * sizeof(int32_t));
     r->w_h = mt_malloc((size_t)MT_MAX(r->n_moe, 1) * tk * sizeof(float));
-    r->probs_h = mt_malloc((size_t)m->T * m->E * sizeof(float));
     return true;
 }
 
@@ -208,31 +206,6 @@ void route_replay_load(struct model *m, int64_t first)
     }
 }
 
-/* The current router's weights at the file's experts (the router op's arithmetic): probabilities
- * gathered, renormalised if asked, × route_scale. On the host: one [T, E] download per layer. */
-static void weights_from_probs(struct model *m, struct route_replay *r, int k, const float *probs)
-{
-    const int T = m->T, K = m->K, E = m->E;
-    const struct router_opts o = router_opts_of(&m->cfg);
-    m->be->download(r->probs_h, probs, (size_t)T * E * sizeof(float));
-    const int32_t *idx = r->idx_h + (size_t)k * T * K;
-    float *w = r->w_h + (size_t)k * T * K;
-    for (int t = 0; t < T; t++) {
-        const float *p = r->probs_h + (size_t)t * E;
-        float *wt = w + (size_t)t * K;
-        for (int j = 0; j < K; j++) wt[j] = p[idx[(size_t)t * K + j]];
-        if (o.norm_topk) {
-            double sum = 0.0;
-            for (int j = 0; j < K; j++) sum += wt[j];
-            const float ws = (float)sum;
-            for (int j = 0; j < K; j++) wt[j] /= ws;
-        }
-        if (o.route_scale != 1.0f)
-            for (int j = 0; j < K; j++) wt[j] *= o.route_scale;
-    }
-    m->be->upload(r->w[k], w, (size_t)T * K * sizeof(float));
-}
-
 void route_replay_apply(struct model *m, int l, int32_t *topk_idx, float *topk_w, const float *probs)
 {
     if (!m->replay && !m->recompute) return;
@@ -243,7 +216,10 @@ void route_replay_apply(struct model *m, int l, int32_t *topk_idx, float *topk_w
     const size_t tk = (size_t)m->T * m->K;
     if (r->file) {
         /* the recompute gathers the same weights again: same probabilities, same experts */
-        if (!(r->h.flags & ROUTE_FILE_HAS_WEIGHTS)) weights_from_probs(m, r, k, probs);
+        if (!(r->h.flags & ROUTE_FILE_HAS_WEIGHTS)) {
+            const struct router_opts o = router_opts_of(&m->cfg);
+            m->be->router_gather_weights(r->w[k], probs, r->idx[k], m->T, m->E, m->K, &o);
+        }
         m->be->copy(topk_idx, r->idx[k], tk * sizeof(int32_t));
         m->be->copy(topk_w, r->w[k], tk * sizeof(float));
         return;
@@ -279,7 +255,7 @@ void route_replay_free(struct model *m)
         m->be->free(r->w[k]);
     }
     if (r->file) fclose(r->file);
-    free(r->idx), free(r->w), free(r->saved), free(r->idx_h), free(r->w_h), free(r->probs_h);
+    free(r->idx), free(r->w), free(r->saved), free(r->idx_h), free(r->w_h);
     free(r->rec);
     free(r);
     m->replay = NULL;

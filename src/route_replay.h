@@ -8,7 +8,7 @@
  *     sequence; training routes exactly there. Weights: the file's fp32 weights when it carries
  *     them (constants: the router then learns from the aux loss only), else the current router's
  *     probabilities gathered at the recorded experts, renormalised if norm_topk_prob, × route_scale
- *     (differentiable, as a normal routing).
+ *     (the router_gather_weights op; differentiable, as a normal routing).
  *
  * File format "MTROUTE1" (little-endian):
  *   header, 64 bytes: char magic[8] = "MTROUTE1"; u32 version = 1; u32 layers (MoE layers, in layer

@@ -173,6 +173,7 @@ static const struct backend cpu_backend = {
     .attention_backward = b_attention_backward,
     .router_forward = b_router_forward,
     .router_backward = b_router_backward,
+    .router_gather_weights = cpu_router_gather_weights,
     .router_stats = cpu_router_stats,
     .moe_route_plan = cpu_moe_route_plan,
     .moe_pair_plan = cpu_moe_pair_plan,

@@ -72,6 +72,8 @@ void cpu_attention_backward(float *dq, float *dk, float *dv, const float *dout, 
 
 void cpu_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const float *logits,
                         const float *bias, int T, int E, int k, const struct router_opts *o);
+void cpu_router_gather_weights(float *topk_w, const float *probs, const int32_t *topk_idx, int T,
+                               int E, int k, const struct router_opts *o);
 void cpu_router_backward(float *dlogits, const float *dtopk_w, const float *probs,
                          const int32_t *topk_idx, const float *aux_dp, int T, int E, int k,
                          const struct router_opts *o);

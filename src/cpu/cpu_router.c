@@ -95,6 +95,29 @@ void cpu_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const fl
     free(taken);
 }
 
+void cpu_router_gather_weights(float *topk_w, const float *probs, const int32_t *topk_idx, int T,
+                               int E, int k, const struct router_opts *o)
+{
+    check_router("router_gather_weights", E, k);
+    for (int t = 0; t < T; t++) {
+        const float *p = probs + (size_t)t * E;
+        const int32_t *idx = topk_idx + (size_t)t * k;
+        float *w = topk_w + (size_t)t * k;
+        for (int j = 0; j < k; j++) {
+            MT_CHECK(idx[j] >= 0 && idx[j] < E, "router_gather_weights: expert %d out of [0, %d)", (int)idx[j], E);
+            w[j] = p[idx[j]];
+        }
+        if (o->norm_topk) {
+            double wsum = 0.0;
+            for (int j = 0; j < k; j++) wsum += w[j];
+            const float ws = (float)wsum;
+            for (int j = 0; j < k; j++) w[j] /= ws;
+        }
+        if (o->route_scale != 1.0f)
+            for (int j = 0; j < k; j++) w[j] *= o->route_scale;
+    }
+}
+
 void cpu_router_backward(float *dlogits, const float *dtopk_w, const float *probs,
                          const int32_t *topk_idx, const float *aux_dp, int T, int E, int k,
                          const struct router_opts *o)

@@ -1075,6 +1075,20 @@ static void router_case_opts(const struct mode *M, mt_rng *rng, int T, int E, in
     snprintf(what, sizeof what, "router forward topk_w %s", tag);
     check_close(M, what, w, w_ref, tk, TOL_F32);
 
+    /* the weights of a given selection (data.routing_replay), from the CPU's probs and top-k */
+    float *d_wg = df_poisoned(M, tk);
+    {
+        float *d_pr = df_from(M, probs_ref, te);
+        int32_t *d_ir = di_from(M, idx_ref, tk);
+        M->g->router_gather_weights(d_wg, d_pr, d_ir, T, E, K, o);
+        float *wg = hf_of(M, d_wg, tk), *wg_ref = fnew(tk);
+        M->c->router_gather_weights(wg_ref, probs_ref, idx_ref, T, E, K, o);
+        snprintf(what, sizeof what, "router_gather_weights %s", tag);
+        check_close(M, what, wg, wg_ref, tk, TOL_F32);
+        M->g->free(d_pr), M->g->free(d_ir), M->g->free(d_wg);
+        free(wg), free(wg_ref);
+    }
+
     /* backward from the CPU's forward outputs, so both see the same selection */
     float *dtw = hrand(rng, tk, 1.0), *aux = with_aux ? hrand(rng, E, 0.1) : NULL;
     float *d_dtw = df_from(M, dtw, tk), *d_aux = with_aux ? df_from(M, aux, E) : NULL;

@@ -227,6 +227,24 @@ Test(router, variants_match_the_numpy_reference, .timeout = 120)
     variant_vs_numpy(16, 8, 3, o, true, 6);
 }
 
+/* The weights of a given selection are router_forward's weights for that selection, bit for bit. */
+Test(router, gather_weights_reproduce_the_forward_weights)
+{
+    enum { T = 16, E = 8, K = 3 };
+    mt_rng rng;
+    mt_rng_seed(&rng, 8);
+    float z[T * E], p[T * E], w[T * K], wg[T * K];
+    int32_t idx[T * K];
+    for (int i = 0; i < T * E; i++) z[i] = (float)mt_rng_normal(&rng);
+    for (int pass = 0; pass < 3; pass++) {
+        struct router_opts o = {.sigmoid = pass == 2, .norm_topk = pass != 1, .route_scale = pass ? 2.5f : 1,
+                                .n_group = pass == 2 ? 4 : 1, .topk_group = pass == 2 ? 2 : 1};
+        cpu_router_forward(idx, w, p, z, NULL, T, E, K, &o);
+        cpu_router_gather_weights(wg, p, idx, T, E, K, &o);
+        cr_expect(!memcmp(w, wg, sizeof w), "pass %d", pass);
+    }
+}
+
 /* Every expert outside the chosen groups is unselectable, even one with the best score. */
 Test(router, group_limit_masks_the_other_groups)
 {
