@@ -83,3 +83,46 @@ Test(train_check, dry_run_refuses_an_indivisible_batch, .timeout = 300)
 {
     same_refusal(2, "--set parallel.expert_parallel_size=2 --set train.global_batch_size=6", "train.global_batch_size");
 }
+
+/* what a pipeline does not wire refuses with the key named */
+Test(train_check, pipeline_refuses_step_wide_aux_and_routing_files)
+{
+    struct config c;
+    config_defaults(&c);
+    mt_strlcpy(c.path, "x.yaml", sizeof c.path);
+    c.parallel.pipeline_parallel_size = 2;
+    char err[512] = "";
+    int n_micro = 0;
+    cr_assert(check(&c, 2, &n_micro, err, sizeof err), "%s", err);
+    c.train.aux_loss_scope = MT_AUX_GLOBAL_BATCH;
+    cr_assert_not(check(&c, 2, &n_micro, err, sizeof err));
+    cr_assert(strstr(err, "x.yaml: train.aux_loss_scope: global_batch is not supported with "
+                          "parallel.pipeline_parallel_size 2"), "%s", err);
+    c.parallel.pipeline_parallel_size = 1;
+    cr_assert(check(&c, 2, &n_micro, err, sizeof err), "%s", err);
+    c.parallel.pipeline_parallel_size = 2;
+    c.train.aux_loss_scope = MT_AUX_MICRO_BATCH;
+    mt_strlcpy(c.data.routing_replay, "r.bin", sizeof c.data.routing_replay);
+    cr_assert_not(check(&c, 2, &n_micro, err, sizeof err));
+    cr_assert(strstr(err, "data.routing_replay is not supported with parallel.pipeline_parallel_size 2"), "%s", err);
+}
+
+/* configs/qwen3-235b-a22b.yaml: the released model's size, laid out as its comments say */
+Test(train_check, qwen3_235b_config_plans_on_128_ranks, .timeout = 120)
+{
+    char cmd[512], *out = NULL;
+    snprintf(cmd, sizeof cmd, "%s/moetrain plan configs/qwen3-235b-a22b.yaml --world 128 --gpus-per-node 8", tu_build());
+    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+    cr_assert_not_null(strstr(out, "pp 4 x 32 ranks per stage (ep 8 x ep_fsdp 4)"), "%s", out);
+    /* 235 B parameters, 22 B active per token (the model card's figures) */
+    const char *p = strstr(out, "parameters: ");
+    cr_assert_not_null(p, "%s", out);
+    double total = 0, active = 0;
+    const char *b = strstr(p, "(");
+    cr_assert(b && sscanf(b, "(%lf B", &total) == 1, "%s", p);
+    const char *a = strstr(p, "), ");
+    cr_assert(a && sscanf(a, "), %lf active", &active) == 1, "%s", p);
+    cr_assert(total > 234.5 && total < 235.5, "%.2f B parameters", total);
+    cr_assert(active / 1e9 > 21.5 && active / 1e9 < 22.5, "%.3g active", active);
+    free(out);
+}
