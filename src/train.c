@@ -269,7 +269,7 @@ int cmd_train(const struct cli *a)
     float *bias_h = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(float));
     struct params p;
     const bool keep_copy = train_keep_weight_copy(&c, &mesh.d, be);
-    params_init_opts(&p, &m, stage, fsdp, keep_copy);
+    params_init_opts(&p, &m, stage, fsdp, keep_copy, tc->optimizer_state_dtype == MT_STATE_BF16);
     int start_step = 0;
     if (resuming) {
         ckpt_load(resume_dir, &p, &mesh, &c, bias_h, &start_step);
@@ -385,6 +385,8 @@ int cmd_train(const struct cli *a)
             be->upload(m.bias, bias_h, (size_t)L * E * sizeof(float));
         }
         mem_report_sample(be);
+        int peak_rank = 0;
+        double peak_bytes = mem_report_step_peak(&mesh, &peak_rank);
         double step_s = mt_now() - t0;
         if (step == start_step + 1) first_step_s = step_s;
         double ce = sums[0] / n_valid_global, aux = aux_global ? aux_step : aux_sum / n_micro;
@@ -405,6 +407,7 @@ int cmd_train(const struct cli *a)
             .time_split = c.log.profile ? split : NULL, .wall_time = metrics_wall_clock(),
             .tokens_seen = (int64_t)step * tc->global_batch_size * tc->seq_len, .val_loss = NAN,
             .warning = E > 0 ? expert_watch_step(&watch, tok) : NULL,
+            .peak_mem_bytes = peak_bytes, .peak_mem_rank = peak_rank,
         };
         profile_read(split);
         bool print = step == 1 || step == tc->steps || step % MT_MAX(c.log.interval, 1) == 0;

@@ -10,10 +10,6 @@ bool train_check(const struct config *c, const struct mesh_dims *d, int *n_micro
     const char *path = c->path[0] ? c->path : "config";
     const struct train_config *tc = &c->train;
     const int dp = d->S, mb = tc->micro_batch_size;
-    if (tc->optimizer_state_dtype == MT_STATE_BF16) {
-        snprintf(err, (size_t)errcap, "%s: train.optimizer_state_dtype: bf16 is not implemented yet", path);
-        return false;
-    }
     if (tc->global_batch_size % (dp * mb) != 0) {
         snprintf(err, (size_t)errcap, "%s: train.global_batch_size %d is not a multiple of "
                  "train.micro_batch_size %d x %d data-parallel ranks (ranks per pipeline stage)",

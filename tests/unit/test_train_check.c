@@ -64,9 +64,10 @@ static void same_refusal(int np, const char *sets, const char *key)
     free(real);
 }
 
-Test(train_check, dry_run_refuses_bf16_optimizer_state_as_train_does, .timeout = 300)
+Test(train_check, dry_run_refuses_a_step_wide_aux_on_a_pipeline_as_train_does, .timeout = 300)
 {
-    same_refusal(2, "--set train.optimizer_state_dtype=bf16", "train.optimizer_state_dtype");
+    same_refusal(2, "--set parallel.pipeline_parallel_size=2 --set train.aux_loss_scope=global_batch",
+                 "train.aux_loss_scope");
 }
 
 /* and approves a pipeline, which train runs */
