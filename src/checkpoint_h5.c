@@ -239,3 +239,24 @@ bool ck_agree(const struct mesh *mesh, char *err, int cap)
     err[cap - 1] = 0;
     return false;
 }
+
+bool ck_manifest_identity(const char *dir, int64_t *save_seq)
+{
+    char path[MT_PATH_MAX * 2];
+    ck_path(path, sizeof path, "%s/%s", dir, CK_MANIFEST);
+    if (!ck_file_exists(path)) return false;
+    ck_h5_init();
+    hid_t fapl = ck_fapl();
+    hid_t f = H5Fopen(path, H5F_ACC_RDONLY, fapl);
+    CK_H5(H5Pclose(fapl));
+    if (f < 0) return false;
+    char fmt[64] = "", err[CK_ERR_CAP] = "";
+    bool ours = ck_read_attr_str(f, "format", fmt, sizeof fmt, path, err, (int)sizeof err) &&
+                !strcmp(fmt, CK_FORMAT_MANIFEST);
+    *save_seq = 0;  /* saved before save sequences were recorded */
+    if (ours && H5Aexists(f, "save_seq") > 0 &&
+        !ck_read_attr_i64(f, "save_seq", save_seq, 1, NULL, path, err, (int)sizeof err))
+        ours = false;
+    H5Fclose(f);
+    return ours;
+}

@@ -10,6 +10,7 @@ struct cli {
     int n_sets;                /* --set section.key=value, in order */
     char **sets;
     const char *resume;        /* --resume auto|DIR, or NULL */
+    bool force;                /* --force: write into an existing directory moetrain did not create */
     bool dry_run;              /* train --dry-run: print the layout from the real ranks and exit 0 */
     int world;                 /* plan --world N */
     int gpus_per_node;         /* plan --gpus-per-node G (default 8) */

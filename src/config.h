@@ -15,6 +15,7 @@ enum mt_precision { MT_PREC_BF16 = 0, MT_PREC_FP32 = 1 };
 enum mt_load_balance { MT_LB_AUX = 0, MT_LB_BIAS = 1, MT_LB_NONE = 2 };
 enum mt_data_kind { MT_DATA_SYNTHETIC = 0, MT_DATA_TOKENS = 1 };
 enum mt_backend_choice { MT_BACKEND_AUTO = 0, MT_BACKEND_CPU = 1, MT_BACKEND_CUDA = 2 };
+enum mt_nonfinite { MT_NONFINITE_SKIP = 0, MT_NONFINITE_STOP = 1 };
 
 struct model_config {
     char hf_config[MT_PATH_MAX];  /* path to a config.json; its fields fill the ones below */
@@ -68,6 +69,9 @@ struct train_config {
     bool activation_checkpointing;
     enum mt_load_balance load_balance;  /* aux | bias | none */
     double bias_update_rate;      /* aux-loss-free balancing: bias += rate * sign(mean - load) */
+    enum mt_nonfinite nonfinite;  /* a step with a non-finite loss or gradient norm: skip | stop */
+    int max_skipped_steps;        /* consecutive skipped steps that stop the run */
+    double spike_factor;          /* skip a step whose loss > factor x recent mean; 0 = off */
 };
 
 struct data_config {

@@ -14,11 +14,13 @@ _Static_assert(sizeof(enum mt_precision) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_load_balance) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_data_kind) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_backend_choice) == sizeof(int), "enum size");
+_Static_assert(sizeof(enum mt_nonfinite) == sizeof(int), "enum size");
 
 static const char *const precision_names[] = { "bf16", "fp32" };
 static const char *const load_balance_names[] = { "aux", "bias", "none" };
 static const char *const data_kind_names[] = { "synthetic", "tokens" };
 static const char *const backend_names[] = { "auto", "cpu", "cuda" };
+static const char *const nonfinite_names[] = { "skip", "stop" };
 
 #define FIELD(f) offsetof(struct config, f), sizeof(((struct config *)0)->f)
 /* the bounds argument is one of POS / NONNEG / GT0 below, or "flags, lo, hi" */
@@ -87,6 +89,9 @@ const struct cfg_key cfg_keys[] = {
     BOOL("train", "activation_checkpointing", train.activation_checkpointing),
     ENUM("train", "load_balance", train.load_balance, load_balance_names),
     DBL("train", "bias_update_rate", train.bias_update_rate, NONNEG),
+    ENUM("train", "nonfinite", train.nonfinite, nonfinite_names),
+    INT("train", "max_skipped_steps", train.max_skipped_steps, POS),
+    DBL("train", "spike_factor", train.spike_factor, NONNEG),
 
     ENUM("data", "kind", data.kind, data_kind_names),
     STR("data", "path", data.path),

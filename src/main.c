@@ -10,11 +10,12 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage:\n"
-            "  moetrain train  CONFIG.yaml [--set section.key=value ...] [--resume auto|DIR] [--dry-run]\n"
+            "  moetrain train  CONFIG.yaml [--set section.key=value ...] [--resume auto|DIR] [--dry-run] [--force]\n"
             "  moetrain plan   CONFIG.yaml --world N [--gpus-per-node G] [--set ...]\n"
             "  moetrain verify MODEL_DIR REFERENCE.safetensors [--tolerance X] [--set ...]\n"
             "  moetrain export CHECKPOINT_DIR OUT_DIR           (checkpoint -> Hugging Face directory)\n"
             "common options: --backend cpu|cuda|auto   --help\n"
+            "--force: write into an existing directory that holds files moetrain did not write\n"
             "Launch on many ranks with: mpirun -np N moetrain train CONFIG.yaml (or srun).\n");
 }
 
@@ -48,6 +49,8 @@ int main(int argc, char **argv)
         } else if (!strcmp(s, "--resume")) {
             NEED_VALUE();
             a.resume = argv[++i];
+        } else if (!strcmp(s, "--force")) {
+            a.force = true;
         } else if (!strcmp(s, "--dry-run")) {
             a.dry_run = true;
         } else if (!strcmp(s, "--world")) {

@@ -22,6 +22,8 @@ struct step_metrics {
     int n_experts;
     const double *expert_tokens;  /* [n_layers, n_experts]: routed tokens this step, whole job */
     const double *time_split;     /* [PROF_COUNT] seconds by category (rank 0), NULL = not profiled */
+    bool skipped;                 /* the optimizer step was skipped (step_guard.h) */
+    int skipped_steps;            /* steps skipped so far in this process */
 };
 
 struct metrics_log {
@@ -32,7 +34,8 @@ struct metrics_log {
  * An unwritable path: mt_fatal. */
 void metrics_open(struct metrics_log *ml, const char *path, bool append);
 void metrics_close(struct metrics_log *ml);
-/* Rank 0: prints the step line (when print is true) and writes the JSONL record. */
+/* Rank 0: prints the step line (when print is true; always for a skipped step) and writes the
+ * JSONL record, with null for a non-finite number so every line stays valid JSON. */
 void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool print);
 
 #endif

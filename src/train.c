@@ -34,6 +34,7 @@
 #include "params.h"
 #include "plan.h"
 #include "profile.h"
+#include "step_guard.h"
 #include "train.h"
 
 double train_lr_at(const struct train_config *t, int step)
@@ -208,7 +209,7 @@ int cmd_train(const struct cli *a)
         MT_CHECK_MPI(MPI_Finalize());
         return 0;
     }
-    ckpt_check_dir(&c, &mesh);
+    ckpt_check_dir(&c, &mesh, a->force);
     check_export_dir(&c, &mesh);
     char resume_dir[2 * MT_PATH_MAX];
     const bool resuming = ckpt_resume_dir(a->resume, &c, &mesh, resume_dir, sizeof resume_dir);
@@ -285,6 +286,8 @@ int cmd_train(const struct cli *a)
     double *tok = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(double));
     const double flops_tok = flops_train_per_token(&c.model, tc->seq_len);
     double t_start = mt_now(), first_step_s = 0;
+    struct step_guard guard;
+    step_guard_init(&guard, tc);
 
     for (int step = start_step + 1; step <= tc->steps; step++) {
         double t0 = mt_now();
@@ -317,14 +320,17 @@ int cmd_train(const struct cli *a)
         double gnorm = sqrt(gsq);
         double scale = tc->grad_clip > 0 && gnorm > tc->grad_clip ? tc->grad_clip / gnorm : 1.0;
         double lr = train_lr_at(tc, step);
-        params_adamw_step(&p, tc, (float)lr, (float)scale);
-        params_gather_weights(&p);
-
         double sums[2] = {ce_local, (double)valid_local};
         comm_all_reduce_sum(world, sums, 2, COMM_F64);
         MT_CHECK((int64_t)sums[1] == n_valid_global, "step %d counted %.0f labelled tokens, expected %lld",
                  step, sums[1], (long long)n_valid_global);
-        if (tc->load_balance == MT_LB_BIAS && E > 0) {
+        const double loss = sums[0] / n_valid_global + (use_aux ? coef * aux_sum / n_micro : 0);
+        enum step_verdict verdict = step_guard_decide(&guard, step, loss, gnorm, mesh.world_comm);
+        if (verdict == STEP_APPLY) {
+            params_adamw_step(&p, tc, (float)lr, (float)scale);
+            params_gather_weights(&p);
+        }
+        if (verdict == STEP_APPLY && tc->load_balance == MT_LB_BIAS && E > 0) {
             balance_bias_update(bias_h, layer_counts, &c.model, tc->bias_update_rate);
             be->upload(m.bias, bias_h, (size_t)L * E * sizeof(float));
         }
@@ -346,10 +352,17 @@ int cmd_train(const struct cli *a)
             .step_ms = 1e3 * step_s, .eta_s = avg * (tc->steps - step), .n_layers = n_moe,
             .load_min = lmin, .load_max = lmax, .load_cv = lcv, .n_experts = E, .expert_tokens = tok,
             .time_split = c.log.profile ? split : NULL,
+            .skipped = verdict != STEP_APPLY, .skipped_steps = guard.total_skipped,
         };
         profile_read(split);
         bool print = step == 1 || step == tc->steps || step % MT_MAX(c.log.interval, 1) == 0;
         metrics_step(&ml, &sm, print);
+        if (verdict == STEP_STOP) {
+            metrics_close(&ml);
+            step_guard_stop_message(&guard, err, sizeof err);
+            mt_user_error("%s", err);
+        }
+        if (verdict == STEP_SKIP) mt_warn0("skipped the optimizer step: %s\n", guard.why);
         if (c.log.profile && step == tc->steps && mesh.rank == 0) {
             profile_print_ops(stdout, step_s);
             fflush(stdout);

@@ -363,7 +363,7 @@ Test(checkpoint, check_dir_creates_the_root)
     struct rig a;
     rig_init(&a, 32, 1, 0.0f);
     snprintf(a.c.checkpoint.dir, sizeof a.c.checkpoint.dir, "%s/deep/er", a.root);
-    ckpt_check_dir(&a.c, &a.mesh);
+    ckpt_check_dir(&a.c, &a.mesh, false);
     struct stat st;
     cr_expect(stat(a.c.checkpoint.dir, &st) == 0 && S_ISDIR(st.st_mode));
     rig_free(&a, true);
@@ -376,7 +376,7 @@ Test(checkpoint, check_dir_rejects_an_unwritable_root, .exit_code = 1)
     rig_init(&a, 32, 1, 0.0f);
     rmdir(a.root);
     strcpy(a.c.checkpoint.dir, "/proc/mt_ckpt_cannot_be_here");
-    ckpt_check_dir(&a.c, &a.mesh);
+    ckpt_check_dir(&a.c, &a.mesh, false);
 }
 
 /* --- damaged checkpoints ------------------------------------------------------------------- */
