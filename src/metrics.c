@@ -11,6 +11,8 @@ void metrics_open(struct metrics_log *ml, const char *path, bool append)
 {
     ml->jsonl = NULL;
     if (mt_rank() != 0 || !path || !*path) return;
+    if (!mt_mkdir_parent(path))
+        mt_fatal("%s: cannot create the directory of the metrics file: %s", path, strerror(errno));
     ml->jsonl = fopen(path, append ? "a" : "w");
     if (!ml->jsonl) mt_fatal("%s: cannot open the metrics file for writing: %s", path, strerror(errno));
 }

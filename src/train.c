@@ -34,6 +34,7 @@
 #include "params.h"
 #include "plan.h"
 #include "profile.h"
+#include "run_notes.h"
 #include "step_guard.h"
 #include "train.h"
 
@@ -162,7 +163,9 @@ static void check_export_dir(const struct config *c, const struct mesh *mesh)
     if (!*dir) return;
     char err[MT_PATH_MAX + 128] = "";
     if (mesh->rank == 0) {
-        if (mkdir(dir, 0777) != 0 && errno != EEXIST)
+        char inner[MT_PATH_MAX + 2];
+        snprintf(inner, sizeof inner, "%s/", dir);  /* mt_mkdir_parent of DIR/ creates DIR itself */
+        if (!mt_mkdir_parent(inner))
             snprintf(err, sizeof err, "%s: cannot create the export directory: %s", dir, strerror(errno));
         else if (access(dir, W_OK) != 0)
             snprintf(err, sizeof err, "%s: the export directory is not writable: %s", dir, strerror(errno));
@@ -204,6 +207,7 @@ int cmd_train(const struct cli *a)
     mesh_build(&mesh, &c, MPI_COMM_WORLD);
     if (a->dry_run) {
         plan_print_mesh(stdout, &c, &mesh);
+        run_note_dry_run(&c);
         fflush(stdout);
         mesh_free(&mesh);
         MT_CHECK_MPI(MPI_Finalize());
@@ -269,6 +273,7 @@ int cmd_train(const struct cli *a)
     else if (*c.model.init_from) snprintf(init, sizeof init, "weights from %s", c.model.init_from);
     else snprintf(init, sizeof init, "random (seed %llu)", (unsigned long long)tc->seed);
     print_startup(&c, &mesh, be, data, n_micro, &m, init);
+    if (resuming) run_note_resume(resume_dir, &c, start_step);
 
     struct metrics_log ml;
     metrics_open(&ml, c.log.metrics, resuming);
@@ -369,7 +374,7 @@ int cmd_train(const struct cli *a)
         }
         if (ckpt_due(&c, step)) ckpt_save(c.checkpoint.dir, step, &p, &mesh, &c, m.bias ? bias_h : NULL);
     }
-    mt_log0("done: %d steps in %.1f s\n", tc->steps - start_step, mt_now() - t_start);
+    run_note_done(&c, start_step, mt_now() - t_start);
     if (*c.checkpoint.export_hf) {
         if (!export_params_hf(&p, &mesh, &c.model, c.checkpoint.export_hf, err, sizeof err)) mt_fatal("%s", err);
         mt_log0("exported the final weights to %s (Hugging Face layout)\n", c.checkpoint.export_hf);
