@@ -58,7 +58,7 @@ MPI_TEST_BINS := $(MPI_TEST_SRCS:tests/mpi/%.c=$(BUILD)/tests/mpi/%)
 TOOL_SRCS := $(wildcard tools/*.c)
 TOOL_BINS := $(TOOL_SRCS:tools/%.c=$(BUILD)/tools/%)
 
-.PHONY: all deps test test-unit test-gpu run bench bench-scaling clean check-deps tools
+.PHONY: all deps test test-unit test-gpu run bench bench-scaling clean check-deps tools fuzz
 all: $(BUILD)/moetrain tools
 
 tools: $(TOOL_BINS)
@@ -100,6 +100,11 @@ test: deps
 
 test-unit: $(BUILD)/moetrain $(BUILD)/tests/unit_tests $(MPI_TEST_BINS) $(TOOL_BINS)
 	MT_BUILD=$(BUILD) MT_MPIRUN="$(MPIRUN)" $(BUILD)/tests/unit_tests --jobs 2 $(TEST_ARGS)
+
+# The parser fuzzers of `make test` (tests/unit/test_fuzz.c) with FUZZ_ITERS inputs per parser.
+FUZZ_ITERS ?= 1000000
+fuzz: $(BUILD)/tests/unit_tests
+	MT_FUZZ_ITERS=$(FUZZ_ITERS) $(BUILD)/tests/unit_tests --filter 'fuzz/*' --jobs 2
 
 run: deps
 	@$(MAKE) --no-print-directory $(BUILD)/moetrain
