@@ -138,7 +138,10 @@ static void write_piece(hid_t grp, const struct tensor_spec *s, const struct pie
         /* the buffer is only read from on a write */
         if (!ck_flat_io(d, ps->ndim, ps->dims, file_at[j], rs->r[j].len, (float *)host + rs->r[j].soff,
                         true, msg, sizeof msg))
-            mt_fatal("H5Dwrite of %s failed: %s", s->name, msg);
+            mt_fatal("H5Dwrite of %s failed: %s%s", s->name, msg,
+                     errno == ENOSPC || errno == EFBIG || errno == EDQUOT
+                         ? " (out of disk space or quota: the unfinished save is ignored, earlier "
+                           "checkpoints are untouched)" : "");
     }
     CK_H5(H5Dclose(d));
     CK_H5(H5Pclose(dcpl));
@@ -304,6 +307,11 @@ static void prepare_tmp(const char *root, const char *tmp, const char *fin, char
     }
     if (!ck_mkdir_p(root)) {
         ck_errf(err, cap, "checkpoint.dir '%s': cannot create the directory: %s", root, strerror(errno));
+        return;
+    }
+    if (lstat(tmp, &st) == 0 && !ck_holds_only_checkpoint_files(tmp)) {
+        ck_errf(err, cap, "checkpoint.dir '%s': %s holds files moetrain did not write; not removing it "
+                "(move it away)", root, tmp);
         return;
     }
     if (!ck_remove_tree(tmp)) {

@@ -291,10 +291,8 @@ static void remove_or_warn(const char *root, const char *name, const char *why)
 
 /* An unfinished save (step_N.tmp, step_N.replaced.tmp, or step_N without COMPLETE) may be removed
  * only when it holds nothing but checkpoint files: a directory someone else put there is kept. */
-static bool holds_only_checkpoint_files(const char *root, const char *name)
+bool ck_holds_only_checkpoint_files(const char *p)
 {
-    char p[MT_PATH_MAX * 2];
-    ck_path(p, sizeof p, "%s/%s", root, name);
     DIR *d = opendir(p);
     if (!d) return false;
     bool ours = true;
@@ -324,7 +322,9 @@ void ck_cleanup(const char *root, int keep, int current)
         bool tmp = false;
         int s = step_of_name(e->d_name, &tmp);
         if (s < 0 || (!tmp && is_complete(root, e->d_name))) continue;
-        if (!holds_only_checkpoint_files(root, e->d_name)) {
+        char p[MT_PATH_MAX * 2];
+        ck_path(p, sizeof p, "%s/%s", root, e->d_name);
+        if (!ck_holds_only_checkpoint_files(p)) {
             mt_warn0("checkpoint: leaving %s/%s alone: it holds files moetrain did not write\n", root,
                      e->d_name);
             continue;

@@ -105,6 +105,9 @@ bool ck_every_rank_sees(const struct mesh *mesh, const char *path, const char *w
  * highest save sequence, then step; never `current`). A step_* directory without a moetrain
  * manifest is never touched. */
 void ck_cleanup(const char *root, int keep, int current);
+/* Whether directory p holds nothing but checkpoint files (rank_NNNNN.h5, manifest.h5, COMPLETE);
+ * false when it cannot be listed. */
+bool ck_holds_only_checkpoint_files(const char *p);
 /* Not collective: whether dir holds a readable moetrain manifest; *save_seq its save sequence
  * (0 for a checkpoint written before sequences were recorded). */
 bool ck_manifest_identity(const char *dir, int64_t *save_seq);
