@@ -332,7 +332,8 @@ Test(checkpoint, keep_deletes_older_checkpoints)
     cr_expect_eq(access(p, F_OK), 0);
     path_in(p, sizeof p, a.root, 40, NULL);
     cr_expect_eq(access(p, F_OK), 0);
-    cr_expect_eq(ckpt_latest(a.root, NULL, 0), 40);
+    /* the re-saved 30 is the newest save (a rewound run), so resume auto continues it, not 40 */
+    cr_expect_eq(ckpt_latest(a.root, NULL, 0), 30);
 
     a.c.checkpoint.keep = 0;   /* keep all */
     for (int s = 5; s <= 7; s++) ckpt_save(a.root, s * 10, &a.p, &a.mesh, &a.c, NULL);
