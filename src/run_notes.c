@@ -1,5 +1,6 @@
 #include "run_notes.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 
@@ -20,14 +21,20 @@ void run_note_resume(const char *dir, const struct config *c, int start_step)
     char err[1024];
     if (ckpt_read_config(dir, 0, NULL, old, err, (int)sizeof err)) {
         const struct train_config *was = &old->train;
-        if (was->steps != now->steps || was->warmup_steps != now->warmup_steps || was->lr != now->lr ||
-            was->min_lr != now->min_lr)
-            mt_log0("resume: the learning-rate schedule changed (train.steps %d -> %d, warmup %d -> %d, lr "
-                    "%.3g -> %.3g, min_lr %.3g -> %.3g): warmup and cosine decay are recomputed for the new "
-                    "values, so step %d uses lr %.3g (the old schedule: %.3g)\n",
-                    was->steps, now->steps, was->warmup_steps, now->warmup_steps, was->lr, now->lr,
-                    was->min_lr, now->min_lr, start_step + 1, train_lr_at(now, start_step + 1),
-                    train_lr_at(was, start_step + 1));
+        char changed[512] = "";
+        size_t n = 0;
+#define CHANGED(cond, ...) \
+    if (cond && n < sizeof changed) n += (size_t)snprintf(changed + n, sizeof changed - n, __VA_ARGS__)
+        CHANGED(was->steps != now->steps, "%strain.steps %d -> %d", n ? ", " : "", was->steps, now->steps);
+        CHANGED(was->warmup_steps != now->warmup_steps, "%swarmup_steps %d -> %d", n ? ", " : "",
+                was->warmup_steps, now->warmup_steps);
+        CHANGED(was->lr != now->lr, "%slr %.3g -> %.3g", n ? ", " : "", was->lr, now->lr);
+        CHANGED(was->min_lr != now->min_lr, "%smin_lr %.3g -> %.3g", n ? ", " : "", was->min_lr, now->min_lr);
+#undef CHANGED
+        if (n)
+            mt_log0("resume: the learning-rate schedule changed (%s): warmup and cosine decay are recomputed "
+                    "for the new values, so step %d uses lr %.3g (the old schedule: %.3g)\n", changed,
+                    start_step + 1, train_lr_at(now, start_step + 1), train_lr_at(was, start_step + 1));
     }
     free(old);
 }
