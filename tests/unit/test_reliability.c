@@ -550,3 +550,16 @@ Test(reliability, mpi_collectives_split_large_counts)
         free(out);
     }
 }
+
+/* the shipped 30B config on the world it is laid out for: --dry-run passes on a fresh checkout */
+Test(reliability, shipped_30b_config_passes_dry_run)
+{
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd, "timeout 120 %s -np 8 %s/moetrain train configs/qwen3-30b-a3b.yaml --dry-run",
+             tu_mpirun(), tu_build());
+    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+    cr_assert(strstr(out, "moetrain layout"), "%s", out);
+    if (access("data/train.tokens", F_OK) != 0)
+        cr_assert(strstr(out, "note: data.path data/train.tokens does not exist yet"), "%s", out);
+    free(out);
+}
