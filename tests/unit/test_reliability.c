@@ -563,3 +563,19 @@ Test(reliability, shipped_30b_config_passes_dry_run)
         cr_assert(strstr(out, "note: data.path data/train.tokens does not exist yet"), "%s", out);
     free(out);
 }
+
+/* two ranks with experts split between them: they agree on every verdict and stop together */
+Test(reliability, nan_injection_on_two_ranks_stops_every_rank)
+{
+    char cmd[2048], *out = NULL;
+    snprintf(cmd, sizeof cmd, "cd '%s' && timeout 200 %s -np 2 %s/%s/moetrain train %s/configs/tiny.yaml " SMALL
+             "--set train.steps=30 --set train.lr=1e6 --set train.min_lr=0 --set train.warmup_steps=0 "
+             "--set parallel.expert_parallel_size=2 --set log.metrics=m.jsonl",
+             dir, tu_mpirun(), getenv("PWD"), tu_build(), getenv("PWD"));
+    int rc = tu_run(cmd, &out);
+    expect_one_error(rc, out, "5 steps in a row skipped", cmd);
+    free(out);
+    int skipped, null_loss;
+    check_jsonl("m.jsonl", &skipped, &null_loss);
+    cr_assert_eq(skipped, 5);
+}
