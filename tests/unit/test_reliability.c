@@ -579,3 +579,37 @@ Test(reliability, nan_injection_on_two_ranks_stops_every_rank)
     check_jsonl("m.jsonl", &skipped, &null_loss);
     cr_assert_eq(skipped, 5);
 }
+
+/* Sets integer attribute `name` of the manifest of checkpoint `rel` to v. */
+static void set_manifest_attr(const char *rel, const char *name, int64_t v)
+{
+    char p[512];
+    snprintf(p, sizeof p, "%s/%s/manifest.h5", dir, rel);
+    hid_t f = H5Fopen(p, H5F_ACC_RDWR, H5P_DEFAULT);
+    cr_assert(f >= 0, "%s", p);
+    hid_t a = H5Aopen(f, name, H5P_DEFAULT);
+    cr_assert(a >= 0, "%s: no attribute %s", p, name);
+    cr_assert(H5Awrite(a, H5T_NATIVE_INT64, &v) >= 0);
+    H5Aclose(a);
+    H5Fclose(f);
+}
+
+/* absurd sizes declared in a manifest: refused in one line, not allocated or looped over */
+Test(reliability, huge_sizes_in_a_checkpoint_manifest_are_refused)
+{
+    char *out = NULL, cmd[512];
+    cr_assert_eq(train("--set train.steps=2 --set checkpoint.dir=ck", &out), 0, "%s", out);
+    free(out);
+    struct { const char *attr; int64_t v; } cases[] = {
+        {"world", INT64_C(1) << 40}, {"world", -3}, {"step", -5}, {"step", INT64_C(1) << 40},
+        {"stage_size", INT64_C(1) << 33}, {"ep", 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        snprintf(cmd, sizeof cmd, "rm -rf %s/bad && cp -r %s/ck %s/bad", dir, dir, dir);
+        cr_assert_eq(tu_run(cmd, NULL), 0);
+        set_manifest_attr("bad/step_00000002", cases[i].attr, cases[i].v);
+        int rc = train("--set train.steps=3 --resume bad/step_00000002", &out);
+        expect_one_error(rc, out, "manifest.h5", cases[i].attr);
+        free(out);
+    }
+}
