@@ -4,6 +4,7 @@
  * never a crash, a hang or an abort. MT_FUZZ_ITERS sets the count per parser (10^4 in make test,
  * more under make fuzz), MT_FUZZ_SEED the seed (printed on failure to replay a case). */
 #include <criterion/criterion.h>
+#include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -63,7 +64,7 @@ static size_t mutate(char *buf, size_t len, size_t cap, const char *specials)
         return len + 1;
     }
     case 3: { /* delete a run */
-        size_t at = below(len + 1), n = MT_MIN(below(16), len - at);
+        size_t at = below(len + 1), want = below(16), n = MT_MIN(want, len - at);
         memmove(buf + at, buf + at + n, len - at - n);
         return len - n;
     }
@@ -122,7 +123,8 @@ Test(fuzz, safetensors_reader, .timeout = 600)
         for (int k = 1 + (int)below(3); k > 0; k--) len = mutate(buf, len, sizeof buf, "{}[]\":,-0123456789eE.");
         FILE *f = fopen(path, "wb");
         cr_assert_not_null(f);
-        cr_assert_eq(fwrite(buf, 1, len, f), len);
+        size_t wrote = fwrite(buf, 1, len, f);
+        cr_assert_eq(wrote, len, "input %ld: wrote %zu of %zu bytes: %s", i, wrote, len, strerror(errno));
         cr_assert_eq(fclose(f), 0);
         err[0] = 0;
         struct st_file *st = st_open(path, err, sizeof err);
