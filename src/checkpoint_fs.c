@@ -227,6 +227,7 @@ static bool root_is_ours(const char *root, char *other, size_t cap)
         int64_t seq;
         ck_path(p, sizeof p, "%s/%s", root, n);
         if (step_of_name(n, &tmp) >= 0 && !tmp && ck_manifest_identity(p, &seq)) has_ckpt = true;
+        else if (step_of_name(n, &tmp) >= 0 && ck_holds_only_checkpoint_files(p)) continue;  /* a crashed save */
         else if (empty) mt_strlcpy(other, n, cap);
         empty = false;
     }
