@@ -58,7 +58,7 @@ MPI_TEST_BINS := $(MPI_TEST_SRCS:tests/mpi/%.c=$(BUILD)/tests/mpi/%)
 TOOL_SRCS := $(wildcard tools/*.c)
 TOOL_BINS := $(TOOL_SRCS:tools/%.c=$(BUILD)/tools/%)
 
-.PHONY: all deps test test-unit test-slurm test-gpu run bench bench-scaling clean check-deps tools
+.PHONY: all deps test test-unit test-slurm test-gpu run bench bench-scaling clean check-deps tools fuzz
 all: $(BUILD)/moetrain tools
 
 tools: $(TOOL_BINS)
@@ -106,6 +106,11 @@ test-unit: $(BUILD)/moetrain $(BUILD)/tests/unit_tests $(MPI_TEST_BINS) $(TOOL_B
 # time-limit signal, a killed and a stopped rank (tests/slurm/run.sh, about a minute).
 test-slurm: $(BUILD)/moetrain
 	BUILD=$(BUILD) tests/slurm/run.sh
+
+# The parser fuzzers of `make test` (tests/unit/test_fuzz.c) with FUZZ_ITERS inputs per parser.
+FUZZ_ITERS ?= 1000000
+fuzz: $(BUILD)/tests/unit_tests
+	MT_FUZZ_ITERS=$(FUZZ_ITERS) $(BUILD)/tests/unit_tests --filter 'fuzz/*' --jobs 2
 
 run: deps
 	@$(MAKE) --no-print-directory $(BUILD)/moetrain
