@@ -65,6 +65,9 @@ struct cuda_ctx {
     bool ready;
     int device;
     int num_sms;
+    /* take the Hopper kernels (wgmma, TMA): compute capability 9.0 and MT_FORCE_SM80 unset.
+     * Otherwise every op takes its sm_80 path (mma.sync attention, cuBLAS expert GEMMs). */
+    bool hopper;
     cudaStream_t stream;
     cublasHandle_t blas;
     cublasLtHandle_t lt;

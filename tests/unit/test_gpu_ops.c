@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "env_flag.h"
 #include "gpu_backend.h"
 #include "ops.h"
 
@@ -1413,6 +1414,9 @@ static void grouped_case(const struct mode *M, mt_rng *rng, const char *tag, int
 
 #ifdef MT_HAVE_CUDA
     if (xs == 2) {
+        /* on the sm_80 path (not a 9.0 device, or MT_FORCE_SM80=1) the kernel declines them all */
+        kernel = kernel && grouped_gemm_available();
+        kernel_wgrad = kernel_wgrad && grouped_gemm_available();
         void *d_out2 = dx_poisoned(M, ro), *d_din2 = dx_poisoned(M, ri);
         float *d_dw2 = df_from(M, dw0, wn);
         const bool f = grouped_gemm_forward(d_out2, d_in, d_w, off, NE, I, O);
@@ -1462,6 +1466,20 @@ Test(gpu, expert_matmul_grouped)
         /* wgrad does not read w, so only forward and dgrad fall back */
         grouped_case(&M, &rng, "unaligned w (fallback)", 3, few, 64, 64, 1, false, true);
     }
+}
+
+/* MT_FORCE_SM80=1 (make test-gpu's sm_80 pass) must really take the sm_80 paths on a Hopper GPU,
+ * or that pass would test the Hopper kernels twice. */
+Test(gpu, force_sm80_declines_the_hopper_kernels)
+{
+    struct mode M;
+    mode_get(1, &M);
+#ifdef MT_HAVE_CUDA
+    const bool forced = mt_env_flag("MT_FORCE_SM80");
+    fprintf(stderr, "gpu MT_FORCE_SM80=%d: Hopper grouped GEMM %s\n", forced,
+            grouped_gemm_available() ? "on" : "off (cuBLAS)");
+    if (forced) cr_expect(!grouped_gemm_available(), "MT_FORCE_SM80=1 but the Hopper kernel runs");
+#endif
 }
 
 /* ---------------------------------------------------------------- swiglu */
