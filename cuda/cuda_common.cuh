@@ -88,6 +88,7 @@ enum cuda_scratch_slot {
     SCRATCH_HIST,       /* router_stats: integer counts */
     SCRATCH_ROUTER_PARTS, /* router_matmul_backward: dlogits as three bf16 parts [T, 3E] */
     SCRATCH_ROUTER_W3,    /* router_matmul_backward: the router weight stacked three times */
+    SCRATCH_ADAMW,        /* adamw_update_multi: the segment table */
     SCRATCH_COUNT
 };
 void *cuda_scratch(enum cuda_scratch_slot slot, size_t bytes);
