@@ -24,7 +24,7 @@ __device__ __forceinline__ void adamw_elem(float *master, T *param, const float 
     float p = master[i] * decay;
     p -= lr * (mhat / (sqrtf(vhat) + eps));
     master[i] = p;
-    param[i] = from_f<T>(p); /* param may be master itself in fp32 */
+    if (param) param[i] = from_f<T>(p); /* param may be master itself in fp32; NULL: no copy */
 }
 
 template <typename T>

@@ -26,7 +26,7 @@
  * start (param in the compute dtype), n elements, its weight decay (0 for norms). */
 struct adamw_segment {
     float *master;     /* [n] fp32 */
-    void *param;       /* [n] compute dtype (may be master on the CPU) */
+    void *param;       /* [n] compute dtype (may be master on the CPU; NULL: no compute copy) */
     const float *grad; /* [n] fp32 */
     float *m, *v;      /* [n] fp32 Adam moments */
     size_t n;
