@@ -15,14 +15,16 @@ __device__ __forceinline__ void adamw_elem(float *master, T *param, const float 
                                            float eps, float decay, float bc1, float bc2,
                                            float grad_scale)
 {
-    const float g = grad[i] * grad_scale;
-    const float mi = beta1 * m[i] + (1.0f - beta1) * g;
-    const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+    /* every operation rounded as written (no fused multiply-adds the compiler might form in one
+     * kernel and not the other), so adamw_kernel and adamw_multi_kernel give the same bits */
+    const float g = __fmul_rn(grad[i], grad_scale);
+    const float mi = __fadd_rn(__fmul_rn(beta1, m[i]), __fmul_rn(1.0f - beta1, g));
+    const float vi = __fadd_rn(__fmul_rn(beta2, v[i]), __fmul_rn(__fmul_rn(1.0f - beta2, g), g));
     m[i] = mi;
     v[i] = vi;
-    const float mhat = mi / bc1, vhat = vi / bc2;
-    float p = master[i] * decay;
-    p -= lr * (mhat / (sqrtf(vhat) + eps));
+    const float mhat = __fdiv_rn(mi, bc1), vhat = __fdiv_rn(vi, bc2);
+    float p = __fmul_rn(master[i], decay);
+    p = __fsub_rn(p, __fmul_rn(lr, __fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), eps))));
     master[i] = p;
     if (param) param[i] = from_f<T>(p); /* param may be master itself in fp32; NULL: no copy */
 }

@@ -17,6 +17,15 @@ mkdir -p "$OUT"
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 [ "$ngpu" -gt 0 ] || { echo "bench: no GPU here"; exit 1; }
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+# The 8-layer config peaks at 108 GiB (fp32 master weights and Adam moments: ~10.4 GiB a layer);
+# a GPU with less memory (H100 and A100 80 GB: 79 GiB) runs 4 layers, moetrain and the baseline
+# alike, and says so. BENCH_LAYERS overrides.
+mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+LAYERS=${BENCH_LAYERS:-$([ "${mem_mib:-0}" -ge 120000 ] && echo 8 || echo 4)}
+if [ "$LAYERS" != 8 ]; then
+    EXTRA+=(--set model.num_hidden_layers="$LAYERS")
+    echo "bench: $LAYERS layers instead of the config's 8 ($gpu_name: $((mem_mib / 1024)) GiB; 8 layers need ~108 GiB)"
+fi
 
 # peak device memory of a command: nvidia-smi sampled every 200 ms, max over GPUs and time
 run_sampled() {
@@ -113,7 +122,7 @@ if [ "${BENCH_BASELINE:-1}" = 0 ]; then
     skipped+=("the PyTorch baseline (BENCH_BASELINE=0)")
 else
     echo "bench: PyTorch baseline (torch.compile, grouped_mm) ..."
-    if run_sampled baseline env LAYERS=8 SEQ=4096 BATCH=2 ACCUM=8 COMPILE="${BASELINE_COMPILE:-1}" \
+    if run_sampled baseline env LAYERS="$LAYERS" SEQ=4096 BATCH=2 ACCUM=8 COMPILE="${BASELINE_COMPILE:-1}" \
             python3 tools/hf_baseline.py; then
         res[baseline]=$(tail -1 "$OUT/baseline.log")
     else
@@ -123,12 +132,12 @@ else
 fi
 echo "  ${res[baseline]}"
 
-python3 - "$gpu_name" "${res[moetrain_1gpu]}" "${res[moetrain_2gpu]}" "${res[moetrain_sm80]}" \
+python3 - "$gpu_name" "$LAYERS" "${res[moetrain_1gpu]}" "${res[moetrain_2gpu]}" "${res[moetrain_sm80]}" \
     "${res[baseline]}" <<'PY' | tee "$OUT/summary.txt"
 import json, sys
-gpu, one, two, sm80, base = sys.argv[1], *(json.loads(a) for a in sys.argv[2:])
+gpu, layers, one, two, sm80, base = sys.argv[1], sys.argv[2], *(json.loads(a) for a in sys.argv[3:])
 b = base.get("tok_s")
-print(f"bench on {gpu}: Qwen3-30B-A3B shapes, 8 layers, seq 4096, 65,536 tokens/step/GPU")
+print(f"bench on {gpu}: Qwen3-30B-A3B shapes, {layers} layers, seq 4096, 65,536 tokens/step/GPU")
 print(f"{'run':<34}{'tok/s/GPU':>12}{'MFU':>8}{'peak GiB':>10}{'vs baseline':>13}")
 for name, r, key in (("moetrain 1 GPU", one, "tok_s_per_gpu"), ("moetrain 2 GPU EP=2", two, "tok_s_per_gpu"),
                      ("moetrain 1 GPU, sm_80 path forced", sm80, "tok_s_per_gpu"),
@@ -148,7 +157,9 @@ if [ -n "$a2a" ]; then echo "$a2a" | tee -a "$OUT/summary.txt"; fi
 for s in "${skipped[@]}"; do echo "skipped: $s" | tee -a "$OUT/summary.txt"; done
 
 # the headline: the 1-GPU run against the compiled baseline of the same job
-python3 - "$gpu_name" "$(date -u +%Y-%m-%d)" "${res[moetrain_1gpu]}" "${res[baseline]}" <<'PY' | tee -a "$OUT/summary.txt"
+where="$gpu_name"
+[ "$LAYERS" = 8 ] || where="$gpu_name, $LAYERS layers"
+python3 - "$where" "$(date -u +%Y-%m-%d)" "${res[moetrain_1gpu]}" "${res[baseline]}" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
 gpu, day, one, base = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
 t, b = one.get("tok_s_per_gpu"), base.get("tok_s")
