@@ -42,6 +42,8 @@ struct gemm_list {
 /* cuBLAS refused the grouped call for these types once: loop from then on. [A/B fp32][C fp32] */
 bool g_grouped_declined[2][2];
 
+bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
 /* One cublasGemmGroupedBatchedEx over the list (each GEMM its own group), or the cublasGemmEx
  * loop. The pointer arrays go to the device through an async copy from pageable memory, which
  * stages them before returning, so the list may be refilled at once. */
@@ -50,9 +52,17 @@ void run_gemms(gemm_list &g, cudaDataType_t ab, cudaDataType_t ct)
     const int count = (int)g.m.size();
     if (count == 0) return;
     bool &declined = g_grouped_declined[ab == CUDA_R_32F][ct == CUDA_R_32F];
-    bool empty = false; /* a zero dimension: cuda_gemm_ex's trivial cases */
-    for (int i = 0; i < count; i++) empty = empty || g.m[i] == 0 || g.n[i] == 0 || g.k[i] == 0;
-    if (!declined && !empty) {
+    /* The grouped call only where every GEMM is non-trivial (cuda_gemm_ex handles a zero
+     * dimension) and every pointer and leading dimension is 16-byte aligned: on an H100 with cuBLAS
+     * 13.0 bf16 weights 2 bytes off alignment made it fault (cudaErrorMisalignedAddress,
+     * gpu/expert_matmul_grouped's "unaligned w" case, 2026-11-25) instead of declining. */
+    const size_t ab_size = ab == CUDA_R_32F ? 4 : 2, c_size = ct == CUDA_R_32F ? 4 : 2;
+    bool plain = true;
+    for (int i = 0; i < count && plain; i++)
+        plain = g.m[i] > 0 && g.n[i] > 0 && g.k[i] > 0 && aligned16(g.a[i]) && aligned16(g.b[i]) &&
+                aligned16(g.c[i]) && (g.lda[i] * ab_size) % 16 == 0 &&
+                (g.ldb[i] * ab_size) % 16 == 0 && (g.ldc[i] * c_size) % 16 == 0;
+    if (!declined && plain) {
         g.ptrs.clear();
         g.ptrs.insert(g.ptrs.end(), g.a.begin(), g.a.end());
         g.ptrs.insert(g.ptrs.end(), g.b.begin(), g.b.end());
