@@ -167,6 +167,16 @@ if [ "${MT_GPU_SM80:-1}" != 0 ]; then
         --set log.metrics="$LOG/train_1gpu_bf16_sm80.jsonl"
     compare_losses "losses sm80 path vs Hopper path, bf16 (tol $TRAIN_BF16_TOL)" \
         "$LOG/train_1gpu_bf16_sm80.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+    # head_dim 16 (tiny.yaml) runs attention on the CUDA cores on both paths; 64 puts it on the
+    # tensor cores, where the backward differs (wgmma vs mma.sync)
+    for p in hopper sm80; do
+        run_step "train bf16, 1 GPU, head_dim 64, $p path" "$LOG/train_1gpu_bf16_d64_$p.log" \
+            env MT_FORCE_SM80=$([ $p = sm80 ] && echo 1 || echo 0) \
+            "$B/moetrain" $T --backend cuda --set model.precision=bf16 --set model.head_dim=64 \
+            --set log.metrics="$LOG/train_1gpu_bf16_d64_$p.jsonl"
+    done
+    compare_losses "losses sm80 path vs Hopper path, head_dim 64, bf16 (tol $TRAIN_BF16_TOL)" \
+        "$LOG/train_1gpu_bf16_d64_sm80.jsonl" "$LOG/train_1gpu_bf16_d64_hopper.jsonl" "$TRAIN_BF16_TOL"
 else
     record "sm80 path (MT_FORCE_SM80=1)" "SKIPPED (MT_GPU_SM80=0)"
 fi
