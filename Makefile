@@ -9,7 +9,11 @@ BUILD     ?= build
 CC        := mpicc
 NVCC      ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
-CUDA_ARCH ?= -gencode=arch=compute_90a,code=sm_90a
+# sm_80 (A100) and sm_90a (H100/H200) machine code in one binary, plus compute_80 PTX (what a newer
+# GPU, or CUDA_FORCE_PTX_JIT=1 in `make test-gpu`'s sm_80 pass, compiles at load time). The
+# Hopper-only kernels are a trap in the sm_80 code; the host picks the path at run time
+# (docs/gpu.md, "Build notes").
+CUDA_ARCH ?= -gencode=arch=compute_80,code=[sm_80,compute_80] -gencode=arch=compute_90a,code=sm_90a
 CONFIG    ?= configs/tiny.yaml
 NP        ?= 4
 
