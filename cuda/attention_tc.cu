@@ -474,7 +474,8 @@ void tc_fwd_launch(void *out, float *lse, const void *q, const void *k, const vo
 
 /* Backward kernels: 0 = mma.sync (tc_bwd_dkdv_kernel / tc_bwd_dq_kernel), 1..3 = wgmma with
  * (warpgroups per block, stages) = (2, 3), (1, 2), (2, 2); chosen separately for the dK/dV and
- * the dQ pass (attention_tc_set_bwd_variant). The wgmma kernels need compute capability 9.0.
+ * the dQ pass (attention_tc_set_bwd_variant). The wgmma kernels need compute capability 9.0
+ * (g_cuda.hopper; MT_FORCE_SM80=1 takes variant 0 on a Hopper GPU too).
  * H100, B=2 S=4096 Hq=32 Hkv=4, whole backward in ms (tools/bench_attention):
  *   D = 128: dkdv/dq 0/0 3.59, 1/0 2.69, 0/1 2.87, 1/1 1.98, 1/2 2.06, 1/3 2.03, 3/1 2.23, 2/1 2.46
  *   D = 64:  0/0 1.96, 1/1 1.34, 1/2 1.31, 1/3 1.36
@@ -482,18 +483,6 @@ void tc_fwd_launch(void *out, float *lse, const void *q, const void *k, const vo
  * (same registers and shared memory per SM, half the tile loads), and three stages beat two (the
  * last products of a tile overlap the next tile's barrier and first products). */
 int g_bwd_dkdv = 1, g_bwd_dq = 1;
-
-bool have_wgmma()
-{
-    static int cc = -1;
-    if (cc < 0) {
-        int major = 0, minor = 0;
-        CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, g_cuda.device));
-        CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, g_cuda.device));
-        cc = major * 10 + minor;
-    }
-    return cc == 90;
-}
 
 template <int D> void dkdv_launch(const attn_bwd_args &a, int variant)
 {
@@ -539,7 +528,7 @@ void tc_bwd_launch(void *dq, void *dk, void *dv, const void *dout, const void *q
     const attn_bwd_args a = {(bf16 *)dq, (bf16 *)dk, (bf16 *)dv, (const bf16 *)dout, (const bf16 *)q,
                         (const bf16 *)k, (const bf16 *)v, lse2, delta, B, S, Hq, Hkv, scale,
                         scale * LOG2E};
-    const bool wg = have_wgmma();
+    const bool wg = g_cuda.hopper; /* else the sm_80 path: mma.sync (variant 0) */
     dkdv_launch<D>(a, wg ? g_bwd_dkdv : 0);
     dq_launch<D>(a, wg ? g_bwd_dq : 0);
 }

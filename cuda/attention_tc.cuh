@@ -44,7 +44,8 @@ int attention_tc_set_variant(int fwd);
 
 /* Selects the backward kernels for tests and benchmarks: variant = dkdv + 4·dq, each 0 = the
  * mma.sync kernel, 1..3 = wgmma with (warpgroups per block, stages) (2, 3), (1, 2), (2, 2); the
- * default is 1 + 4·1. On a GPU other than sm_90 the mma.sync kernels run whatever is selected.
+ * default is 1 + 4·1. On a GPU other than sm_90, or with MT_FORCE_SM80=1, the mma.sync kernels run
+ * whatever is selected.
  * Out-of-range values change nothing. Returns the previous one. Not thread-safe. */
 int attention_tc_set_bwd_variant(int variant);
 

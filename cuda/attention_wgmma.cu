@@ -169,6 +169,9 @@ tc_bwd_dkdv_wg_kernel(bf16 *__restrict__ dk, bf16 *__restrict__ dv, const bf16 *
                       const float *__restrict__ delta, int S, int Hq, int Hkv, float scale,
                       float scale_log2)
 {
+#ifdef MT_NO_HOPPER_CODE
+    __trap();
+#else
     constexpr int NT = NWG * 128, BK = 64 * NWG, BQ = 64, NA = D / 2;
     constexpr uint32_t KV_BYTES = BK * D * 2, T_BYTES = BQ * D * 2;
     static_assert(STAGES == 2 || STAGES == 3, "buffer reuse is argued for 2 and 3 stages");
@@ -301,6 +304,7 @@ tc_bwd_dkdv_wg_kernel(bf16 *__restrict__ dk, bf16 *__restrict__ dv, const bf16 *
                 __floats2bfloat162_rn(dva[4 * j + 2 * r], dva[4 * j + 2 * r + 1]);
         }
     }
+#endif
 }
 
 /* dQ: grid (B·Hq, query tiles of 64·NWG), warpgroup w owns queries 64w .. 64w+63 of the tile;
@@ -312,6 +316,9 @@ tc_bwd_dq_wg_kernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dout, const 
                     const float *__restrict__ lse2, const float *__restrict__ delta, int S, int Hq,
                     int Hkv, float scale, float scale_log2)
 {
+#ifdef MT_NO_HOPPER_CODE
+    __trap();
+#else
     constexpr int NT = NWG * 128, BQ = 64 * NWG, BC = 64, NA = D / 2;
     constexpr uint32_t QT_BYTES = BQ * D * 2, KV_BYTES = BC * D * 2;
     static_assert(STAGES == 2 || STAGES == 3, "buffer reuse is argued for 2 and 3 stages");
@@ -421,6 +428,7 @@ tc_bwd_dq_wg_kernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dout, const 
             *reinterpret_cast<__nv_bfloat162 *>(dst + jb * 8) =
                 __floats2bfloat162_rn(acc[4 * jb + 2 * r] * scale, acc[4 * jb + 2 * r + 1] * scale);
     }
+#endif
 }
 
 template <int D, int NWG, int STAGES> void dkdv_wg_launch(const attn_bwd_args &a)

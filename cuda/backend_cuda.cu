@@ -17,6 +17,7 @@
 #include "router.cuh"
 #include "moe_route.cuh"
 #include "swiglu.cuh"
+#include "env_flag.h"
 
 #include <string.h>
 
@@ -24,12 +25,13 @@ struct cuda_ctx g_cuda;
 
 enum { WORKSPACE_BYTES = 32 << 20 };
 
-/* Dense bf16 tensor-core peak of the H100/H200 (SXM) for MFU, and its fp32 (non-tensor) rate;
- * unknown (0) on other GPUs. */
+/* Dense bf16 tensor-core peak for MFU, and the fp32 (non-tensor) rate: H100/H200 (SXM) and A100;
+ * unknown (0) on other GPUs. The hardware's peak, also when MT_FORCE_SM80 takes the sm_80 paths. */
 static double peak_flops(bool fp32, const cudaDeviceProp *p)
 {
-    if (p->major != 9) return 0.0;
-    return fp32 ? 67e12 : 989e12;
+    if (p->major == 9 && p->minor == 0) return fp32 ? 67e12 : 989e12;
+    if (p->major == 8 && p->minor == 0) return fp32 ? 19.5e12 : 312e12;
+    return 0.0;
 }
 
 template <typename T> static struct backend make_table(double peak)
@@ -84,6 +86,7 @@ template <typename T> static struct backend make_table(double peak)
     b.cross_entropy_backward = cu_cross_entropy_backward<T>;
     b.adamw_update = cu_adamw_update<T>;
     b.adamw_update_m16 = cu_adamw_update_m16<T>;
+    b.adamw_update_multi = cu_adamw_update_multi<T>;
     return b;
 }
 
@@ -96,6 +99,8 @@ static void context_init(int local_rank, int count)
     cudaDeviceProp prop;
     CUDA_CHECK(cudaGetDeviceProperties(&prop, g_cuda.device));
     g_cuda.num_sms = prop.multiProcessorCount;
+    /* the build holds sm_90a machine code for the Hopper kernels, which runs on 9.0 only */
+    g_cuda.hopper = prop.major == 9 && prop.minor == 0 && !mt_env_flag("MT_FORCE_SM80");
     CUDA_CHECK(cudaStreamCreateWithFlags(&g_cuda.stream, cudaStreamNonBlocking));
     CUBLAS_CHECK(cublasCreate(&g_cuda.blas));
     CUBLAS_CHECK(cublasSetStream(g_cuda.blas, g_cuda.stream));

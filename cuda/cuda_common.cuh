@@ -66,6 +66,9 @@ struct cuda_ctx {
     bool ready;
     int device;
     int num_sms;
+    /* take the Hopper kernels (wgmma, TMA): compute capability 9.0 and MT_FORCE_SM80 unset.
+     * Otherwise every op takes its sm_80 path (mma.sync attention, cuBLAS expert GEMMs). */
+    bool hopper;
     cudaStream_t stream;
     cublasHandle_t blas;
     cublasLtHandle_t lt;
@@ -86,6 +89,8 @@ enum cuda_scratch_slot {
     SCRATCH_HIST,       /* router_stats: integer counts */
     SCRATCH_ROUTER_PARTS, /* router_matmul_backward: dlogits as three bf16 parts [T, 3E] */
     SCRATCH_ROUTER_W3,    /* router_matmul_backward: the router weight stacked three times */
+    SCRATCH_ADAMW,        /* adamw_update_multi: the segment table */
+    SCRATCH_GEMM_PTRS,    /* expert_matmul on cuBLAS: the grouped call's A, B, C pointer arrays */
     SCRATCH_COUNT
 };
 void *cuda_scratch(enum cuda_scratch_slot slot, size_t bytes);

@@ -214,6 +214,9 @@ template <int KIND> __device__ __forceinline__ int k_blocks(const gg_params &p, 
 template <int KIND>
 __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_constant__ gg_params p)
 {
+#ifdef MT_NO_HOPPER_CODE
+    __trap();
+#else
     constexpr int TA = KIND == KIND_WGRAD ? 1 : 0; /* A MN-major */
     constexpr int TB = KIND == KIND_FWD ? 0 : 1;   /* B MN-major */
     constexpr uint32_t A_KSTEP = TA ? 16 * 128 : 32, B_KSTEP = TB ? 16 * 128 : 32;
@@ -375,6 +378,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
             }
         }
     }
+#endif
 }
 
 /* ---------------------------------------------------------------- host side */
@@ -408,18 +412,6 @@ void make_map(CUtensorMap *m, const void *base, int rank, const cuuint64_t *dims
     MT_CHECK(r == CUDA_SUCCESS, "grouped_gemm: cuTensorMapEncodeTiled failed (CUresult %d)", (int)r);
 }
 
-bool is_sm90()
-{
-    static int v = -1;
-    if (v < 0) {
-        int major = 0, minor = 0;
-        CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, g_cuda.device));
-        CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, g_cuda.device));
-        v = major == 9 && minor == 0; /* the build holds sm_90a machine code only */
-    }
-    return v == 1;
-}
-
 bool aligned16(const void *q) { return ((uintptr_t)q & 15u) == 0; }
 
 /* What the kernel handles: TMA wants 16-byte aligned bases and row strides (I, O multiples of 8),
@@ -430,7 +422,7 @@ bool supported(int I, int O, const int64_t *off, int n_exp, const void *a, const
     if (I <= 0 || O <= 0 || I % 8 || O % 8) return false;
     if (n_exp > 0 && off[n_exp] > INT32_MAX) return false;
     if (!aligned16(a) || !aligned16(b) || !aligned16(c)) return false;
-    return g_cuda.ready && is_sm90();
+    return g_cuda.ready && g_cuda.hopper; /* else the caller's sm_80 path (cuBLAS) */
 }
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -526,5 +518,7 @@ extern "C" bool grouped_gemm_wgrad(float *dw, const void *dout, const void *in, 
     launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0);
     return true;
 }
+
+extern "C" bool grouped_gemm_available(void) { return g_cuda.ready && g_cuda.hopper; }
 
 extern "C" void *grouped_gemm_stream(void) { return (void *)g_cuda.stream; }

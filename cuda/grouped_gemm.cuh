@@ -6,7 +6,8 @@
  *
  * Each call returns false, having done nothing, when the shapes or pointers are outside what the
  * kernel handles (I or O not a positive multiple of 8, a pointer not 16-byte aligned, more than
- * 2^31 - 1 rows, a device that is not sm_90): the caller then takes its cuBLAS path.
+ * 2^31 - 1 rows, a device that is not sm_90 or MT_FORCE_SM80=1): the caller then takes its cuBLAS
+ * path.
  *
  * Plain C declarations so that C tools (tools/bench_grouped_gemm.c) can call them too. */
 #ifndef MT_GROUPED_GEMM_CUH
@@ -33,6 +34,10 @@ bool grouped_gemm_dgrad(void *din /*[R,I] bf16*/, const void *dout /*[R,O] bf16*
 bool grouped_gemm_wgrad(float *dw /*[n_exp,O,I] fp32*/, const void *dout /*[R,O] bf16*/,
                         const void *in /*[R,I] bf16*/, const int64_t *off /*[n_exp+1]*/, int n_exp,
                         int I, int O);
+
+/* Whether the kernel runs here: the backend is up on a compute capability 9.0 device and
+ * MT_FORCE_SM80 is not set (the backend's g_cuda.hopper). When false, every call above declines. */
+bool grouped_gemm_available(void);
 
 /* The backend's stream (a cudaStream_t), for callers that time or order work around these. */
 void *grouped_gemm_stream(void);

@@ -7,6 +7,16 @@
 
 #include "cuda_common.cuh"
 
+/* One binary carries sm_80 and sm_90a machine code (Makefile CUDA_ARCH). In a device pass without
+ * the sm_90a feature set (the sm_80 pass) the Hopper kernels' bodies compile to a trap and these
+ * wrappers to nothing: those kernels are never launched there, because the host side takes the
+ * sm_80 path whenever cuda_hopper() is false (compute capability other than 9.0, or
+ * MT_FORCE_SM80=1). */
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MT_NO_HOPPER_CODE 1
+#pragma nv_diag_suppress 177 /* the Hopper-only helpers go unused in this pass */
+#endif
+
 __device__ __forceinline__ uint32_t smem_u32(const void *p)
 {
     return (uint32_t)__cvta_generic_to_shared(p);
@@ -16,9 +26,12 @@ __device__ __forceinline__ uint32_t smem_u32(const void *p)
  * async proxy (wgmma operand reads, TMA) */
 __device__ __forceinline__ void fence_proxy_async()
 {
+#ifndef MT_NO_HOPPER_CODE
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
 }
 
+#ifndef MT_NO_HOPPER_CODE
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit()
 {
@@ -28,6 +41,11 @@ template <int N> __device__ __forceinline__ void wgmma_wait()
 {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
+#else
+__device__ __forceinline__ void wgmma_fence() {}
+__device__ __forceinline__ void wgmma_commit() {}
+template <int N> __device__ __forceinline__ void wgmma_wait() {}
+#endif
 
 /* wgmma shared-memory descriptor, 128-byte swizzle (layout type 1 in bits 62-63): start address,
  * leading and stride byte offsets */

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # `make bench` on a GPU machine: moetrain on configs/bench-qwen3-30b-8l.yaml on 1 GPU and (with 2+
 # GPUs) with EP=2 on 2 GPUs, then the PyTorch baseline (tools/hf_baseline.py, torch.compile'd
-# transformers, same shapes and tokens per step) in the same job. Prints one table; logs and JSON
-# lines go to BENCH_OUT (default build/bench).
+# transformers, same shapes and tokens per step) in the same job, and moetrain on 1 GPU on the sm_80
+# (A100) path (MT_FORCE_SM80=1; BENCH_SM80=0 skips it). Prints one table, what it skipped, and a
+# `headline:` line (the 1-GPU run against the baseline; docs/benchmarks.md starts with the latest);
+# logs and JSON lines go to BENCH_OUT (default build/bench). Exits 0 unless the 1-GPU run failed.
 set -euo pipefail
 BUILD=${1:-build}
 OUT=${BENCH_OUT:-$BUILD/bench}
@@ -15,6 +17,15 @@ mkdir -p "$OUT"
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 [ "$ngpu" -gt 0 ] || { echo "bench: no GPU here"; exit 1; }
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+# The 8-layer config peaks at 108 GiB (fp32 master weights and Adam moments: ~10.4 GiB a layer);
+# a GPU with less memory (H100 and A100 80 GB: 79 GiB) runs 4 layers, moetrain and the baseline
+# alike, and says so. BENCH_LAYERS overrides.
+mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+LAYERS=${BENCH_LAYERS:-$([ "${mem_mib:-0}" -ge 120000 ] && echo 8 || echo 4)}
+if [ "$LAYERS" != 8 ]; then
+    EXTRA+=(--set model.num_hidden_layers="$LAYERS")
+    echo "bench: $LAYERS layers instead of the config's 8 ($gpu_name: $((mem_mib / 1024)) GiB; 8 layers need ~108 GiB)"
+fi
 
 # peak device memory of a command: nvidia-smi sampled every 200 ms, max over GPUs and time
 run_sampled() {
@@ -44,11 +55,12 @@ PY
 }
 
 declare -A res
-for n in 1 2; do
-    [ "$n" -le "$ngpu" ] || continue
-    tag=moetrain_${n}gpu
-    echo "bench: moetrain on $n GPU(s) ..."
-    if run_sampled "$tag" mpirun --oversubscribe --bind-to none -np "$n" "$BUILD/moetrain" train "$CONFIG" \
+skipped=()
+# bench_moetrain TAG N [mpirun env args]: moetrain on N GPUs with EP=N into res[TAG]
+bench_moetrain() {
+    local tag=$1 n=$2
+    shift 2
+    if run_sampled "$tag" mpirun --oversubscribe --bind-to none -np "$n" "$@" "$BUILD/moetrain" train "$CONFIG" \
             --set train.global_batch_size=$((16 * n)) --set parallel.expert_parallel_size="$n" \
             --set train.steps="$STEPS" --set log.metrics="$OUT/$tag.jsonl" "${EXTRA[@]}"; then
         res[$tag]=$(summary "$tag" "$n")
@@ -57,7 +69,23 @@ for n in 1 2; do
         tail -5 "$OUT/$tag.log"
     fi
     echo "  ${res[$tag]}"
+}
+for n in 1 2; do
+    if [ "$n" -gt "$ngpu" ]; then
+        skipped+=("moetrain on $n GPUs with EP=$n ($ngpu GPU here)")
+        res[moetrain_${n}gpu]='{"error": "skipped: '"$ngpu"' GPU here"}'
+        continue
+    fi
+    echo "bench: moetrain on $n GPU(s) ..."
+    bench_moetrain "moetrain_${n}gpu" "$n"
 done
+if [ "${BENCH_SM80:-1}" = 0 ]; then
+    skipped+=("moetrain on 1 GPU on the sm_80 path (BENCH_SM80=0)")
+    res[moetrain_sm80]='{"error": "not run (BENCH_SM80=0)"}'
+else
+    echo "bench: moetrain on 1 GPU, sm_80 (A100) path forced (MT_FORCE_SM80=1) ..."
+    bench_moetrain moetrain_sm80 1 -x MT_FORCE_SM80=1
+fi
 
 # a profiled 3-step run on n GPUs with EP=n (every op timed between syncs); prints its time split
 profiled_split() {  # n log
@@ -74,6 +102,8 @@ if [ "$ngpu" -ge 2 ]; then
     echo "bench: moetrain on 2 GPUs with EP=2, profiled ..."
     split2=$(profiled_split 2 "$OUT/moetrain_profile_ep2.log")
     echo "  time split: ${split2:-unavailable}"
+else
+    skipped+=("the profiled EP=2 step ($ngpu GPU here)")
 fi
 
 a2a=""
@@ -83,13 +113,16 @@ if [ "$ngpu" -ge 2 ]; then
     # two lines: the MoE layer's path (all_to_all_inbox) and NCCL's all_to_all_v
     a2a=$(mpirun --oversubscribe --bind-to none -np 2 "$BUILD/tools/bench_alltoall" 8192 20 2>&1 | tail -2)
     echo "$a2a" | sed 's/^/  /'
+else
+    skipped+=("the all-to-all micro-benchmark ($ngpu GPU here)")
 fi
 
 if [ "${BENCH_BASELINE:-1}" = 0 ]; then
     res[baseline]='{"error": "not run (BENCH_BASELINE=0)"}'
+    skipped+=("the PyTorch baseline (BENCH_BASELINE=0)")
 else
     echo "bench: PyTorch baseline (torch.compile, grouped_mm) ..."
-    if run_sampled baseline env LAYERS=8 SEQ=4096 BATCH=2 ACCUM=8 COMPILE="${BASELINE_COMPILE:-1}" \
+    if run_sampled baseline env LAYERS="$LAYERS" SEQ=4096 BATCH=2 ACCUM=8 COMPILE="${BASELINE_COMPILE:-1}" \
             python3 tools/hf_baseline.py; then
         res[baseline]=$(tail -1 "$OUT/baseline.log")
     else
@@ -99,23 +132,43 @@ else
 fi
 echo "  ${res[baseline]}"
 
-python3 - "$gpu_name" "${res[moetrain_1gpu]:-{\}}" "${res[moetrain_2gpu]:-{\}}" "${res[baseline]}" <<'PY' | tee "$OUT/summary.txt"
+python3 - "$gpu_name" "$LAYERS" "${res[moetrain_1gpu]}" "${res[moetrain_2gpu]}" "${res[moetrain_sm80]}" \
+    "${res[baseline]}" <<'PY' | tee "$OUT/summary.txt"
 import json, sys
-gpu, one, two, base = sys.argv[1], *(json.loads(a) for a in sys.argv[2:])
+gpu, layers, one, two, sm80, base = sys.argv[1], sys.argv[2], *(json.loads(a) for a in sys.argv[3:])
 b = base.get("tok_s")
-print(f"bench on {gpu}: Qwen3-30B-A3B shapes, 8 layers, seq 4096, 65,536 tokens/step/GPU")
-print(f"{'run':<22}{'tok/s/GPU':>12}{'MFU':>8}{'peak GiB':>10}{'vs baseline':>13}")
+print(f"bench on {gpu}: Qwen3-30B-A3B shapes, {layers} layers, seq 4096, 65,536 tokens/step/GPU")
+print(f"{'run':<34}{'tok/s/GPU':>12}{'MFU':>8}{'peak GiB':>10}{'vs baseline':>13}")
 for name, r, key in (("moetrain 1 GPU", one, "tok_s_per_gpu"), ("moetrain 2 GPU EP=2", two, "tok_s_per_gpu"),
+                     ("moetrain 1 GPU, sm_80 path forced", sm80, "tok_s_per_gpu"),
                      ("PyTorch baseline", base, "tok_s")):
     t = r.get(key)
     if t is None:
-        print(f"{name:<22}{'-':>12}  {r.get('error', 'not run')}")
+        print(f"{name:<34}{'-':>12}  {r.get('error', 'not run')}")
         continue
     mfu = r.get("mfu", r.get("model_tflops", 0) * 1e12 / 989e12 if "model_tflops" in r else -1)
     mem = r.get("peak_gib", r.get("peak_mem_gib", 0))
     ratio = f"{t / b:.2f}x" if b else "-"
-    print(f"{name:<22}{t:>12.0f}{100 * mfu:>7.1f}%{mem:>10.1f}{ratio:>13}")
+    print(f"{name:<34}{t:>12.0f}{100 * mfu:>7.1f}%{mem:>10.1f}{ratio:>13}")
 PY
 echo "moetrain 1 GPU time split (profiled step): ${split:-unavailable}" | tee -a "$OUT/summary.txt"
-[ -n "$split2" ] && echo "moetrain 2 GPUs EP=2 time split (profiled step): $split2" | tee -a "$OUT/summary.txt"
-[ -n "$a2a" ] && echo "$a2a" | tee -a "$OUT/summary.txt"
+if [ -n "$split2" ]; then echo "moetrain 2 GPUs EP=2 time split (profiled step): $split2" | tee -a "$OUT/summary.txt"; fi
+if [ -n "$a2a" ]; then echo "$a2a" | tee -a "$OUT/summary.txt"; fi
+for s in "${skipped[@]}"; do echo "skipped: $s" | tee -a "$OUT/summary.txt"; done
+
+# the headline: the 1-GPU run against the compiled baseline of the same job
+where="$gpu_name"
+[ "$LAYERS" = 8 ] || where="$gpu_name, $LAYERS layers"
+python3 - "$where" "$(date -u +%Y-%m-%d)" "${res[moetrain_1gpu]}" "${res[baseline]}" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+gpu, day, one, base = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+t, b = one.get("tok_s_per_gpu"), base.get("tok_s")
+if t is None:
+    print(f"headline: unavailable, the 1-GPU run {one.get('error', 'did not run')} ({gpu}, {day})")
+else:
+    mfu = f"{100 * one['mfu']:.1f}%" if one.get("mfu", -1) >= 0 else "n/a"
+    ratio, note = (f"{t / b:.2f}x", "") if b else ("n/a x", ", baseline not run")
+    print(f"headline: {t:.0f} tok/s, {mfu} MFU, {ratio} compiled PyTorch ({gpu}, {day}{note})")
+PY
+case "${res[moetrain_1gpu]}" in *error*) exit 1 ;; esac
+exit 0

@@ -20,6 +20,8 @@
 #                 TRAIN_BF16_TOL = 1e-2 (measured 1.5e-5 over 5 steps)
 #   train fp32, CPU vs 1 GPU: per-step loss within TRAIN_FP32_TOL = 1e-3 (measured 0 at the 8
 #                 digits the metrics file keeps)
+#   train bf16, the sm_80 path (MT_FORCE_SM80=1) vs the Hopper path on 1 GPU: TRAIN_BF16_TOL (the
+#                 expert GEMMs differ in summation order only; the attention backward is bit-identical)
 set -u
 B=${1:-build}
 LOG=${MT_GPU_LOGS:-$B/test-gpu}
@@ -174,6 +176,36 @@ run_step "train fp32, 1 GPU, routing replay" "$LOG/train_1gpu_replay.log" \
     --set data.routing_replay="$LOG/routing.bin" --set log.metrics="$LOG/train_1gpu_replay.jsonl"
 compare_losses "losses CPU vs 1 GPU, routing replay, fp32 (tol $TRAIN_FP32_TOL)" \
     "$LOG/train_1gpu_replay.jsonl" "$LOG/train_cpu_replay.jsonl" "$TRAIN_FP32_TOL"
+
+# 6. the sm_80 path (A100) on this GPU: MT_FORCE_SM80=1 makes the backend take what it takes on a
+#    compute capability 8.x device (mma.sync attention backward, cuBLAS expert GEMMs) with this
+#    GPU's machine code; the sm_80 machine code itself only runs on an A100. MT_GPU_SM80=0 skips.
+if [ "${MT_GPU_SM80:-1}" != 0 ]; then
+    MT_REQUIRE_GPU=1 MT_BUILD="$B" run_step "sm80 path: unit tests gpu/* (MT_FORCE_SM80=1)" \
+        "$LOG/unit_gpu_sm80.log" env MT_FORCE_SM80=1 "$B/tests/unit_tests" --filter 'gpu/*' --jobs 1
+    fx=tests/fixtures/qwen3moe-tiny
+    run_step "sm80 path: verify qwen3moe-tiny bf16 (tol $VERIFY_BF16_TOL)" \
+        "$LOG/verify_qwen3moe-tiny_bf16_sm80.log" env MT_FORCE_SM80=1 \
+        "$B/moetrain" verify "$fx" "$fx/reference.safetensors" --backend cuda \
+        --set model.precision=bf16 --tolerance "$VERIFY_BF16_TOL"
+    run_step "sm80 path: train bf16, 1 GPU" "$LOG/train_1gpu_bf16_sm80.log" env MT_FORCE_SM80=1 \
+        "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+        --set log.metrics="$LOG/train_1gpu_bf16_sm80.jsonl"
+    compare_losses "losses sm80 path vs Hopper path, bf16 (tol $TRAIN_BF16_TOL)" \
+        "$LOG/train_1gpu_bf16_sm80.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+    # head_dim 16 (tiny.yaml) runs attention on the CUDA cores on both paths; 64 puts it on the
+    # tensor cores, where the backward differs (wgmma vs mma.sync)
+    for p in hopper sm80; do
+        run_step "train bf16, 1 GPU, head_dim 64, $p path" "$LOG/train_1gpu_bf16_d64_$p.log" \
+            env MT_FORCE_SM80=$([ $p = sm80 ] && echo 1 || echo 0) \
+            "$B/moetrain" $T --backend cuda --set model.precision=bf16 --set model.head_dim=64 \
+            --set log.metrics="$LOG/train_1gpu_bf16_d64_$p.jsonl"
+    done
+    compare_losses "losses sm80 path vs Hopper path, head_dim 64, bf16 (tol $TRAIN_BF16_TOL)" \
+        "$LOG/train_1gpu_bf16_d64_sm80.jsonl" "$LOG/train_1gpu_bf16_d64_hopper.jsonl" "$TRAIN_BF16_TOL"
+else
+    record "sm80 path (MT_FORCE_SM80=1)" "SKIPPED (MT_GPU_SM80=0)"
+fi
 
 echo
 echo "test-gpu summary ($NGPU GPU(s)):"

@@ -2,10 +2,13 @@
  * pieces to its own HDF5 file in ROOT/step_N.tmp, rank 0 adds the manifest, renames the directory
  * and marks it COMPLETE. */
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "checkpoint.h"
 #include "checkpoint_internal.h"
@@ -135,15 +138,28 @@ static void write_piece(hid_t grp, const struct tensor_spec *s, const struct pie
         /* the buffer is only read from on a write */
         if (!ck_flat_io(d, ps->ndim, ps->dims, file_at[j], rs->r[j].len, (float *)host + rs->r[j].soff,
                         true, msg, sizeof msg))
-            mt_fatal("H5Dwrite of %s failed: %s", s->name, msg);
+            mt_fatal("H5Dwrite of %s failed: %s%s", s->name, msg,
+                     errno == ENOSPC || errno == EFBIG || errno == EDQUOT
+                         ? " (out of disk space or quota: the unfinished save is ignored, earlier "
+                           "checkpoints are untouched)" : "");
     }
     CK_H5(H5Dclose(d));
     CK_H5(H5Pclose(dcpl));
     CK_H5(H5Sclose(sp));
 }
 
-/* One buffer at a time (master, then m1, then m2), so the host copy is one shard's worth. */
-static void write_rank_file(const char *path, int step, const struct params *p, const struct mesh *mesh)
+/* The first non-finite value of n floats, or -1. */
+static int64_t first_nonfinite(const float *x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(x[i])) return i;
+    return -1;
+}
+
+/* One buffer at a time (master, then m1, then m2), so the host copy is one shard's worth. A
+ * non-finite value stops the file there (err set): such a checkpoint is never published. */
+static void write_rank_file(const char *path, int step, const struct params *p, const struct mesh *mesh,
+                            char *err, int errcap)
 {
     const struct model *m = p->m;
     const struct backend *be = m->be;
@@ -175,6 +191,15 @@ static void write_rank_file(const char *path, int step, const struct params *p, 
             host[k] = mt_malloc((size_t)MT_MAX(g->numel, 1) * sizeof(float));
             if (b == CK_MASTER) be->download(host[k], g->master, (size_t)g->numel * sizeof(float));
             else params_moment_to_host(p, (enum tensor_group)k, b == CK_ADAM_M ? 1 : 2, host[k]);
+            int64_t at = first_nonfinite(host[k], g->numel);
+            if (at >= 0)
+                ck_errf(err, errcap, "checkpoint of step %d not written: rank %d's %s holds a non-finite "
+                        "value (shard element %lld of group %d); the previous checkpoints are kept",
+                        step, mesh->rank, ck_buf_group[b], (long long)at, k);
+        }
+        if (*err) {
+            for (int k = 0; k < TG_COUNT; k++) free(host[k]);
+            break;
         }
         hid_t grp = CK_H5(H5Gcreate2(f, ck_buf_group[b], H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
         for (int i = 0; i < tt->n; i++)
@@ -199,8 +224,20 @@ static void write_rank_file(const char *path, int step, const struct params *p, 
 
 /* --- the manifest (rank 0) ----------------------------------------------------------------- */
 
+/* Names this process's saves in their manifests: which launch of the job wrote a checkpoint. */
+static const char *run_id(void)
+{
+    static char id[32];
+    if (!id[0]) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        snprintf(id, sizeof id, "%08lx-%05x", (unsigned long)ts.tv_sec, (unsigned)(getpid() & 0xfffff));
+    }
+    return id;
+}
+
 static void write_manifest(const char *path, int step, const struct params *p, const struct mesh *mesh,
-                           const struct config *c, const float *bias)
+                           const struct config *c, const float *bias, int64_t save_seq)
 {
     ck_h5_context(path);
     hid_t fapl = ck_fapl();
@@ -212,6 +249,8 @@ static void write_manifest(const char *path, int step, const struct params *p, c
     const char *meta_names[] = {"format_version", "step", "optimizer_step", "data_position", "world",
                                 "pp", "ep", "ep_fsdp", "ep_outside", "stage_size"};
     for (size_t j = 0; j < sizeof meta / sizeof meta[0]; j++) ck_write_attr_i64(f, meta_names[j], &meta[j], 1);
+    ck_write_attr_i64(f, "save_seq", &save_seq, 1);
+    ck_write_attr_str(f, "run_id", run_id());
 
     const struct model_config *mc = &c->model;
     hid_t g = CK_H5(H5Gcreate2(f, "model", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
@@ -234,9 +273,14 @@ static void write_manifest(const char *path, int step, const struct params *p, c
     if (bias) {
         hsize_t dims[2] = {(hsize_t)L, (hsize_t)mc->num_experts};
         hid_t sp = CK_H5(H5Screate_simple(2, dims, NULL));
-        hid_t ds = CK_H5(H5Dcreate2(f, "balance_bias", H5T_IEEE_F32LE, sp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
+        /* checksummed like the weights: a flipped byte is a read error, not a silently wrong bias */
+        hid_t dcpl = CK_H5(H5Pcreate(H5P_DATASET_CREATE));
+        CK_H5(H5Pset_chunk(dcpl, 2, dims));
+        CK_H5(H5Pset_fletcher32(dcpl));
+        hid_t ds = CK_H5(H5Dcreate2(f, "balance_bias", H5T_IEEE_F32LE, sp, H5P_DEFAULT, dcpl, H5P_DEFAULT));
         CK_H5(H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, bias));
         CK_H5(H5Dclose(ds));
+        CK_H5(H5Pclose(dcpl));
         CK_H5(H5Sclose(sp));
     }
     CK_H5(H5Fflush(f, H5F_SCOPE_GLOBAL));
@@ -253,11 +297,24 @@ static void fsync_or_die(const char *path)
     if (!ck_fsync_path(path)) mt_fatal("fsync(%s): %s", path, strerror(errno));
 }
 
-/* Rank 0: a fresh, empty ROOT/step_N.tmp (a leftover of a crashed save is removed). */
-static void prepare_tmp(const char *root, const char *tmp, char *err, int cap)
+/* Rank 0: a fresh, empty ROOT/step_N.tmp (a leftover of a crashed save is removed). A step_N that
+ * exists but is not a moetrain checkpoint is never replaced. */
+static void prepare_tmp(const char *root, const char *tmp, const char *fin, char *err, int cap)
 {
+    struct stat st;
+    int64_t seq;
+    if (lstat(fin, &st) == 0 && !ck_manifest_identity(fin, &seq)) {
+        ck_errf(err, cap, "checkpoint.dir '%s': %s exists and is not a moetrain checkpoint; not replacing "
+                "it (move it away)", root, fin);
+        return;
+    }
     if (!ck_mkdir_p(root)) {
         ck_errf(err, cap, "checkpoint.dir '%s': cannot create the directory: %s", root, strerror(errno));
+        return;
+    }
+    if (lstat(tmp, &st) == 0 && !ck_holds_only_checkpoint_files(tmp)) {
+        ck_errf(err, cap, "checkpoint.dir '%s': %s holds files moetrain did not write; not removing it "
+                "(move it away)", root, tmp);
         return;
     }
     if (!ck_remove_tree(tmp)) {
@@ -274,7 +331,7 @@ static void publish(const char *root, const char *tmp, const char *fin, int step
 {
     char path[MT_PATH_MAX * 2];
     ck_path(path, sizeof path, "%s/%s", tmp, CK_MANIFEST);
-    write_manifest(path, step, p, mesh, c, bias);
+    write_manifest(path, step, p, mesh, c, bias, ck_next_save_seq(root));
     fsync_or_die(tmp);
     /* saving a step that exists (a run resumed before it): the old copy steps aside first, so
      * there is never a moment with two directories of this step */
@@ -305,14 +362,24 @@ void ckpt_save(const char *root, int step, const struct params *p, const struct 
     char tmp[MT_PATH_MAX * 2], fin[MT_PATH_MAX * 2], err[CK_ERR_CAP] = "";
     ck_step_dir(tmp, sizeof tmp, root, step, true);
     ck_step_dir(fin, sizeof fin, root, step, false);
-    if (mesh->rank == 0) prepare_tmp(root, tmp, err, sizeof err);
+    if (mesh->rank == 0) prepare_tmp(root, tmp, fin, err, sizeof err);
     if (!ck_agree(mesh, err, sizeof err) || !ck_every_rank_sees(mesh, tmp, "checkpoint directory", err, sizeof err))
         mt_user_error("%s", err);
 
     char path[MT_PATH_MAX * 2];
     ck_rank_file(path, sizeof path, tmp, mesh->rank);
-    write_rank_file(path, step, p, mesh);
-    if (ck_use_mpi(mesh)) MT_CHECK_MPI(MPI_Barrier(mesh->world_comm));
+    write_rank_file(path, step, p, mesh, err, sizeof err);
+    if (mesh->rank == 0 && bias_host) {
+        const int64_t nb = (int64_t)c->model.num_hidden_layers * c->model.num_experts;
+        if (first_nonfinite(bias_host, nb) >= 0)
+            ck_errf(err, sizeof err, "checkpoint of step %d not written: the balancing bias holds a "
+                    "non-finite value; the previous checkpoints are kept", step);
+    }
+    if (!ck_agree(mesh, err, sizeof err)) {
+        if (mesh->rank == 0 && !ck_remove_tree(tmp))
+            mt_warn0("checkpoint: cannot remove %s: %s\n", tmp, strerror(errno));
+        mt_user_error("%s", err);
+    }
 
     if (mesh->rank == 0) {
         publish(root, tmp, fin, step, p, mesh, c, bias_host);

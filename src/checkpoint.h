@@ -33,13 +33,17 @@
 void ckpt_save(const char *root, int step, const struct params *p, const struct mesh *mesh,
                const struct config *c, const float *bias_host);
 
-/* Collective; call once at start-up when checkpoint.dir is set. Creates checkpoint.dir and checks
- * that every rank sees it (checkpoints need a filesystem shared by all ranks), so a bad path is a
- * one-line error before training rather than at the first save. */
-void ckpt_check_dir(const struct config *c, const struct mesh *mesh);
+/* Collective; call once at start-up when checkpoint.dir is set. Creates checkpoint.dir (mkdir -p)
+ * and checks that every rank sees it (checkpoints need a filesystem shared by all ranks), so a bad
+ * path is a one-line error before training rather than at the first save. An existing directory
+ * that holds other files and neither a moetrain checkpoint nor the marker of an earlier run is
+ * refused unless force (--force); the marker is written when the directory is accepted. */
+void ckpt_check_dir(const struct config *c, const struct mesh *mesh, bool force);
 
-/* Not collective. The step of the newest complete checkpoint under root (its directory in
- * dir_out), or -1 when there is none (or root does not exist). */
+/* Not collective. The step of the newest complete moetrain checkpoint under root (its directory in
+ * dir_out), or -1 when there is none (or root does not exist). Newest = the highest save sequence
+ * recorded in the manifests (every save numbers itself 1 + the highest under root), then the
+ * highest step: after a rewind, the rewound run's saves are newer than the stale higher steps. */
 int ckpt_latest(const char *root, char *dir_out, int cap);
 
 /* Whether the train loop saves after `step`: checkpoint.dir set and (step % interval == 0 or

@@ -101,24 +101,66 @@ static bool is_complete(const char *root, const char *name)
     return ck_file_exists(p);
 }
 
-int ckpt_latest(const char *root, char *dir_out, int cap)
+/* A complete checkpoint under a root, with the save sequence its manifest records. */
+struct ck_entry {
+    int step;
+    int64_t seq;
+};
+
+static int cmp_newest_first(const void *a, const void *b)
 {
+    const struct ck_entry *x = a, *y = b;
+    if (x->seq != y->seq) return (x->seq < y->seq) - (x->seq > y->seq);
+    return (x->step < y->step) - (x->step > y->step);
+}
+
+/* The complete moetrain checkpoints under root, newest first (highest save sequence, then step);
+ * NULL with *n = 0 when root cannot be listed. */
+static struct ck_entry *list_checkpoints(const char *root, int *n)
+{
+    *n = 0;
     DIR *d = root && *root ? opendir(root) : NULL;
-    if (!d) return -1;
-    int best = -1;
+    if (!d) return NULL;
+    int cap = 16;
+    struct ck_entry *v = mt_malloc((size_t)cap * sizeof *v);
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
         bool tmp = false;
         int s = step_of_name(e->d_name, &tmp);
-        if (s > best && !tmp && is_complete(root, e->d_name)) best = s;
+        if (s < 0 || tmp || !is_complete(root, e->d_name)) continue;
+        char p[MT_PATH_MAX * 2];
+        ck_path(p, sizeof p, "%s/%s", root, e->d_name);
+        int64_t seq;
+        if (!ck_manifest_identity(p, &seq)) continue;
+        if (*n == cap) v = mt_realloc(v, (size_t)(cap *= 2) * sizeof *v);
+        v[(*n)++] = (struct ck_entry){s, seq};
     }
     if (closedir(d) != 0) mt_fatal("closedir(%s): %s", root, strerror(errno));
+    qsort(v, (size_t)*n, sizeof *v, cmp_newest_first);
+    return v;
+}
+
+int ckpt_latest(const char *root, char *dir_out, int cap)
+{
+    int n;
+    struct ck_entry *v = list_checkpoints(root, &n);
+    int best = n > 0 ? v[0].step : -1;
+    free(v);
     if (best >= 0 && dir_out) {
         char p[MT_PATH_MAX * 2];
         ck_step_dir(p, sizeof p, root, best, false);
         if (!mt_strlcpy(dir_out, p, (size_t)cap)) mt_fatal("checkpoint path too long: %s", p);
     }
     return best;
+}
+
+int64_t ck_next_save_seq(const char *root)
+{
+    int n;
+    struct ck_entry *v = list_checkpoints(root, &n);
+    int64_t next = n > 0 ? v[0].seq + 1 : 1;
+    free(v);
+    return next;
 }
 
 bool ckpt_is_checkpoint(const char *dir)
@@ -165,20 +207,52 @@ bool ck_every_rank_sees(const struct mesh *mesh, const char *path, const char *w
     return ck_agree(mesh, err, cap);
 }
 
-void ckpt_check_dir(const struct config *c, const struct mesh *mesh)
+/* Whether moetrain may write checkpoints into root: it is new or empty, carries the marker of an
+ * earlier run, or holds a moetrain checkpoint. `other` names an entry that says otherwise. */
+static bool root_is_ours(const char *root, char *other, size_t cap)
+{
+    DIR *d = opendir(root);
+    if (!d) return true;  /* created below */
+    bool empty = true, marked = false, has_ckpt = false;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        const char *n = e->d_name;
+        if (!strcmp(n, ".") || !strcmp(n, "..")) continue;
+        if (!strcmp(n, CK_ROOT_MARKER)) {
+            marked = true;
+            continue;
+        }
+        bool tmp = false;
+        char p[MT_PATH_MAX * 2];
+        int64_t seq;
+        ck_path(p, sizeof p, "%s/%s", root, n);
+        if (step_of_name(n, &tmp) >= 0 && !tmp && ck_manifest_identity(p, &seq)) has_ckpt = true;
+        else if (step_of_name(n, &tmp) >= 0 && ck_holds_only_checkpoint_files(p)) continue;  /* a crashed save */
+        else if (empty) mt_strlcpy(other, n, cap);
+        empty = false;
+    }
+    closedir(d);
+    return empty || marked || has_ckpt;
+}
+
+void ckpt_check_dir(const struct config *c, const struct mesh *mesh, bool force)
 {
     const char *root = c->checkpoint.dir;
     if (!*root) return;
     char err[CK_ERR_CAP] = "";
     if (mesh->rank == 0) {
-        char probe[MT_PATH_MAX * 2];
-        ck_path(probe, sizeof probe, "%s/.moetrain_write_test", root);
+        char marker[MT_PATH_MAX * 2], other[256] = "";
+        ck_path(marker, sizeof marker, "%s/%s", root, CK_ROOT_MARKER);
         FILE *f = NULL;
-        if (!ck_mkdir_p(root))
+        if (!force && !root_is_ours(root, other, sizeof other))
+            ck_errf(err, sizeof err, "checkpoint.dir '%s' already holds files moetrain did not write (e.g. "
+                    "'%s'); use a new or empty directory, or pass --force to write checkpoints there",
+                    root, other);
+        else if (!ck_mkdir_p(root))
             ck_errf(err, sizeof err, "checkpoint.dir '%s': cannot create the directory: %s", root, strerror(errno));
-        else if (!(f = fopen(probe, "w")))
+        else if (!(f = fopen(marker, "w")))
             ck_errf(err, sizeof err, "checkpoint.dir '%s': cannot write there: %s", root, strerror(errno));
-        if (f && (fclose(f) != 0 || unlink(probe) != 0))
+        if (f && (fputs("moetrain writes checkpoints here (step_* directories)\n", f) < 0 || fclose(f) != 0))
             ck_errf(err, sizeof err, "checkpoint.dir '%s': cannot write there: %s", root, strerror(errno));
     }
     if (!ck_agree(mesh, err, sizeof err) || !ck_every_rank_sees(mesh, root, "checkpoint.dir", err, sizeof err))
@@ -216,10 +290,23 @@ static void remove_or_warn(const char *root, const char *name, const char *why)
     if (!ck_remove_tree(p)) mt_warn0("checkpoint: cannot remove %s %s: %s\n", why, p, strerror(errno));
 }
 
-static int cmp_desc(const void *a, const void *b)
+/* An unfinished save (step_N.tmp, step_N.replaced.tmp, or step_N without COMPLETE) may be removed
+ * only when it holds nothing but checkpoint files: a directory someone else put there is kept. */
+bool ck_holds_only_checkpoint_files(const char *p)
 {
-    int x = *(const int *)a, y = *(const int *)b;
-    return (x < y) - (x > y);
+    DIR *d = opendir(p);
+    if (!d) return false;
+    bool ours = true;
+    struct dirent *e;
+    while (ours && (e = readdir(d)) != NULL) {
+        const char *f = e->d_name;
+        size_t len = strlen(f);
+        ours = !strcmp(f, ".") || !strcmp(f, "..") || !strcmp(f, CK_MANIFEST) || !strcmp(f, CK_COMPLETE) ||
+               (!strncmp(f, "rank_", 5) && len == 13 && !strcmp(f + 10, ".h5") &&
+                strspn(f + 5, "0123456789") == 5);
+    }
+    closedir(d);
+    return ours;
 }
 
 void ck_cleanup(const char *root, int keep, int current)
@@ -229,21 +316,22 @@ void ck_cleanup(const char *root, int keep, int current)
         mt_warn0("checkpoint: cannot list %s to remove old checkpoints: %s\n", root, strerror(errno));
         return;
     }
-    int n = 0, cap = 16, *steps = mt_malloc((size_t)cap * sizeof(int));
     int n_stale = 0, cap_stale = 4;
     char **stale = mt_malloc((size_t)cap_stale * sizeof(char *));
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
         bool tmp = false;
         int s = step_of_name(e->d_name, &tmp);
-        if (s < 0) continue;
-        if (tmp || !is_complete(root, e->d_name)) {
-            if (n_stale == cap_stale) stale = mt_realloc(stale, (size_t)(cap_stale *= 2) * sizeof(char *));
-            stale[n_stale++] = mt_strdup(e->d_name);
-        } else if (s != current) {
-            if (n + 1 >= cap) steps = mt_realloc(steps, (size_t)(cap *= 2) * sizeof(int));
-            steps[n++] = s;
+        if (s < 0 || (!tmp && is_complete(root, e->d_name))) continue;
+        char p[MT_PATH_MAX * 2];
+        ck_path(p, sizeof p, "%s/%s", root, e->d_name);
+        if (!ck_holds_only_checkpoint_files(p)) {
+            mt_warn0("checkpoint: leaving %s/%s alone: it holds files moetrain did not write\n", root,
+                     e->d_name);
+            continue;
         }
+        if (n_stale == cap_stale) stale = mt_realloc(stale, (size_t)(cap_stale *= 2) * sizeof(char *));
+        stale[n_stale++] = mt_strdup(e->d_name);
     }
     if (closedir(d) != 0) mt_fatal("closedir(%s): %s", root, strerror(errno));
     for (int i = 0; i < n_stale; i++) {
@@ -251,16 +339,16 @@ void ck_cleanup(const char *root, int keep, int current)
         free(stale[i]);
     }
     free(stale);
-    if (keep > 0) {
-        /* newest first by step number, `current` counted among them but never removed */
-        steps[n++] = current;
-        qsort(steps, (size_t)n, sizeof(int), cmp_desc);
-        for (int i = keep; i < n; i++) {
-            if (steps[i] == current) continue;
-            char name[64];
-            snprintf(name, sizeof name, "step_%08d", steps[i]);
-            remove_or_warn(root, name, "the old checkpoint");
-        }
+    if (keep <= 0) return;
+    /* newest first by save sequence: after a rewind the new run's checkpoints are the ones kept,
+     * whatever their step numbers; `current` is counted among them but never removed */
+    int n;
+    struct ck_entry *v = list_checkpoints(root, &n);
+    for (int i = keep; i < n; i++) {
+        if (v[i].step == current) continue;
+        char name[64];
+        snprintf(name, sizeof name, "step_%08d", v[i].step);
+        remove_or_warn(root, name, "the old checkpoint");
     }
-    free(steps);
+    free(v);
 }

@@ -1,5 +1,6 @@
 /* The HDF5 layer of the checkpoints: checked calls, attribute helpers, the error stack as one
  * line; and the loader's collective error agreement. */
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,6 +17,10 @@ void ck_h5_init(void)
 {
     static bool done;
     if (done) return;
+    /* no library clean-up at exit: after a failed write (a full disk) it would crash while closing
+     * the broken file, turning the one-line error into a segfault (fails harmlessly when the
+     * library was already started) */
+    H5dont_atexit();
     /* H5open before H5Eset_auto2 so the library's own start-up does not reset the handler */
     if (H5open() < 0) mt_fatal("H5open: the HDF5 library failed to initialise");
     if (H5Eset_auto2(H5E_DEFAULT, NULL, NULL) < 0) mt_fatal("H5Eset_auto2: cannot silence HDF5 errors");
@@ -57,10 +62,14 @@ void ck_h5_context(const char *path) { context_path = path; }
 int64_t ck_h5_check(int64_t rc, const char *call, const char *file, int line)
 {
     if (rc >= 0) return rc;
+    const int saved = errno;
     char msg[512];
     ck_h5_message(msg, sizeof msg);
-    mt_fatal_at(file, line, "%s failed%s%s: %s", call, context_path ? " on " : "",
-                context_path ? context_path : "", msg);
+    const bool full = saved == ENOSPC || saved == EFBIG || saved == EDQUOT;
+    mt_fatal_at(file, line, "%s failed%s%s: %s%s", call, context_path ? " on " : "",
+                context_path ? context_path : "", msg,
+                full ? " (out of disk space or quota: the unfinished save is ignored, earlier checkpoints "
+                       "are untouched)" : "");
 }
 
 hid_t ck_fapl(void)
@@ -238,4 +247,25 @@ bool ck_agree(const struct mesh *mesh, char *err, int cap)
     MT_CHECK_MPI(MPI_Bcast(err, cap, MPI_CHAR, first, mesh->world_comm));
     err[cap - 1] = 0;
     return false;
+}
+
+bool ck_manifest_identity(const char *dir, int64_t *save_seq)
+{
+    char path[MT_PATH_MAX * 2];
+    ck_path(path, sizeof path, "%s/%s", dir, CK_MANIFEST);
+    if (!ck_file_exists(path)) return false;
+    ck_h5_init();
+    hid_t fapl = ck_fapl();
+    hid_t f = H5Fopen(path, H5F_ACC_RDONLY, fapl);
+    CK_H5(H5Pclose(fapl));
+    if (f < 0) return false;
+    char fmt[64] = "", err[CK_ERR_CAP] = "";
+    bool ours = ck_read_attr_str(f, "format", fmt, sizeof fmt, path, err, (int)sizeof err) &&
+                !strcmp(fmt, CK_FORMAT_MANIFEST);
+    *save_seq = 0;  /* saved before save sequences were recorded */
+    if (ours && H5Aexists(f, "save_seq") > 0 &&
+        !ck_read_attr_i64(f, "save_seq", save_seq, 1, NULL, path, err, (int)sizeof err))
+        ours = false;
+    H5Fclose(f);
+    return ours;
 }

@@ -14,6 +14,7 @@
 
 #define CK_MANIFEST "manifest.h5"
 #define CK_COMPLETE "COMPLETE"
+#define CK_ROOT_MARKER ".moetrain-checkpoints"  /* in checkpoint.dir: moetrain writes here */
 #define CK_FORMAT_MANIFEST "moetrain checkpoint manifest"
 #define CK_FORMAT_RANK "moetrain checkpoint rank file"
 #define CK_ERR_CAP 1024
@@ -99,9 +100,20 @@ bool ck_mkdir_p(const char *path);
 /* Collective, after rank 0 created directory `path`: every rank must see it (waits a few seconds
  * for a slow shared filesystem). False on every rank with a message otherwise. */
 bool ck_every_rank_sees(const struct mesh *mesh, const char *path, const char *what, char *err, int cap);
-/* Rank 0 after checkpoint `current` is complete: drops stale .tmp and unfinished directories, and
- * the complete checkpoints beyond the newest `keep` by step number (never `current`). */
+/* Rank 0 after checkpoint `current` is complete: drops stale .tmp and unfinished directories that
+ * hold only checkpoint files, and the complete checkpoints beyond the newest `keep` (newest =
+ * highest save sequence, then step; never `current`). A step_* directory without a moetrain
+ * manifest is never touched. */
 void ck_cleanup(const char *root, int keep, int current);
+/* Whether directory p holds nothing but checkpoint files (rank_NNNNN.h5, manifest.h5, COMPLETE);
+ * false when it cannot be listed. */
+bool ck_holds_only_checkpoint_files(const char *p);
+/* Not collective: whether dir holds a readable moetrain manifest; *save_seq its save sequence
+ * (0 for a checkpoint written before sequences were recorded). */
+bool ck_manifest_identity(const char *dir, int64_t *save_seq);
+/* The save sequence for the next checkpoint under root: 1 + the highest of its complete
+ * checkpoints (1 when there is none). */
+int64_t ck_next_save_seq(const char *root);
 
 /* --- the model shape recorded in the manifest --------------------------------------------- */
 

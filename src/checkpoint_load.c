@@ -162,6 +162,12 @@ static bool read_manifest(const char *dir, const struct config *c, struct manife
                man->opt_step < 0 || man->opt_step > INT32_MAX))
         ok = ck_errf(err, cap, "%s: impossible values (world %lld, step %lld, optimizer_step %lld)", path,
                    (long long)man->world, (long long)man->step, (long long)man->opt_step);
+    /* the mesh is only reported, but a manifest that contradicts itself is a damaged one */
+    if (ok && (man->pp < 1 || man->ep < 1 || man->ep_fsdp < 1 || man->S < 1 || man->pp > man->world ||
+               man->S > man->world || man->pp * man->S != man->world || man->ep * man->ep_fsdp != man->S))
+        ok = ck_errf(err, cap, "%s: inconsistent mesh (world %lld, pp %lld, stage_size %lld, ep %lld, ep_fsdp "
+                     "%lld)", path, (long long)man->world, (long long)man->pp, (long long)man->S,
+                     (long long)man->ep, (long long)man->ep_fsdp);
     if (ok) ok = check_model(f, path, c, err, cap);
     if (ok) ok = read_bias(f, path, man, bias, err, cap);
     CK_H5(H5Fclose(f));

@@ -11,6 +11,7 @@ struct cli {
     int n_sets;                /* --set section.key=value, in order */
     char **sets;
     const char *resume;        /* --resume auto|DIR, or NULL */
+    bool force;                /* --force: write into an existing directory moetrain did not create (checkpoints), replace an existing export */
     bool dry_run;              /* train --dry-run: print the layout from the real ranks and exit 0 */
     int world;                 /* plan --world N */
     int gpus_per_node;         /* plan --gpus-per-node G (default 8) */
@@ -18,7 +19,6 @@ struct cli {
     const char *reference;     /* verify REFERENCE.safetensors */
     double tolerance;          /* verify --tolerance (default 1e-4) */
     const char *backend;       /* --backend cpu|cuda|auto (default auto) */
-    bool force;                /* --force: replace existing output (export directory) */
     const char *dtype;         /* export --dtype bf16|fp32 (default bf16) */
     uint64_t max_shard_bytes;  /* export --max-shard-bytes N (0 = 5e9) */
     const char *tokenizer_from;/* export --tokenizer DIR (default: the checkpoint's model.init_from) */

@@ -1,5 +1,5 @@
-/* MPI implementation of the comm table (host buffers). Large counts are split into chunks below
- * INT_MAX elements since MPI counts are int. */
+/* MPI implementation of the comm table (host buffers). Large counts are split into pieces of at
+ * most INT_MAX elements since MPI counts are int. */
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,56 +34,141 @@ static MPI_Datatype mpi_type(enum comm_dtype t)
     return MPI_BYTE;
 }
 
-static int checked_count(size_t n)
+/* MPI counts are int: larger collectives go in pieces of at most this many elements.
+ * MT_MPI_MAX_COUNT lowers it so tests can exercise the split path with small buffers. */
+static size_t max_count(void)
 {
-    MT_CHECK(n <= INT_MAX, "collective of %zu elements exceeds MPI's int count", n);
-    return (int)n;
+    static size_t lim;
+    if (!lim) {
+        const char *e = getenv("MT_MPI_MAX_COUNT");
+        long long v = e && *e ? atoll(e) : 0;
+        lim = v > 0 && v < INT_MAX ? (size_t)v : (size_t)INT_MAX;
+    }
+    return lim;
+}
+
+/* `k` elements of t with an extent of `stride` elements: one rank's piece of a chunked collective
+ * whose per-rank blocks are `stride` apart. */
+static MPI_Datatype strided_piece(enum comm_dtype t, size_t k, size_t stride)
+{
+    MPI_Datatype piece, resized;
+    MT_CHECK_MPI(MPI_Type_contiguous((int)k, mpi_type(t), &piece));
+    MT_CHECK_MPI(MPI_Type_create_resized(piece, 0, (MPI_Aint)(stride * comm_dtype_size(t)), &resized));
+    MT_CHECK_MPI(MPI_Type_commit(&resized));
+    MT_CHECK_MPI(MPI_Type_free(&piece));
+    return resized;
 }
 
 static void mpi_all_gather(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t)
 {
-    const bool in_place = send == (const char *)recv + (size_t)c->rank * n * comm_dtype_size(t);
-    MT_CHECK_MPI(MPI_Allgather(in_place ? MPI_IN_PLACE : send, checked_count(n), mpi_type(t),
-                               recv, checked_count(n), mpi_type(t), c->mpi));
+    const size_t lim = max_count(), es = comm_dtype_size(t);
+    /* in place (comm.h): this rank's block already sits at recv + rank * n */
+    const bool in_place = send == (const char *)recv + (size_t)c->rank * n * es;
+    if (n <= lim) {
+        MT_CHECK_MPI(MPI_Allgather(in_place ? MPI_IN_PLACE : send, (int)n, mpi_type(t), recv, (int)n,
+                                   mpi_type(t), c->mpi));
+        return;
+    }
+    for (size_t o = 0; o < n; o += lim) {
+        size_t k = MT_MIN(lim, n - o);
+        MPI_Datatype piece = strided_piece(t, k, n);
+        MT_CHECK_MPI(MPI_Allgather(in_place ? MPI_IN_PLACE : (const char *)send + o * es, (int)k,
+                                   mpi_type(t), (char *)recv + o * es, 1, piece, c->mpi));
+        MT_CHECK_MPI(MPI_Type_free(&piece));
+    }
 }
 
 /* In place (recv = send + rank * n, comm.h) MPI leaves the result at the start of the buffer. */
 static void mpi_reduce_scatter_sum(struct comm *c, void *recv, const void *send, size_t n,
                                    enum comm_dtype t)
 {
-    const size_t es = comm_dtype_size(t);
-    if (recv == (const char *)send + (size_t)c->rank * n * es) {
-        MT_CHECK_MPI(MPI_Reduce_scatter_block(MPI_IN_PLACE, (void *)send, checked_count(n), mpi_type(t),
-                                              MPI_SUM, c->mpi));
-        memmove(recv, send, n * es);
+    const size_t lim = max_count(), es = comm_dtype_size(t);
+    /* in place (comm.h: recv = send + rank * n); MPI's own in-place form leaves the result at the
+     * start of the buffer */
+    const bool in_place = recv == (const char *)send + (size_t)c->rank * n * es;
+    if (n <= lim) {
+        if (in_place) {
+            MT_CHECK_MPI(MPI_Reduce_scatter_block(MPI_IN_PLACE, (void *)send, (int)n, mpi_type(t), MPI_SUM,
+                                                  c->mpi));
+            memmove(recv, send, n * es);
+        } else {
+            MT_CHECK_MPI(MPI_Reduce_scatter_block(send, recv, (int)n, mpi_type(t), MPI_SUM, c->mpi));
+        }
         return;
     }
-    MT_CHECK_MPI(MPI_Reduce_scatter_block(send, recv, checked_count(n), mpi_type(t), MPI_SUM, c->mpi));
+    /* block r of send reduces onto rank r: one reduction per (rank, piece) */
+    for (int r = 0; r < c->size; r++)
+        for (size_t o = 0; o < n; o += lim) {
+            size_t k = MT_MIN(lim, n - o);
+            const char *sb = (const char *)send + ((size_t)r * n + o) * es;
+            const bool mine = in_place && r == c->rank;  /* the block is its own result */
+            MT_CHECK_MPI(MPI_Reduce(mine ? MPI_IN_PLACE : sb, (char *)recv + o * es, (int)k, mpi_type(t),
+                                    MPI_SUM, r, c->mpi));
+        }
 }
 
 static void mpi_all_reduce_sum(struct comm *c, void *buf, size_t n, enum comm_dtype t)
 {
     size_t es = comm_dtype_size(t);
     for (size_t done = 0; done < n;) {
-        size_t chunk = MT_MIN(n - done, (size_t)1 << 30);
+        size_t chunk = MT_MIN(n - done, max_count());
         MT_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, (char *)buf + done * es, (int)chunk, mpi_type(t),
                                    MPI_SUM, c->mpi));
         done += chunk;
     }
 }
 
+/* all_to_all_v with a count or offset beyond max_count: point-to-point pieces, 64-bit offsets */
+static void all_to_all_v_p2p(struct comm *c, void *recv, const int64_t *recv_counts, const void *send,
+                             const int64_t *send_counts, enum comm_dtype t)
+{
+    const size_t lim = max_count(), es = comm_dtype_size(t);
+    int n_req = 0, cap = 16;
+    MPI_Request *req = mt_malloc((size_t)cap * sizeof *req);
+    int64_t so = 0, ro = 0;
+    for (int i = 0; i < c->size; i++) {
+        for (int dir = 0; dir < 2; dir++) {
+            int64_t cnt = dir ? send_counts[i] : recv_counts[i], at = dir ? so : ro;
+            for (int64_t o = 0; o < cnt; o += (int64_t)lim) {
+                int k = (int)MT_MIN((int64_t)lim, cnt - o);
+                if (n_req == cap) req = mt_realloc(req, (size_t)(cap *= 2) * sizeof *req);
+                if (dir) MT_CHECK_MPI(MPI_Isend((const char *)send + (size_t)(at + o) * es, k, mpi_type(t),
+                                                i, 0, c->mpi, &req[n_req++]));
+                else MT_CHECK_MPI(MPI_Irecv((char *)recv + (size_t)(at + o) * es, k, mpi_type(t), i, 0,
+                                            c->mpi, &req[n_req++]));
+            }
+        }
+        so += send_counts[i];
+        ro += recv_counts[i];
+    }
+    /* pieces between one pair travel in order on one tag (MPI's non-overtaking rule) */
+    MT_CHECK_MPI(MPI_Waitall(n_req, req, MPI_STATUSES_IGNORE));
+    free(req);
+}
+
 static void mpi_all_to_all_v(struct comm *c, void *recv, const int64_t *recv_counts,
                              const void *send, const int64_t *send_counts, enum comm_dtype t)
 {
     int p = c->size;
-    int *sc = mt_malloc(4 * (size_t)p * sizeof(int));
-    int *sd = sc + p, *rc = sc + 2 * p, *rd = sc + 3 * p;
+    const int64_t lim = (int64_t)max_count();
     int64_t so = 0, ro = 0;
     for (int i = 0; i < p; i++) {
-        sc[i] = checked_count((size_t)send_counts[i]);
-        rc[i] = checked_count((size_t)recv_counts[i]);
-        sd[i] = checked_count((size_t)so);
-        rd[i] = checked_count((size_t)ro);
+        so += send_counts[i];
+        ro += recv_counts[i];
+    }
+    /* the last displacement plus its count bounds every int MPI would be handed */
+    if (so > lim || ro > lim) {
+        all_to_all_v_p2p(c, recv, recv_counts, send, send_counts, t);
+        return;
+    }
+    int *sc = mt_malloc(4 * (size_t)p * sizeof(int));
+    int *sd = sc + p, *rc = sc + 2 * p, *rd = sc + 3 * p;
+    so = ro = 0;
+    for (int i = 0; i < p; i++) {
+        sc[i] = (int)send_counts[i];
+        rc[i] = (int)recv_counts[i];
+        sd[i] = (int)so;
+        rd[i] = (int)ro;
         so += send_counts[i];
         ro += recv_counts[i];
     }
@@ -93,8 +178,18 @@ static void mpi_all_to_all_v(struct comm *c, void *recv, const int64_t *recv_cou
 
 static void mpi_all_to_all(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t)
 {
-    MT_CHECK_MPI(MPI_Alltoall(send, checked_count(n), mpi_type(t), recv, checked_count(n),
-                              mpi_type(t), c->mpi));
+    const size_t lim = max_count(), es = comm_dtype_size(t);
+    if (n <= lim) {
+        MT_CHECK_MPI(MPI_Alltoall(send, (int)n, mpi_type(t), recv, (int)n, mpi_type(t), c->mpi));
+        return;
+    }
+    for (size_t o = 0; o < n; o += lim) {
+        size_t k = MT_MIN(lim, n - o);
+        MPI_Datatype piece = strided_piece(t, k, n);
+        MT_CHECK_MPI(MPI_Alltoall((const char *)send + o * es, 1, piece, (char *)recv + o * es, 1, piece,
+                                  c->mpi));
+        MT_CHECK_MPI(MPI_Type_free(&piece));
+    }
 }
 
 static size_t p2p_chunk = INT_MAX;

@@ -5,6 +5,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <sys/stat.h>
 #include <time.h>
 
 static bool mpi_up(void)
@@ -184,4 +186,29 @@ double mt_rng_normal(mt_rng *r)
     double u1 = mt_rng_uniform(r), u2 = mt_rng_uniform(r);
     if (u1 < 1e-300) u1 = 1e-300;
     return sqrt(-2.0 * log(u1)) * cos(2.0 * M_PI * u2);
+}
+
+bool mt_mkdir_parent(const char *path)
+{
+    char buf[MT_PATH_MAX * 2];
+    if (!mt_strlcpy(buf, path, sizeof buf)) {
+        errno = ENAMETOOLONG;
+        return false;
+    }
+    char *slash = strrchr(buf, '/');
+    if (!slash || slash == buf) return true;
+    *slash = 0;
+    for (char *c = buf + 1;; c++) {
+        if (*c != '/' && *c) continue;
+        char saved = *c;
+        *c = 0;
+        struct stat st;
+        if (mkdir(buf, 0777) != 0 && errno != EEXIST) return false;
+        if (stat(buf, &st) != 0 || !S_ISDIR(st.st_mode)) {
+            errno = ENOTDIR;
+            return false;
+        }
+        *c = saved;
+        if (!saved) return true;
+    }
 }

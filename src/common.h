@@ -58,6 +58,8 @@ double mt_now(void);
 
 /* Bounded string copy that always terminates; returns false if truncated. */
 bool mt_strlcpy(char *dst, const char *src, size_t cap);
+/* mkdir -p of the directory part of `path` (nothing for a bare file name); false with errno set */
+bool mt_mkdir_parent(const char *path);
 
 /* Deterministic RNG (splitmix64 seeding + xoshiro256**), identical on every platform. */
 typedef struct { uint64_t s[4]; } mt_rng;

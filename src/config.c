@@ -80,6 +80,9 @@ void config_defaults(struct config *c)
     t->bias_update_rate = 1e-3;
     t->watchdog_s = 600;
     t->aux_loss_scope = MT_AUX_MICRO_BATCH;
+    t->nonfinite = MT_NONFINITE_SKIP;
+    t->max_skipped_steps = 5;
+    t->spike_factor = 0;
 
     c->data.kind = MT_DATA_SYNTHETIC;
     c->data.synthetic_branching = 4;
@@ -609,6 +612,22 @@ static bool validate(struct loader *L)
            "model.router_weight_decay, not both");
     CHECK2(t->min_lr <= t->lr, "train", "min_lr", "train", "lr",
            "train.min_lr (%g) must be <= train.lr (%g)", t->min_lr, t->lr);
+    CHECK2(t->seq_len >= 2, "train", "seq_len", "train", "seq_len",
+           "train.seq_len (%d) must be >= 2: a sequence of n tokens has n - 1 next-token labels, so "
+           "1 leaves nothing to train on", t->seq_len);
+    /* the kernels index a micro-batch's (token, expert) pairs with int */
+    const int64_t micro_tokens = (int64_t)t->seq_len * t->micro_batch_size;
+    const int64_t pairs = micro_tokens * MT_MAX(m->num_experts_per_tok, 1);
+    CHECK2(pairs <= INT_MAX, "train", "seq_len", "train", "micro_batch_size",
+           "train.seq_len x train.micro_batch_size = %lld tokens per micro-batch (x top-%d = %lld "
+           "routed pairs) is more than the 32-bit indexing holds (%d): lower micro_batch_size",
+           (long long)micro_tokens, m->num_experts_per_tok, (long long)pairs, INT_MAX);
+    CHECK2((int64_t)t->seq_len * t->global_batch_size <= INT64_C(1) << 52, "train", "seq_len", "train",
+           "global_batch_size", "train.seq_len x train.global_batch_size = %lld tokens per step is "
+           "too many to count exactly", (long long)t->seq_len * t->global_batch_size);
+    CHECK2(t->spike_factor == 0 || t->spike_factor > 1, "train", "spike_factor", "train", "spike_factor",
+           "train.spike_factor (%g) must be 0 (off) or > 1 (skip a step whose loss is that many times "
+           "the recent mean)", t->spike_factor);
     CHECK2(t->micro_batch_size <= t->global_batch_size, "train", "micro_batch_size", "train",
            "global_batch_size", "train.micro_batch_size (%d) must be <= train.global_batch_size (%d)",
            t->micro_batch_size, t->global_batch_size);
@@ -638,7 +657,7 @@ bool config_validate(struct config *c, char *err, int errcap)
 
 /* ---- entry points -------------------------------------------------------------------------- */
 
-static bool load_common(struct config *c, const char *name, const char *text, size_t len,
+static bool load_common(struct config *c, const char *name, const char *text, size_t len, bool from_file,
                         int n_sets, char **sets, char *err, int errcap)
 {
     char local[1024];
@@ -656,6 +675,14 @@ static bool load_common(struct config *c, const char *name, const char *text, si
         ok = fail(L, "%.80s...: config path longer than %d bytes", name, MT_PATH_MAX - 1);
     L->file = c->path;
     if (ok && text) ok = load_yaml_text(L, text, len);
+    if (ok && text && name && from_file) {
+        bool any = false;
+        for (int i = 0; i < cfg_n_keys && !any; i++) any = L->org[i].kind == ORG_YAML;
+        /* a truncated or mis-copied file must not quietly become a run of the tiny defaults */
+        if (!any)
+            ok = fail(L, "%s: the config file sets no key (it is empty or holds only comments or empty "
+                      "sections); write the keys to train with (docs/config.md)", name);
+    }
     for (int i = 0; ok && i < n_sets; i++) ok = apply_set(L, i);
     if (ok && c->model.hf_config[0]) ok = apply_hf_config(L);
     else if (ok && c->model.init_from[0]) ok = apply_init_from_config(L);
@@ -667,7 +694,7 @@ static bool load_common(struct config *c, const char *name, const char *text, si
 bool config_load_checked(struct config *c, const char *path, int n_sets, char **sets, char *err,
                          int errcap)
 {
-    if (!path || !*path) return load_common(c, NULL, NULL, 0, n_sets, sets, err, errcap);
+    if (!path || !*path) return load_common(c, NULL, NULL, 0, false, n_sets, sets, err, errcap);
     char local[1024];
     struct loader reader = { .file = path };
     reader.err = err && errcap > 0 ? err : local;
@@ -678,7 +705,7 @@ bool config_load_checked(struct config *c, const char *path, int n_sets, char **
         config_defaults(c);
         return false;
     }
-    bool ok = load_common(c, path, text, len, n_sets, sets, err, errcap);
+    bool ok = load_common(c, path, text, len, true, n_sets, sets, err, errcap);
     free(text);
     return ok;
 }
@@ -686,7 +713,7 @@ bool config_load_checked(struct config *c, const char *path, int n_sets, char **
 bool config_load_string_checked(struct config *c, const char *name, const char *yaml, size_t len,
                                 int n_sets, char **sets, char *err, int errcap)
 {
-    return load_common(c, name, yaml ? yaml : "", yaml ? len : 0, n_sets, sets, err, errcap);
+    return load_common(c, name, yaml ? yaml : "", yaml ? len : 0, false, n_sets, sets, err, errcap);
 }
 
 void config_load(struct config *c, const char *path, int n_sets, char **sets)

@@ -20,6 +20,7 @@ enum mt_weight_copy { MT_COPY_AUTO = 0, MT_COPY_KEEP = 1, MT_COPY_CAST = 2 };
 enum mt_state_dtype { MT_STATE_FP32 = 0, MT_STATE_BF16 = 1 };
 enum mt_scoring { MT_SCORE_SOFTMAX = 0, MT_SCORE_SIGMOID = 1 };
 enum mt_aux_scope { MT_AUX_MICRO_BATCH = 0, MT_AUX_GLOBAL_BATCH = 1 };
+enum mt_nonfinite { MT_NONFINITE_SKIP = 0, MT_NONFINITE_STOP = 1 };
 
 struct model_config {
     char hf_config[MT_PATH_MAX];  /* path to a config.json; its fields fill the ones below */
@@ -88,6 +89,9 @@ struct train_config {
     int watchdog_s;               /* seconds without progress before the job aborts; 0 = off */
     char no_decay_modules[512];   /* "[gate, norm, ...]": modules without weight decay (router_params.h) */
     enum mt_aux_scope aux_loss_scope; /* micro_batch | global_batch: what the aux statistic pools */
+    enum mt_nonfinite nonfinite;  /* a step with a non-finite loss or gradient norm: skip | stop */
+    int max_skipped_steps;        /* consecutive skipped steps that stop the run */
+    double spike_factor;          /* skip a step whose loss > factor x recent mean; 0 = off */
 };
 
 struct data_config {

@@ -18,6 +18,7 @@ _Static_assert(sizeof(enum mt_weight_copy) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_state_dtype) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_scoring) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_aux_scope) == sizeof(int), "enum size");
+_Static_assert(sizeof(enum mt_nonfinite) == sizeof(int), "enum size");
 
 static const char *const precision_names[] = { "bf16", "fp32" };
 static const char *const load_balance_names[] = { "aux", "bias", "none" };
@@ -27,6 +28,7 @@ static const char *const weight_copy_names[] = { "auto", "keep", "cast" };
 static const char *const state_dtype_names[] = { "fp32", "bf16" };
 static const char *const scoring_names[] = { "softmax", "sigmoid" };
 static const char *const aux_scope_names[] = { "micro_batch", "global_batch" };
+static const char *const nonfinite_names[] = { "skip", "stop" };
 
 #define FIELD(f) offsetof(struct config, f), sizeof(((struct config *)0)->f)
 /* the bounds argument is one of POS / NONNEG / GT0 below, or "flags, lo, hi" */
@@ -109,6 +111,9 @@ const struct cfg_key cfg_keys[] = {
     INT("train", "watchdog_s", train.watchdog_s, NONNEG),
     STR("train", "no_decay_modules", train.no_decay_modules),
     ENUM("train", "aux_loss_scope", train.aux_loss_scope, aux_scope_names),
+    ENUM("train", "nonfinite", train.nonfinite, nonfinite_names),
+    INT("train", "max_skipped_steps", train.max_skipped_steps, POS),
+    DBL("train", "spike_factor", train.spike_factor, NONNEG),
 
     ENUM("data", "kind", data.kind, data_kind_names),
     STR("data", "path", data.path),

@@ -280,6 +280,21 @@ bool hf_read_tensor(struct hf_source *src, const struct tensor_spec *s, int64_t 
     return true;
 }
 
+void hf_claim_experts(struct hf_source *src, const struct tensor_spec *s)
+{
+    if (s->kind != TK_EXPERT) return;
+    char name[160];
+    struct hf_file *hf;
+    const struct hf_file *where;
+    const struct st_tensor *t = locate(src, s->name, &hf, &where);
+    if (t) hf->used[t - hf->f->t] = true;
+    for (int64_t e = 0; e < s->shape[0]; e++)
+        for (int p = 0; p < s->n_hf; p++) {
+            hf_hub_name(name, sizeof name, s, p, e);
+            if ((t = locate(src, name, &hf, &where)) != NULL) hf->used[t - hf->f->t] = true;
+        }
+}
+
 bool hf_load_weights_counted(const char *model_dir, const struct tensor_table *tt,
                              float *const group_buf[TG_COUNT], int *n_unused, char *err, int errcap)
 {

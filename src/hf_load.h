@@ -30,6 +30,10 @@ int hf_count_unused(const struct hf_source *src);
 bool hf_read_tensor(struct hf_source *src, const struct tensor_spec *s, int64_t e0, int64_t ne,
                     float *dst, char *err, int errcap);
 
+/* Counts every expert's tensors of s as used without reading them: a rank that reads only its own
+ * experts must not report the other ranks' experts as unused. */
+void hf_claim_experts(struct hf_source *src, const struct tensor_spec *s);
+
 /* Fills the full (unsharded) fp32 buffers: tensor i at group_buf[tensor_group_of(&tt->t[i])] +
  * tt->t[i].offset. Tensors in the files that the model does not use are ignored; hf_load_weights
  * warns once (rank 0) with their count, the _counted form returns the count instead. */

@@ -11,7 +11,7 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage:\n"
-            "  moetrain train  CONFIG.yaml [--set section.key=value ...] [--resume auto|DIR] [--dry-run]\n"
+            "  moetrain train  CONFIG.yaml [--set section.key=value ...] [--resume auto|DIR] [--dry-run] [--force]\n"
             "  moetrain plan   CONFIG.yaml --world N [--gpus-per-node G] [--set ...]\n"
             "  moetrain verify MODEL_DIR|CHECKPOINT REFERENCE.safetensors [--forward-only] [--tolerance X] [--set ...]\n"
             "  moetrain export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--max-shard-bytes N]\n"
@@ -19,6 +19,7 @@ static void usage(FILE *f)
             "  moetrain route --record OUT CONFIG.yaml [--with-weights] [--set ...]\n"
             "                                                   (routing file for data.routing_replay)\n"
             "common options: --backend cpu|cuda|auto   --help\n"
+            "--force: write into an existing directory that holds files moetrain did not write\n"
             "Launch on many ranks with: mpirun -np N moetrain train CONFIG.yaml (or srun).\n");
 }
 
@@ -57,6 +58,8 @@ int main(int argc, char **argv)
             a.record = argv[++i];
         } else if (!strcmp(s, "--with-weights")) {
             a.with_weights = true;
+        } else if (!strcmp(s, "--force")) {
+            a.force = true;
         } else if (!strcmp(s, "--dry-run")) {
             a.dry_run = true;
         } else if (!strcmp(s, "--world")) {
@@ -75,8 +78,6 @@ int main(int argc, char **argv)
             a.backend = argv[++i];
             if (strcmp(a.backend, "cpu") && strcmp(a.backend, "cuda") && strcmp(a.backend, "auto"))
                 mt_user_error("--backend expects cpu, cuda or auto, got '%s'", a.backend);
-        } else if (!strcmp(s, "--force")) {
-            a.force = true;
         } else if (!strcmp(s, "--forward-only")) {
             a.forward_only = true;
         } else if (!strcmp(s, "--dtype")) {

@@ -80,7 +80,7 @@ void metrics_print_config(const struct config *c, const char *metrics_path)
         size_t n = strlen(metrics_path);
         if (n > 6 && !strcmp(metrics_path + n - 6, ".jsonl")) n -= 6;
         snprintf(path, sizeof path, "%.*s.config.yaml", (int)n, metrics_path);
-        FILE *f = fopen(path, "w");
+        FILE *f = mt_mkdir_parent(path) ? fopen(path, "w") : NULL;
         if (!f || fputs(yaml, f) < 0 || fclose(f) != 0)
             mt_fatal("%s: cannot write the resolved config: %s", path, strerror(errno));
         printf("  config      resolved config written to %s\n", path);
@@ -107,7 +107,7 @@ void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool pri
         lmax = fmax(lmax, s->load_max[l]);
     }
     const bool warn = s->warning && *s->warning;
-    if (print || warn) {
+    if (print || warn || s->skipped) {
         char eta[32], mfu[16], load[48] = "", extra[192] = "", when[16] = "", tok[32], mem[32];
         size_t x = 0;
         fmt_count(tok, sizeof tok, (double)s->tokens_seen, " tok");
@@ -117,7 +117,9 @@ void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool pri
             fmt_count(mem, sizeof mem, s->peak_mem_bytes, "B");
             x += (size_t)snprintf(extra + x, sizeof extra - x, " | mem %s (rank %d)", mem, s->peak_mem_rank);
         }
-        if (s->skipped_steps > 0) x += (size_t)snprintf(extra + x, sizeof extra - x, " | skipped %d", s->skipped_steps);
+        if (s->skipped_steps > 0)
+            x += (size_t)snprintf(extra + x, sizeof extra - x, " | %s (%d skipped)", s->skipped ? "SKIPPED" : "applied",
+                                  s->skipped_steps);
         if (s->wall_time > 0) fmt_time(when, sizeof when, s->wall_time, false);
         fmt_eta(eta, sizeof eta, s->eta_s);
         if (s->mfu >= 0) snprintf(mfu, sizeof mfu, "%5.1f%%", 100 * s->mfu);
@@ -153,7 +155,7 @@ void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool pri
     json_num(f, "step_ms", s->step_ms, "%.6g");
     if (s->mfu >= 0) json_num(f, "mfu", s->mfu, "%.6g");
     json_num(f, "val_loss", s->val_loss, "%.8g");
-    fprintf(f, ", \"skipped_steps\": %d", s->skipped_steps);
+    fprintf(f, ", \"skipped\": %s, \"skipped_steps\": %d", s->skipped ? "true" : "false", s->skipped_steps);
     if (s->peak_mem_bytes > 0) {
         json_num(f, "peak_mem_bytes", s->peak_mem_bytes, "%.0f");
         fprintf(f, ", \"peak_mem_rank\": %d", s->peak_mem_rank);
@@ -173,7 +175,8 @@ void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool pri
     if (s->time_split) {
         fputs(", \"time_split_s\": {", f);
         for (int c = 0; c < PROF_COUNT; c++)
-            fprintf(f, "%s\"%s\": %.6g", c ? ", " : "", profile_cat_name((enum prof_cat)c), s->time_split[c]);
+            fprintf(f, "%s\"%s\": %.6g", c ? ", " : "", profile_cat_name((enum prof_cat)c),
+                    isfinite(s->time_split[c]) ? s->time_split[c] : 0.0);
         fputc('}', f);
     }
     fputs(", \"expert_tokens\": [", f);

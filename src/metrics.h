@@ -30,6 +30,7 @@ struct step_metrics {
     int skipped_steps;    /* steps skipped so far (non-finite gradients) */
     double val_loss;      /* validation loss computed at this step; NaN = none */
     const char *warning;          /* expert collapse / overload (expert_watch.h); NULL or "" = none */
+    bool skipped;                 /* the optimizer step was skipped (step_guard.h) */
 };
 
 struct metrics_log {
@@ -40,8 +41,8 @@ struct metrics_log {
  * An unwritable path: mt_fatal. */
 void metrics_open(struct metrics_log *ml, const char *path, bool append);
 void metrics_close(struct metrics_log *ml);
-/* Rank 0: prints the step line (when print is true, or when there is a warning) and writes the
- * JSONL record. */
+/* Rank 0: prints the step line (when print is true; always for a skipped step or a warning) and writes the
+ * JSONL record, with null for a non-finite number so every line stays valid JSON. */
 void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool print);
 
 /* Rank 0, once at start-up: the resolved config (config_to_yaml) written beside the metrics file

@@ -305,6 +305,7 @@ bool params_load_hf(struct params *p, const char *model_dir, char *err, int errc
         int64_t n = expert ? s->numel / s->shape[0] * m->n_local_experts : s->numel;
         float *buf = mt_malloc((size_t)MT_MAX(n, 1) * sizeof(float));
         ok = hf_read_tensor(src, s, expert ? m->expert0 : 0, expert ? m->n_local_experts : 1, buf, err, errcap);
+        if (ok) hf_claim_experts(src, s);  /* the experts other ranks read are used too */
         if (ok) {
             struct hf_fill h = {&f, i, buf, expert ? (int64_t)m->expert0 * s->shape[1] * s->shape[2] : 0};
             for_each_shard_run(p, copy_from_tensor, &h);

@@ -154,8 +154,12 @@ static void print_header(FILE *f, const struct config *c, const struct mesh_dims
                 m->moe_intermediate_size);
     else
         fprintf(f, "no experts");
-    fprintf(f, ", tied embeddings %s, precision %s\n", m->tie_word_embeddings ? "yes" : "no",
-            m->precision == MT_PREC_FP32 ? "fp32" : "bf16");
+    /* bf16 is a GPU setting: the CPU backend computes in fp32 whatever model.precision says */
+    const char *prec = m->precision == MT_PREC_FP32 ? "fp32" :
+                       c->parallel.backend == MT_BACKEND_CPU ? "fp32 (CPU backend; model.precision bf16 is for the GPU)" :
+                       c->parallel.backend == MT_BACKEND_AUTO ? "bf16 on the GPU (the CPU backend computes in fp32)" :
+                       "bf16";
+    fprintf(f, ", tied embeddings %s, precision %s\n", m->tie_word_embeddings ? "yes" : "no", prec);
     fprintf(f, "parameters: %" PRId64 " total (%s; expert %s, non-expert %s), %" PRId64
             " active per token (%s)\n", mc.total, tot, ex, nex, mc.active, act);
     fprintf(f, "mesh: world %d = pp %d x %d ranks per stage (ep %d x ep_fsdp %d), ep_outside %s, nodes %d\n",

@@ -200,6 +200,37 @@ static int cmp_tensor_name(const void *a, const void *b)
     return strcmp(((const struct st_tensor *)a)->name, ((const struct st_tensor *)b)->name);
 }
 
+static int cmp_tensor_begin(const void *a, const void *b)
+{
+    const struct st_tensor *x = a, *y = b;
+    return (x->begin > y->begin) - (x->begin < y->begin);
+}
+
+/* Two tensors sharing bytes would alias each other's data (a crafted or corrupt header): refused,
+ * as the safetensors format itself requires. */
+static bool check_no_overlap(struct st_file *f, char *err, int errcap)
+{
+    struct st_tensor *by_begin = mt_malloc((size_t)MT_MAX(f->n, 1) * sizeof *by_begin);
+    memcpy(by_begin, f->t, (size_t)f->n * sizeof *by_begin);
+    qsort(by_begin, (size_t)f->n, sizeof *by_begin, cmp_tensor_begin);
+    bool ok = true;
+    const struct st_tensor *prev = NULL;
+    for (int i = 0; i < f->n && ok; i++) {
+        const struct st_tensor *t = &by_begin[i];
+        if (t->end == t->begin) continue;
+        if (prev && t->begin < prev->end)
+            ok = fail(err, errcap, "%s: tensors '%s' and '%s' overlap (data_offsets [%llu, %llu] and "
+                      "[%llu, %llu])", f->path, prev->name, t->name,
+                      (unsigned long long)(prev->begin - f->data_start),
+                      (unsigned long long)(prev->end - f->data_start),
+                      (unsigned long long)(t->begin - f->data_start),
+                      (unsigned long long)(t->end - f->data_start));
+        prev = t;
+    }
+    free(by_begin);
+    return ok;
+}
+
 static bool read_index(struct st_file *f, char *err, int errcap)
 {
     const char *p = f->path;
@@ -253,6 +284,7 @@ static bool read_index(struct st_file *f, char *err, int errcap)
         }
     }
     json_decref(root);
+    if (ok) ok = check_no_overlap(f, err, errcap);
     if (ok) qsort(f->t, (size_t)f->n, sizeof *f->t, cmp_tensor_name);
     return ok;
 }

@@ -42,6 +42,8 @@
 #include "profile.h"
 #include "route_replay.h"
 #include "router_opts.h"
+#include "run_notes.h"
+#include "step_guard.h"
 #include "train.h"
 #include "train_check.h"
 #include "train_pipeline.h"
@@ -224,12 +226,13 @@ int cmd_train(const struct cli *a)
     const int n_micro = train_check_or_exit(&c, &mesh.d);
     if (a->dry_run) {
         plan_print_mesh(stdout, &c, &mesh);
+        run_note_dry_run(&c);
         fflush(stdout);
         mesh_free(&mesh);
         MT_CHECK_MPI(MPI_Finalize());
         return 0;
     }
-    ckpt_check_dir(&c, &mesh);
+    ckpt_check_dir(&c, &mesh, a->force);
     check_export_dir(&c, &mesh, a->force);
     char resume_dir[2 * MT_PATH_MAX];
     const bool resuming = ckpt_resume_dir(a->resume, &c, &mesh, resume_dir, sizeof resume_dir);
@@ -304,6 +307,7 @@ int cmd_train(const struct cli *a)
     metrics_print_config(&c, c.log.metrics);
     preempt_install();
     watchdog_start(&c, mesh.world_comm);
+    if (resuming) run_note_resume(resume_dir, &c, start_step);
 
     struct metrics_log ml;
     metrics_open(&ml, c.log.metrics, resuming);
@@ -327,6 +331,8 @@ int cmd_train(const struct cli *a)
     double t_start = mt_now(), first_step_s = 0;
     struct pipe_train pt;
     if (piped) pipe_train_init(&pt, &c, &mesh, &m, data, stage_h, pp, n_micro);
+    struct step_guard guard;
+    step_guard_init(&guard, tc);
 
     for (int step = start_step + 1; step <= tc->steps; step++) {
         double t0 = mt_now();
@@ -371,16 +377,19 @@ int cmd_train(const struct cli *a)
         double gnorm = sqrt(gsq);
         double scale = tc->grad_clip > 0 && gnorm > tc->grad_clip ? tc->grad_clip / gnorm : 1.0;
         double lr = train_lr_at(tc, step);
-        watchdog_phase(step, "optimizer step");
-        params_adamw_step(&p, tc, (float)lr, (float)scale);
-        fsdp_invalidate(&sharding);
-
         double sums[2] = {ce_local, (double)valid_local};
         watchdog_phase(step, "loss all-reduce");
         comm_all_reduce_sum(world, sums, 2, COMM_F64);
         MT_CHECK((int64_t)sums[1] == n_valid_global, "step %d counted %.0f labelled tokens, expected %lld",
                  step, sums[1], (long long)n_valid_global);
-        if (tc->load_balance == MT_LB_BIAS && E > 0) {
+        const double loss = sums[0] / n_valid_global + (use_aux ? coef * aux_sum / n_micro : 0);
+        enum step_verdict verdict = step_guard_decide(&guard, step, loss, gnorm, mesh.world_comm);
+        if (verdict == STEP_APPLY) {
+            watchdog_phase(step, "optimizer step");
+            params_adamw_step(&p, tc, (float)lr, (float)scale);
+            fsdp_invalidate(&sharding);
+        }
+        if (verdict == STEP_APPLY && tc->load_balance == MT_LB_BIAS && E > 0) {
             balance_bias_update(bias_h, layer_counts, &c.model, tc->bias_update_rate);
             be->upload(m.bias, bias_h, (size_t)L * E * sizeof(float));
         }
@@ -408,10 +417,17 @@ int cmd_train(const struct cli *a)
             .tokens_seen = (int64_t)step * tc->global_batch_size * tc->seq_len, .val_loss = NAN,
             .warning = E > 0 ? expert_watch_step(&watch, tok) : NULL,
             .peak_mem_bytes = peak_bytes, .peak_mem_rank = peak_rank,
+            .skipped = verdict != STEP_APPLY, .skipped_steps = guard.total_skipped,
         };
         profile_read(split);
         bool print = step == 1 || step == tc->steps || step % MT_MAX(c.log.interval, 1) == 0;
         metrics_step(&ml, &sm, print);
+        if (verdict == STEP_STOP) {
+            metrics_close(&ml);
+            step_guard_stop_message(&guard, err, sizeof err);
+            mt_user_error("%s", err);
+        }
+        if (verdict == STEP_SKIP) mt_warn0("skipped the optimizer step: %s\n", guard.why);
         if (c.log.profile && step == tc->steps && mesh.rank == 0) {
             profile_print_ops(stdout, step_s);
             fflush(stdout);
@@ -426,7 +442,7 @@ int cmd_train(const struct cli *a)
             preempt_exit(&c, step);
         }
     }
-    mt_log0("done: %d steps in %.1f s\n", tc->steps - start_step, mt_now() - t_start);
+    run_note_done(&c, start_step, mt_now() - t_start);
     struct mem_peak peak;
     mem_report_collect(&mesh, &peak);
     mem_report_print(&c, &mesh, &peak, keep_copy, be->x_size);

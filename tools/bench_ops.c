@@ -10,7 +10,9 @@
  * write once (inputs read, outputs written, accumulated outputs read and written; index arrays and
  * weights of a few KB left out) over that time. Inputs are random normal values (a 1 Mi-element
  * random block repeated), the route is a random top-8 of 128 per token in the layout of the route
- * plan (rows by expert then token). Without CUDA (or a GPU) it says so and exits 0. */
+ * plan (rows by expert then token). AdamW runs over one layer's tensors, per tensor and as one
+ * multi-segment call (7 fp32 arrays read or written plus the compute copy per parameter). Without
+ * CUDA (or a GPU) it says so and exits 0. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -104,7 +106,8 @@ static void make_route(void)
 enum {
     OP_RMS_FWD_H, OP_RMS_FWD_Q, OP_RMS_FWD_K, OP_RMS_BWD_H, OP_RMS_BWD_Q, OP_RMS_BWD_K,
     OP_SWIGLU_FWD, OP_SWIGLU_BWD, OP_GATHER, OP_GATHER_BWD, OP_COMBINE_FWD, OP_COMBINE_BWD,
-    OP_ROPE_FWD_Q, OP_ROPE_BWD_Q, OP_ROPE_FWD_K, OP_ADD, OP_CAST, OP_COUNT
+    OP_ROPE_FWD_Q, OP_ROPE_BWD_Q, OP_ROPE_FWD_K, OP_ADD, OP_CAST, OP_ADAMW_SEG, OP_ADAMW_MULTI,
+    OP_COUNT
 };
 
 static const char *op_name[OP_COUNT] = {
@@ -116,7 +119,33 @@ static const char *op_name[OP_COUNT] = {
     "moe_combine_forward T=8192 k=8 H=2048", "moe_combine_backward T=8192 k=8 H=2048",
     "rope_forward q T=8192 32x128 (in place)", "rope_backward q T=8192 32x128",
     "rope_forward k T=8192 4x128", "add_inplace n=16.7M", "cast_x_to_f32 n=16.7M",
+    "adamw_update x11 (one layer's tensors)", "adamw_update_multi (the same 11, one call)",
 };
+
+/* AdamW over one Qwen3-30B-A3B layer's tensors, one segment each (623M parameters): input norm,
+ * q, k, v, o, q_norm, k_norm, post-attention norm, router, experts' gate_up and down */
+enum { N_ADAM_SEG = 11 };
+static const size_t adam_len[N_ADAM_SEG] = {
+    H, (size_t)HQ * D * H, (size_t)HKV * D * H, (size_t)HKV * D * H, (size_t)H * HQ * D, D, D, H,
+    (size_t)E * H, (size_t)E * 2 * I * H, (size_t)E * H * I};
+static struct adamw_segment adam_seg[N_ADAM_SEG];
+static size_t adam_n;
+
+static void make_adamw(void)
+{
+    for (int j = 0; j < N_ADAM_SEG; j++) adam_n += adam_len[j];
+    float *master = f32_random(adam_n), *grad = f32_random(adam_n), *m = f32_random(adam_n);
+    float *v = be->alloc(adam_n * sizeof(float));
+    be->zero(v, adam_n * sizeof(float));
+    char *param = be->alloc(adam_n * be->x_size);
+    size_t off = 0;
+    for (int j = 0; j < N_ADAM_SEG; j++) {
+        const bool norm = adam_len[j] <= (size_t)H;
+        adam_seg[j] = (struct adamw_segment){master + off, param + off * be->x_size, grad + off,
+                                             m + off, v + off, adam_len[j], norm ? 0.0f : 0.1f};
+        off += adam_len[j];
+    }
+}
 
 /* bytes each call must move once */
 static double op_bytes(int op)
@@ -139,6 +168,7 @@ static double op_bytes(int op)
     case OP_ROPE_FWD_Q: case OP_ROPE_BWD_Q: return 2 * q * x;
     case OP_ROPE_FWD_K: return 2 * k * x;
     case OP_ADD: return 3 * th * x;
+    case OP_ADAMW_SEG: case OP_ADAMW_MULTI: return adam_n * (7 * 4.0 + x); /* 4 fp32 in, 3 out */
     default: return th * x + th * 4.0;
     }
 }
@@ -173,6 +203,16 @@ static void run_op(int op)
     case OP_ROPE_BWD_Q: be->rope_backward(x_q3, x_q3, pos, T, HQ, D, theta); break;
     case OP_ROPE_FWD_K: be->rope_forward(x_k3, x_k3, pos, T, HKV, D, theta); break;
     case OP_ADD: be->add_inplace(x_th3, x_th2, (size_t)T * H); break;
+    case OP_ADAMW_SEG:
+        for (int j = 0; j < N_ADAM_SEG; j++) {
+            const struct adamw_segment *g = &adam_seg[j];
+            be->adamw_update(g->master, g->param, g->grad, g->m, g->v, g->n, 1e-4f, 0.9f, 0.95f,
+                             1e-8f, g->weight_decay, 3, 1.0f);
+        }
+        break;
+    case OP_ADAMW_MULTI:
+        be->adamw_update_multi(adam_seg, N_ADAM_SEG, 1e-4f, 0.9f, 0.95f, 1e-8f, 3, 1.0f);
+        break;
     default: be->cast_x_to_f32(f_scratch, x_th, (size_t)T * H); break;
     }
 }
@@ -230,6 +270,7 @@ int main(int argc, char **argv)
     cw = f32_random(R), dcw = be->alloc((size_t)R * sizeof(float));
     f_scratch = be->alloc(th * sizeof(float));
     make_route();
+    make_adamw();
     /* realistic rstd for the backward: the forward's */
     run_op(OP_RMS_FWD_H), run_op(OP_RMS_FWD_Q), run_op(OP_RMS_FWD_K);
     be->sync();
@@ -247,5 +288,7 @@ int main(int argc, char **argv)
                     x_k2, x_k3, x_wh, x_wd, rstd_t, rstd_q, rstd_k, dw_h, dw_d, cw, dcw, f_scratch,
                     src_row, slot_row, pos, rand_f32};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->free(bufs[i]);
+    be->free(adam_seg[0].master), be->free((void *)adam_seg[0].grad), be->free(adam_seg[0].m);
+    be->free(adam_seg[0].v), be->free(adam_seg[0].param);
     return 0;
 }

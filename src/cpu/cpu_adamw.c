@@ -3,6 +3,7 @@
  * double (as Python forms beta ** step) and rounded once. */
 #include "cpu/cpu_ops.h"
 #include "common.h"
+#include "ops.h"
 
 #include <math.h>
 #include <string.h>
@@ -67,4 +68,13 @@ void cpu_adamw_update(float *master, float *param, const float *grad, float *m, 
         master[i] = p;
         if (param) param[i] = p; /* param may be master itself */
     }
+}
+
+void cpu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, float lr, float beta1,
+                            float beta2, float eps, int t, float grad_scale)
+{
+    MT_CHECK(n_seg >= 0 && (n_seg == 0 || segs), "adamw_multi: bad segment list (%d)", n_seg);
+    for (int i = 0; i < n_seg; i++)
+        cpu_adamw_update(segs[i].master, segs[i].param, segs[i].grad, segs[i].m, segs[i].v,
+                         segs[i].n, lr, beta1, beta2, eps, segs[i].weight_decay, t, grad_scale);
 }

@@ -199,6 +199,7 @@ static const struct backend cpu_backend = {
     .cross_entropy_backward = b_cross_entropy_backward,
     .adamw_update = b_adamw_update,
     .adamw_update_m16 = b_adamw_update_m16,
+    .adamw_update_multi = cpu_adamw_update_multi,
 };
 
 const struct backend *backend_cpu(void) { return &cpu_backend; }

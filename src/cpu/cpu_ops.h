@@ -116,5 +116,8 @@ void cpu_adamw_update_m16(float *master, float *param, const float *grad, uint16
 void cpu_adamw_update(float *master, float *param, const float *grad, float *m, float *v, size_t n,
                       float lr, float beta1, float beta2, float eps, float weight_decay, int t,
                       float grad_scale);
+struct adamw_segment; /* ops.h */
+void cpu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, float lr, float beta1,
+                            float beta2, float eps, int t, float grad_scale);
 
 #endif

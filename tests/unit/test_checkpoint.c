@@ -334,7 +334,8 @@ Test(checkpoint, keep_deletes_older_checkpoints)
     cr_expect_eq(access(p, F_OK), 0);
     path_in(p, sizeof p, a.root, 40, NULL);
     cr_expect_eq(access(p, F_OK), 0);
-    cr_expect_eq(ckpt_latest(a.root, NULL, 0), 40);
+    /* the re-saved 30 is the newest save (a rewound run), so resume auto continues it, not 40 */
+    cr_expect_eq(ckpt_latest(a.root, NULL, 0), 30);
 
     a.c.checkpoint.keep = 0;   /* keep all */
     for (int s = 5; s <= 7; s++) ckpt_save(a.root, s * 10, &a.p, &a.mesh, &a.c, NULL);
@@ -365,7 +366,7 @@ Test(checkpoint, check_dir_creates_the_root)
     struct rig a;
     rig_init(&a, 32, 1, 0.0f);
     snprintf(a.c.checkpoint.dir, sizeof a.c.checkpoint.dir, "%s/deep/er", a.root);
-    ckpt_check_dir(&a.c, &a.mesh);
+    ckpt_check_dir(&a.c, &a.mesh, false);
     struct stat st;
     cr_expect(stat(a.c.checkpoint.dir, &st) == 0 && S_ISDIR(st.st_mode));
     rig_free(&a, true);
@@ -378,7 +379,7 @@ Test(checkpoint, check_dir_rejects_an_unwritable_root, .exit_code = 1)
     rig_init(&a, 32, 1, 0.0f);
     rmdir(a.root);
     strcpy(a.c.checkpoint.dir, "/proc/mt_ckpt_cannot_be_here");
-    ckpt_check_dir(&a.c, &a.mesh);
+    ckpt_check_dir(&a.c, &a.mesh, false);
 }
 
 /* --- damaged checkpoints ------------------------------------------------------------------- */
@@ -830,4 +831,42 @@ Test(checkpoint_run, resume_errors_are_one_line, .timeout = 300)
     rc = train_run(1, "--resume auto", &out);
     cr_expect(rc != 0 && strstr(out, "--resume auto needs checkpoint.dir") != NULL, "%s", out);
     free(out);
+}
+
+/* --- a non-finite value is never checkpointed ----------------------------------------------- */
+
+/* In a child (the refusal exits 1 on every rank): a good save of step 1, then a save of step 2
+ * with one NaN in `buf` (0 master, 1 m1, 2 m2, 3 the bias). Step 2 must not exist, step 1 must. */
+static void save_with_a_nan(int buf)
+{
+    struct rig a;
+    rig_init(&a, 32, 1, 0.0f);
+    a.c.checkpoint.keep = 1;
+    ckpt_save(a.root, 1, &a.p, &a.mesh, &a.c, a.bias);
+    fflush(NULL);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        struct param_group_shard *g = &a.p.g[0];
+        float *x = buf == 0 ? g->master : buf == 1 ? g->m1 : buf == 2 ? g->m2 : a.bias;
+        x[buf == 3 ? 5 : g->numel / 2] = buf == 1 ? INFINITY : NAN;
+        ckpt_save(a.root, 2, &a.p, &a.mesh, &a.c, a.bias);
+        _exit(0);
+    }
+    int st = 0;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 1, "buffer %d: the save of a non-finite value did not exit 1", buf);
+    char p[512];
+    path_in(p, sizeof p, a.root, 2, NULL);
+    cr_expect_neq(access(p, F_OK), 0, "buffer %d: step 2 was written", buf);
+    char tmp[520];
+    snprintf(tmp, sizeof tmp, "%s.tmp", p);
+    cr_expect_neq(access(tmp, F_OK), 0, "buffer %d: its .tmp was left behind", buf);
+    cr_expect_eq(ckpt_latest(a.root, NULL, 0), 1, "buffer %d: the good checkpoint is gone", buf);
+    rig_free(&a, true);
+}
+
+Test(checkpoint, a_nonfinite_value_is_never_checkpointed)
+{
+    for (int buf = 0; buf < 4; buf++) save_with_a_nan(buf);
 }

@@ -152,18 +152,51 @@ Test(config, defaults_are_the_tiny_model)
     cr_assert(config_validate(&c, errbuf, sizeof errbuf), "%s", errbuf);
 }
 
-Test(config, no_file_and_empty_file_give_the_defaults)
+/* No file at all is the defaults (tests, tools); a file that sets nothing is a mistake (a truncated
+ * copy, the wrong path to a template) and an error rather than a silent run of the tiny defaults. */
+Test(config, no_file_gives_the_defaults_and_an_empty_file_is_an_error)
 {
     struct config d, a, b;
     config_defaults(&d);
     cr_assert(load(&a, NULL, 0, NULL), "%s", errbuf);
-    cr_assert(load(&b, put("empty.yaml", "# nothing here\n"), 0, NULL), "%s", errbuf);
-    char *yd = body_of(&d), *ya = body_of(&a), *yb = body_of(&b);
+    char *yd = body_of(&d), *ya = body_of(&a);
     cr_assert_str_eq(ya, yd);
-    cr_assert_str_eq(yb, yd);
-    free(yd), free(ya), free(yb);
-    struct config e;
-    cr_assert(load(&e, put("sections.yaml", "train:\nlog: ~\n"), 0, NULL), "%s", errbuf);
+    free(yd), free(ya);
+    const char *empties[] = {"", "# nothing here\n", "train:\nlog: ~\n", "---\n...\n"};
+    for (size_t i = 0; i < sizeof empties / sizeof empties[0]; i++) {
+        cr_assert(!load(&b, put("empty.yaml", empties[i]), 0, NULL), "'%s' loaded", empties[i]);
+        cr_assert(strstr(errbuf, "empty.yaml") && strstr(errbuf, "sets no key"), "%s", errbuf);
+        cr_assert_null(strchr(errbuf, '\n'), "%s", errbuf);
+    }
+    /* one key is enough */
+    cr_assert(load(&b, put("one.yaml", "train:\n  steps: 7\n"), 0, NULL), "%s", errbuf);
+    cr_assert_eq(b.train.steps, 7);
+}
+
+Test(config, seq_len_and_guard_keys_are_checked)
+{
+    struct config c;
+    struct { const char *set, *what; } bad[] = {
+        {"train.seq_len=1", "must be >= 2"},
+        {"train.seq_len=1000000", "32-bit indexing"},
+        {"train.spike_factor=0.5", "spike_factor"},
+        {"train.max_skipped_steps=0", "max_skipped_steps"},
+        {"train.nonfinite=ignore", "nonfinite"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char *sets[2] = {(char *)bad[i].set, (char *)"train.micro_batch_size=4096"};
+        int n = strstr(bad[i].set, "1000000") ? 2 : 1;
+        if (n == 2) sets[1] = (char *)"train.global_batch_size=4096";
+        char *all[3] = {sets[0], sets[1], (char *)"train.micro_batch_size=4096"};
+        cr_assert(!load(&c, "configs/tiny.yaml", n == 2 ? 3 : 1, all), "--set %s loaded", bad[i].set);
+        cr_assert(strstr(errbuf, bad[i].what), "--set %s: %s", bad[i].set, errbuf);
+        cr_assert_null(strchr(errbuf, '\n'), "%s", errbuf);
+    }
+    char *ok[] = {(char *)"train.seq_len=2", (char *)"train.nonfinite=stop", (char *)"train.spike_factor=3",
+                  (char *)"train.max_skipped_steps=1"};
+    cr_assert(load(&c, "configs/tiny.yaml", 4, ok), "%s", errbuf);
+    cr_assert_eq(c.train.nonfinite, MT_NONFINITE_STOP);
+    cr_assert_eq(c.train.spike_factor, 3);
 }
 
 /* ---- shipped configs ------------------------------------------------------------------------ */

@@ -963,6 +963,36 @@ static void plan_routing(mt_rng *rng, int32_t *idx, float *w, int T, int E, int 
 /* The pair plan against its definition (ops.h): pairs by (rank, token), one per rank a token
  * uses; each choice's weight and local id where w_map says; the first choice per rank names the
  * pair. Then the receiver's route plan over the pairs' metadata, with its empty slots. */
+/* the multi-segment op is adamw_update per segment, bit for bit; a zero-length segment and the
+ * elements between segments stay untouched */
+Test(cpu_ops, adamw_multi_is_per_segment)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 20);
+    enum { N = 40, NSEG = 3 };
+    const size_t off[NSEG] = {2, 10, 20}, len[NSEG] = {5, 0, 17};
+    const float wd[NSEG] = {0.1f, 0.1f, 0.0f};
+    float *p = frand(&rng, N, 1.0), *g = frand(&rng, N, 1.0), *m = frand(&rng, N, 0.1);
+    float *v = frand(&rng, N, 0.01);
+    for (int i = 0; i < N; i++) v[i] = fabsf(v[i]);
+    float *p2 = fdup(p, N), *m2 = fdup(m, N), *v2 = fdup(v, N), *p0 = fdup(p, N);
+    struct adamw_segment segs[NSEG];
+    for (int j = 0; j < NSEG; j++) {
+        segs[j] = (struct adamw_segment){p + off[j], p + off[j], g + off[j], m + off[j], v + off[j],
+                                         len[j], wd[j]};
+        cpu_adamw_update(p2 + off[j], p2 + off[j], g + off[j], m2 + off[j], v2 + off[j], len[j],
+                         1e-3f, 0.9f, 0.95f, 1e-8f, wd[j], 2, 0.5f);
+    }
+    cpu_adamw_update_multi(segs, NSEG, 1e-3f, 0.9f, 0.95f, 1e-8f, 2, 0.5f);
+    cr_expect(memcmp(p, p2, sizeof(float) * N) == 0, "master differs from per-segment updates");
+    cr_expect(memcmp(m, m2, sizeof(float) * N) == 0, "m differs");
+    cr_expect(memcmp(v, v2, sizeof(float) * N) == 0, "v differs");
+    cr_expect(p[0] == p0[0] && p[7] == p0[7] && p[12] == p0[12] && p[39] == p0[39],
+              "elements outside the segments changed");
+    cr_expect(p[3] != p0[3] && p[21] != p0[21], "the segments must move");
+    free(p), free(g), free(m), free(v), free(p2), free(m2), free(v2), free(p0);
+}
+
 Test(cpu_ops, pair_plan_and_route_plan_follow_their_definition)
 {
     enum { T = 300, EP = 4, NL = 4, K = 6 };

@@ -301,10 +301,10 @@ Test(safetensors, corrupt_files)
     expect_open_error(p, "cannot open");
     expect_open_error(tmpdir, "not a regular file");
 
-    /* out-of-order and overlapping ranges inside the file are accepted */
-    tmp_path(p, sizeof p, "overlap.safetensors");
-    write_raw_file(p, -1, "{\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]},"
-                          "\"a\":{\"dtype\":\"I32\",\"shape\":[3],\"data_offsets\":[0,12]}}", 12);
+    /* ranges listed out of file order are accepted (overlapping ones are not: see below) */
+    tmp_path(p, sizeof p, "unordered.safetensors");
+    write_raw_file(p, -1, "{\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[12,20]},"
+                          "\"a\":{\"dtype\":\"I32\",\"shape\":[3],\"data_offsets\":[0,12]}}", 20);
     struct st_file *f = st_open(p, err, sizeof err);
     cr_assert_not_null(f, "%s", err);
     st_close(f);
@@ -329,4 +329,30 @@ Test(safetensors, truncated_after_open)
     cr_assert_not_null(strstr(err, p), "%s", err);
     cr_assert_not_null(strstr(err, "end of file"), "%s", err);
     st_close(f);
+}
+
+/* Two tensors naming the same bytes would alias: refused, whatever the order in the header. */
+Test(safetensors, overlapping_offsets_are_refused)
+{
+    char p[512];
+    tmp_path(p, sizeof p, "overlap.safetensors");
+    write_raw_file(p, -1,
+                   "{\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]},"
+                   "\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 12);
+    expect_open_error(p, "overlap");
+    /* adjacent ranges and an empty tensor at a shared offset are fine */
+    tmp_path(p, sizeof p, "adjacent.safetensors");
+    write_raw_file(p, -1,
+                   "{\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]},"
+                   "\"e\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[8,8]},"
+                   "\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 16);
+    struct st_file *f = st_open(p, err, sizeof err);
+    cr_assert_not_null(f, "%s", err);
+    st_close(f);
+    /* one tensor inside another */
+    tmp_path(p, sizeof p, "nested.safetensors");
+    write_raw_file(p, -1,
+                   "{\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]},"
+                   "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}", 16);
+    expect_open_error(p, "overlap");
 }

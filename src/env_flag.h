@@ -1,0 +1,19 @@
+/* On/off switches read from the environment (MT_FORCE_SM80, ...): unset, empty or "0" is off,
+ * "1" is on; any other value is a user error naming the variable, so a typo never silently
+ * leaves a switch off. */
+#ifndef MT_ENV_FLAG_H
+#define MT_ENV_FLAG_H
+
+#include <stdbool.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+bool mt_env_flag(const char *name);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
