@@ -58,7 +58,7 @@ MPI_TEST_BINS := $(MPI_TEST_SRCS:tests/mpi/%.c=$(BUILD)/tests/mpi/%)
 TOOL_SRCS := $(wildcard tools/*.c)
 TOOL_BINS := $(TOOL_SRCS:tools/%.c=$(BUILD)/tools/%)
 
-.PHONY: all deps test test-unit test-gpu run bench bench-scaling clean check-deps tools
+.PHONY: all deps data-deps test test-unit test-gpu run bench bench-scaling clean check-deps tools
 all: $(BUILD)/moetrain tools
 
 tools: $(TOOL_BINS)
@@ -92,6 +92,11 @@ $(BUILD)/tools/%: tools/%.c $(BUILD)/libmoetrain.a
 # Installs whatever system packages are missing (Debian/Ubuntu, as root or through sudo).
 deps:
 	@scripts/install-deps.sh
+
+# Python packages of tools/prepare_data.py (pinned); parquet input also needs
+# tools/requirements-parquet.txt.
+data-deps:
+	python3 -m pip install -r tools/requirements.txt
 
 # Criterion runs every unit and integration test in one binary; integration tests launch
 # build/moetrain and tests/mpi programs under `mpirun --oversubscribe`.

@@ -574,7 +574,7 @@ extern "C" bool attention_tc_backward(void *dq, void *dk, void *dv, const void *
 extern "C" void attention_simt_forward(void *out, float *lse, const void *q, const void *k,
                                        const void *v, int B, int S, int Hq, int Hkv, int D)
 {
-    cu_attention_forward<bf16>(out, lse, q, k, v, B, S, Hq, Hkv, D);
+    cu_attention_forward<bf16>(out, lse, q, k, v, B, S, Hq, Hkv, D, nullptr);
 }
 
 extern "C" void attention_simt_backward(void *dq, void *dk, void *dv, const void *dout,
@@ -582,7 +582,7 @@ extern "C" void attention_simt_backward(void *dq, void *dk, void *dv, const void
                                         const void *out, const float *lse, int B, int S, int Hq,
                                         int Hkv, int D)
 {
-    cu_attention_backward<bf16>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D);
+    cu_attention_backward<bf16>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, nullptr);
 }
 
 extern "C" void *attention_tc_stream(void) { return (void *)g_cuda.stream; }
@@ -603,31 +603,36 @@ extern "C" int attention_tc_set_variant(int fwd)
 
 template <typename T>
 void cu_attention_tc_forward(void *out, float *lse, const void *q, const void *k, const void *v,
-                             int B, int S, int Hq, int Hkv, int D)
+                             int B, int S, int Hq, int Hkv, int D, const int32_t *seg)
 {
-    if (std::is_same<T, bf16>::value && attention_tc_forward(out, lse, q, k, v, B, S, Hq, Hkv, D))
+    if (std::is_same<T, bf16>::value && !seg &&
+        attention_tc_forward(out, lse, q, k, v, B, S, Hq, Hkv, D))
         return;
-    cu_attention_forward<T>(out, lse, q, k, v, B, S, Hq, Hkv, D);
+    cu_attention_forward<T>(out, lse, q, k, v, B, S, Hq, Hkv, D, seg);
 }
 
 template <typename T>
 void cu_attention_tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
                               const void *k, const void *v, const void *out, const float *lse,
-                              int B, int S, int Hq, int Hkv, int D)
+                              int B, int S, int Hq, int Hkv, int D, const int32_t *seg)
 {
-    if (std::is_same<T, bf16>::value &&
+    if (std::is_same<T, bf16>::value && !seg &&
         attention_tc_backward(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D))
         return;
-    cu_attention_backward<T>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D);
+    cu_attention_backward<T>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, seg);
 }
 
 template void cu_attention_tc_forward<float>(void *, float *, const void *, const void *,
-                                             const void *, int, int, int, int, int);
+                                             const void *, int, int, int, int, int,
+                                             const int32_t *);
 template void cu_attention_tc_forward<bf16>(void *, float *, const void *, const void *,
-                                            const void *, int, int, int, int, int);
+                                            const void *, int, int, int, int, int,
+                                            const int32_t *);
 template void cu_attention_tc_backward<float>(void *, void *, void *, const void *, const void *,
                                               const void *, const void *, const void *,
-                                              const float *, int, int, int, int, int);
+                                              const float *, int, int, int, int, int,
+                                              const int32_t *);
 template void cu_attention_tc_backward<bf16>(void *, void *, void *, const void *, const void *,
                                              const void *, const void *, const void *,
-                                             const float *, int, int, int, int, int);
+                                             const float *, int, int, int, int, int,
+                                             const int32_t *);

@@ -51,13 +51,15 @@ int attention_tc_set_bwd_variant(int variant);
 #ifdef __cplusplus
 }
 
+/* seg != nullptr (document masking) always takes the CUDA-core kernels: the tensor-core kernels
+ * know only the causal mask. */
 template <typename T>
 void cu_attention_tc_forward(void *out, float *lse, const void *q, const void *k, const void *v,
-                             int B, int S, int Hq, int Hkv, int D);
+                             int B, int S, int Hq, int Hkv, int D, const int32_t *seg);
 template <typename T>
 void cu_attention_tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
                               const void *k, const void *v, const void *out, const float *lse,
-                              int B, int S, int Hq, int Hkv, int D);
+                              int B, int S, int Hq, int Hkv, int D, const int32_t *seg);
 #endif
 
 #endif

@@ -85,7 +85,9 @@ struct model {
     bool aux_active;            /* backward adds m->aux_dp to the router gradient */
     int32_t *ids;               /* dev [T] */
     int32_t *targets;           /* dev [T] (shifted labels, MT_IGNORE_INDEX where none) */
-    int32_t *pos;               /* dev [T] */
+    int32_t *pos;               /* dev [T] RoPE position of each token (t mod S unless documents are set) */
+    int32_t *seg;               /* dev [T] document id per token, NULL = causal over the whole sequence
+                                 * (model_set_documents) */
     struct layer_acts *layers;  /* [L]; with recompute only layers[l].h_in are allocated and
                                  * `shared` holds the rest */
     struct layer_acts shared;   /* recompute: one layer's activations, reused by every layer */
@@ -152,6 +154,10 @@ void model_forward(struct model *m, const int32_t *ids_host, const int32_t *labe
 /* Backward of ce_scale · Σ CE + Σ_e aux_dp[e] · Σ_rows P[row, e] (aux_dp: HOST [E], NULL = none).
  * Gradients accumulate into m->g. */
 void model_backward(struct model *m, float ce_scale, const float *aux_dp_host);
+/* Document masking for the next forward/backward (model_documents.c): pos_host, seg_host HOST
+ * [B, S] per-token RoPE positions and document ids (attention stays inside a document). Both NULL
+ * restores positions t mod S and attention over the whole sequence. */
+void model_set_documents(struct model *m, const int32_t *pos_host, const int32_t *seg_host);
 void model_zero_grad(struct model *m);
 
 /* Layer blocks (attention_block.c, mlp_block.c) */

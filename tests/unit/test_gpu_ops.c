@@ -707,10 +707,10 @@ static void attention_case(const struct mode *M, mt_rng *rng, int B, int S, int 
 
     void *d_out = dx_poisoned(M, nq);
     float *d_lse = df_poisoned(M, nl);
-    M->g->attention_forward(d_out, d_lse, d_q, d_k, d_v, B, S, Hq, Hkv, D);
+    M->g->attention_forward(d_out, d_lse, d_q, d_k, d_v, B, S, Hq, Hkv, D, NULL);
     float *out = hx_of(M, d_out, nq), *lse = hf_of(M, d_lse, nl);
     float *out_ref = fnew(nq), *lse_ref = fnew(nl);
-    M->c->attention_forward(out_ref, lse_ref, q, k, v, B, S, Hq, Hkv, D);
+    M->c->attention_forward(out_ref, lse_ref, q, k, v, B, S, Hq, Hkv, D, NULL);
     snprintf(what, sizeof what, "attention forward out B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
     check_close(M, what, out, out_ref, nq, M->tol);
     snprintf(what, sizeof what, "attention forward lse B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
@@ -718,10 +718,10 @@ static void attention_case(const struct mode *M, mt_rng *rng, int B, int S, int 
 
     /* the backward takes the GPU's own forward outputs (out, lse), as the model does */
     void *d_dq = dx_poisoned(M, nq), *d_dk = dx_poisoned(M, nk), *d_dv = dx_poisoned(M, nk);
-    M->g->attention_backward(d_dq, d_dk, d_dv, d_dout, d_q, d_k, d_v, d_out, d_lse, B, S, Hq, Hkv, D);
+    M->g->attention_backward(d_dq, d_dk, d_dv, d_dout, d_q, d_k, d_v, d_out, d_lse, B, S, Hq, Hkv, D, NULL);
     float *dq = hx_of(M, d_dq, nq), *dk = hx_of(M, d_dk, nk), *dv = hx_of(M, d_dv, nk);
     float *dq_ref = fnew(nq), *dk_ref = fnew(nk), *dv_ref = fnew(nk);
-    M->c->attention_backward(dq_ref, dk_ref, dv_ref, dout, q, k, v, out_ref, lse_ref, B, S, Hq, Hkv, D);
+    M->c->attention_backward(dq_ref, dk_ref, dv_ref, dout, q, k, v, out_ref, lse_ref, B, S, Hq, Hkv, D, NULL);
     snprintf(what, sizeof what, "attention backward dq B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
     check_close(M, what, dq, dq_ref, nq, M->tol_long);
     snprintf(what, sizeof what, "attention backward dk B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
@@ -850,7 +850,7 @@ static void tc_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int
     attention_tc_set_variant(old_variant);
     float *out = hx_of(M, d_out, nq), *lse = hf_of(M, d_lse, nl);
     float *out_ref = fnew(nq), *lse_ref = fnew(nl);
-    M->c->attention_forward(out_ref, lse_ref, q, k, v, B, S, Hq, Hkv, D);
+    M->c->attention_forward(out_ref, lse_ref, q, k, v, B, S, Hq, Hkv, D, NULL);
     snprintf(what, sizeof what, "tc fwd v%d out B%d S%d H%d/%d D%d", variant, B, S, Hq, Hkv, D);
     check_tc(M, what, out, out_ref, nq);
     snprintf(what, sizeof what, "tc fwd v%d lse B%d S%d H%d/%d D%d", variant, B, S, Hq, Hkv, D);
@@ -862,7 +862,7 @@ static void tc_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int
               "attention_tc_backward declined B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
     float *dq = hx_of(M, d_dq, nq), *dk = hx_of(M, d_dk, nk), *dv = hx_of(M, d_dv, nk);
     float *dq_ref = fnew(nq), *dk_ref = fnew(nk), *dv_ref = fnew(nk);
-    M->c->attention_backward(dq_ref, dk_ref, dv_ref, dout, q, k, v, out_ref, lse_ref, B, S, Hq, Hkv, D);
+    M->c->attention_backward(dq_ref, dk_ref, dv_ref, dout, q, k, v, out_ref, lse_ref, B, S, Hq, Hkv, D, NULL);
     snprintf(what, sizeof what, "tc bwd dq B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
     check_tc(M, what, dq, dq_ref, nq);
     snprintf(what, sizeof what, "tc bwd dk B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
@@ -1017,9 +1017,9 @@ Test(gpu, attention_backend_uses_tc)
         for (int i = 0; i < 4; i++) r[w][i] = dx_poisoned(&M, n[i]);
         r[w][4] = df_poisoned(&M, nl);
         if (w == 0) {
-            M.g->attention_forward(r[w][0], r[w][4], d_q, d_k, d_v, B, S, Hq, Hkv, D);
+            M.g->attention_forward(r[w][0], r[w][4], d_q, d_k, d_v, B, S, Hq, Hkv, D, NULL);
             M.g->attention_backward(r[w][1], r[w][2], r[w][3], d_dout, d_q, d_k, d_v, r[w][0],
-                                    r[w][4], B, S, Hq, Hkv, D);
+                                    r[w][4], B, S, Hq, Hkv, D, NULL);
         } else {
             cr_assert(attention_tc_forward(r[w][0], r[w][4], d_q, d_k, d_v, B, S, Hq, Hkv, D));
             cr_assert(attention_tc_backward(r[w][1], r[w][2], r[w][3], d_dout, d_q, d_k, d_v,
