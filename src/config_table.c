@@ -90,6 +90,15 @@ const struct cfg_key cfg_keys[] = {
 
     ENUM("data", "kind", data.kind, data_kind_names),
     STR("data", "path", data.path),
+    STR("data", "sources", data.sources),
+    BOOL("data", "shuffle", data.shuffle),
+    U64("data", "seed", data.seed),
+    INT("data", "eos_id", data.eos_id, CFG_LO | CFG_HI, -1, INT_MAXD),
+    BOOL("data", "document_masking", data.document_masking),
+    BOOL("data", "loss_after_eos", data.loss_after_eos),
+    STR("data", "validation_path", data.validation_path),
+    INT("data", "validation_interval", data.validation_interval, POS),
+    INT("data", "validation_batches", data.validation_batches, POS),
     INT("data", "synthetic_branching", data.synthetic_branching, POS),
     U64("data", "synthetic_seed", data.synthetic_seed),
 

@@ -43,9 +43,11 @@ void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool pri
         if (s->mfu >= 0) snprintf(mfu, sizeof mfu, "%5.1f%%", 100 * s->mfu);
         else snprintf(mfu, sizeof mfu, "   n/a");
         if (s->n_layers > 0) snprintf(load, sizeof load, " | load %.2f-%.2f", lmin, lmax);
-        printf("step %*d/%d | loss %.4f | aux %.4f | gnorm %.3f | lr %.2e | %.0f tok/s | mfu %s | "
+        char val[32] = "";
+        if (s->has_val) snprintf(val, sizeof val, " | val %.4f", s->val_loss);
+        printf("step %*d/%d | loss %.4f%s | aux %.4f | gnorm %.3f | lr %.2e | %.0f tok/s | mfu %s | "
                "%.0f ms%s | eta %s\n",
-               (int)floor(log10(s->steps)) + 1, s->step, s->steps, s->loss, s->aux_loss, s->grad_norm,
+               (int)floor(log10(s->steps)) + 1, s->step, s->steps, s->loss, val, s->aux_loss, s->grad_norm,
                s->lr, s->tokens_per_s, mfu, s->step_ms, load, eta);
         if (s->time_split) {
             char split[512];
@@ -60,6 +62,7 @@ void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool pri
                "\"grad_norm\": %.8g, \"lr\": %.8g, \"tokens_per_s\": %.8g, \"step_ms\": %.6g",
             s->step, s->loss, s->ce_loss, s->aux_loss, s->grad_norm, s->lr, s->tokens_per_s, s->step_ms);
     if (s->mfu >= 0) fprintf(f, ", \"mfu\": %.6g", s->mfu);
+    if (s->has_val) fprintf(f, ", \"val_loss\": %.8g", s->val_loss);
     const char *names[3] = {"load_min", "load_max", "load_cv"};
     const double *vals[3] = {s->load_min, s->load_max, s->load_cv};
     for (int k = 0; k < 3; k++) {

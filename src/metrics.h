@@ -22,6 +22,8 @@ struct step_metrics {
     int n_experts;
     const double *expert_tokens;  /* [n_layers, n_experts]: routed tokens this step, whole job */
     const double *time_split;     /* [PROF_COUNT] seconds by category (rank 0), NULL = not profiled */
+    bool has_val;                 /* a validation pass ran after this step */
+    double val_loss;              /* its mean cross-entropy (data.validation_path) */
 };
 
 struct metrics_log {

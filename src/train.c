@@ -35,6 +35,7 @@
 #include "plan.h"
 #include "profile.h"
 #include "train.h"
+#include "train_data.h"
 
 double train_lr_at(const struct train_config *t, int step)
 {
@@ -268,15 +269,17 @@ int cmd_train(const struct cli *a)
     else if (*c.model.init_from) snprintf(init, sizeof init, "weights from %s", c.model.init_from);
     else snprintf(init, sizeof init, "random (seed %llu)", (unsigned long long)tc->seed);
     print_startup(&c, &mesh, be, data, n_micro, &m, init);
+    struct validation *val = validation_open(&c, n_micro, mesh.me.local, dp);
+    if (val) mt_log0("  validation  %s\n", validation_describe(val));
 
     struct metrics_log ml;
     metrics_open(&ml, c.log.metrics, resuming);
     const int64_t tokens_micro_global = (int64_t)dp * mb * tc->seq_len;
-    const int64_t n_valid_global = (int64_t)tc->global_batch_size * (tc->seq_len - 1);
     const double coef = c.model.router_aux_loss_coef;
     const bool use_aux = tc->load_balance == MT_LB_AUX && E > 0;
     const size_t nstat = (size_t)L * 2 * MT_MAX(E, 1);
-    int32_t *ids = mt_malloc((size_t)mb * tc->seq_len * sizeof(int32_t));
+    struct step_batch sb;
+    step_batch_init(&sb, &c.data, n_micro, mb, tc->seq_len, mesh.me.local, dp);
     float *aux_dp = mt_calloc((size_t)MT_MAX(E, 1), sizeof(float));
     double *cnt = mt_calloc((size_t)MT_MAX(E, 1), sizeof(double));
     double *layer_counts = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(double));
@@ -294,11 +297,11 @@ int cmd_train(const struct cli *a)
         double ce_local = 0, aux_sum = 0;
         int64_t valid_local = 0;
         memset(layer_counts, 0, (size_t)L * MT_MAX(E, 1) * sizeof(double));
+        step_batch_load(&sb, data, step - 1, stage_h);
+        const int64_t n_valid_global = sb.n_valid_global;
         for (int micro = 0; micro < n_micro; micro++) {
-            int64_t first = data_first_seq(step - 1, micro, n_micro, mesh.me.local, dp, mb);
-            data_get_sequences(data, first, mb, ids);
             struct model_step_out o;
-            model_forward(&m, ids, NULL, &o);
+            step_batch_forward(&sb, micro, &m, &o);
             ce_local += o.ce_sum;
             valid_local += o.n_valid;
             if (E > 0) {
@@ -348,7 +351,12 @@ int cmd_train(const struct cli *a)
             .time_split = c.log.profile ? split : NULL,
         };
         profile_read(split);
-        bool print = step == 1 || step == tc->steps || step % MT_MAX(c.log.interval, 1) == 0;
+        if (validation_due(val, step)) {
+            sm.has_val = true;
+            sm.val_loss = validation_run(val, &m, stage_h, world);
+        }
+        bool print = step == 1 || step == tc->steps || step % MT_MAX(c.log.interval, 1) == 0 ||
+                     sm.has_val;
         metrics_step(&ml, &sm, print);
         if (c.log.profile && step == tc->steps && mesh.rank == 0) {
             profile_print_ops(stdout, step_s);
@@ -362,7 +370,8 @@ int cmd_train(const struct cli *a)
         mt_log0("exported the final weights to %s (Hugging Face layout)\n", c.checkpoint.export_hf);
     }
     metrics_close(&ml);
-    free(ids); free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv);
+    step_batch_free(&sb); validation_close(val);
+    free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv);
     free(tok); free(bias_h);
     params_free(&p);
     model_free(&m);
