@@ -137,7 +137,7 @@ static void describe_tokens(struct data_source *src, const struct data_config *d
     PUT("%s", d->shuffle ? "; shuffled" : "; in file order");
     if (d->shuffle) PUT(" (data.seed %llu)", (unsigned long long)d->seed);
     if (d->document_masking) PUT("; document masking after eos %d", d->eos_id);
-    if (!d->loss_after_eos) PUT("; no loss on the token after eos %d", d->eos_id);
+    if (!d->loss_after_eos && d->eos_id >= 0) PUT("; no loss on the token after eos %d", d->eos_id);
 #undef PUT
 }
 

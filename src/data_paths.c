@@ -96,8 +96,7 @@ char **data_paths_expand(const char *spec, const char *key, int *n, char *err, i
             }
             if (rc == 0) globfree(&g);
         } else {
-            snprintf(err, errcap, "%s: %s: no such file or directory", key, item);
-            ok = false;
+            push(&out, item);   /* the reader reports why it cannot open it */
         }
         if (!comma) break;
         p = comma + 1;

@@ -469,7 +469,7 @@ Test(cpu_ops, attention_forward_matches_double)
     mt_rng rng;
     mt_rng_seed(&rng, 8);
     struct attn_ctx c = {frand(&rng, AQN, 1.0), frand(&rng, AKN, 1.0), frand(&rng, AKN, 1.0),
-                         frand(&rng, AQN, 1.0), fnew(AQN), fnew(AB * AHQ * AS)};
+                         frand(&rng, AQN, 1.0), fnew(AQN), fnew(AB * AHQ * AS), NULL};
     attn_loss(&c);
     const double scale = 1.0 / sqrt(AD);
     for (int b = 0; b < AB; b++)
@@ -509,7 +509,7 @@ Test(cpu_ops, attention_grad)
     mt_rng rng;
     mt_rng_seed(&rng, 9);
     struct attn_ctx c = {frand(&rng, AQN, 1.0), frand(&rng, AKN, 1.0), frand(&rng, AKN, 1.0),
-                         frand(&rng, AQN, 1.0), fnew(AQN), fnew(AB * AHQ * AS)};
+                         frand(&rng, AQN, 1.0), fnew(AQN), fnew(AB * AHQ * AS), NULL};
     attn_loss(&c);
     float *dq = fnew(AQN), *dk = frand(&rng, AKN, 1.0), *dv = frand(&rng, AKN, 1.0);
     /* dk and dv are overwritten (not accumulated) even though they sum over query heads */
