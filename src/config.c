@@ -603,8 +603,8 @@ static bool validate(struct loader *L)
            "global_batch_size", "train.micro_batch_size (%d) must be <= train.global_batch_size (%d)",
            t->micro_batch_size, t->global_batch_size);
     CHECK2(c->data.kind != MT_DATA_TOKENS || c->data.path[0] || c->data.sources[0], "data", "kind",
-           "data", "path", "data.path (or data.sources) is required when data.kind is tokens (the "
-           "token files to train on)");
+           "data", "path", "data.path is required when data.kind is tokens (the token files to "
+           "train on; or data.sources to blend several datasets)");
     CHECK2(!c->data.path[0] || !c->data.sources[0], "data", "path", "data", "sources",
            "data.path and data.sources are both set: give the files once, in data.sources with "
            "their weights or in data.path alone");
