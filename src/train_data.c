@@ -92,8 +92,13 @@ struct validation *validation_open(const struct config *c, int n_micro, int dp_r
     v->batches = d->validation_batches;
     step_batch_init(&v->batch, d, n_micro, c->train.micro_batch_size, c->train.seq_len, dp_rank,
                     dp_size);
-    snprintf(v->desc, sizeof v->desc, "every %d steps, %d batch(es) of %s", v->interval, v->batches,
-             data_describe(v->src));
+    const int64_t per_pass = (int64_t)v->batches * c->train.global_batch_size;
+    const int64_t held = data_epoch_sequences(v->src);
+    int n = snprintf(v->desc, sizeof v->desc, "every %d steps, %d batch(es) of %s", v->interval,
+                     v->batches, data_describe(v->src));
+    if (per_pass > held && n > 0 && n < (int)sizeof v->desc)
+        snprintf(v->desc + n, sizeof v->desc - n, " (a pass reads %lld sequences, more than the %lld "
+                 "held out: some count twice)", (long long)per_pass, (long long)held);
     return v;
 }
 
