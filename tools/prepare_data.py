@@ -142,8 +142,11 @@ def documents(path, kind, key, split):
                 f"choose one with --text-key)")
         for batch in pf.iter_batches(columns=[key]):
             for v in batch.column(0).to_pylist():
-                if v is not None:
-                    yield v
+                if v is None:
+                    continue
+                if not isinstance(v, str):
+                    die(f"{path}: column {key!r} holds {type(v).__name__} values, not text")
+                yield v
     else:
         try:
             with open(path, encoding="utf-8") as f:

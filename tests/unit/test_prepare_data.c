@@ -213,3 +213,27 @@ Test(prepare_data, jsonl_key_and_errors, .timeout = 60)
     cr_expect(strstr(out, "no tokenizer.json"), "%s", out);
     free(out);
 }
+
+/* Parquet input is optional (pyarrow is heavy): tested where it is installed. */
+Test(prepare_data, parquet_column, .timeout = 60)
+{
+    need_tokenizers();
+    if (tu_run("python3 -c 'import pyarrow'", NULL) != 0)
+        cr_skip_test("skipped: pyarrow not installed (optional: pip install -r tools/requirements-parquet.txt)");
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd, "python3 -c \"import pyarrow as pa, pyarrow.parquet as pq; "
+             "pq.write_table(pa.table({'body': ['Alice was tired.', None, 'Down, down.', 'Oh dear!'], "
+             "'n': [1, 2, 3, 4]}), '%s/in.parquet')\"", dir);
+    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "python3 tools/prepare_data.py --tokenizer " TOK " --out %s/o --text-key body "
+             "%s/in.parquet", dir, dir);
+    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+    cr_expect(strstr(out, "3 documents"), "%s", out);   /* the null row is not a document */
+    free(out);
+    snprintf(cmd, sizeof cmd, "python3 tools/prepare_data.py --tokenizer " TOK " --out %s/p --text-key n "
+             "%s/in.parquet", dir, dir);
+    cr_expect_eq(tu_run(cmd, &out), 2, "%s", out);
+    cr_expect(strstr(out, "column 'n' holds int values, not text"), "%s", out);
+    free(out);
+}
