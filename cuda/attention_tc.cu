@@ -53,7 +53,7 @@ template <int D, int MW, int NW, int MINB>
 __global__ void __launch_bounds__(NW * 32, MINB)
 tc_fwd_kernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__restrict__ q,
               const bf16 *__restrict__ k, const bf16 *__restrict__ v, int S, int Hq, int Hkv,
-              float scale, float scale_log2)
+              float scale, float scale_log2, const int32_t *__restrict__ seg)
 {
     constexpr int NT = NW * 32, BR = 16 * MW * NW, BC = TC_BC, LDS = D + 8, DB = D / 8;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -108,7 +108,9 @@ tc_fwd_kernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__res
                 for (int nb = 0; nb < 8; nb++) s[mi][nb][0] = s[mi][nb][1] = s[mi][nb][2] = s[mi][nb][3] = 0.0f;
             mm_abt<D, MW>(s, Qs, wr0, Kt, lane);
 
-            if (k0 + BC - 1 > q0 + wr0 || k0 + BC > S) { /* the tile crosses the diagonal or S */
+            /* the tile crosses the diagonal or S, or documents are masked (seg: any tile) */
+            if (seg || k0 + BC - 1 > q0 + wr0 || k0 + BC > S) {
+                const int32_t *sb = seg ? seg + (size_t)b * S : nullptr;
 #pragma unroll
                 for (int mi = 0; mi < MW; mi++)
 #pragma unroll
@@ -117,7 +119,8 @@ tc_fwd_kernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__res
                         for (int e = 0; e < 4; e++) {
                             const int row = q0 + wr0 + mi * 16 + g + ((e >> 1) << 3);
                             const int col = k0 + nb * 8 + 2 * t + (e & 1);
-                            if (col > row || col >= S) s[mi][nb][e] = -INFINITY;
+                            if (col > row || col >= S || (sb && row < S && sb[row] != sb[col]))
+                                s[mi][nb][e] = -INFINITY;
                         }
             }
 
@@ -441,7 +444,7 @@ bool tc_handles(int B, int S, int Hq, int Hkv, int D, const void *const *ptrs, i
 
 template <int D, int MW, int NW, int MINB>
 void tc_fwd_launch_cfg(void *out, float *lse, const void *q, const void *k, const void *v, int B,
-                       int S, int Hq, int Hkv)
+                       int S, int Hq, int Hkv, const int32_t *seg)
 {
     constexpr int BR = 16 * MW * NW;
     constexpr size_t smem = fwd_smem_bytes<D, BR>();
@@ -451,7 +454,7 @@ void tc_fwd_launch_cfg(void *out, float *lse, const void *q, const void *k, cons
     const dim3 grid((unsigned)(B * Hq), (unsigned)((S + BR - 1) / BR));
     tc_fwd_kernel<D, MW, NW, MINB><<<grid, NW * 32, smem, g_cuda.stream>>>(
         (bf16 *)out, lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, S, Hq, Hkv, scale,
-        scale * LOG2E);
+        scale * LOG2E, seg);
     CUDA_LAUNCH_CHECK("attention tc forward");
 }
 
@@ -463,13 +466,26 @@ int g_fwd_variant = 0;
 
 template <int D>
 void tc_fwd_launch(void *out, float *lse, const void *q, const void *k, const void *v, int B, int S,
-                   int Hq, int Hkv)
+                   int Hq, int Hkv, const int32_t *seg)
 {
     switch (g_fwd_variant) {
-    case 1: tc_fwd_launch_cfg<D, 1, 4, 2>(out, lse, q, k, v, B, S, Hq, Hkv); break;
-    case 2: tc_fwd_launch_cfg<D, 1, 8, 1>(out, lse, q, k, v, B, S, Hq, Hkv); break;
-    default: tc_fwd_launch_cfg<D, 2, 4, 2>(out, lse, q, k, v, B, S, Hq, Hkv); break;
+    case 1: tc_fwd_launch_cfg<D, 1, 4, 2>(out, lse, q, k, v, B, S, Hq, Hkv, seg); break;
+    case 2: tc_fwd_launch_cfg<D, 1, 8, 1>(out, lse, q, k, v, B, S, Hq, Hkv, seg); break;
+    default: tc_fwd_launch_cfg<D, 2, 4, 2>(out, lse, q, k, v, B, S, Hq, Hkv, seg); break;
     }
+}
+
+/* The forward with optional document ids (seg [B,S] or nullptr); false when the case is not one
+ * the tensor-core kernels handle. */
+bool tc_forward(void *out, float *lse, const void *q, const void *k, const void *v, int B, int S,
+                int Hq, int Hkv, int D, const int32_t *seg)
+{
+    const void *ptrs[] = {out, q, k, v};
+    if (!tc_handles(B, S, Hq, Hkv, D, ptrs, 4)) return false;
+    if (B == 0 || S == 0) return true;
+    if (D == 128) tc_fwd_launch<128>(out, lse, q, k, v, B, S, Hq, Hkv, seg);
+    else tc_fwd_launch<64>(out, lse, q, k, v, B, S, Hq, Hkv, seg);
+    return true;
 }
 
 /* Backward kernels: 0 = mma.sync (tc_bwd_dkdv_kernel / tc_bwd_dq_kernel), 1..3 = wgmma with
@@ -551,12 +567,7 @@ void tc_bwd_launch(void *dq, void *dk, void *dv, const void *dout, const void *q
 extern "C" bool attention_tc_forward(void *out, float *lse, const void *q, const void *k,
                                      const void *v, int B, int S, int Hq, int Hkv, int D)
 {
-    const void *ptrs[] = {out, q, k, v};
-    if (!tc_handles(B, S, Hq, Hkv, D, ptrs, 4)) return false;
-    if (B == 0 || S == 0) return true;
-    if (D == 128) tc_fwd_launch<128>(out, lse, q, k, v, B, S, Hq, Hkv);
-    else tc_fwd_launch<64>(out, lse, q, k, v, B, S, Hq, Hkv);
-    return true;
+    return tc_forward(out, lse, q, k, v, B, S, Hq, Hkv, D, nullptr);
 }
 
 extern "C" bool attention_tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
@@ -605,8 +616,7 @@ template <typename T>
 void cu_attention_tc_forward(void *out, float *lse, const void *q, const void *k, const void *v,
                              int B, int S, int Hq, int Hkv, int D, const int32_t *seg)
 {
-    if (std::is_same<T, bf16>::value && !seg &&
-        attention_tc_forward(out, lse, q, k, v, B, S, Hq, Hkv, D))
+    if (std::is_same<T, bf16>::value && tc_forward(out, lse, q, k, v, B, S, Hq, Hkv, D, seg))
         return;
     cu_attention_forward<T>(out, lse, q, k, v, B, S, Hq, Hkv, D, seg);
 }
