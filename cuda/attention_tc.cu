@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(TC_THREADS, 2)
 tc_bwd_dkdv_kernel(bf16 *__restrict__ dk, bf16 *__restrict__ dv, const bf16 *__restrict__ dout,
                    const bf16 *__restrict__ q, const bf16 *__restrict__ k, const bf16 *__restrict__ v,
                    const float *__restrict__ lse2, const float *__restrict__ delta, int S, int Hq,
-                   int Hkv, float scale, float scale_log2)
+                   int Hkv, float scale, float scale_log2, const int32_t *__restrict__ seg)
 {
     constexpr int BK = BWD_BR, BQ = TC_BC, LDS = D + 8, DB = D / 8;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -273,7 +273,8 @@ tc_bwd_dkdv_kernel(bf16 *__restrict__ dk, bf16 *__restrict__ dv, const bf16 *__r
             for (int nb = 0; nb < 8; nb++) st[0][nb][0] = st[0][nb][1] = st[0][nb][2] = st[0][nb][3] = 0.0f;
             mm_abt<D, 1>(st, Ks, wk0, Qt, lane); /* Sᵀ[key][query] */
 
-            const bool mask = q0 < wkey + 15 || q0 + BQ > S;
+            const int32_t *sb = seg ? seg + (size_t)b * S : nullptr;
+            const bool mask = sb || q0 < wkey + 15 || q0 + BQ > S;
 #pragma unroll
             for (int nb = 0; nb < 8; nb++)
 #pragma unroll
@@ -282,7 +283,8 @@ tc_bwd_dkdv_kernel(bf16 *__restrict__ dk, bf16 *__restrict__ dv, const bf16 *__r
                     float p = ex2(fmaf(st[0][nb][e], scale_log2, -lt[c]));
                     if (mask) {
                         const int key = wkey + g + ((e >> 1) << 3), qi = q0 + c;
-                        if (qi < key || qi >= S) p = 0.0f;
+                        /* qi < S and key <= qi keep both seg reads in bounds */
+                        if (qi < key || qi >= S || (sb && sb[qi] != sb[key])) p = 0.0f;
                     }
                     st[0][nb][e] = p;
                 }
@@ -330,7 +332,7 @@ __global__ void __launch_bounds__(TC_THREADS, 2)
 tc_bwd_dq_kernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dout, const bf16 *__restrict__ q,
                  const bf16 *__restrict__ k, const bf16 *__restrict__ v,
                  const float *__restrict__ lse2, const float *__restrict__ delta, int S, int Hq,
-                 int Hkv, float scale, float scale_log2)
+                 int Hkv, float scale, float scale_log2, const int32_t *__restrict__ seg)
 {
     constexpr int BR = BWD_BR, BC = TC_BC, LDS = D + 8, DB = D / 8;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -390,7 +392,8 @@ tc_bwd_dq_kernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dout, const bf1
                 for (int e = 0; e < 4; e++) s[0][nb][e] = dp[0][nb][e] = 0.0f;
             mm_abt<D, 1>(s, Qs, wr0, Kt, lane);
             mm_abt<D, 1>(dp, dOs, wr0, Vt, lane);
-            const bool mask = k0 + BC - 1 > q0 + wr0 || k0 + BC > S;
+            const int32_t *sb = seg ? seg + (size_t)b * S : nullptr;
+            const bool mask = sb || k0 + BC - 1 > q0 + wr0 || k0 + BC > S;
 #pragma unroll
             for (int nb = 0; nb < 8; nb++)
 #pragma unroll
@@ -399,7 +402,7 @@ tc_bwd_dq_kernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dout, const bf1
                     float p = ex2(fmaf(s[0][nb][e], scale_log2, -lr[r]));
                     if (mask) {
                         const int row = q0 + wr0 + g + 8 * r, col = k0 + nb * 8 + 2 * t + (e & 1);
-                        if (col > row || col >= S) p = 0.0f;
+                        if (col > row || col >= S || (sb && row < S && sb[row] != sb[col])) p = 0.0f;
                     }
                     s[0][nb][e] = p * (dp[0][nb][e] - dr[r]); /* dS */
                 }
@@ -522,7 +525,7 @@ template <int D> void dkdv_launch(const attn_bwd_args &a, int variant)
     const unsigned ntiles = (unsigned)((a.S + TC_BC - 1) / TC_BC);
     tc_bwd_dkdv_kernel<D><<<dim3((unsigned)(a.B * a.Hkv), ntiles), TC_THREADS, dkdv_smem_bytes<D>(),
                             g_cuda.stream>>>(a.dk, a.dv, a.dout, a.q, a.k, a.v, a.lse2, a.delta,
-                                             a.S, a.Hq, a.Hkv, a.scale, a.scale_log2);
+                                             a.S, a.Hq, a.Hkv, a.scale, a.scale_log2, a.seg);
     CUDA_LAUNCH_CHECK("attention tc backward dk dv");
 }
 
@@ -537,13 +540,14 @@ template <int D> void dq_launch(const attn_bwd_args &a, int variant)
     const unsigned ntiles = (unsigned)((a.S + TC_BC - 1) / TC_BC);
     tc_bwd_dq_kernel<D><<<dim3((unsigned)(a.B * a.Hq), ntiles), TC_THREADS, dq_smem_bytes<D>(),
                           g_cuda.stream>>>(a.dq, a.dout, a.q, a.k, a.v, a.lse2, a.delta, a.S, a.Hq,
-                                           a.Hkv, a.scale, a.scale_log2);
+                                           a.Hkv, a.scale, a.scale_log2, a.seg);
     CUDA_LAUNCH_CHECK("attention tc backward dq");
 }
 
 template <int D>
 void tc_bwd_launch(void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
-                   const void *v, const void *out, const float *lse, int B, int S, int Hq, int Hkv)
+                   const void *v, const void *out, const float *lse, int B, int S, int Hq, int Hkv,
+                   const int32_t *seg)
 {
     const float scale = tc_scale(D);
     const size_t rows = (size_t)B * S * Hq;
@@ -554,8 +558,9 @@ void tc_bwd_launch(void *dq, void *dk, void *dv, const void *dout, const void *q
     CUDA_LAUNCH_CHECK("attention tc backward prep");
     const attn_bwd_args a = {(bf16 *)dq, (bf16 *)dk, (bf16 *)dv, (const bf16 *)dout, (const bf16 *)q,
                         (const bf16 *)k, (const bf16 *)v, lse2, delta, B, S, Hq, Hkv, scale,
-                        scale * LOG2E};
-    const bool wg = have_wgmma();
+                        scale * LOG2E, seg};
+    /* the wgmma kernels know only the causal mask: documents take the mma.sync kernels */
+    const bool wg = have_wgmma() && !seg;
     dkdv_launch<D>(a, wg ? g_bwd_dkdv : 0);
     dq_launch<D>(a, wg ? g_bwd_dq : 0);
 }
@@ -570,16 +575,26 @@ extern "C" bool attention_tc_forward(void *out, float *lse, const void *q, const
     return tc_forward(out, lse, q, k, v, B, S, Hq, Hkv, D, nullptr);
 }
 
-extern "C" bool attention_tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
-                                      const void *k, const void *v, const void *out,
-                                      const float *lse, int B, int S, int Hq, int Hkv, int D)
+namespace {
+/* The backward with optional document ids (seg [B,S] or nullptr: then the mma.sync kernels). */
+bool tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
+                 const void *v, const void *out, const float *lse, int B, int S, int Hq, int Hkv,
+                 int D, const int32_t *seg)
 {
     const void *ptrs[] = {dq, dk, dv, dout, q, k, v, out};
     if (!tc_handles(B, S, Hq, Hkv, D, ptrs, 8)) return false;
     if (B == 0 || S == 0) return true;
-    if (D == 128) tc_bwd_launch<128>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv);
-    else tc_bwd_launch<64>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv);
+    if (D == 128) tc_bwd_launch<128>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, seg);
+    else tc_bwd_launch<64>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, seg);
     return true;
+}
+} /* namespace */
+
+extern "C" bool attention_tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
+                                      const void *k, const void *v, const void *out,
+                                      const float *lse, int B, int S, int Hq, int Hkv, int D)
+{
+    return tc_backward(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, nullptr);
 }
 
 extern "C" void attention_simt_forward(void *out, float *lse, const void *q, const void *k,
@@ -626,8 +641,8 @@ void cu_attention_tc_backward(void *dq, void *dk, void *dv, const void *dout, co
                               const void *k, const void *v, const void *out, const float *lse,
                               int B, int S, int Hq, int Hkv, int D, const int32_t *seg)
 {
-    if (std::is_same<T, bf16>::value && !seg &&
-        attention_tc_backward(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D))
+    if (std::is_same<T, bf16>::value &&
+        tc_backward(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, seg))
         return;
     cu_attention_backward<T>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, seg);
 }

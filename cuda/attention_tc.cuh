@@ -51,9 +51,9 @@ int attention_tc_set_bwd_variant(int variant);
 #ifdef __cplusplus
 }
 
-/* seg != nullptr (document masking): the tensor-core forward masks keys of other documents
- * per score (every tile, not only those on the diagonal); the backward takes the CUDA-core kernels
- * (the tensor-core backward kernels know only the causal mask). */
+/* seg != nullptr (document masking): the tensor-core kernels mask keys of other documents per
+ * score (in every tile, not only those on the diagonal); the backward then runs the mma.sync
+ * kernels, since the wgmma ones know only the causal mask. */
 template <typename T>
 void cu_attention_tc_forward(void *out, float *lse, const void *q, const void *k, const void *v,
                              int B, int S, int Hq, int Hkv, int D, const int32_t *seg);

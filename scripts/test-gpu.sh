@@ -151,7 +151,7 @@ compare_losses "losses CPU vs 1 GPU, fp32 (tol $TRAIN_FP32_TOL)" \
 
 # 5. packed documents (data.document_masking): the Alice text as byte tokens, a document per line
 #    (EOS = '\n' = 10), shuffled, no loss after EOS. fp32 CPU vs GPU exercises the masked CUDA-core
-#    attention kernels; the bf16 run the masked tensor-core forward and the CUDA-core backward.
+#    attention kernels; the bf16 run the masked tensor-core kernels.
 run_step "make_tokens alice" "$LOG/make_tokens_alice.log" \
     "$B/tools/make_tokens" "$LOG/alice.bin" --vocab 512 --from-text tests/fixtures/text/alice-ch1.txt
 D="--set data.kind=tokens --set data.path=$LOG/alice.bin --set data.eos_id=10 \

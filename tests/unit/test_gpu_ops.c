@@ -746,9 +746,8 @@ static void attention_case(const struct mode *M, mt_rng *rng, int B, int S, int 
 }
 
 /* Document masking: random document lengths 1..max_len packed into each row (ids as data_documents
- * makes them), checked against the CPU. In bf16 with D = 64 and 128 the backend runs the
- * tensor-core forward with the document mask and the CUDA-core backward; fp32 and the other head
- * dims run the CUDA-core kernels both ways. */
+ * makes them), checked against the CPU. In bf16 with D = 64 and 128 the backend runs the masked
+ * tensor-core kernels (mma.sync backward); fp32 and the other head dims the CUDA-core kernels. */
 static void attention_docs_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int Hkv,
                                 int D, int max_len)
 {
