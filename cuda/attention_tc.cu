@@ -49,7 +49,8 @@ namespace {
 
 /* ---------------------------------------------------------------- forward */
 
-template <int D, int MW, int NW, int MINB>
+/* DOCS: seg holds document ids (ops.h); false compiles the causal-only kernel as it always was. */
+template <int D, int MW, int NW, int MINB, bool DOCS>
 __global__ void __launch_bounds__(NW * 32, MINB)
 tc_fwd_kernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__restrict__ q,
               const bf16 *__restrict__ k, const bf16 *__restrict__ v, int S, int Hq, int Hkv,
@@ -108,9 +109,9 @@ tc_fwd_kernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__res
                 for (int nb = 0; nb < 8; nb++) s[mi][nb][0] = s[mi][nb][1] = s[mi][nb][2] = s[mi][nb][3] = 0.0f;
             mm_abt<D, MW>(s, Qs, wr0, Kt, lane);
 
-            /* the tile crosses the diagonal or S, or documents are masked (seg: any tile) */
-            if (seg || k0 + BC - 1 > q0 + wr0 || k0 + BC > S) {
-                const int32_t *sb = seg ? seg + (size_t)b * S : nullptr;
+            /* the tile crosses the diagonal or S, or documents are masked (DOCS: any tile) */
+            if (DOCS || k0 + BC - 1 > q0 + wr0 || k0 + BC > S) {
+                const int32_t *sb = DOCS ? seg + (size_t)b * S : nullptr;
 #pragma unroll
                 for (int mi = 0; mi < MW; mi++)
 #pragma unroll
@@ -208,7 +209,7 @@ __global__ void tc_bwd_prep_kernel(float *__restrict__ delta, float *__restrict_
     }
 }
 
-template <int D>
+template <int D, bool DOCS>
 __global__ void __launch_bounds__(TC_THREADS, 2)
 tc_bwd_dkdv_kernel(bf16 *__restrict__ dk, bf16 *__restrict__ dv, const bf16 *__restrict__ dout,
                    const bf16 *__restrict__ q, const bf16 *__restrict__ k, const bf16 *__restrict__ v,
@@ -273,8 +274,8 @@ tc_bwd_dkdv_kernel(bf16 *__restrict__ dk, bf16 *__restrict__ dv, const bf16 *__r
             for (int nb = 0; nb < 8; nb++) st[0][nb][0] = st[0][nb][1] = st[0][nb][2] = st[0][nb][3] = 0.0f;
             mm_abt<D, 1>(st, Ks, wk0, Qt, lane); /* Sᵀ[key][query] */
 
-            const int32_t *sb = seg ? seg + (size_t)b * S : nullptr;
-            const bool mask = sb || q0 < wkey + 15 || q0 + BQ > S;
+            const int32_t *sb = DOCS ? seg + (size_t)b * S : nullptr;
+            const bool mask = DOCS || q0 < wkey + 15 || q0 + BQ > S;
 #pragma unroll
             for (int nb = 0; nb < 8; nb++)
 #pragma unroll
@@ -327,7 +328,7 @@ tc_bwd_dkdv_kernel(bf16 *__restrict__ dk, bf16 *__restrict__ dv, const bf16 *__r
     }
 }
 
-template <int D>
+template <int D, bool DOCS>
 __global__ void __launch_bounds__(TC_THREADS, 2)
 tc_bwd_dq_kernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dout, const bf16 *__restrict__ q,
                  const bf16 *__restrict__ k, const bf16 *__restrict__ v,
@@ -392,8 +393,8 @@ tc_bwd_dq_kernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dout, const bf1
                 for (int e = 0; e < 4; e++) s[0][nb][e] = dp[0][nb][e] = 0.0f;
             mm_abt<D, 1>(s, Qs, wr0, Kt, lane);
             mm_abt<D, 1>(dp, dOs, wr0, Vt, lane);
-            const int32_t *sb = seg ? seg + (size_t)b * S : nullptr;
-            const bool mask = sb || k0 + BC - 1 > q0 + wr0 || k0 + BC > S;
+            const int32_t *sb = DOCS ? seg + (size_t)b * S : nullptr;
+            const bool mask = DOCS || k0 + BC - 1 > q0 + wr0 || k0 + BC > S;
 #pragma unroll
             for (int nb = 0; nb < 8; nb++)
 #pragma unroll
@@ -445,17 +446,17 @@ bool tc_handles(int B, int S, int Hq, int Hkv, int D, const void *const *ptrs, i
     return true;
 }
 
-template <int D, int MW, int NW, int MINB>
+template <int D, int MW, int NW, int MINB, bool DOCS>
 void tc_fwd_launch_cfg(void *out, float *lse, const void *q, const void *k, const void *v, int B,
                        int S, int Hq, int Hkv, const int32_t *seg)
 {
     constexpr int BR = 16 * MW * NW;
     constexpr size_t smem = fwd_smem_bytes<D, BR>();
     static bool opted;
-    smem_opt_in(tc_fwd_kernel<D, MW, NW, MINB>, smem, &opted);
+    smem_opt_in(tc_fwd_kernel<D, MW, NW, MINB, DOCS>, smem, &opted);
     const float scale = tc_scale(D);
     const dim3 grid((unsigned)(B * Hq), (unsigned)((S + BR - 1) / BR));
-    tc_fwd_kernel<D, MW, NW, MINB><<<grid, NW * 32, smem, g_cuda.stream>>>(
+    tc_fwd_kernel<D, MW, NW, MINB, DOCS><<<grid, NW * 32, smem, g_cuda.stream>>>(
         (bf16 *)out, lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, S, Hq, Hkv, scale,
         scale * LOG2E, seg);
     CUDA_LAUNCH_CHECK("attention tc forward");
@@ -471,10 +472,14 @@ template <int D>
 void tc_fwd_launch(void *out, float *lse, const void *q, const void *k, const void *v, int B, int S,
                    int Hq, int Hkv, const int32_t *seg)
 {
+    if (seg) { /* one tiling for documents: the default */
+        tc_fwd_launch_cfg<D, 2, 4, 2, true>(out, lse, q, k, v, B, S, Hq, Hkv, seg);
+        return;
+    }
     switch (g_fwd_variant) {
-    case 1: tc_fwd_launch_cfg<D, 1, 4, 2>(out, lse, q, k, v, B, S, Hq, Hkv, seg); break;
-    case 2: tc_fwd_launch_cfg<D, 1, 8, 1>(out, lse, q, k, v, B, S, Hq, Hkv, seg); break;
-    default: tc_fwd_launch_cfg<D, 2, 4, 2>(out, lse, q, k, v, B, S, Hq, Hkv, seg); break;
+    case 1: tc_fwd_launch_cfg<D, 1, 4, 2, false>(out, lse, q, k, v, B, S, Hq, Hkv, nullptr); break;
+    case 2: tc_fwd_launch_cfg<D, 1, 8, 1, false>(out, lse, q, k, v, B, S, Hq, Hkv, nullptr); break;
+    default: tc_fwd_launch_cfg<D, 2, 4, 2, false>(out, lse, q, k, v, B, S, Hq, Hkv, nullptr); break;
     }
 }
 
@@ -514,34 +519,41 @@ bool have_wgmma()
     return cc == 90;
 }
 
+template <int D, bool DOCS> void dkdv_mma_launch(const attn_bwd_args &a)
+{
+    static bool opted;
+    smem_opt_in(tc_bwd_dkdv_kernel<D, DOCS>, dkdv_smem_bytes<D>(), &opted);
+    const unsigned ntiles = (unsigned)((a.S + TC_BC - 1) / TC_BC);
+    tc_bwd_dkdv_kernel<D, DOCS><<<dim3((unsigned)(a.B * a.Hkv), ntiles), TC_THREADS,
+                                  dkdv_smem_bytes<D>(), g_cuda.stream>>>(
+        a.dk, a.dv, a.dout, a.q, a.k, a.v, a.lse2, a.delta, a.S, a.Hq, a.Hkv, a.scale,
+        a.scale_log2, a.seg);
+    CUDA_LAUNCH_CHECK("attention tc backward dk dv");
+}
+
+template <int D, bool DOCS> void dq_mma_launch(const attn_bwd_args &a)
+{
+    static bool opted;
+    smem_opt_in(tc_bwd_dq_kernel<D, DOCS>, dq_smem_bytes<D>(), &opted);
+    const unsigned ntiles = (unsigned)((a.S + TC_BC - 1) / TC_BC);
+    tc_bwd_dq_kernel<D, DOCS><<<dim3((unsigned)(a.B * a.Hq), ntiles), TC_THREADS, dq_smem_bytes<D>(),
+                                g_cuda.stream>>>(a.dq, a.dout, a.q, a.k, a.v, a.lse2, a.delta, a.S,
+                                                 a.Hq, a.Hkv, a.scale, a.scale_log2, a.seg);
+    CUDA_LAUNCH_CHECK("attention tc backward dq");
+}
+
 template <int D> void dkdv_launch(const attn_bwd_args &a, int variant)
 {
-    if (variant >= 1 && variant <= 3) {
-        attn_wgmma_dkdv(a, D, variant);
-        return;
-    }
-    static bool opted;
-    smem_opt_in(tc_bwd_dkdv_kernel<D>, dkdv_smem_bytes<D>(), &opted);
-    const unsigned ntiles = (unsigned)((a.S + TC_BC - 1) / TC_BC);
-    tc_bwd_dkdv_kernel<D><<<dim3((unsigned)(a.B * a.Hkv), ntiles), TC_THREADS, dkdv_smem_bytes<D>(),
-                            g_cuda.stream>>>(a.dk, a.dv, a.dout, a.q, a.k, a.v, a.lse2, a.delta,
-                                             a.S, a.Hq, a.Hkv, a.scale, a.scale_log2, a.seg);
-    CUDA_LAUNCH_CHECK("attention tc backward dk dv");
+    if (a.seg) dkdv_mma_launch<D, true>(a);
+    else if (variant >= 1 && variant <= 3) attn_wgmma_dkdv(a, D, variant);
+    else dkdv_mma_launch<D, false>(a);
 }
 
 template <int D> void dq_launch(const attn_bwd_args &a, int variant)
 {
-    if (variant >= 1 && variant <= 3) {
-        attn_wgmma_dq(a, D, variant);
-        return;
-    }
-    static bool opted;
-    smem_opt_in(tc_bwd_dq_kernel<D>, dq_smem_bytes<D>(), &opted);
-    const unsigned ntiles = (unsigned)((a.S + TC_BC - 1) / TC_BC);
-    tc_bwd_dq_kernel<D><<<dim3((unsigned)(a.B * a.Hq), ntiles), TC_THREADS, dq_smem_bytes<D>(),
-                          g_cuda.stream>>>(a.dq, a.dout, a.q, a.k, a.v, a.lse2, a.delta, a.S, a.Hq,
-                                           a.Hkv, a.scale, a.scale_log2, a.seg);
-    CUDA_LAUNCH_CHECK("attention tc backward dq");
+    if (a.seg) dq_mma_launch<D, true>(a);
+    else if (variant >= 1 && variant <= 3) attn_wgmma_dq(a, D, variant);
+    else dq_mma_launch<D, false>(a);
 }
 
 template <int D>
@@ -559,8 +571,8 @@ void tc_bwd_launch(void *dq, void *dk, void *dv, const void *dout, const void *q
     const attn_bwd_args a = {(bf16 *)dq, (bf16 *)dk, (bf16 *)dv, (const bf16 *)dout, (const bf16 *)q,
                         (const bf16 *)k, (const bf16 *)v, lse2, delta, B, S, Hq, Hkv, scale,
                         scale * LOG2E, seg};
-    /* the wgmma kernels know only the causal mask: documents take the mma.sync kernels */
-    const bool wg = have_wgmma() && !seg;
+    /* documents (a.seg) take the mma.sync kernels: the wgmma ones know only the causal mask */
+    const bool wg = have_wgmma();
     dkdv_launch<D>(a, wg ? g_bwd_dkdv : 0);
     dq_launch<D>(a, wg ? g_bwd_dq : 0);
 }
