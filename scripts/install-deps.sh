@@ -18,7 +18,8 @@ have_pc hdf5 || have_h hdf5.h || missing+=(libhdf5-dev)
 # tools/prepare_data.py's Python packages (pinned); without a package index its test says it skipped
 if command -v python3 >/dev/null 2>&1 && ! python3 -c 'import tokenizers' 2>/dev/null; then
     echo "moetrain: installing tools/requirements.txt (pip)"
-    python3 -m pip install -q -r "$(dirname "$0")/../tools/requirements.txt" ||
+    python3 -m pip install -q --disable-pip-version-check --retries 1 --timeout 30 \
+        -r "$(dirname "$0")/../tools/requirements.txt" ||
         echo "moetrain: warning: pip could not install tools/requirements.txt (tools/prepare_data.py and its test need it)"
 fi
 [ ${#missing[@]} -eq 0 ] && exit 0
