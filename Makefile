@@ -93,8 +93,8 @@ $(BUILD)/tools/%: tools/%.c $(BUILD)/libmoetrain.a
 deps:
 	@scripts/install-deps.sh
 
-# Python packages of tools/prepare_data.py (pinned); parquet input also needs
-# tools/requirements-parquet.txt.
+# The pinned Python packages of the tools (also installed by `make deps`); parquet input to
+# tools/prepare_data.py also needs tools/requirements-parquet.txt.
 data-deps:
 	python3 -m pip install -r tools/requirements.txt
 

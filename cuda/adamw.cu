@@ -20,7 +20,7 @@ __global__ void adamw_kernel(float *master, T *param, const float *grad, float *
         float p = master[i] * decay;
         p -= lr * (mhat / (sqrtf(vhat) + eps));
         master[i] = p;
-        param[i] = from_f<T>(p); /* param may be master itself in fp32 */
+        if (param) param[i] = from_f<T>(p); /* param may be master itself in fp32 */
     }
 }
 

@@ -46,10 +46,12 @@ template <typename T> static struct backend make_table(double peak)
     b.upload = cu_upload;
     b.download = cu_download;
     b.sync = cu_sync;
+    b.device_used = cu_device_used;
     b.cast_f32_to_x = cu_cast_f32_to_x<T>;
     b.cast_x_to_f32 = cu_cast_x_to_f32<T>;
     b.add_inplace = cu_add_inplace<T>;
     b.scale_f32 = cu_scale_f32;
+    b.add_f32 = cu_add_f32;
     b.sumsq_f32 = cu_sumsq_f32;
     b.embedding_forward = cu_embedding_forward<T>;
     b.embedding_backward = cu_embedding_backward<T>;
@@ -101,6 +103,7 @@ static void context_init(int local_rank, int count)
     CUBLAS_CHECK(cublasSetWorkspace(g_cuda.blas, g_cuda.workspace, g_cuda.workspace_bytes));
     table_bf16 = make_table<bf16>(peak_flops(false, &prop));
     table_fp32 = make_table<float>(peak_flops(true, &prop));
+    table_bf16.mem_bytes = table_fp32.mem_bytes = (double)prop.totalGlobalMem;
     g_cuda.ready = true;
 }
 

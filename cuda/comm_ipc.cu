@@ -119,7 +119,10 @@ static void grow(struct ipc_a2a *x, const int64_t *need)
         }
     MT_CHECK_MPI(MPI_Barrier(x->mpi));
     if (!x->win[me] || (size_t)need[me] > x->cap[me]) {
-        if (x->win[me]) CUDA_CHECK(cudaFree(x->win[me]));
+        if (x->win[me]) {
+            mem_track_free(x->win[me]);
+            CUDA_CHECK(cudaFree(x->win[me]));
+        }
         size_t c = (size_t)need[me] + (size_t)need[me] / 4;
         c = (c + GROW_ALIGN - 1) / GROW_ALIGN * GROW_ALIGN;
         if (c == 0) c = GROW_ALIGN;
@@ -127,6 +130,9 @@ static void grow(struct ipc_a2a *x, const int64_t *need)
         if (e != cudaSuccess)
             mt_fatal("all-to-all receive window: cudaMalloc(%zu bytes): %s", c, cudaGetErrorString(e));
         x->cap[me] = c;
+        enum mem_cat was = mem_track_set(MEM_BUFFERS);
+        mem_track_alloc(x->win[me], c);
+        mem_track_set(was);
     }
     struct {
         cudaIpcMemHandle_t h;
@@ -204,7 +210,10 @@ void ipc_a2a_free(struct ipc_a2a *x)
         CUDA_CHECK(cudaEventDestroy(x->peer_done[d]));
     }
     MT_CHECK_MPI(MPI_Barrier(x->mpi)); /* unmapped and detached everywhere before anything is freed */
-    if (x->win[x->rank]) CUDA_CHECK(cudaFree(x->win[x->rank]));
+    if (x->win[x->rank]) {
+        mem_track_free(x->win[x->rank]);
+        CUDA_CHECK(cudaFree(x->win[x->rank]));
+    }
     for (int d = 0; d < x->size; d++) {
         CUDA_CHECK(cudaStreamDestroy(x->copy[d]));
         CUDA_CHECK(cudaEventDestroy(x->copied[d]));

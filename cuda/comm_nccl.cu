@@ -174,10 +174,14 @@ static const void *nccl_all_to_all_inbox(struct comm *c, const int64_t *recv_cou
     if (n_in * es > im->inbox_cap) {
         if (im->inbox) {
             CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
+            mem_track_free(im->inbox);
             CUDA_CHECK(cudaFree(im->inbox));
         }
         im->inbox_cap = n_in * es + n_in * es / 4;
         CUDA_CHECK(cudaMalloc(&im->inbox, im->inbox_cap));
+        enum mem_cat was = mem_track_set(MEM_BUFFERS);
+        mem_track_alloc(im->inbox, im->inbox_cap);
+        mem_track_set(was);
     }
     exchange(c, im->inbox, recv_counts, send, send_counts, 0, t);
     return im->inbox;

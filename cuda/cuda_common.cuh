@@ -24,6 +24,7 @@
 #define _Noreturn __attribute__((noreturn))
 extern "C" {
 #include "common.h"
+#include "mem_track.h"
 #include "ops.h"
 }
 #undef _Noreturn

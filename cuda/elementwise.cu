@@ -101,6 +101,8 @@ __global__ void scale_kernel(float *x, size_t n, float s)
         x[i] *= s;
 }
 
+void cu_add_f32(float *y, const float *x, size_t n) { cu_add_inplace<float>(y, x, n); }
+
 void cu_scale_f32(float *x, size_t n, float s)
 {
     if (n == 0) return;

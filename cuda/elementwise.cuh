@@ -8,6 +8,7 @@ template <typename T> void cu_cast_f32_to_x(void *out, const float *in, size_t n
 template <typename T> void cu_cast_x_to_f32(float *out, const void *in, size_t n);
 template <typename T> void cu_add_inplace(void *y, const void *x, size_t n);
 void cu_scale_f32(float *x, size_t n, float s);
+void cu_add_f32(float *y, const float *x, size_t n);
 double cu_sumsq_f32(const float *x, size_t n);
 
 #endif

@@ -17,6 +17,7 @@ void *cu_alloc(size_t bytes)
                  g_cuda.device, cudaGetErrorString(e), free_b / 1073741824.0,
                  total_b / 1073741824.0);
     }
+    mem_track_alloc(p, n);
     /* All-ones bytes are NaN in fp32 and bf16 (and -1 in int32), as in the CPU backend: a buffer
      * read before it is written is loud. */
     CUDA_CHECK(cudaMemsetAsync(p, 0xff, n, g_cuda.stream));
@@ -27,6 +28,7 @@ void cu_free(void *p)
 {
     if (!p) return;
     CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream)); /* queued work may still use p */
+    mem_track_free(p);
     CUDA_CHECK(cudaFree(p));
 }
 
@@ -58,6 +60,13 @@ void cu_download(void *host_dst, const void *src, size_t bytes)
 
 void cu_sync(void) { CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream)); }
 
+double cu_device_used(void)
+{
+    size_t free_b = 0, total_b = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    return (double)(total_b - free_b);
+}
+
 static void *scratch_buf[SCRATCH_COUNT];
 static size_t scratch_cap[SCRATCH_COUNT];
 
@@ -66,12 +75,16 @@ void *cuda_scratch(enum cuda_scratch_slot slot, size_t bytes)
     if (bytes > scratch_cap[slot]) {
         if (scratch_buf[slot]) {
             CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
+            mem_track_free(scratch_buf[slot]);
             CUDA_CHECK(cudaFree(scratch_buf[slot]));
         }
         size_t cap = scratch_cap[slot] + scratch_cap[slot] / 2;
         if (cap < bytes) cap = bytes;
         if (cap < 4096) cap = 4096;
         CUDA_CHECK(cudaMalloc(&scratch_buf[slot], cap));
+        enum mem_cat was = mem_track_set(MEM_BUFFERS);
+        mem_track_alloc(scratch_buf[slot], cap);
+        mem_track_set(was);
         scratch_cap[slot] = cap;
     }
     return scratch_buf[slot];

@@ -12,5 +12,6 @@ void cu_copy(void *dst, const void *src, size_t bytes);
 void cu_upload(void *dst, const void *host_src, size_t bytes);
 void cu_download(void *host_dst, const void *src, size_t bytes);
 void cu_sync(void);
+double cu_device_used(void);
 
 #endif

@@ -15,12 +15,10 @@ have_pc yaml-0.1 || have_h yaml.h || missing+=(libyaml-dev)
 have_pc jansson || have_h jansson.h || missing+=(libjansson-dev)
 have_pc criterion || have_h criterion/criterion.h || missing+=(libcriterion-dev)
 have_pc hdf5 || have_h hdf5.h || missing+=(libhdf5-dev)
-# tools/prepare_data.py's Python packages (pinned); without a package index its test says it skipped
-if command -v python3 >/dev/null 2>&1 && ! python3 -c 'import tokenizers' 2>/dev/null; then
+# Python packages of the tools the tests run (tools/requirements.txt, pinned), from PyPI
+if ! python3 -c "import numpy, safetensors, matplotlib, tokenizers" >/dev/null 2>&1; then
     echo "moetrain: installing tools/requirements.txt (pip)"
-    python3 -m pip install -q --disable-pip-version-check --retries 1 --timeout 30 \
-        -r "$(dirname "$0")/../tools/requirements.txt" ||
-        echo "moetrain: warning: pip could not install tools/requirements.txt (tools/prepare_data.py and its test need it)"
+    python3 -m pip install -q -r "$(dirname "$0")/../tools/requirements.txt"
 fi
 [ ${#missing[@]} -eq 0 ] && exit 0
 echo "moetrain: installing missing packages: ${missing[*]}"

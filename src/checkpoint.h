@@ -77,4 +77,15 @@ bool ckpt_is_checkpoint(const char *dir);
 /* The config a checkpoint was saved with (its manifest's YAML), with `sets` applied after it. */
 bool ckpt_read_config(const char *dir, int n_sets, char **sets, struct config *c, char *err, int cap);
 
+/* Not collective, one process: reads the master weights of checkpoint `dir` one flat range of one
+ * tensor at a time (moetrain export), never the whole model. open checks the manifest against
+ * c->model as ckpt_load does and indexes every rank file; *bias_out: the saved balancing bias
+ * [L, E] (malloc'd) or NULL; *step_out: the checkpoint's step. NULL / false + one-line message. */
+struct ckpt_reader;
+struct ckpt_reader *ckpt_reader_open(const char *dir, const struct config *c, const struct tensor_table *tt,
+                                     float **bias_out, int *step_out, char *err, int cap);
+/* elements [A, A + n) of tensor `tensor`'s flattened global layout into dst */
+bool ckpt_reader_read(struct ckpt_reader *r, int tensor, int64_t A, int64_t n, float *dst, char *err, int cap);
+void ckpt_reader_close(struct ckpt_reader *r);
+
 #endif

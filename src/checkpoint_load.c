@@ -597,8 +597,8 @@ bool ckpt_load_checked(const char *dir, struct params *p, const struct mesh *mes
             struct param_group_shard *g = &p->g[k];
             float *dst = b == CK_MASTER ? g->master : b == CK_ADAM_M ? g->m1 : g->m2;
             be->upload(dst, host[k], (size_t)g->numel * sizeof(float));
-            if (b == CK_MASTER) be->cast_f32_to_x(g->param_x, g->master, (size_t)g->numel);
         }
+        if (ok && b == CK_MASTER) params_refresh_copy(p);
         for (int k = 0; k < TG_COUNT; k++) free(host[k]);
     }
     if (ok) {
@@ -629,4 +629,85 @@ void ckpt_load(const char *dir, struct params *p, const struct mesh *mesh, const
     char err[CK_ERR_CAP];
     if (!ckpt_load_checked(dir, p, mesh, c, bias_host_out, step_out, false, err, sizeof err))
         mt_user_error("%s", err);
+}
+
+/* --- reading one tensor range at a time (moetrain export) ---------------------------------- */
+
+struct ckpt_reader {
+    struct reader rd;
+    struct manifest man;
+    struct pieces all;
+    int *first, *order;         /* pieces of tensor i: all.v[order[first[i] .. first[i + 1])] */
+};
+
+struct ckpt_reader *ckpt_reader_open(const char *dir, const struct config *c, const struct tensor_table *tt,
+                                     float **bias_out, int *step_out, char *err, int cap)
+{
+    ck_h5_init();
+    struct ckpt_reader *r = mt_calloc(1, sizeof *r);
+    struct mesh one;
+    memset(&one, 0, sizeof one);
+    one.world_comm = MPI_COMM_NULL;
+    one.d.world = 1;
+    float *bias = NULL;
+    err[0] = 0;
+    if (!read_manifest(dir, c, &r->man, &bias, err, cap) || !build_index(dir, &r->man, tt, &one, &r->all, err, cap)) {
+        free(bias);
+        ckpt_reader_close(r);
+        return NULL;
+    }
+    const int L = c->model.num_hidden_layers, E = c->model.num_experts;
+    if (r->man.has_bias && (r->man.bias_L != L || r->man.bias_E != E)) {
+        ck_errf(err, cap, "%s/%s: balance_bias is [%lld, %lld], the model needs [%d, %d]", dir, CK_MANIFEST,
+                (long long)r->man.bias_L, (long long)r->man.bias_E, L, E);
+        free(bias);
+        ckpt_reader_close(r);
+        return NULL;
+    }
+    *bias_out = r->man.has_bias ? bias : NULL;
+    if (!r->man.has_bias) free(bias);
+    *step_out = (int)r->man.step;
+    r->first = mt_calloc((size_t)tt->n + 1, sizeof(int));
+    r->order = mt_malloc((size_t)MT_MAX(r->all.n, 1) * sizeof(int));
+    for (int j = 0; j < r->all.n; j++) r->first[r->all.v[j].tensor + 1]++;
+    for (int i = 0; i < tt->n; i++) r->first[i + 1] += r->first[i];
+    int *fill = mt_calloc((size_t)tt->n, sizeof(int));
+    for (int j = 0; j < r->all.n; j++) r->order[r->first[r->all.v[j].tensor] + fill[r->all.v[j].tensor]++] = j;
+    free(fill);
+    r->rd = (struct reader){.dir = dir, .tt = tt, .buf = CK_MASTER};
+    r->rd.files = mt_malloc((size_t)r->man.world * sizeof(hid_t));
+    for (int64_t f = 0; f < r->man.world; f++) r->rd.files[f] = -1;
+    r->rd.dapl = CK_H5(H5Pcreate(H5P_DATASET_ACCESS));
+    CK_H5(H5Pset_chunk_cache(r->rd.dapl, 521, (size_t)16 << 20, 1.0));
+    return r;
+}
+
+bool ckpt_reader_read(struct ckpt_reader *r, int tensor, int64_t A, int64_t n, float *dst, char *err, int cap)
+{
+    const struct tensor_spec *s = &r->rd.tt->t[tensor];
+    struct ck_runs one = {.r = &(struct ck_run){.gidx = A, .soff = 0, .len = n}, .n = 1, .cap = 1};
+    int64_t covered = 0;
+    r->rd.err = err;
+    r->rd.cap = cap;
+    err[0] = 0;
+    for (int q = r->first[tensor]; q < r->first[tensor + 1]; q++)
+        if (!read_piece_overlaps(&r->rd, &r->all.v[r->order[q]], &one, dst, &covered)) return false;
+    if (covered != n)
+        return ck_errf(err, cap, "checkpoint %s: its rank files hold %lld of the %lld elements [%lld, %lld) of %s (%s)",
+                       r->rd.dir, (long long)covered, (long long)n, (long long)A, (long long)(A + n), s->name,
+                       covered < n ? "a dataset is missing" : "pieces overlap");
+    return true;
+}
+
+void ckpt_reader_close(struct ckpt_reader *r)
+{
+    if (!r) return;
+    for (int64_t f = 0; r->rd.files && f < r->man.world; f++)
+        if (r->rd.files[f] >= 0) CK_H5(H5Fclose(r->rd.files[f]));
+    if (r->rd.files) CK_H5(H5Pclose(r->rd.dapl));
+    free(r->rd.files);
+    free(r->all.v);
+    free(r->first);
+    free(r->order);
+    free(r);
 }

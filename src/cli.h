@@ -3,6 +3,7 @@
 #define MT_CLI_H
 
 #include <stdbool.h>
+#include <stdint.h>
 
 struct cli {
     const char *command;       /* "train", "plan", "verify" */
@@ -17,6 +18,11 @@ struct cli {
     const char *reference;     /* verify REFERENCE.safetensors */
     double tolerance;          /* verify --tolerance (default 1e-4) */
     const char *backend;       /* --backend cpu|cuda|auto (default auto) */
+    bool force;                /* --force: replace existing output (export directory) */
+    const char *dtype;         /* export --dtype bf16|fp32 (default bf16) */
+    uint64_t max_shard_bytes;  /* export --max-shard-bytes N (0 = 5e9) */
+    const char *tokenizer_from;/* export --tokenizer DIR (default: the checkpoint's model.init_from) */
+    bool forward_only;         /* verify --forward-only: logits and loss only, no gradient dump */
 };
 
 int cmd_train(const struct cli *a);

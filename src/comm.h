@@ -21,9 +21,11 @@ struct comm {
 };
 
 struct comm_ops {
-    /* recv[size * n] = concatenation of every rank's send[n], in rank order */
+    /* recv[size * n] = concatenation of every rank's send[n], in rank order; in place when
+     * send == recv + rank * n */
     void (*all_gather)(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t);
-    /* recv[n] = sum over ranks of send[rank * n .. rank * n + n) */
+    /* recv[n] = sum over ranks of send[rank * n .. rank * n + n); in place when
+     * recv == send + rank * n (send is then clobbered) */
     void (*reduce_scatter_sum)(struct comm *c, void *recv, const void *send, size_t n,
                                enum comm_dtype t);
     /* buf[n] = sum over ranks, in place */

@@ -41,13 +41,22 @@ static int checked_count(size_t n)
 
 static void mpi_all_gather(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t)
 {
-    MT_CHECK_MPI(MPI_Allgather(send == recv ? MPI_IN_PLACE : send, checked_count(n), mpi_type(t),
+    const bool in_place = send == (const char *)recv + (size_t)c->rank * n * comm_dtype_size(t);
+    MT_CHECK_MPI(MPI_Allgather(in_place ? MPI_IN_PLACE : send, checked_count(n), mpi_type(t),
                                recv, checked_count(n), mpi_type(t), c->mpi));
 }
 
+/* In place (recv = send + rank * n, comm.h) MPI leaves the result at the start of the buffer. */
 static void mpi_reduce_scatter_sum(struct comm *c, void *recv, const void *send, size_t n,
                                    enum comm_dtype t)
 {
+    const size_t es = comm_dtype_size(t);
+    if (recv == (const char *)send + (size_t)c->rank * n * es) {
+        MT_CHECK_MPI(MPI_Reduce_scatter_block(MPI_IN_PLACE, (void *)send, checked_count(n), mpi_type(t),
+                                              MPI_SUM, c->mpi));
+        memmove(recv, send, n * es);
+        return;
+    }
     MT_CHECK_MPI(MPI_Reduce_scatter_block(send, recv, checked_count(n), mpi_type(t), MPI_SUM, c->mpi));
 }
 

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <yaml.h>
 
 #include "config_table.h"
@@ -48,6 +49,7 @@ void config_defaults(struct config *c)
     c->parallel.pipeline_parallel_size = 1;
     c->parallel.expert_parallel_size = 1;
     c->parallel.ep_outside = false;
+    c->parallel.reshard_after_forward = true;
     c->parallel.backend = MT_BACKEND_AUTO;
 
     struct train_config *t = &c->train;
@@ -66,6 +68,8 @@ void config_defaults(struct config *c)
     t->seed = 1234;
     t->activation_checkpointing = false;
     t->load_balance = MT_LB_AUX;
+    t->weight_copy = MT_COPY_AUTO;
+    t->optimizer_state_dtype = MT_STATE_FP32;
     t->bias_update_rate = 1e-3;
 
     c->data.kind = MT_DATA_SYNTHETIC;
@@ -79,6 +83,8 @@ void config_defaults(struct config *c)
 
     c->checkpoint.interval = 0;
     c->checkpoint.keep = 2;
+    c->checkpoint.export_dtype = MT_PREC_BF16;
+    c->checkpoint.export_shard_bytes = 5000000000ull;
 
     c->log.interval = 1;
 }
@@ -543,6 +549,59 @@ static bool apply_hf_config(struct loader *L)
     return true;
 }
 
+/* model.init_from naming a Hugging Face directory (not a checkpoint) whose config.json exists and
+ * no model.hf_config: that file decides the model keys, as hf_config would, and a key also written
+ * in the YAML or --set must agree with it, because the weights have the file's shapes. Training
+ * hyper-parameters that config.json also carries may differ. */
+static bool lenient_init_key(const char *key)
+{
+    static const char *const own[] = { "router_aux_loss_coef", "initializer_range", "max_position_embeddings" };
+    for (size_t i = 0; i < sizeof own / sizeof own[0]; i++)
+        if (!strcmp(own[i], key)) return true;
+    return false;
+}
+
+static bool apply_init_from_config(struct loader *L)
+{
+    struct config *c = L->c;
+    char dir_json[MT_PATH_MAX + 32], manifest[MT_PATH_MAX + 32];
+    snprintf(dir_json, sizeof dir_json, "%s/config.json", c->model.init_from);
+    snprintf(manifest, sizeof manifest, "%s/manifest.h5", c->model.init_from);
+    struct stat st;
+    if (stat(dir_json, &st) != 0 || stat(manifest, &st) == 0) return true;
+    struct config *j = mt_malloc(sizeof *j);
+    *j = *c;
+    char msg[1024];
+    if (!config_read_hf_json(&j->model, dir_json, msg, (int)sizeof msg)) {
+        free(j);
+        return fail(L, "%s (model.init_from)", msg);
+    }
+    for (int i = 0; i < cfg_n_keys; i++) {
+        const struct cfg_key *k = &cfg_keys[i];
+        if (k->alias || strcmp(k->section, "model") != 0 || moetrain_only(k->key)) continue;
+        if (L->org[i].kind == ORG_DEFAULT) {
+            L->org[i].kind = ORG_JSON;
+            continue;
+        }
+        char mine[256], theirs[256], loc[MT_PATH_MAX + 64];
+        cfg_format_value(k, c, mine, sizeof mine);
+        cfg_format_value(k, j, theirs, sizeof theirs);
+        if (!strcmp(mine, theirs) || lenient_init_key(k->key)) {
+            memcpy((char *)j + k->offset, (const char *)c + k->offset, k->size);
+            if (k->type == CFG_INT_LIST)
+                memcpy((char *)j + k->count_offset, (const char *)c + k->count_offset, sizeof(int));
+            continue;
+        }
+        where(L, i, loc, sizeof loc);
+        free(j);
+        return fail(L, "%s: model.%s is %s but %s (model.init_from) says %s; remove the key or make them agree",
+                    loc, k->key, mine, dir_json, theirs);
+    }
+    c->model = j->model;
+    free(j);
+    return true;
+}
+
 /* ---- validation ---------------------------------------------------------------------------- */
 
 static bool validate(struct loader *L)
@@ -662,6 +721,7 @@ static bool load_common(struct config *c, const char *name, const char *text, si
     if (ok && text) ok = load_yaml_text(L, text, len);
     for (int i = 0; ok && i < n_sets; i++) ok = apply_set(L, i);
     if (ok && c->model.hf_config[0]) ok = apply_hf_config(L);
+    else if (ok && c->model.init_from[0]) ok = apply_init_from_config(L);
     if (ok) ok = validate(L);
     free(L);
     return ok;

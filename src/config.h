@@ -15,6 +15,9 @@ enum mt_precision { MT_PREC_BF16 = 0, MT_PREC_FP32 = 1 };
 enum mt_load_balance { MT_LB_AUX = 0, MT_LB_BIAS = 1, MT_LB_NONE = 2 };
 enum mt_data_kind { MT_DATA_SYNTHETIC = 0, MT_DATA_TOKENS = 1 };
 enum mt_backend_choice { MT_BACKEND_AUTO = 0, MT_BACKEND_CPU = 1, MT_BACKEND_CUDA = 2 };
+/* train.weight_copy: keep a compute-dtype copy of the shard, or cast the master at every gather */
+enum mt_weight_copy { MT_COPY_AUTO = 0, MT_COPY_KEEP = 1, MT_COPY_CAST = 2 };
+enum mt_state_dtype { MT_STATE_FP32 = 0, MT_STATE_BF16 = 1 };
 
 struct model_config {
     char hf_config[MT_PATH_MAX];  /* path to a config.json; its fields fill the ones below */
@@ -51,6 +54,7 @@ struct parallel_config {
     int expert_parallel_size;     /* ep; ep_fsdp = ranks per stage / ep */
     bool ep_outside;              /* local = e*ep_fsdp + f instead of f*ep + e */
     enum mt_backend_choice backend; /* auto | cpu | cuda */
+    bool reshard_after_forward;   /* free a layer's gathered weights after its forward (FSDP) */
 };
 
 struct train_config {
@@ -68,6 +72,8 @@ struct train_config {
     bool activation_checkpointing;
     enum mt_load_balance load_balance;  /* aux | bias | none */
     double bias_update_rate;      /* aux-loss-free balancing: bias += rate * sign(mean - load) */
+    enum mt_weight_copy weight_copy;   /* compute copy of the shard: auto | keep | cast */
+    enum mt_state_dtype optimizer_state_dtype; /* Adam moments: fp32 | bf16 */
 };
 
 struct data_config {
@@ -91,7 +97,9 @@ struct ckpt_config {
     int interval;                 /* steps between checkpoints; 0 = only at the end */
     int keep;                     /* newest checkpoints kept; 0 = all */
     char export_hf[MT_PATH_MAX];  /* after training, write a Hugging Face model directory here
-                                   * (config.json + model.safetensors, fp32); "" = none */
+                                   * (docs/export.md); "" = none */
+    enum mt_precision export_dtype;   /* bf16 (default) | fp32 weights in the export */
+    uint64_t export_shard_bytes;      /* tensor data per safetensors shard (default 5e9) */
 };
 
 struct log_config {

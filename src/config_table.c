@@ -14,11 +14,15 @@ _Static_assert(sizeof(enum mt_precision) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_load_balance) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_data_kind) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_backend_choice) == sizeof(int), "enum size");
+_Static_assert(sizeof(enum mt_weight_copy) == sizeof(int), "enum size");
+_Static_assert(sizeof(enum mt_state_dtype) == sizeof(int), "enum size");
 
 static const char *const precision_names[] = { "bf16", "fp32" };
 static const char *const load_balance_names[] = { "aux", "bias", "none" };
 static const char *const data_kind_names[] = { "synthetic", "tokens" };
 static const char *const backend_names[] = { "auto", "cpu", "cuda" };
+static const char *const weight_copy_names[] = { "auto", "keep", "cast" };
+static const char *const state_dtype_names[] = { "fp32", "bf16" };
 
 #define FIELD(f) offsetof(struct config, f), sizeof(((struct config *)0)->f)
 /* the bounds argument is one of POS / NONNEG / GT0 below, or "flags, lo, hi" */
@@ -70,6 +74,7 @@ const struct cfg_key cfg_keys[] = {
     INT("parallel", "expert_parallel_size", parallel.expert_parallel_size, POS),
     BOOL("parallel", "ep_outside", parallel.ep_outside),
     ENUM("parallel", "backend", parallel.backend, backend_names),
+    BOOL("parallel", "reshard_after_forward", parallel.reshard_after_forward),
 
     INT("train", "steps", train.steps, POS),
     INT("train", "seq_len", train.seq_len, POS),
@@ -87,6 +92,8 @@ const struct cfg_key cfg_keys[] = {
     BOOL("train", "activation_checkpointing", train.activation_checkpointing),
     ENUM("train", "load_balance", train.load_balance, load_balance_names),
     DBL("train", "bias_update_rate", train.bias_update_rate, NONNEG),
+    ENUM("train", "weight_copy", train.weight_copy, weight_copy_names),
+    ENUM("train", "optimizer_state_dtype", train.optimizer_state_dtype, state_dtype_names),
 
     ENUM("data", "kind", data.kind, data_kind_names),
     STR("data", "path", data.path),
@@ -106,6 +113,8 @@ const struct cfg_key cfg_keys[] = {
     INT("checkpoint", "interval", checkpoint.interval, NONNEG),
     INT("checkpoint", "keep", checkpoint.keep, NONNEG),
     STR("checkpoint", "export_hf", checkpoint.export_hf),
+    ENUM("checkpoint", "export_dtype", checkpoint.export_dtype, precision_names),
+    U64("checkpoint", "export_shard_bytes", checkpoint.export_shard_bytes),
 
     INT("log", "interval", log.interval, POS),
     STR("log", "metrics", log.metrics),

@@ -211,14 +211,14 @@ static bool read_exact(const struct st_tensor *t, struct hf_file *hf, int ndim,
     return true;
 }
 
-static void hub_name(char *out, size_t cap, const struct tensor_spec *s, int part, int64_t expert)
+void hf_hub_name(char *out, size_t cap, const struct tensor_spec *s, int part, int64_t expert)
 {
     if (s->kind == TK_EXPERT) snprintf(out, cap, s->hf_name[part], (int)expert);
     else snprintf(out, cap, "%s", s->hf_name[part]);
 }
 
 /* Shape of one hub part: experts [d1 / n_hf, d2] per expert; others dim 0 divided by n_hf. */
-static int part_shape(const struct tensor_spec *s, int64_t *shape)
+int hf_hub_shape(const struct tensor_spec *s, int64_t shape[3])
 {
     if (s->kind == TK_EXPERT) {
         shape[0] = s->shape[1] / s->n_hf;
@@ -243,7 +243,7 @@ bool hf_read_tensor(struct hf_source *src, const struct tensor_spec *s, int64_t 
     char name[160];
     struct hf_file *hf;
     const struct hf_file *where;
-    hub_name(name, sizeof name, s, 0, e0);
+    hf_hub_name(name, sizeof name, s, 0, e0);
     const struct st_tensor *t = locate(src, name, &hf, &where);
 
     if (!t) {
@@ -267,11 +267,11 @@ bool hf_read_tensor(struct hf_source *src, const struct tensor_spec *s, int64_t 
     }
 
     int64_t shape[3];
-    int ndim = part_shape(s, shape);
+    int ndim = hf_hub_shape(s, shape);
     int64_t part_elems = per_expert / s->n_hf;
     for (int64_t e = e0; e < e0 + ne; e++)
         for (int p = 0; p < s->n_hf; p++) {
-            hub_name(name, sizeof name, s, p, e);
+            hf_hub_name(name, sizeof name, s, p, e);
             t = locate(src, name, &hf, &where);
             if (!t) return not_found(src, name, NULL, where, err, errcap);
             float *out = dst + (e - e0) * per_expert + p * part_elems;
@@ -332,14 +332,26 @@ bool hf_save_weights(const char *model_dir_or_file, const struct tensor_table *t
         const struct tensor_spec *s = &tt->t[i];
         const float *base = group_buf[tensor_group_of(s)] + s->offset;
         int64_t shape[3];
-        int ndim = part_shape(s, shape);
+        int ndim = hf_hub_shape(s, shape);
         int64_t n_exp = s->kind == TK_EXPERT ? s->shape[0] : 1;
         int64_t per_expert = s->numel / n_exp, part_elems = per_expert / s->n_hf;
         for (int64_t e = 0; e < n_exp; e++)
             for (int p = 0; p < s->n_hf; p++) {
-                hub_name(name, sizeof name, s, p, e);
+                hf_hub_name(name, sizeof name, s, p, e);
                 st_writer_add_f32(w, name, stored, ndim, shape, base + e * per_expert + p * part_elems);
             }
     }
     return st_writer_finish(w, path, err, errcap);
+}
+
+bool hf_read_optional(struct hf_source *src, const char *name, int64_t n, float *dst, bool *present, char *err,
+                      int errcap)
+{
+    struct hf_file *hf;
+    const struct hf_file *where;
+    const struct st_tensor *t = locate(src, name, &hf, &where);
+    *present = t != NULL;
+    if (!t) return true;
+    const int64_t shape[1] = {n};
+    return read_exact(t, hf, 1, shape, dst, err, errcap);
 }

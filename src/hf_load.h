@@ -42,6 +42,17 @@ bool hf_load_weights_counted(const char *model_dir, const struct tensor_table *t
  * up) in dtype "F32" or "BF16" (round to nearest even). model_dir_or_file: a path ending in
  * ".safetensors" is written as that file; anything else is a directory (created if missing) that gets
  * model.safetensors. */
+/* A 1-D tensor `name` of n elements that a model may lack: *present false (and dst untouched)
+ * when absent; a present one of another shape is an error. */
+bool hf_read_optional(struct hf_source *src, const char *name, int64_t n, float *dst, bool *present, char *err,
+                      int errcap);
+
+/* Hub tensor `part` (< n_hf) of expert `expert` (0 for the other kinds) of s: its name, and its
+ * shape (returns ndim). Each is one contiguous range of s's flattened global layout, starting at
+ * expert * (numel / shape[0]) + part * (that / n_hf) for experts, part * (numel / n_hf) otherwise. */
+void hf_hub_name(char *out, size_t cap, const struct tensor_spec *s, int part, int64_t expert);
+int hf_hub_shape(const struct tensor_spec *s, int64_t shape[3]);
+
 bool hf_save_weights(const char *model_dir_or_file, const struct tensor_table *tt,
                      const float *const group_buf[TG_COUNT], const char *dtype, char *err, int errcap);
 

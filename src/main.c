@@ -1,4 +1,5 @@
 /* moetrain: train | plan | verify. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,8 +13,9 @@ static void usage(FILE *f)
             "usage:\n"
             "  moetrain train  CONFIG.yaml [--set section.key=value ...] [--resume auto|DIR] [--dry-run]\n"
             "  moetrain plan   CONFIG.yaml --world N [--gpus-per-node G] [--set ...]\n"
-            "  moetrain verify MODEL_DIR REFERENCE.safetensors [--tolerance X] [--set ...]\n"
-            "  moetrain export CHECKPOINT_DIR OUT_DIR           (checkpoint -> Hugging Face directory)\n"
+            "  moetrain verify MODEL_DIR|CHECKPOINT REFERENCE.safetensors [--forward-only] [--tolerance X] [--set ...]\n"
+            "  moetrain export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--max-shard-bytes N]\n"
+            "                  [--tokenizer HF_DIR] [--force]   (checkpoint -> Hugging Face directory)\n"
             "common options: --backend cpu|cuda|auto   --help\n"
             "Launch on many ranks with: mpirun -np N moetrain train CONFIG.yaml (or srun).\n");
 }
@@ -66,6 +68,27 @@ int main(int argc, char **argv)
             a.backend = argv[++i];
             if (strcmp(a.backend, "cpu") && strcmp(a.backend, "cuda") && strcmp(a.backend, "auto"))
                 mt_user_error("--backend expects cpu, cuda or auto, got '%s'", a.backend);
+        } else if (!strcmp(s, "--force")) {
+            a.force = true;
+        } else if (!strcmp(s, "--forward-only")) {
+            a.forward_only = true;
+        } else if (!strcmp(s, "--dtype")) {
+            NEED_VALUE();
+            a.dtype = argv[++i];
+            if (strcmp(a.dtype, "bf16") && strcmp(a.dtype, "fp32"))
+                mt_user_error("--dtype expects bf16 or fp32, got '%s'", a.dtype);
+        } else if (!strcmp(s, "--max-shard-bytes")) {
+            NEED_VALUE();
+            char *end = NULL;
+            const char *v = argv[++i];
+            errno = 0;
+            unsigned long long x = strtoull(v, &end, 10);
+            if (!*v || *end || *v == '-' || errno || x == 0)
+                mt_user_error("--max-shard-bytes expects a positive integer, got '%s'", v);
+            a.max_shard_bytes = (uint64_t)x;
+        } else if (!strcmp(s, "--tokenizer")) {
+            NEED_VALUE();
+            a.tokenizer_from = argv[++i];
         } else if (!strcmp(s, "--help") || !strcmp(s, "-h")) {
             usage(stdout);
             return 0;

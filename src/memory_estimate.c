@@ -1,16 +1,18 @@
-/* Memory estimate per stage, as src/params.c and src/model.c allocate it today:
- *  - the shard: fp32 master weights and Adam moments (m and v) for the rank's piece of every tensor
- *    (non-expert tensors split across the S ranks of the stage, expert tensors dim 0 across EP and
- *    dim 1 across EP_FSDP, padded to equal shards), plus, where the group has more than one rank,
- *    the shard's compute-dtype copy and its reduced fp32 gradient (a group of one uses the working
- *    buffers themselves);
- *  - the working set: every tensor of the stage's layers gathered once per step (the local experts
- *    whole along dim 1) in the compute dtype, with its fp32 gradient accumulated over micro-batches;
- *  - buffers: the all-gather receive (compute dtype) and reduce-scatter send (fp32) staging of each
- *    group with more than one rank (group size x shard);
+/* Memory estimate per stage, as src/params.c, src/fsdp.c and src/model.c allocate it:
+ *  - the shard (params.h): fp32 master weights, fp32 gradient and Adam moments (fp32 or bf16) for
+ *    the rank's piece of every unit of the stage (non-expert units split in S equal chunks, expert
+ *    tensors dim 0 across EP and dim 1 across EP_FSDP, padded), plus its compute-dtype copy when
+ *    train.weight_copy keeps one (none needed with fp32 compute: the copy is the master);
+ *  - working weights (fsdp.c): a group of one with a copy computes from it in place; any other
+ *    group builds units in working buffers: one of the largest unit and one of the largest layer
+ *    (parallel.reshard_after_forward), or one per unit of the stage;
+ *  - working gradients: groups of several ranks accumulate a unit's gradient in a buffer of the
+ *    largest unit (two with tied embeddings) before the reduce-scatter into the shard;
+ *  - buffers: the expert all-gather / reduce-scatter staging (group x piece, fp32; the collectives
+ *    run in place), the backward scratch of the model (model.c, moe.c) and, with
+ *    ep > 1, the all-to-all send rows and receive window;
  *  - the embedding lives on stage 0, final norm and lm_head on the last stage; with tied embeddings
- *    and pp > 1 the last stage keeps its own copy of the embedding for the head.
- * Gathering one layer at a time (design.md) would replace the working set by a layer's worth. */
+ *    and pp > 1 the last stage keeps its own copy of the embedding for the head. */
 #include "memory_estimate.h"
 
 #include <stdlib.h>
@@ -98,8 +100,32 @@ double estimate_activation_bytes(const struct config *c, int layer0, int layer1,
     return bytes;
 }
 
+/* Backward scratch of model.c / moe.c for one micro-batch: the residual gradient and three wide
+ * temporaries, q/k/v gradients, the router's compute-dtype logits and top-k weight gradients, the
+ * expert-side gradient rows (as x_exp, gu, act, y_exp: headroom x T x k rows), and with ep > 1 the
+ * sender's pair rows with their metadata and the all-to-all receive window (comm_ipc / NCCL inbox:
+ * the rows a rank receives, 25% headroom). */
+static double scratch_bytes(const struct config *c)
+{
+    const struct model_config *m = &c->model;
+    const double T = (double)c->train.micro_batch_size * (double)c->train.seq_len;
+    const double act_b = m->precision == MT_PREC_FP32 ? 4 : 2;
+    const double H = m->hidden_size, D = config_head_dim(m), Hq = m->num_attention_heads;
+    const double Hkv = m->num_key_value_heads, wide = H > Hq * D ? H : Hq * D;
+    const double E = m->num_experts, k = m->num_experts_per_tok, I = m->moe_intermediate_size;
+    const int ep = c->parallel.expert_parallel_size;
+    double b = T * (H + 3 * wide + (Hq + 2 * Hkv) * D) * act_b;
+    b += T * (2 * (double)m->intermediate_size + m->intermediate_size) * act_b;
+    if (E > 0) {
+        const double headroom = ep > 1 ? 1.25 : 1.0, pairs = T * (k < ep ? k : ep);
+        b += T * E * act_b + T * k * 4 + headroom * T * k * (2 * H + 3 * I) * act_b;
+        if (ep > 1) b += pairs * (H * act_b + 8 * k) + 1.25 * pairs * H * act_b + pairs * 1.25 * k * 4;
+    }
+    return b;
+}
+
 void estimate_stage(const struct config *c, const struct tensor_table *tt, const struct mesh_dims *d,
-                    int stage, struct stage_estimate *e)
+                    int stage, bool keep_copy, struct stage_estimate *e)
 {
     const struct model_config *m = &c->model;
     memset(e, 0, sizeof *e);
@@ -109,41 +135,89 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
     e->has_head = stage == d->pp - 1;
     for (int l = e->layer0; l < e->layer1; l++) e->n_moe_layers += config_layer_is_moe(m, l);
 
-    /* Working set of one compute unit: a layer, the embedding, or final norm + lm_head. Unit index:
-     * layer - layer0, then n for the embedding, n + 1 for the head. */
-    const int n = e->layer1 - e->layer0;
-    int64_t *unit = mt_calloc((size_t)n + 2, sizeof *unit);
+    /* per unit of the model (tensor_unit): dense working elements, expert working elements and the
+     * expert piece of one rank */
+    const int L = m->num_hidden_layers, n_units = L + 2;
+    int64_t *wd = mt_calloc((size_t)n_units, sizeof *wd), *we = mt_calloc((size_t)n_units, sizeof *we);
+    int64_t *pe = mt_calloc((size_t)n_units, sizeof *pe);
     const bool tied = m->tie_word_embeddings;
     for (int i = 0; i < tt->n; i++) {
         const struct tensor_spec *s = &tt->t[i];
         if (!on_stage(s, e, tied)) continue;
-        /* every rank of a stage reserves the same padded shard; rank (local 0, e 0, f 0) stands
-         * for all of them */
+        int u = tensor_unit(s, L);
         struct tensor_shard sh;
         tensor_shard_of(s, d->ep, 0, d->ep_fsdp, 0, d->S, 0, &sh);
-        if (s->kind == TK_EXPERT) e->expert_numel += sh.numel_padded;
-        else e->dense_numel += sh.numel_padded;
-        int64_t gathered = s->kind == TK_EXPERT ? sh.ne * s->shape[1] * s->shape[2] : s->numel;
-        if (s->layer >= 0) unit[s->layer - e->layer0] += gathered;
-        else if (s->role == TR_EMBED && e->has_embed) unit[n] += gathered;
-        else unit[n + 1] += gathered;  /* final norm, lm_head, tied embedding copy on the last stage */
+        if (s->kind == TK_EXPERT) {
+            we[u] += sh.ne * s->shape[1] * s->shape[2];
+            pe[u] += sh.numel_padded;
+        } else {
+            wd[u] += s->numel;
+        }
     }
-    for (int u = 0; u < n + 2; u++) e->work_numel += unit[u];
-    free(unit);
+    int64_t max_wd = 0, max_we = 0, max_pe = 0, all_wd = 0, all_we = 0, lay_wd = 0, lay_we = 0;
+    for (int u = 0; u < n_units; u++) {
+        int64_t pd = MT_CEIL_DIV(wd[u], d->S);
+        e->dense_numel += pd;
+        e->expert_numel += pe[u];
+        e->work_numel += wd[u] + we[u];
+        max_wd = MT_MAX(max_wd, pd * d->S);
+        max_we = MT_MAX(max_we, we[u]);
+        max_pe = MT_MAX(max_pe, pe[u]);
+        all_wd += pd * d->S;
+        all_we += we[u];
+        if (u >= 1 && u <= L) {
+            lay_wd = MT_MAX(lay_wd, pd * d->S);
+            lay_we = MT_MAX(lay_we, we[u]);
+        }
+    }
+    free(wd);
+    free(we);
+    free(pe);
 
     const bool fp32 = m->precision == MT_PREC_FP32;
+    const double x = fp32 ? 4 : 2;
     const double held = (double)(e->dense_numel + e->expert_numel);
-    const double param_b = fp32 ? 4 : 2;
-    /* shard elements that need their own copy / gradient / staging: groups of more than one rank */
-    const double own = (d->S > 1 ? (double)e->dense_numel : 0) + (d->ep_fsdp > 1 ? (double)e->expert_numel : 0);
-    const double staged = (d->S > 1 ? (double)d->S * e->dense_numel : 0) +
-                          (d->ep_fsdp > 1 ? (double)d->ep_fsdp * e->expert_numel : 0);
-    e->param_bytes = ((double)e->work_numel + own) * param_b;
-    e->grad_bytes = ((double)e->work_numel + own) * 4;
+    const bool copy = keep_copy && !fp32;   /* a kept fp32 copy is the master itself */
+    const bool reshard = c->parallel.reshard_after_forward;
+    const bool dyn_wd = !(d->S == 1 && keep_copy), dyn_we = !(d->ep_fsdp == 1 && keep_copy);
+    const int n_gbufs = tied ? 2 : 1;
+    double work_w = 0, work_g = 0, staging = 0;
+    /* fsdp.c: one buffer for the largest unit, one for the largest layer; collectives in place */
+    if (dyn_wd) work_w += (reshard ? (double)(max_wd + lay_wd) : (double)all_wd) * x;
+    if (dyn_we) work_w += (reshard ? (double)(max_we + lay_we) : (double)all_we) * x;
+    if (d->S > 1) work_g += n_gbufs * (double)max_wd * 4;
+    if (d->ep_fsdp > 1) {
+        work_g += n_gbufs * (double)max_we * 4;
+        staging += (double)d->ep_fsdp * max_pe * 4;
+    }
+    e->param_bytes = (copy ? held * x : 0) + work_w;
+    e->grad_bytes = held * 4 + work_g;
     e->master_bytes = held * 4;
-    e->adam_bytes = held * 8;
+    e->adam_bytes = held * (c->train.optimizer_state_dtype == MT_STATE_BF16 ? 4 : 8);
     e->act_bytes = estimate_activation_bytes(c, e->layer0, e->layer1, e->has_embed, e->has_head);
-    e->buffer_bytes = staged * (param_b + 4);
+    e->buffer_bytes = staging + scratch_bytes(c);
+    e->keep_copy = copy;
     e->total_bytes = e->param_bytes + e->grad_bytes + e->master_bytes + e->adam_bytes + e->act_bytes +
                      e->buffer_bytes;
+}
+
+double estimate_peak_bytes(const struct config *c, const struct mesh_dims *d, bool keep_copy)
+{
+    struct tensor_table tt;
+    tensor_table_build(&tt, &c->model);
+    double peak = 0;
+    for (int s = 0; s < d->pp; s++) {
+        struct stage_estimate e;
+        estimate_stage(c, &tt, d, s, keep_copy, &e);
+        peak = MT_MAX(peak, e.total_bytes);
+    }
+    tensor_table_free(&tt);
+    return peak;
+}
+
+bool estimate_keep_copy(const struct config *c, const struct mesh_dims *d, double device_bytes)
+{
+    if (c->train.weight_copy != MT_COPY_AUTO) return c->train.weight_copy == MT_COPY_KEEP;
+    if (c->model.precision == MT_PREC_FP32 || device_bytes <= 0) return true;
+    return estimate_peak_bytes(c, d, true) <= 0.80 * device_bytes;
 }

@@ -29,22 +29,30 @@ struct stage_estimate {
     bool has_embed, has_head;     /* embedding / final norm + lm_head live here */
     int64_t dense_numel;          /* non-expert shard of one rank, padded elements */
     int64_t expert_numel;         /* expert shard of one rank, padded elements */
-    int64_t work_numel;           /* the stage's working set: every tensor gathered (see .c) */
+    int64_t work_numel;           /* the stage's tensors, gathered (the model's working layout) */
     double param_bytes;           /* working weights + the shard's copy (compute dtype) */
     double grad_bytes;            /* fp32 working gradients + the shard's reduced gradient */
     double master_bytes;          /* fp32 master weights of the shard */
     double adam_bytes;            /* Adam first and second moments, fp32 */
     double act_bytes;             /* activations saved for backward, one micro-batch */
-    double buffer_bytes;          /* all-gather / reduce-scatter staging */
+    double buffer_bytes;          /* collective staging and backward scratch */
+    bool keep_copy;               /* a compute-dtype copy of the shard is kept (train.weight_copy) */
     double total_bytes;
 };
 
 void estimate_model_counts(const struct tensor_table *tt, const struct model_config *m,
                            struct model_counts *out);
 
-/* Estimate for any rank of `stage` (tt built from c->model, d from mesh_dims_of). */
+/* Estimate for any rank of `stage` (tt built from c->model, d from mesh_dims_of) with or without
+ * the shard's compute copy. */
 void estimate_stage(const struct config *c, const struct tensor_table *tt, const struct mesh_dims *d,
-                    int stage, struct stage_estimate *out);
+                    int stage, bool keep_copy, struct stage_estimate *out);
+/* The largest stage's total. */
+double estimate_peak_bytes(const struct config *c, const struct mesh_dims *d, bool keep_copy);
+/* train.weight_copy resolved: keep / cast as set; auto keeps the copy when the plan with it fits in
+ * 80% of device_bytes, leaving room for the CUDA context, NCCL and fragmentation (<= 0: unknown,
+ * keep). */
+bool estimate_keep_copy(const struct config *c, const struct mesh_dims *d, double device_bytes);
 
 /* Activation bytes saved for backward by layers [layer0, layer1) for one micro-batch of
  * micro_batch_size x seq_len tokens, plus the embedding input on the first stage and the final norm

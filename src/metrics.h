@@ -4,6 +4,7 @@
 #define MT_METRICS_H
 
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 
 struct step_metrics {
@@ -22,8 +23,12 @@ struct step_metrics {
     int n_experts;
     const double *expert_tokens;  /* [n_layers, n_experts]: routed tokens this step, whole job */
     const double *time_split;     /* [PROF_COUNT] seconds by category (rank 0), NULL = not profiled */
-    bool has_val;                 /* a validation pass ran after this step */
-    double val_loss;              /* its mean cross-entropy (data.validation_path) */
+    double wall_time;     /* seconds since the Unix epoch when the step ended (0 = not set) */
+    int64_t tokens_seen;  /* step * global_batch_size * seq_len: every token trained on so far */
+    double peak_mem_bytes;/* largest peak device memory over the ranks (0 = not measured) */
+    int peak_mem_rank;    /* the rank that had it */
+    int skipped_steps;    /* steps skipped so far (non-finite gradients) */
+    double val_loss;      /* validation loss computed at this step; NaN = none */
 };
 
 struct metrics_log {
@@ -36,5 +41,13 @@ void metrics_open(struct metrics_log *ml, const char *path, bool append);
 void metrics_close(struct metrics_log *ml);
 /* Rank 0: prints the step line (when print is true) and writes the JSONL record. */
 void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool print);
+
+/* Rank 0, once at start-up: the resolved config (config_to_yaml) written beside the metrics file
+ * (METRICS minus .jsonl, + .config.yaml) with a one-line pointer, or printed as one line per
+ * section when there is no metrics file. */
+struct config;
+/* seconds since the Unix epoch (for step_metrics.wall_time) */
+double metrics_wall_clock(void);
+void metrics_print_config(const struct config *c, const char *metrics_path);
 
 #endif

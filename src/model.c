@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "mem_track.h"
 
 static void *xalloc(const struct model *m, int64_t n) { return m->be->alloc((size_t)n * m->be->x_size); }
 static float *falloc(const struct model *m, int64_t n) { return m->be->alloc((size_t)n * sizeof(float)); }
@@ -16,13 +17,44 @@ int64_t model_work_numel_of(const struct model *m, int i)
     return s->kind == TK_EXPERT ? s->numel / m->ep : s->numel;
 }
 
-void *model_weight(const struct model *m, int i)
+void *model_weight(const struct model *m, int i) { return m->wp[i]; }
+float *model_grad(const struct model *m, int i) { return m->gp[i]; }
+
+bool model_has_tensor(const struct model *m, int i)
 {
     const struct tensor_spec *s = &m->tt.t[i];
-    return MT_XP(m, m->w[tensor_group_of(s)], m->work_off[i]);
+    if (s->layer >= 0) return s->layer >= m->st.layer0 && s->layer < m->st.layer1;
+    /* a tied embedding is also the last stage's head */
+    if (s->role == TR_EMBED) return m->st.first || (m->st.last && m->cfg.tie_word_embeddings);
+    return m->st.last;
 }
 
-float *model_grad(const struct model *m, int i) { return m->g[tensor_group_of(&m->tt.t[i])] + m->work_off[i]; }
+void model_bind(struct model *m, int i, void *w, float *g)
+{
+    m->wp[i] = w;
+    m->gp[i] = g;
+}
+
+void model_own_weights(struct model *m)
+{
+    int64_t n = 0;
+    for (int i = 0; i < m->tt.n; i++)
+        if (model_has_tensor(m, i)) n += model_work_numel_of(m, i);
+    enum mem_cat was = mem_track_set(MEM_WEIGHTS);
+    m->own_w = xalloc(m, MT_MAX(n, 1));
+    mem_track_set(MEM_GRADS);
+    m->own_g = falloc(m, MT_MAX(n, 1));
+    mem_track_set(was);
+    m->be->zero(m->own_g, (size_t)MT_MAX(n, 1) * sizeof(float));
+    int64_t off = 0;
+    for (int i = 0; i < m->tt.n; i++) {
+        if (!model_has_tensor(m, i)) continue;
+        model_bind(m, i, MT_XP(m, m->own_w, off), m->own_g + off);
+        off += model_work_numel_of(m, i);
+    }
+}
+
+void model_set_hooks(struct model *m, const struct model_unit_hooks *h) { m->hooks = h ? *h : (struct model_unit_hooks){0}; }
 
 /* Activations of a layer (all but h_in, which each layer owns). A shared set used by MoE and
  * dense layers alike gets both parts; moe.c grows gu/act to cover both shapes. */
@@ -71,8 +103,34 @@ static void alloc_layer(struct model *m, struct layer_acts *a, bool moe, bool de
     }
 }
 
+static void alloc_slot(struct model *m, struct model_slot *sl)
+{
+    const int64_t T = m->T;
+    sl->ids = ialloc(m, T);
+    sl->targets = ialloc(m, T);
+    sl->pos = ialloc(m, T);
+    int32_t *pos = mt_malloc((size_t)T * sizeof(int32_t));
+    for (int64_t t = 0; t < T; t++) pos[t] = (int32_t)(t % m->S);
+    m->be->upload(sl->pos, pos, (size_t)T * sizeof(int32_t));
+    free(pos);
+    sl->layers = mt_calloc((size_t)m->L, sizeof *sl->layers);
+    for (int l = m->st.layer0; l < m->st.layer1; l++) {
+        bool moe = config_layer_is_moe(&m->cfg, l);
+        sl->layers[l].h_in = xalloc(m, T * m->H);
+        if (!m->recompute) alloc_layer(m, &sl->layers[l], moe, !moe);
+    }
+    sl->h_out = xalloc(m, T * m->H);
+}
+
 void model_init(struct model *m, const struct backend *be, const struct model_config *cfg, int B,
                 int S, struct comm *ep_comm, bool recompute)
+{
+    struct model_stage whole = {0, cfg->num_hidden_layers, true, true, 1};
+    model_init_stage(m, be, cfg, B, S, ep_comm, recompute, &whole);
+}
+
+void model_init_stage(struct model *m, const struct backend *be, const struct model_config *cfg,
+                      int B, int S, struct comm *ep_comm, bool recompute, const struct model_stage *st)
 {
     memset(m, 0, sizeof *m);
     m->be = be;
@@ -89,55 +147,43 @@ void model_init(struct model *m, const struct backend *be, const struct model_co
     m->I = cfg->moe_intermediate_size;
     m->Id = cfg->intermediate_size;
     m->L = cfg->num_hidden_layers;
+    m->st = *st;
+    MT_CHECK(st->layer0 >= 0 && st->layer0 <= st->layer1 && st->layer1 <= m->L && st->n_slots >= 1,
+             "model stage: layers [%d, %d) of %d, %d slots", st->layer0, st->layer1, m->L, st->n_slots);
     m->ep_comm = ep_comm;
     m->ep = ep_comm ? ep_comm->size : 1;
     m->ep_rank = ep_comm ? ep_comm->rank : 0;
     m->n_local_experts = m->E > 0 ? m->E / m->ep : 0;
     m->expert0 = m->n_local_experts * m->ep_rank;
     for (int l = 0; l < m->L; l++) m->n_moe_layers += config_layer_is_moe(cfg, l);
-
-    m->work_off = mt_malloc((size_t)m->tt.n * sizeof(int64_t));
-    for (int i = 0; i < m->tt.n; i++) {
-        enum tensor_group g = tensor_group_of(&m->tt.t[i]);
-        m->work_off[i] = m->work_numel[g];
-        m->work_numel[g] += model_work_numel_of(m, i);
-    }
-    for (int g = 0; g < TG_COUNT; g++) {
-        m->w[g] = xalloc(m, m->work_numel[g]);
-        m->g[g] = falloc(m, m->work_numel[g]);
-        be->zero(m->g[g], (size_t)m->work_numel[g] * sizeof(float));
-    }
+    m->wp = mt_calloc((size_t)m->tt.n, sizeof *m->wp);
+    m->gp = mt_calloc((size_t)m->tt.n, sizeof *m->gp);
 
     m->B = B;
     m->S = S;
     m->T = B * S;
     const int64_t T = m->T, H = m->H;
-    m->ids = ialloc(m, T);
-    m->targets = ialloc(m, T);
-    m->pos = ialloc(m, T);
-    int32_t *pos = mt_malloc((size_t)T * sizeof(int32_t));
-    for (int64_t t = 0; t < T; t++) pos[t] = (int32_t)(t % S);
-    be->upload(m->pos, pos, (size_t)T * sizeof(int32_t));
-    free(pos);
-
     m->recompute = recompute;
-    m->layers = mt_calloc((size_t)m->L, sizeof *m->layers);
+    const enum mem_cat was = mem_track_set(MEM_ACTS);
+    m->slots = mt_calloc((size_t)st->n_slots, sizeof *m->slots);
+    for (int k = 0; k < st->n_slots; k++) alloc_slot(m, &m->slots[k]);
     bool any_moe = false, any_dense = false;
-    for (int l = 0; l < m->L; l++) {
+    for (int l = st->layer0; l < st->layer1; l++) {
         bool moe = config_layer_is_moe(cfg, l);
         any_moe |= moe;
         any_dense |= !moe;
-        m->layers[l].h_in = xalloc(m, T * H);
-        if (!recompute) alloc_layer(m, &m->layers[l], moe, !moe);
     }
     if (recompute) alloc_layer(m, &m->shared, any_moe, any_dense);
-    m->h_final = xalloc(m, T * H);
-    m->hf = xalloc(m, T * H);
-    m->rstd_f = falloc(m, T);
-    m->logits = xalloc(m, T * m->V);
-    m->losses = falloc(m, T);
-    m->lse_f = falloc(m, T);
+    model_use_slot(m, 0);
+    if (st->last) {
+        m->hf = xalloc(m, T * H);
+        m->rstd_f = falloc(m, T);
+        m->logits = xalloc(m, T * m->V);
+        m->losses = falloc(m, T);
+        m->lse_f = falloc(m, T);
+    }
 
+    mem_track_set(MEM_BUFFERS);
     int64_t wide = MT_MAX(H, (int64_t)m->Hq * m->D);
     m->d_h = xalloc(m, T * H);
     m->d_t1 = xalloc(m, T * wide);
@@ -165,6 +211,20 @@ void model_init(struct model *m, const struct backend *be, const struct model_co
     int64_t nstat = (int64_t)m->L * 2 * MT_MAX(m->E, 1);
     m->stats = falloc(m, nstat);
     m->stats_h = mt_calloc((size_t)nstat, sizeof(float));
+    mem_track_set(was);
+}
+
+void model_use_slot(struct model *m, int slot)
+{
+    MT_CHECK(slot >= 0 && slot < m->st.n_slots, "micro-batch slot %d of %d", slot, m->st.n_slots);
+    struct model_slot *sl = &m->slots[slot];
+    m->slot = slot;
+    m->ids = sl->ids;
+    m->targets = sl->targets;
+    m->pos = sl->pos;
+    m->seg = sl->seg;
+    m->layers = sl->layers;
+    m->h_final = sl->h_out;
 }
 
 void model_ensure_ones(struct model *m, int64_t n)
@@ -210,34 +270,37 @@ static void free_layer(const struct model *m, struct layer_acts *a)
 void model_free(struct model *m)
 {
     const struct backend *be = m->be;
-    for (int l = 0; l < m->L; l++) free_layer(m, &m->layers[l]);
+    for (int k = 0; k < m->st.n_slots; k++) {
+        struct model_slot *sl = &m->slots[k];
+        for (int l = m->st.layer0; l < m->st.layer1; l++) free_layer(m, &sl->layers[l]);
+        void *dev[] = {sl->ids, sl->targets, sl->pos, sl->h_out};
+        for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) be->free(dev[i]);
+        if (sl->seg) be->free(sl->seg);
+        free(sl->layers);
+    }
+    free(m->slots);
     if (m->recompute) {
         m->shared.h_in = NULL; /* owned by a layer, freed above */
         free_layer(m, &m->shared);
     }
-    free(m->layers);
-    for (int g = 0; g < TG_COUNT; g++) {
-        be->free(m->w[g]);
-        be->free(m->g[g]);
-    }
-    void *dev[] = {m->ids, m->targets, m->pos, m->h_final, m->hf, m->rstd_f, m->logits, m->losses,
-                   m->lse_f,
+    void *dev[] = {m->own_w, m->own_g, m->hf, m->rstd_f, m->logits, m->losses, m->lse_f,
                    m->d_h, m->d_t1, m->d_t2, m->d_t3, m->d_q, m->d_k, m->d_v, m->d_logits_r,
                    m->d_topk_w, m->d_x_send, m->meta_idx_send, m->meta_w_send, m->d_w_recv,
                    m->aux_dp, m->ones, m->d_gu, m->d_act, m->d_x_exp, m->d_y_exp,
-                   m->stats, m->bias, m->seg};
+                   m->stats, m->bias};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(dev[i]);
     free(m->stats_h);
-    free(m->work_off);
+    free(m->wp);
+    free(m->gp);
     tensor_table_free(&m->tt);
     memset(m, 0, sizeof *m);
 }
 
 void model_zero_grad(struct model *m)
 {
-    for (int g = 0; g < TG_COUNT; g++)
-        m->be->zero(m->g[g], (size_t)m->work_numel[g] * sizeof(float));
+    for (int i = 0; i < m->tt.n; i++)
+        if (m->gp[i]) m->be->zero(m->gp[i], (size_t)model_work_numel_of(m, i) * sizeof(float));
 }
 
 static int weight_index(const struct model *m, enum tensor_role role, int layer)
@@ -254,66 +317,121 @@ static int head_index(const struct model *m)
     return i >= 0 ? i : weight_index(m, TR_EMBED, -1);
 }
 
-void model_forward(struct model *m, const int32_t *ids_host, const int32_t *labels_host,
-                   struct model_step_out *out)
+enum hook_kind { HOOK_BEFORE_FWD, HOOK_AFTER_FWD, HOOK_BEFORE_BWD, HOOK_AFTER_BWD };
+
+static void hook(const struct model *m, enum hook_kind k, int unit)
 {
-    const struct backend *be = m->be;
-    const int T = m->T, S = m->S, H = m->H, V = m->V;
-    const int32_t *labels = labels_host ? labels_host : ids_host;
-    int32_t *targets = mt_malloc((size_t)T * sizeof(int32_t));
-    int64_t n_valid = 0;
-    for (int t = 0; t < T; t++) {
-        bool last = (t % S) == S - 1;
-        targets[t] = last ? MT_IGNORE_INDEX : labels[t + 1];
-        if (targets[t] != MT_IGNORE_INDEX) {
-            MT_CHECK(targets[t] >= 0 && targets[t] < V, "label %d out of range [0, %d)", targets[t], V);
-            n_valid++;
-        }
-        MT_CHECK(ids_host[t] >= 0 && ids_host[t] < V, "token id %d out of range [0, %d)", ids_host[t], V);
-    }
-    be->upload(m->ids, ids_host, (size_t)T * sizeof(int32_t));
-    be->upload(m->targets, targets, (size_t)T * sizeof(int32_t));
-    free(targets);
-
-    int emb = weight_index(m, TR_EMBED, -1);
-    be->embedding_forward(m->layers[0].h_in, m->ids, model_weight(m, emb), T, H);
-    if (m->E > 0) be->zero(m->stats, (size_t)m->L * 2 * m->E * sizeof(float));
-    for (int l = 0; l < m->L; l++) {
-        attention_forward(m, l);
-        mlp_forward(m, l, l + 1 < m->L ? m->layers[l + 1].h_in : m->h_final);
-    }
-    int fn = weight_index(m, TR_FINAL_NORM, -1);
-    be->rmsnorm_forward(m->hf, m->rstd_f, m->h_final, model_weight(m, fn), T, H,
-                        (float)m->cfg.rms_norm_eps);
-    be->matmul_forward(m->logits, m->hf, model_weight(m, head_index(m)), T, H, V);
-    be->cross_entropy_forward(m->losses, m->lse_f, m->logits, m->targets, T, V);
-
-    float *losses = mt_malloc((size_t)T * sizeof(float));
-    be->download(losses, m->losses, (size_t)T * sizeof(float));
-    double sum = 0;
-    for (int t = 0; t < T; t++) sum += losses[t];
-    free(losses);
-    if (m->E > 0)
-        be->download(m->stats_h, m->stats, (size_t)m->L * 2 * m->E * sizeof(float));
-    out->ce_sum = sum;
-    out->n_valid = n_valid;
+    const struct model_unit_hooks *h = &m->hooks;
+    void (*fn)(void *, int) = k == HOOK_BEFORE_FWD ? h->before_forward : k == HOOK_AFTER_FWD ? h->after_forward :
+                              k == HOOK_BEFORE_BWD ? h->before_backward : h->after_backward;
+    if (fn) fn(h->ctx, unit);
 }
 
-void model_backward(struct model *m, float ce_scale, const float *aux_dp_host)
+/* The head uses the final norm's unit and, with tied embeddings, the embedding's unit too. */
+static void head_hook(const struct model *m, enum hook_kind k)
+{
+    hook(m, k, m->L + 1);
+    int u = tensor_unit(&m->tt.t[head_index(m)], m->L);
+    if (u != m->L + 1) hook(m, k, u);
+}
+
+void *model_stage_input(struct model *m, int slot)
+{
+    return m->st.first || m->st.layer1 == m->st.layer0 ? NULL : m->slots[slot].layers[m->st.layer0].h_in;
+}
+
+void *model_stage_output(struct model *m, int slot) { return m->slots[slot].h_out; }
+
+/* Targets from labels (position t predicts labels[t + 1] of its sequence); returns the labelled
+ * count. Ids are checked where they are used. */
+static int64_t upload_batch(struct model *m, const int32_t *ids_host, const int32_t *labels_host)
 {
     const struct backend *be = m->be;
-    const int T = m->T, H = m->H, V = m->V;
+    const int T = m->T, S = m->S, V = m->V;
+    const int32_t *labels = labels_host ? labels_host : ids_host;
+    int64_t n_valid = 0;
+    if (m->st.first) {
+        for (int t = 0; t < T; t++)
+            MT_CHECK(ids_host[t] >= 0 && ids_host[t] < V, "token id %d out of range [0, %d)", ids_host[t], V);
+        be->upload(m->ids, ids_host, (size_t)T * sizeof(int32_t));
+    }
+    if (m->st.last) {
+        int32_t *targets = mt_malloc((size_t)T * sizeof(int32_t));
+        for (int t = 0; t < T; t++) {
+            bool last = (t % S) == S - 1;
+            targets[t] = last ? MT_IGNORE_INDEX : labels[t + 1];
+            if (targets[t] != MT_IGNORE_INDEX) {
+                MT_CHECK(targets[t] >= 0 && targets[t] < V, "label %d out of range [0, %d)", targets[t], V);
+                n_valid++;
+            }
+        }
+        be->upload(m->targets, targets, (size_t)T * sizeof(int32_t));
+        free(targets);
+    }
+    return n_valid;
+}
+
+void model_stage_forward(struct model *m, int slot, const int32_t *ids_host, const int32_t *labels_host,
+                         struct model_step_out *out)
+{
+    const struct backend *be = m->be;
+    const int T = m->T, H = m->H, V = m->V, l0 = m->st.layer0, l1 = m->st.layer1;
+    model_use_slot(m, slot);
+    out->ce_sum = 0;
+    out->n_valid = upload_batch(m, ids_host, labels_host);
+    void *first_in = l1 > l0 ? m->layers[l0].h_in : m->h_final;
+    if (m->st.first) {
+        int emb = weight_index(m, TR_EMBED, -1);
+        hook(m, HOOK_BEFORE_FWD, 0);
+        be->embedding_forward(first_in, m->ids, model_weight(m, emb), T, H);
+        hook(m, HOOK_AFTER_FWD, 0);
+    }
+    if (m->E > 0) be->zero(m->stats, (size_t)m->L * 2 * m->E * sizeof(float));
+    for (int l = l0; l < l1; l++) {
+        hook(m, HOOK_BEFORE_FWD, 1 + l);
+        attention_forward(m, l);
+        mlp_forward(m, l, l + 1 < l1 ? m->layers[l + 1].h_in : m->h_final);
+        hook(m, HOOK_AFTER_FWD, 1 + l);
+    }
+    if (m->st.last) {
+        int fn = weight_index(m, TR_FINAL_NORM, -1);
+        head_hook(m, HOOK_BEFORE_FWD);
+        be->rmsnorm_forward(m->hf, m->rstd_f, m->h_final, model_weight(m, fn), T, H,
+                            (float)m->cfg.rms_norm_eps);
+        be->matmul_forward(m->logits, m->hf, model_weight(m, head_index(m)), T, H, V);
+        head_hook(m, HOOK_AFTER_FWD);
+        be->cross_entropy_forward(m->losses, m->lse_f, m->logits, m->targets, T, V);
+        float *losses = mt_malloc((size_t)T * sizeof(float));
+        be->download(losses, m->losses, (size_t)T * sizeof(float));
+        double sum = 0;
+        for (int t = 0; t < T; t++) sum += losses[t];
+        free(losses);
+        out->ce_sum = sum;
+    }
+    if (m->E > 0)
+        be->download(m->stats_h, m->stats, (size_t)m->L * 2 * m->E * sizeof(float));
+}
+
+void model_stage_backward(struct model *m, int slot, float ce_scale, const float *aux_dp_host)
+{
+    const struct backend *be = m->be;
+    const int T = m->T, H = m->H, V = m->V, l0 = m->st.layer0, l1 = m->st.layer1;
+    model_use_slot(m, slot);
     m->aux_active = m->E > 0 && aux_dp_host != NULL;
     if (m->aux_active) be->upload(m->aux_dp, aux_dp_host, (size_t)m->E * sizeof(float));
-    /* dlogits overwrite the logits: they are not needed after this point */
-    be->cross_entropy_backward(m->logits, m->logits, m->lse_f, m->targets, T, V, ce_scale);
-    int head = head_index(m);
-    be->matmul_backward(m->d_t1, model_grad(m, head), m->logits, m->hf, model_weight(m, head), T, H,
-                        V, false);
-    int fn = weight_index(m, TR_FINAL_NORM, -1);
-    be->rmsnorm_backward(m->d_h, model_grad(m, fn), m->d_t1, m->h_final, model_weight(m, fn),
-                         m->rstd_f, T, H, false);
-    for (int l = m->L - 1; l >= 0; l--) {
+    if (m->st.last) {
+        /* dlogits overwrite the logits: they are not needed after this point */
+        be->cross_entropy_backward(m->logits, m->logits, m->lse_f, m->targets, T, V, ce_scale);
+        int head = head_index(m), fn = weight_index(m, TR_FINAL_NORM, -1);
+        head_hook(m, HOOK_BEFORE_BWD);
+        be->matmul_backward(m->d_t1, model_grad(m, head), m->logits, m->hf, model_weight(m, head), T, H,
+                            V, false);
+        be->rmsnorm_backward(m->d_h, model_grad(m, fn), m->d_t1, m->h_final, model_weight(m, fn),
+                             m->rstd_f, T, H, false);
+        head_hook(m, HOOK_AFTER_BWD);
+    }
+    for (int l = l1 - 1; l >= l0; l--) {
+        hook(m, HOOK_BEFORE_BWD, 1 + l);
         if (m->recompute) {
             /* rebuild layer l's activations from its saved input; the layer output is not needed
              * (d_t2 is free until attention_backward) */
@@ -324,7 +442,24 @@ void model_backward(struct model *m, float ce_scale, const float *aux_dp_host)
         }
         mlp_backward(m, l);
         attention_backward(m, l);
+        hook(m, HOOK_AFTER_BWD, 1 + l);
     }
-    int emb = weight_index(m, TR_EMBED, -1);
-    be->embedding_backward(model_grad(m, emb), m->d_h, m->ids, T, H);
+    if (m->st.first) {
+        int emb = weight_index(m, TR_EMBED, -1);
+        hook(m, HOOK_BEFORE_BWD, 0);
+        be->embedding_backward(model_grad(m, emb), m->d_h, m->ids, T, H);
+        hook(m, HOOK_AFTER_BWD, 0);
+    }
+}
+
+void model_forward(struct model *m, const int32_t *ids_host, const int32_t *labels_host,
+                   struct model_step_out *out)
+{
+    MT_CHECK(m->st.first && m->st.last, "model_forward runs a whole model (this is one stage)");
+    model_stage_forward(m, 0, ids_host, labels_host, out);
+}
+
+void model_backward(struct model *m, float ce_scale, const float *aux_dp_host)
+{
+    model_stage_backward(m, 0, ce_scale, aux_dp_host);
 }

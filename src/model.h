@@ -62,46 +62,86 @@ struct layer_acts {
     int64_t cap_rows;  /* rows x_exp/gu/act/y_exp can hold */
 };
 
+/* One micro-batch in flight: a pipeline stage keeps several (1F1B), a stage of one keeps one. */
+struct model_slot {
+    int32_t *ids;               /* dev [T] */
+    int32_t *targets;           /* dev [T] (shifted labels, MT_IGNORE_INDEX where none) */
+    int32_t *pos;               /* dev [T] RoPE positions (t mod S unless documents are set) */
+    int32_t *seg;               /* dev [T] document id per token, NULL = causal over the whole sequence
+                                 * (model_set_documents) */
+    struct layer_acts *layers;  /* [L]; only the stage's layers are allocated, and with recompute
+                                 * only their h_in (`shared` in struct model holds the rest) */
+    void *h_out;                /* [T, H] residual after the stage's last layer (the stage output;
+                                 * on the last stage the input of the final norm) */
+};
+
+/* FSDP units (design.md "The grid"): unit 0 is the embedding, 1 + l decoder layer l, L + 1 the final
+ * norm and lm_head (tensor_unit in tensors.h). The model announces every use of a unit's weights and
+ * gradients through these hooks and never knows where the memory comes from or whether it is
+ * sharded; the shard/gather module (fsdp.c) binds the pointers (model_bind). NULL hooks: every tensor
+ * of the stage is bound once and stays bound. */
+struct model_unit_hooks {
+    void *ctx;
+    void (*before_forward)(void *ctx, int unit);    /* weights of the unit bound */
+    void (*after_forward)(void *ctx, int unit);     /* the forward is done with them */
+    void (*before_backward)(void *ctx, int unit);   /* weights (also for the recompute) and the
+                                                     * unit's gradients bound; gradients accumulate */
+    void (*after_backward)(void *ctx, int unit);    /* the unit's gradients of this micro-batch are
+                                                     * complete */
+};
+
+/* Which part of the model a rank runs (design.md "Pipeline"): layers [layer0, layer1), the
+ * embedding when first, the final norm + lm_head + loss when last; n_slots micro-batches in flight. */
+struct model_stage {
+    int layer0, layer1;
+    bool first, last;
+    int n_slots;
+};
+
 struct model {
     const struct backend *be;
     struct model_config cfg;
     struct tensor_table tt;
     int H, V, D, Hq, Hkv, E, K, I, Id, L;
-    int n_moe_layers;
+    int n_moe_layers;           /* MoE layers of the whole model (the aux statistic pools them all) */
+    struct model_stage st;
 
     /* expert parallelism */
     struct comm *ep_comm;       /* EP group (NULL = ep 1) */
     int ep, ep_rank, n_local_experts, expert0;
 
-    /* working layout: tensor i at w[group] + work_off[i] (compute dtype) and g[group] + work_off[i] */
-    int64_t *work_off;          /* [tt.n] */
-    int64_t work_numel[TG_COUNT];
-    void *w[TG_COUNT];          /* compute-dtype weights in working layout */
-    float *g[TG_COUNT];         /* fp32 gradients in working layout (accumulated over micro-batches) */
+    /* tensor i's working weight (compute dtype; for an expert tensor the local experts
+     * [n_local, d1, d2]) and fp32 gradient; NULL while unbound or not on this stage */
+    void **wp;                  /* [tt.n] */
+    float **gp;                 /* [tt.n] */
+    struct model_unit_hooks hooks;
+    /* model_own_weights (tests, verify without params): flat buffers behind wp / gp */
+    void *own_w;
+    float *own_g;
 
-    /* activations for a micro-batch of B sequences of S tokens */
+    /* activations for micro-batches of B sequences of S tokens */
     int B, S, T;
+    struct model_slot *slots;   /* [st.n_slots] */
+    int slot;                   /* the slot the pointers below belong to (model_use_slot) */
+    int32_t *ids, *targets, *pos, *seg;   /* = slots[slot]'s */
+    struct layer_acts *layers;  /* = slots[slot].layers */
     int64_t d_cap_rows;         /* rows the expert-side backward scratch (d_x_exp ...) can hold */
     bool aux_active;            /* backward adds m->aux_dp to the router gradient */
-    int32_t *ids;               /* dev [T] */
-    int32_t *targets;           /* dev [T] (shifted labels, MT_IGNORE_INDEX where none) */
-    int32_t *pos;               /* dev [T] RoPE position of each token (t mod S unless documents are set) */
-    int32_t *seg;               /* dev [T] document id per token, NULL = causal over the whole sequence
-                                 * (model_set_documents) */
-    struct layer_acts *layers;  /* [L]; with recompute only layers[l].h_in are allocated and
-                                 * `shared` holds the rest */
     struct layer_acts shared;   /* recompute: one layer's activations, reused by every layer */
     bool recompute;             /* activation checkpointing */
     bool router_f32;            /* router GEMM writes fp32 logits (router_fp32 or an fp32 backend) */
     bool recomputing;           /* inside a backward's recompute: router statistics are not added */
-    void *h_final;              /* [T, H] residual after the last layer */
+    void *h_final;              /* = slots[slot].h_out */
+    /* last stage only: the head of the micro-batch being run (1F1B runs a micro-batch's head
+     * forward and backward back to back, so one set serves every slot) */
     void *hf;                   /* [T, H] final norm output */
     float *rstd_f;              /* [T] */
     void *logits;               /* [T, V] (reused for dlogits in backward) */
     float *losses;              /* [T] */
     float *lse_f;               /* [T] log-sum-exp of each row of the logits (loss backward) */
     /* scratch for backward */
-    void *d_h;                  /* [T, H] gradient of the residual stream */
+    void *d_h;                  /* [T, H] gradient of the residual stream; a non-last stage receives
+                                 * dL/d(stage output) here and the backward leaves dL/d(stage input) */
     void *d_t1, *d_t2, *d_t3;   /* [T, max(H, Hq*D)] */
     void *d_q, *d_k, *d_v;      /* q/k/v-shaped */
     void *d_logits_r;           /* [T, E] router logits / dlogits in the compute dtype (!router_f32) */
@@ -113,7 +153,7 @@ struct model {
     float *meta_w_send;         /* [T * min(k, ep), k] */
     float *d_w_recv;            /* [d_cap_pairs, k] */
     int64_t d_cap_pairs;
-    float *stats;               /* dev [L, 2, E]: per layer psum then count */
+    float *stats;               /* dev [L, 2, E]: per layer psum then count (the stage's layers) */
     float *stats_h;             /* host copy */
     float *aux_dp;              /* dev [E] */
     float *ones;                /* dev [ones_cap] all 1.0: unit combine weights */
@@ -126,38 +166,61 @@ struct model_step_out {
     int64_t n_valid;     /* this rank's labelled tokens */
 };
 
-/* Builds the model structure and allocates working weights, gradients and activations for
- * micro-batches of B sequences × S tokens. ep_comm: the EP group (NULL for ep = 1).
+/* Builds the model of one pipeline stage (st = NULL: the whole model, one slot) and allocates its
+ * activations for micro-batches of B sequences x S tokens. No weights: model_bind (or
+ * model_own_weights) provides them. ep_comm: the EP group (NULL for ep = 1).
  * recompute (train.activation_checkpointing): keep only each layer's input and one shared set of
  * layer activations; the backward recomputes a layer's forward from its input before its backward
  * (the same deterministic ops, so the gradients are bit-identical to a run that kept everything). */
+void model_init_stage(struct model *m, const struct backend *be, const struct model_config *cfg,
+                      int B, int S, struct comm *ep_comm, bool recompute, const struct model_stage *st);
 void model_init(struct model *m, const struct backend *be, const struct model_config *cfg,
                 int B, int S, struct comm *ep_comm, bool recompute);
-/* The activations of layer l: its own, or the shared set holding layer l's input when
- * recomputing. */
+void model_free(struct model *m);
+/* Whether tensor i lives on this stage (its layer, or the embedding / head pieces of the stage). */
+bool model_has_tensor(const struct model *m, int i);
+/* Binds tensor i's working weight and gradient (either may be NULL). */
+void model_bind(struct model *m, int i, void *w, float *g);
+/* Allocates flat buffers for every tensor of the stage and binds them (tests, tools). */
+void model_own_weights(struct model *m);
+void model_set_hooks(struct model *m, const struct model_unit_hooks *h);
+/* The activations of layer l in the current slot: its own, or the shared set holding layer l's
+ * input when recomputing. */
 struct layer_acts *model_acts(struct model *m, int l);
+void model_use_slot(struct model *m, int slot);
 /* Makes m->ones hold at least n ones. */
 void model_ensure_ones(struct model *m, int64_t n);
-void model_free(struct model *m);
 
-/* Pointers to tensor i's working weight (compute dtype) and gradient. */
+/* Pointers to tensor i's working weight (compute dtype) and gradient (bound ones). */
 void *model_weight(const struct model *m, int i);
 float *model_grad(const struct model *m, int i);
 int64_t model_work_numel_of(const struct model *m, int i);   /* numel in working layout */
 
 /* ids, labels: HOST [B, S] of this rank's micro-batch (labels NULL = the ids). As in transformers,
  * position t is trained to predict labels[t + 1] of the same sequence; the last position and labels
- * equal to MT_IGNORE_INDEX count for nothing. Forward fills activations, logits, per-token losses
- * and router statistics (m->stats_h after return: per layer psum[E] then count[E]). */
+ * equal to MT_IGNORE_INDEX count for nothing.
+ * model_stage_forward runs the stage on micro-batch `slot`: the first stage embeds ids, another
+ * stage reads its input from model_stage_input (received before the call); the last stage runs the
+ * head and the loss (out: CE sum and labelled tokens; zeros elsewhere), another leaves its output in
+ * model_stage_output. Router statistics of the stage's layers: m->stats_h after return (per layer
+ * psum[E] then count[E]; other stages' rows are zero). */
+void model_stage_forward(struct model *m, int slot, const int32_t *ids_host, const int32_t *labels_host,
+                         struct model_step_out *out);
+/* Backward of ce_scale · Σ CE + Σ_e aux_dp[e] · Σ_rows P[row, e] (aux_dp: HOST [E], NULL = none)
+ * for micro-batch `slot`. A non-last stage reads dL/d(output) from m->d_h; a non-first stage leaves
+ * dL/d(input) in m->d_h. Gradients accumulate. */
+void model_stage_backward(struct model *m, int slot, float ce_scale, const float *aux_dp_host);
+void *model_stage_input(struct model *m, int slot);    /* [T, H]; NULL on the first stage */
+void *model_stage_output(struct model *m, int slot);   /* [T, H] */
+/* The whole model (a single stage, slot 0). */
 void model_forward(struct model *m, const int32_t *ids_host, const int32_t *labels_host,
                    struct model_step_out *out);
-/* Backward of ce_scale · Σ CE + Σ_e aux_dp[e] · Σ_rows P[row, e] (aux_dp: HOST [E], NULL = none).
- * Gradients accumulate into m->g. */
 void model_backward(struct model *m, float ce_scale, const float *aux_dp_host);
-/* Document masking for the next forward/backward (model_documents.c): pos_host, seg_host HOST
- * [B, S] per-token RoPE positions and document ids (attention stays inside a document). Both NULL
- * restores positions t mod S and attention over the whole sequence. */
-void model_set_documents(struct model *m, const int32_t *pos_host, const int32_t *seg_host);
+/* Document masking for micro-batch `slot` (model_documents.c), kept until set again: pos_host,
+ * seg_host HOST [B, S] per-token RoPE positions and document ids (attention stays inside a
+ * document). Both NULL restores positions t mod S and attention over the whole sequence. */
+void model_set_documents(struct model *m, int slot, const int32_t *pos_host, const int32_t *seg_host);
+/* Zeroes every bound gradient. */
 void model_zero_grad(struct model *m);
 
 /* Layer blocks (attention_block.c, mlp_block.c) */

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "mem_track.h"
 #include "model.h"
 
 static void *W(const struct model *m, enum tensor_role r, int l) { return model_weight(m, tensor_lookup(&m->tt, r, l)); }
@@ -48,8 +49,11 @@ static void grow_expert_rows(const struct model *m, void **x, void **y, void **g
 /* Expert-side rows: layer buffers for R rows (and the shared backward scratch too). */
 static void ensure_rows(struct model *m, struct layer_acts *a, int64_t R)
 {
+    enum mem_cat was = mem_track_set(MEM_ACTS);
     grow_expert_rows(m, &a->x_exp, &a->y_exp, &a->gu, &a->act, &a->cap_rows, R);
+    mem_track_set(MEM_BUFFERS);
     grow_expert_rows(m, &m->d_x_exp, &m->d_y_exp, &m->d_gu, &m->d_act, &m->d_cap_rows, R);
+    mem_track_set(was);
 }
 
 /* Receiver-side pair arrays for P pairs (ep > 1), and unit weights for P·k slots. */
@@ -57,6 +61,7 @@ static void ensure_pairs(struct model *m, struct layer_acts *a, int64_t P)
 {
     const int64_t K = m->K;
     struct moe_route *r = &a->route;
+    enum mem_cat was = mem_track_set(MEM_BUFFERS);
     if (P > r->cap_pairs) {
         int64_t cap = P + P / 4 + 16;
         regrow(m, (void **)&r->meta_idx, cap * K, sizeof(int32_t));
@@ -71,6 +76,7 @@ static void ensure_pairs(struct model *m, struct layer_acts *a, int64_t P)
         m->d_cap_pairs = cap;
     }
     model_ensure_ones(m, P * K);
+    mem_track_set(was);
 }
 
 /* row counts per rank -> element counts, for rows of `width` elements */

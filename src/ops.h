@@ -26,6 +26,7 @@ struct backend {
     const char *name;            /* "cpu" or "cuda" */
     size_t x_size;               /* bytes per compute-dtype element (4 or 2) */
     double peak_flops;           /* dense matmul peak in FLOP/s for MFU; 0 = unknown (CPU) */
+    double mem_bytes;            /* device memory in bytes; 0 = not a device (CPU) */
 
     /* memory */
     void *(*alloc)(size_t bytes);
@@ -35,6 +36,8 @@ struct backend {
     void (*upload)(void *dst, const void *host_src, size_t bytes);          /* raw bytes */
     void (*download)(void *host_dst, const void *src, size_t bytes);        /* raw bytes, waits */
     void (*sync)(void);
+    double (*device_used)(void);  /* bytes in use on the device by the whole process (the CUDA
+                                   * context and libraries included); 0 on the CPU */
 
     /* casts between fp32 and the compute dtype */
     void (*cast_f32_to_x)(void *out, const float *in, size_t n);
@@ -43,6 +46,7 @@ struct backend {
     /* elementwise */
     void (*add_inplace)(void *y, const void *x, size_t n);                  /* y += x */
     void (*scale_f32)(float *x, size_t n, float s);                         /* x *= s */
+    void (*add_f32)(float *y, const float *x, size_t n);                    /* y += x, fp32 */
     double (*sumsq_f32)(const float *x, size_t n);                          /* waits; fp64 sum */
 
     /* embedding: out[t] = wte[ids[t]]; backward scatter-adds into dwte */
@@ -181,7 +185,7 @@ struct backend {
 
     /* AdamW with bias correction (step t >= 1) and decoupled weight decay; grad is multiplied by
      * grad_scale first (clipping). Updates master, m, v; writes the compute copy param (may be the
-     * same memory as master on the CPU). */
+     * same memory as master on the CPU; NULL = no compute copy to write). */
     void (*adamw_update)(float *master, void *param, const float *grad, float *m, float *v,
                          size_t n, float lr, float beta1, float beta2, float eps,
                          float weight_decay, int t, float grad_scale);

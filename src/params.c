@@ -9,34 +9,9 @@
 
 #include "common.h"
 #include "hf_load.h"
+#include "mem_track.h"
 
 static void *xat(const struct backend *be, void *p, int64_t i) { return (char *)p + (size_t)i * be->x_size; }
-
-/* A group of one rank holds its whole working layout as its shard (same order, no padding), so
- * the shard's compute copy and gradient ARE the model's working weights and gradients: no staging
- * buffers, no copies (this is what lets 8 full Qwen3-30B layers fit one GPU). */
-static void alloc_group(const struct backend *be, struct param_group_shard *g, int group_size,
-                        void *work_x, float *work_g)
-{
-    size_t n = (size_t)MT_MAX(g->numel, 1);
-    g->master = be->alloc(n * sizeof(float));
-    g->m1 = be->alloc(n * sizeof(float));
-    g->m2 = be->alloc(n * sizeof(float));
-    be->zero(g->master, n * sizeof(float));
-    be->zero(g->m1, n * sizeof(float));
-    be->zero(g->m2, n * sizeof(float));
-    g->aliased = group_size == 1;
-    if (g->aliased) {
-        g->param_x = work_x;
-        g->grad = work_g;
-        return;
-    }
-    g->grad = be->alloc(n * sizeof(float));
-    be->zero(g->grad, n * sizeof(float));
-    g->param_x = be->alloc(n * be->x_size);
-    g->gather_x = be->alloc(n * (size_t)group_size * be->x_size);
-    g->scatter_f = be->alloc(n * (size_t)group_size * sizeof(float));
-}
 
 static void add_segment(struct param_group_shard *g, int *cap, int64_t off, int64_t len,
                         const struct tensor_spec *s)
@@ -49,7 +24,32 @@ static void add_segment(struct param_group_shard *g, int *cap, int64_t off, int6
     g->seg[g->n_seg++] = (struct param_segment){off, len, s->decay, s->frozen};
 }
 
+/* Shard buffers of a group. A kept compute copy is the master itself when the compute dtype is fp32
+ * (without one, gathers cast from the master on every backend: the CPU tests run that path too). */
+static void alloc_group(const struct backend *be, struct param_group_shard *g, bool keep_copy)
+{
+    size_t n = (size_t)MT_MAX(g->numel, 1);
+    float **f[] = {&g->master, &g->m1, &g->m2, &g->grad};
+    const enum mem_cat cat[] = {MEM_MASTER, MEM_ADAM, MEM_ADAM, MEM_GRADS};
+    for (size_t k = 0; k < sizeof f / sizeof f[0]; k++) {
+        enum mem_cat was = mem_track_set(cat[k]);
+        *f[k] = be->alloc(n * sizeof(float));
+        mem_track_set(was);
+        be->zero(*f[k], n * sizeof(float));
+    }
+    g->aliased = g->group_size == 1;
+    enum mem_cat was = mem_track_set(MEM_WEIGHTS);
+    if (keep_copy) g->param_x = be->x_size == sizeof(float) ? (void *)g->master : be->alloc(n * be->x_size);
+    mem_track_set(was);
+}
+
 void params_init(struct params *p, struct model *m, struct comm *stage, struct comm *fsdp)
+{
+    params_init_opts(p, m, stage, fsdp, true);
+}
+
+void params_init_opts(struct params *p, struct model *m, struct comm *stage, struct comm *fsdp,
+                      bool keep_copy)
 {
     memset(p, 0, sizeof *p);
     p->m = m;
@@ -59,31 +59,96 @@ void params_init(struct params *p, struct model *m, struct comm *stage, struct c
     p->S_rank = stage ? stage->rank : 0;
     p->F = fsdp ? fsdp->size : 1;
     p->F_rank = fsdp ? fsdp->rank : 0;
+    p->n_units = m->L + 2;
     const struct tensor_table *tt = &m->tt;
+    p->t_off = mt_malloc((size_t)tt->n * sizeof(int64_t));
     p->exp_rows = mt_calloc((size_t)tt->n, sizeof(int64_t));
-    p->exp_shard_off = mt_calloc((size_t)tt->n, sizeof(int64_t));
-
+    p->exp_piece_off = mt_calloc((size_t)tt->n, sizeof(int64_t));
     struct param_group_shard *gd = &p->g[TG_DENSE], *ge = &p->g[TG_EXPERT];
-    gd->chunk = MT_CEIL_DIV(m->work_numel[TG_DENSE], p->S);
-    gd->numel = gd->chunk;
-    int capd = 0, cape = 0;
-    int64_t lo = gd->chunk * p->S_rank, hi = lo + gd->chunk;
+    gd->group_size = p->S;
+    ge->group_size = p->F;
+    for (int k = 0; k < TG_COUNT; k++) {
+        p->g[k].u_off = mt_calloc((size_t)p->n_units, sizeof(int64_t));
+        p->g[k].u_piece = mt_calloc((size_t)p->n_units, sizeof(int64_t));
+        p->g[k].u_work = mt_calloc((size_t)p->n_units, sizeof(int64_t));
+    }
+    /* working layout of every unit: its tensors back to back in table (= unit) order */
     for (int i = 0; i < tt->n; i++) {
         const struct tensor_spec *s = &tt->t[i];
-        if (tensor_group_of(s) == TG_DENSE) {
-            int64_t a = MT_MAX(lo, m->work_off[i]), b = MT_MIN(hi, m->work_off[i] + s->numel);
-            add_segment(gd, &capd, a - lo, b - a, s);
-        } else {
+        p->t_off[i] = -1;
+        if (!model_has_tensor(m, i)) continue;
+        int u = tensor_unit(s, m->L);
+        struct param_group_shard *g = &p->g[tensor_group_of(s)];
+        p->t_off[i] = g->u_work[u];
+        g->u_work[u] += model_work_numel_of(m, i);
+        if (s->kind == TK_EXPERT) {
             p->exp_rows[i] = MT_CEIL_DIV(s->shape[1], p->F);
-            p->exp_shard_off[i] = ge->numel;
-            int64_t len = (int64_t)m->n_local_experts * p->exp_rows[i] * s->shape[2];
-            add_segment(ge, &cape, ge->numel, len, s);
-            ge->numel += len;
+            p->exp_piece_off[i] = ge->u_piece[u];
+            ge->u_piece[u] += (int64_t)m->n_local_experts * p->exp_rows[i] * s->shape[2];
         }
     }
-    MT_CHECK(p->S > 1 || gd->numel == m->work_numel[TG_DENSE], "dense shard layout");
-    alloc_group(m->be, gd, p->S, m->w[TG_DENSE], m->g[TG_DENSE]);
-    alloc_group(m->be, ge, p->F, m->w[TG_EXPERT], m->g[TG_EXPERT]);
+    for (int u = 0; u < p->n_units; u++) {
+        gd->u_piece[u] = MT_CEIL_DIV(gd->u_work[u], p->S);
+        gd->u_work[u] = gd->u_piece[u] * p->S;   /* the gather fills the padding too */
+        for (int k = 0; k < TG_COUNT; k++) {
+            p->g[k].u_off[u] = p->g[k].numel;
+            p->g[k].numel += p->g[k].u_piece[u];
+        }
+    }
+    /* optimizer segments: the runs of each tensor in this rank's shard */
+    int cap[TG_COUNT] = {0, 0};
+    for (int i = 0; i < tt->n; i++) {
+        const struct tensor_spec *s = &tt->t[i];
+        if (p->t_off[i] < 0) continue;
+        int u = tensor_unit(s, m->L);
+        if (s->kind == TK_EXPERT) {
+            add_segment(ge, &cap[TG_EXPERT], ge->u_off[u] + p->exp_piece_off[i],
+                        (int64_t)m->n_local_experts * p->exp_rows[i] * s->shape[2], s);
+        } else {
+            int64_t lo = gd->u_piece[u] * p->S_rank, hi = lo + gd->u_piece[u];
+            int64_t a = MT_MAX(lo, p->t_off[i]), b = MT_MIN(hi, p->t_off[i] + s->numel);
+            add_segment(gd, &cap[TG_DENSE], gd->u_off[u] + a - lo, b - a, s);
+        }
+    }
+    alloc_group(m->be, gd, keep_copy);
+    alloc_group(m->be, ge, keep_copy);
+}
+
+void params_bind_unit(struct params *p, enum tensor_group g, int u, void *work, float *work_g)
+{
+    struct model *m = p->m;
+    for (int i = 0; i < m->tt.n; i++) {
+        const struct tensor_spec *s = &m->tt.t[i];
+        if (p->t_off[i] < 0 || tensor_group_of(s) != g || tensor_unit(s, m->L) != u) continue;
+        model_bind(m, i, work ? xat(m->be, work, p->t_off[i]) : m->wp[i],
+                   work_g ? work_g + p->t_off[i] : m->gp[i]);
+    }
+}
+
+bool params_static_weights(const struct params *p, enum tensor_group g)
+{
+    return p->g[g].aliased && p->g[g].param_x;
+}
+
+void params_bind_aliased(struct params *p)
+{
+    for (int k = 0; k < TG_COUNT; k++) {
+        struct param_group_shard *g = &p->g[k];
+        if (!g->aliased) continue;
+        bool w = params_static_weights(p, (enum tensor_group)k);
+        for (int u = 0; u < p->n_units; u++)
+            params_bind_unit(p, (enum tensor_group)k, u, w ? xat(p->m->be, g->param_x, g->u_off[u]) : NULL,
+                             g->grad + g->u_off[u]);
+    }
+}
+
+void params_refresh_copy(struct params *p)
+{
+    const struct backend *be = p->m->be;
+    for (int k = 0; k < TG_COUNT; k++) {
+        struct param_group_shard *g = &p->g[k];
+        if (g->param_x && g->param_x != (void *)g->master) be->cast_f32_to_x(g->param_x, g->master, (size_t)g->numel);
+    }
 }
 
 void params_free(struct params *p)
@@ -91,14 +156,17 @@ void params_free(struct params *p)
     const struct backend *be = p->m->be;
     for (int k = 0; k < TG_COUNT; k++) {
         struct param_group_shard *g = &p->g[k];
-        void *bufs[] = {g->master, g->m1, g->m2, g->aliased ? NULL : g->grad,
-                        g->aliased ? NULL : g->param_x, g->gather_x, g->scatter_f};
+        void *bufs[] = {g->master, g->m1, g->m2, g->grad, g->param_x != (void *)g->master ? g->param_x : NULL};
         for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
             if (bufs[i]) be->free(bufs[i]);
         free(g->seg);
+        free(g->u_off);
+        free(g->u_piece);
+        free(g->u_work);
     }
+    free(p->t_off);
     free(p->exp_rows);
-    free(p->exp_shard_off);
+    free(p->exp_piece_off);
     memset(p, 0, sizeof *p);
 }
 
@@ -114,20 +182,22 @@ static void for_each_shard_run_of(const struct params *p, int s_rank, int f_rank
 {
     const struct model *m = p->m;
     const struct tensor_table *tt = &m->tt;
-    const struct param_group_shard *gd = &p->g[TG_DENSE];
-    int64_t lo = gd->chunk * s_rank, hi = lo + gd->chunk;
+    const struct param_group_shard *gd = &p->g[TG_DENSE], *ge = &p->g[TG_EXPERT];
     for (int i = 0; i < tt->n; i++) {
         const struct tensor_spec *s = &tt->t[i];
+        if (p->t_off[i] < 0) continue;
+        int u = tensor_unit(s, m->L);
         if (tensor_group_of(s) == TG_DENSE) {
-            int64_t a = MT_MAX(lo, m->work_off[i]), b = MT_MIN(hi, m->work_off[i] + s->numel);
-            if (b > a) fn(ctx, TG_DENSE, i, a - m->work_off[i], a - lo, b - a);
+            int64_t lo = gd->u_piece[u] * s_rank, hi = lo + gd->u_piece[u];
+            int64_t a = MT_MAX(lo, p->t_off[i]), b = MT_MIN(hi, p->t_off[i] + s->numel);
+            if (b > a) fn(ctx, TG_DENSE, i, a - p->t_off[i], gd->u_off[u] + a - lo, b - a);
             continue;
         }
         int64_t d1 = s->shape[1], d2 = s->shape[2], rows = p->exp_rows[i];
         int64_t r0 = rows * f_rank, nr = MT_MAX(0, MT_MIN(d1, r0 + rows) - r0);
         for (int64_t e = 0; e < m->n_local_experts; e++) {
             int64_t gidx = ((expert0 + e) * d1 + r0) * d2;
-            int64_t soff = p->exp_shard_off[i] + e * rows * d2;
+            int64_t soff = ge->u_off[u] + p->exp_piece_off[i] + e * rows * d2;
             if (nr > 0) fn(ctx, TG_EXPERT, i, gidx, soff, nr * d2);
         }
     }
@@ -192,11 +262,11 @@ static void upload_masters(struct params *p, struct host_fill *f)
     for (int k = 0; k < TG_COUNT; k++) {
         struct param_group_shard *g = &p->g[k];
         be->upload(g->master, f->host[k], (size_t)g->numel * sizeof(float));
-        be->cast_f32_to_x(g->param_x, g->master, (size_t)g->numel);
         be->zero(g->m1, (size_t)g->numel * sizeof(float));
         be->zero(g->m2, (size_t)g->numel * sizeof(float));
         free(f->host[k]);
     }
+    params_refresh_copy(p);
     p->step = 0;
 }
 
@@ -319,60 +389,105 @@ void params_init_random(struct params *p, uint64_t seed)
     upload_masters(p, &f);
 }
 
-/* Copies expert row blocks between `packed` ([F][expert shard]: what the all-gather returns and the
- * reduce-scatter takes) and the model's working layout ([n_local, d1, d2] per expert tensor), in
- * the direction given; es = element size. */
-static void expert_blocks_copy(const struct params *p, void *packed, void *working, size_t es,
+/* Copies the row blocks of unit u's expert tensors between `packed` ([F][piece]: what the
+ * all-gather returns and the reduce-scatter takes) and the unit's working layout ([n_local, d1, d2]
+ * per expert tensor), in the direction given; es = element size. */
+static void expert_blocks_copy(const struct params *p, int u, void *packed, void *working, size_t es,
                                bool to_working)
 {
     const struct model *m = p->m;
     const struct tensor_table *tt = &m->tt;
-    const int64_t shard = p->g[TG_EXPERT].numel;
+    const int64_t piece = p->g[TG_EXPERT].u_piece[u];
     for (int i = 0; i < tt->n; i++) {
         const struct tensor_spec *s = &tt->t[i];
-        if (tensor_group_of(s) != TG_EXPERT) continue;
+        if (p->t_off[i] < 0 || s->kind != TK_EXPERT || tensor_unit(s, m->L) != u) continue;
         int64_t d1 = s->shape[1], d2 = s->shape[2], rows = p->exp_rows[i];
         for (int r = 0; r < p->F; r++) {
             int64_t r0 = rows * r, nr = MT_MAX(0, MT_MIN(d1, r0 + rows) - r0);
             for (int64_t e = 0; nr > 0 && e < m->n_local_experts; e++) {
-                char *pk = (char *)packed + (size_t)(r * shard + p->exp_shard_off[i] + e * rows * d2) * es;
-                char *wk = (char *)working + (size_t)(m->work_off[i] + (e * d1 + r0) * d2) * es;
+                char *pk = (char *)packed + (size_t)(r * piece + p->exp_piece_off[i] + e * rows * d2) * es;
+                char *wk = (char *)working + (size_t)(p->t_off[i] + (e * d1 + r0) * d2) * es;
                 m->be->copy(to_working ? wk : pk, to_working ? pk : wk, (size_t)(nr * d2) * es);
             }
         }
     }
 }
 
-void params_gather_weights(struct params *p)
+int64_t params_layer_unit_max(const struct params *p, enum tensor_group g)
 {
-    struct model *m = p->m;
-    const struct backend *be = m->be;
-    struct param_group_shard *gd = &p->g[TG_DENSE], *ge = &p->g[TG_EXPERT];
-    if (!gd->aliased) {
-        comm_all_gather(p->stage, gd->gather_x, gd->param_x, (size_t)gd->numel, comm_dtype_of_x(be->x_size));
-        be->copy(m->w[TG_DENSE], gd->gather_x, (size_t)m->work_numel[TG_DENSE] * be->x_size);
-    }
-    if (ge->numel == 0 || ge->aliased) return;
-    comm_all_gather(p->fsdp, ge->gather_x, ge->param_x, (size_t)ge->numel, comm_dtype_of_x(be->x_size));
-    expert_blocks_copy(p, ge->gather_x, m->w[TG_EXPERT], be->x_size, true);
+    int64_t w = 0;
+    for (int u = 1; u <= p->m->L; u++) w = MT_MAX(w, p->g[g].u_work[u]);
+    return w;
 }
 
-double params_reduce_grads(struct params *p, struct comm *world)
+void params_unit_max(const struct params *p, enum tensor_group g, int64_t *work, int64_t *piece)
 {
-    struct model *m = p->m;
-    const struct backend *be = m->be;
-    struct param_group_shard *gd = &p->g[TG_DENSE], *ge = &p->g[TG_EXPERT];
-    if (!gd->aliased) {
-        be->zero(gd->scatter_f, (size_t)gd->numel * p->S * sizeof(float));
-        be->copy(gd->scatter_f, m->g[TG_DENSE], (size_t)m->work_numel[TG_DENSE] * sizeof(float));
-        comm_reduce_scatter_sum(p->stage, gd->grad, gd->scatter_f, (size_t)gd->numel, COMM_F32);
+    *work = *piece = 0;
+    for (int u = 0; u < p->n_units; u++) {
+        *work = MT_MAX(*work, p->g[g].u_work[u]);
+        *piece = MT_MAX(*piece, p->g[g].u_piece[u]);
     }
-    if (ge->numel > 0 && !ge->aliased) {
-        be->zero(ge->scatter_f, (size_t)ge->numel * p->F * sizeof(float));
-        expert_blocks_copy(p, ge->scatter_f, m->g[TG_EXPERT], sizeof(float), false);
-        comm_reduce_scatter_sum(p->fsdp, ge->grad, ge->scatter_f, (size_t)ge->numel, COMM_F32);
+}
+
+/* The gathers run in place: the rank's piece is put at its slot of the gather's output (a copy
+ * of the compute copy, or a cast of the master), so no send buffer is needed. Experts gather into
+ * `stage` and are reordered into `work`. */
+void params_gather_unit(struct params *p, enum tensor_group g, int u, void *work, void *stage)
+{
+    const struct backend *be = p->m->be;
+    struct param_group_shard *gs = &p->g[g];
+    const int64_t n = gs->u_piece[u];
+    if (n == 0) return;
+    const int rank = g == TG_DENSE ? p->S_rank : p->F_rank;
+    void *out = g == TG_DENSE || gs->group_size == 1 ? work : stage;
+    void *mine = xat(be, out, (int64_t)rank * n);
+    if (gs->param_x) be->copy(mine, xat(be, gs->param_x, gs->u_off[u]), (size_t)n * be->x_size);
+    else be->cast_f32_to_x(mine, gs->master + gs->u_off[u], (size_t)n);
+    if (gs->group_size == 1) return;   /* the unit's piece is its working layout */
+    comm_all_gather(g == TG_DENSE ? p->stage : p->fsdp, out, mine, (size_t)n, comm_dtype_of_x(be->x_size));
+    if (g == TG_EXPERT) expert_blocks_copy(p, u, stage, work, be->x_size, true);
+}
+
+/* In place as well: the dense unit's gradient buffer is the reduce-scatter's input, the experts'
+ * are reordered into `stage` first; the rank's sum lands at its slot and is added to the shard. */
+void params_reduce_unit(struct params *p, enum tensor_group g, int u, float *work_g, float *stage)
+{
+    const struct backend *be = p->m->be;
+    struct param_group_shard *gs = &p->g[g];
+    const int64_t n = gs->u_piece[u];
+    if (n == 0) return;
+    float *in = work_g;
+    if (g == TG_EXPERT) {
+        in = stage;
+        be->zero(stage, (size_t)n * p->F * sizeof(float));
+        expert_blocks_copy(p, u, stage, work_g, sizeof(float), false);
     }
-    double ss = be->sumsq_f32(gd->grad, (size_t)gd->numel) + be->sumsq_f32(ge->grad, (size_t)ge->numel);
+    const int rank = g == TG_DENSE ? p->S_rank : p->F_rank;
+    float *mine = in + (size_t)rank * n;
+    comm_reduce_scatter_sum(g == TG_DENSE ? p->stage : p->fsdp, mine, in, (size_t)n, COMM_F32);
+    be->add_f32(gs->grad + gs->u_off[u], mine, (size_t)n);
+}
+
+void params_gather_weights(struct params *p)
+{
+    for (int k = 0; k < TG_COUNT; k++)
+        MT_CHECK(params_static_weights(p, (enum tensor_group)k),
+                 "params_gather_weights: the %s group is gathered unit by unit (use fsdp.c)",
+                 k == TG_DENSE ? "dense" : "expert");
+    params_bind_aliased(p);
+}
+
+void params_zero_grad(struct params *p)
+{
+    for (int k = 0; k < TG_COUNT; k++)
+        p->m->be->zero(p->g[k].grad, (size_t)p->g[k].numel * sizeof(float));
+}
+
+double params_grad_sumsq(struct params *p, struct comm *world)
+{
+    const struct backend *be = p->m->be;
+    double ss = 0;
+    for (int k = 0; k < TG_COUNT; k++) ss += be->sumsq_f32(p->g[k].grad, (size_t)p->g[k].numel);
     comm_all_reduce_sum(world, &ss, 1, COMM_F64);
     return ss;
 }
@@ -386,25 +501,14 @@ void params_adamw_step(struct params *p, const struct train_config *t, float lr,
         for (int j = 0; j < g->n_seg; j++) {
             const struct param_segment *s = &g->seg[j];
             if (s->frozen) continue;
-            be->adamw_update(g->master + s->off, xat(be, g->param_x, s->off), g->grad + s->off,
+            /* without a compute copy the update writes the master alone (param = master: the
+             * cast to fp32 is the identity) */
+            void *param = g->param_x ? xat(be, g->param_x, s->off) : NULL;
+            be->adamw_update(g->master + s->off, param, g->grad + s->off,
                              g->m1 + s->off, g->m2 + s->off, (size_t)s->len, lr, (float)t->beta1,
                              (float)t->beta2, (float)t->adam_eps,
                              s->decay ? (float)t->weight_decay : 0.0f, p->step, grad_scale);
         }
-    }
-}
-
-void params_working_to_host(const struct params *p, float *host[TG_COUNT])
-{
-    const struct model *m = p->m;
-    const struct backend *be = m->be;
-    for (int k = 0; k < TG_COUNT; k++) {
-        size_t n = (size_t)m->work_numel[k];
-        if (n == 0) continue;
-        float *tmp = be->alloc(n * sizeof(float));
-        be->cast_x_to_f32(tmp, m->w[k], n);
-        be->download(host[k], tmp, n * sizeof(float));
-        be->free(tmp);
     }
 }
 

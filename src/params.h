@@ -1,13 +1,19 @@
-/* Sharded parameter state: fp32 master weights, Adam moments and reduced gradients, held only for
- * this rank's shard, plus the collectives that turn shards into the model's working weights
- * (all-gather) and working gradients into shard gradients (reduce-scatter).
+/* Sharded parameter state (design.md "The grid", "Memory layout"): fp32 master weights, Adam moments
+ * and reduced gradients held only for this rank's shard, cut per FSDP unit (tensor_unit: the
+ * embedding, each decoder layer, the final norm + lm_head), plus the unit-at-a-time collectives
+ * that turn a unit's shard pieces into its working weights (all-gather) and its working gradients
+ * into shard gradients (reduce-scatter, accumulated into the shard) -- fsdp.c drives them.
  *
- * Non-expert tensors: the stage's dense working buffer (every non-expert tensor back to back, in
- * table order) is split into S equal contiguous chunks (the last padded): one all-gather and one
- * reduce-scatter per step, with no reordering. Expert tensors: each local [E/ep, d1, d2] tensor is
- * split along dim 1 across EP_FSDP (rows padded to ceil(d1 / ep_fsdp)); the shard is those row
- * blocks of every expert tensor back to back. Expert gradients are summed over EP_FSDP (the EP
- * all-to-all already brought every token's contribution to the expert's owner); non-expert
+ * Non-expert tensors of unit u (those on this rank's stage, back to back in table order: the
+ * unit's dense working buffer of w_u elements) are split into S equal contiguous chunks of
+ * ceil(w_u / S) (the last padded): the all-gather of the chunks IS the working buffer. Expert
+ * tensors of unit u ([E/ep, d1, d2] local experts each) are split along dim 1 across EP_FSDP (rows
+ * padded to ceil(d1 / ep_fsdp)); the piece is those row blocks of the unit's expert tensors back to
+ * back, reordered into the working layout after the gather. A rank's shard is its pieces of every
+ * unit of the stage, in unit order. A group of one (S = 1 or ep_fsdp = 1) holds every unit whole:
+ * its shard layout equals the working layout, so the working weights and gradients ARE the shard's
+ * compute copy and gradient (no gathers, no copies). Expert gradients are summed over EP_FSDP (the
+ * EP all-to-all already brought every token's contribution to the expert's owner); non-expert
  * gradients over the stage. */
 #ifndef MT_PARAMS_H
 #define MT_PARAMS_H
@@ -24,13 +30,16 @@ struct param_segment {      /* a run of shard elements with one optimizer treatm
 
 struct param_group_shard {
     int64_t numel;          /* elements of this rank's shard (including padding) */
-    int64_t chunk;          /* dense: elements per rank; expert: unused */
     float *master, *m1, *m2, *grad;   /* backend memory, [numel] */
-    void *param_x;          /* compute-dtype copy of master, [numel] */
-    void *gather_x;         /* compute-dtype receive buffer, [group size * numel] */
-    float *scatter_f;       /* fp32 send buffer for the reduce-scatter, [group size * numel] */
-    bool aliased;           /* group of one: param_x and grad are the model's working buffers and
-                             * gather_x / scatter_f are not allocated */
+    /* compute-dtype copy of master [numel] that AdamW keeps current, or NULL when every gather
+     * casts from master (train.weight_copy); the same memory as master when the compute dtype is
+     * fp32 */
+    void *param_x;
+    bool aliased;           /* group of one: the working weights/grads are the shard's */
+    int group_size;
+    /* per unit (n_units): the piece's offset and padded size in the shard (equal on every rank of
+     * the group), and the unit's working elements (dense: group_size x piece, the tail padding) */
+    int64_t *u_off, *u_piece, *u_work;
     struct param_segment *seg;
     int n_seg;
 };
@@ -40,9 +49,12 @@ struct params {
     struct comm *stage;     /* dense group (NULL = one rank) */
     struct comm *fsdp;      /* expert shard group (NULL = one rank) */
     int S, S_rank, F, F_rank;
+    int n_units;            /* L + 2 */
     struct param_group_shard g[TG_COUNT];
+    int64_t *t_off;         /* [tt.n] offset of tensor i in its unit's working buffer of its
+                             * group (-1: not on this stage) */
     int64_t *exp_rows;      /* [tt.n] padded rows of each expert tensor's dim-1 block (0 = dense) */
-    int64_t *exp_shard_off; /* [tt.n] offset of each expert tensor's block in the expert shard */
+    int64_t *exp_piece_off; /* [tt.n] offset of an expert tensor's row blocks in its unit's piece */
     int step;               /* optimizer steps taken */
 };
 
@@ -57,22 +69,42 @@ bool params_load_hf(struct params *p, const char *model_dir, char *err, int errc
  * so every mesh initialises the same model. */
 void params_init_random(struct params *p, uint64_t seed);
 
-/* master shards -> working weights of the model (all-gather) */
-void params_gather_weights(struct params *p);
-/* model working grads -> shard grads (reduce-scatter); returns the global squared L2 norm of the
- * gradient (each element counted once), all-reduced over `world` */
-double params_reduce_grads(struct params *p, struct comm *world);
+/* Whether gathers cast from the fp32 master (no compute copy): decided by train.weight_copy. */
+void params_init_opts(struct params *p, struct model *m, struct comm *stage, struct comm *fsdp,
+                      bool keep_copy);
+/* Makes the compute copy (if any) equal the master after the masters were written (load, init). */
+void params_refresh_copy(struct params *p);
+/* Every unit of a group of one is bound for good; the others through fsdp.c. Without fsdp.c
+ * (tests, verify: params_init with NULL comms) everything is a group of one. */
+void params_bind_aliased(struct params *p);
+/* Unit u of group g: its working weights from every rank's piece into `work` (compute dtype,
+ * [g->u_work[u]]), and its working gradient `work_g` (fp32 [u_work], padding zero; clobbered)
+ * reduce-scattered and added to the shard gradient. `stage`: expert scratch of group_size x piece
+ * fp32 elements (unused for the dense group). */
+void params_gather_unit(struct params *p, enum tensor_group g, int u, void *work, void *stage);
+void params_reduce_unit(struct params *p, enum tensor_group g, int u, float *work_g, float *stage);
+/* Largest working elements of group g over the decoder layers' units alone. */
+int64_t params_layer_unit_max(const struct params *p, enum tensor_group g);
+/* Group of one with a compute copy: its weights are bound for good. */
+bool params_static_weights(const struct params *p, enum tensor_group g);
+/* Binds unit u's tensors of group g to working buffers (NULL leaves that binding as it is). */
+void params_bind_unit(struct params *p, enum tensor_group g, int u, void *work, float *work_g);
+/* Largest per-unit sizes of group g: working elements and piece. */
+void params_unit_max(const struct params *p, enum tensor_group g, int64_t *work, int64_t *piece);
+void params_zero_grad(struct params *p);
+/* Global squared L2 norm of the shard gradients (each element counted once), all-reduced over
+ * `world`. */
+double params_grad_sumsq(struct params *p, struct comm *world);
 /* AdamW on the shards with the given lr and gradient scale (clipping) */
 void params_adamw_step(struct params *p, const struct train_config *t, float lr, float grad_scale);
+/* For single-process tools and tests: the model's working weights from the masters (every group
+ * of one; a no-op when aliased). */
+void params_gather_weights(struct params *p);
 
 /* Collective over the mesh's world: rank 0 receives every rank's fp32 master shards and assembles
  * the GLOBAL layout of the tensor table (every expert) into `global` (host buffers sized as
  * tt.group_numel; only rank 0's are written). For export and tests; pp = 1 only for now. */
 void params_gather_global(const struct params *p, const struct mesh *mesh, float *const global[TG_COUNT]);
-
-/* Copy the full working weights of the model (fp32, working layout) into host buffers; for tests
- * and verify. */
-void params_working_to_host(const struct params *p, float *host[TG_COUNT]);
 
 /* Calls fn for every run of the shard held by the rank at stage position s_rank, EP_FSDP position
  * f_rank with experts from expert0: `len` elements of tensor i starting at element `gidx` of its

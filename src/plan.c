@@ -16,6 +16,9 @@
 #include "memory_estimate.h"
 #include "tensors.h"
 
+/* The device memory `plan` assumes for train.weight_copy: auto (an 80 GB GPU) */
+#define PLAN_DEVICE_BYTES (80.0 * 1024 * 1024 * 1024)
+
 /* Largest --world plan accepts: it keeps one int per rank. */
 #define PLAN_MAX_WORLD (1 << 22)
 
@@ -221,7 +224,7 @@ void plan_print(FILE *f, const struct config *c, const struct mesh_dims *d, cons
     int *first_moe = mt_malloc((size_t)d->pp * sizeof *first_moe);
     double max_total = 0;
     for (int s = 0; s < d->pp; s++) {
-        estimate_stage(c, &tt, d, s, &st[s]);
+        estimate_stage(c, &tt, d, s, estimate_keep_copy(c, d, PLAN_DEVICE_BYTES), &st[s]);
         max_total = MT_MAX(max_total, st[s].total_bytes);
         first_moe[s] = -1;
         for (int l = st[s].layer0; l < st[s].layer1 && first_moe[s] < 0; l++)

@@ -73,6 +73,7 @@ W(cast_f32_to_x, PROF_OTHER, n, (void *o, const float *i, size_t n), (o, i, n))
 W(cast_x_to_f32, PROF_OTHER, n, (float *o, const void *i, size_t n), (o, i, n))
 W(add_inplace, PROF_OTHER, n, (void *y, const void *x, size_t n), (y, x, n))
 W(scale_f32, PROF_OTHER, n, (float *x, size_t n, float s), (x, n, s))
+W(add_f32, PROF_OTHER, n, (float *y, const float *x, size_t n), (y, x, n))
 W(embedding_forward, PROF_OTHER, T, (void *o, const int32_t *ids, const void *w, int T, int H),
   (o, ids, w, T, H))
 W(embedding_backward, PROF_OTHER, T, (float *dw, const void *d, const int32_t *ids, int T, int H),
@@ -171,7 +172,7 @@ const struct backend *profile_wrap(const struct backend *be)
     wrapped = *be;
 #define SET(op) wrapped.op = p_##op
     SET(zero); SET(copy); SET(upload); SET(download); SET(cast_f32_to_x); SET(cast_x_to_f32);
-    SET(add_inplace); SET(scale_f32); SET(sumsq_f32); SET(embedding_forward);
+    SET(add_inplace); SET(scale_f32); SET(add_f32); SET(sumsq_f32); SET(embedding_forward);
     SET(embedding_backward); SET(rmsnorm_forward); SET(rmsnorm_backward); SET(matmul_forward);
     SET(matmul_backward); SET(router_matmul_forward); SET(router_matmul_backward); SET(rope_forward); SET(rope_backward); SET(attention_forward);
     SET(attention_backward); SET(router_forward); SET(router_backward); SET(router_stats);

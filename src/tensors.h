@@ -56,6 +56,14 @@ static inline enum tensor_group tensor_group_of(const struct tensor_spec *s)
     return s->kind == TK_EXPERT ? TG_EXPERT : TG_DENSE;
 }
 
+/* FSDP unit of a tensor (design.md: one decoder layer per unit, the embedding and the final norm +
+ * lm_head units of their own): 0 = embedding, 1 + l = layer l, n_layers + 1 = final norm and lm_head.
+ * Unit order is table order. */
+static inline int tensor_unit(const struct tensor_spec *s, int n_layers)
+{
+    return s->layer >= 0 ? 1 + s->layer : s->role == TR_EMBED ? 0 : n_layers + 1;
+}
+
 void tensor_table_build(struct tensor_table *tt, const struct model_config *m);
 void tensor_table_free(struct tensor_table *tt);
 /* Index of the tensor with this role in this layer (-1 for global ones), or -1 if absent. */

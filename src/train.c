@@ -26,8 +26,11 @@
 #include "config.h"
 #include "data.h"
 #include "flops.h"
+#include "fsdp.h"
 #include "hf_export.h"
 #include "hf_load.h"
+#include "mem_report.h"
+#include "memory_estimate.h"
 #include "mesh.h"
 #include "metrics.h"
 #include "model.h"
@@ -155,18 +158,13 @@ static void load_summary(const struct model *m, const double *counts /*[L, E]*/,
 }
 
 /* checkpoint.export_hf is written after the last step: find out now, not hours later, that it
- * cannot be. Rank 0 creates the directory; every rank learns the verdict. */
-static void check_export_dir(const struct config *c, const struct mesh *mesh)
+ * cannot be. Rank 0 looks; every rank learns the verdict. */
+static void check_export_dir(const struct config *c, const struct mesh *mesh, bool force)
 {
     const char *dir = c->checkpoint.export_hf;
     if (!*dir) return;
     char err[MT_PATH_MAX + 128] = "";
-    if (mesh->rank == 0) {
-        if (mkdir(dir, 0777) != 0 && errno != EEXIST)
-            snprintf(err, sizeof err, "%s: cannot create the export directory: %s", dir, strerror(errno));
-        else if (access(dir, W_OK) != 0)
-            snprintf(err, sizeof err, "%s: the export directory is not writable: %s", dir, strerror(errno));
-    }
+    if (mesh->rank == 0) hf_export_check_dir(dir, force, err, sizeof err);
     MT_CHECK_MPI(MPI_Bcast(err, (int)sizeof err, MPI_CHAR, 0, mesh->world_comm));
     if (*err) mt_user_error("%s (checkpoint.export_hf)", err);
 }
@@ -182,6 +180,15 @@ static void agree_or_exit(const struct mesh *mesh, bool ok, const char *err)
     if (mesh->rank == first) mt_strlcpy(msg, err, sizeof msg);
     MT_CHECK_MPI(MPI_Bcast(msg, (int)sizeof msg, MPI_CHAR, first, mesh->world_comm));
     mt_user_error("%s", msg);
+}
+
+/* train.weight_copy: keep the shard's compute copy unless told not to, or (auto) unless the plan
+ * with it does not fit the device's memory (known on the GPU only; with fp32 compute the copy is the
+ * master itself and costs nothing). */
+bool train_keep_weight_copy(const struct config *c, const struct mesh_dims *d, const struct backend *be)
+{
+    if (be->x_size == sizeof(float) && c->train.weight_copy == MT_COPY_AUTO) return true;
+    return estimate_keep_copy(c, d, be->mem_bytes);
 }
 
 /* The comm that moves tensors living in `be`'s memory. */
@@ -210,10 +217,12 @@ int cmd_train(const struct cli *a)
         return 0;
     }
     ckpt_check_dir(&c, &mesh);
-    check_export_dir(&c, &mesh);
+    check_export_dir(&c, &mesh, a->force);
     char resume_dir[2 * MT_PATH_MAX];
     const bool resuming = ckpt_resume_dir(a->resume, &c, &mesh, resume_dir, sizeof resume_dir);
 
+    if (c.train.optimizer_state_dtype == MT_STATE_BF16)
+        mt_user_error("%s: train.optimizer_state_dtype: bf16 is not implemented yet", c.path);
     if (mesh.d.pp > 1)
         mt_user_error("%s: pipeline_parallel_size %d: pipeline execution is not implemented yet "
                       "(plan and --dry-run lay it out)", c.path, mesh.d.pp);
@@ -246,7 +255,8 @@ int cmd_train(const struct cli *a)
     }
     float *bias_h = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(float));
     struct params p;
-    params_init(&p, &m, stage, fsdp);
+    const bool keep_copy = train_keep_weight_copy(&c, &mesh.d, be);
+    params_init_opts(&p, &m, stage, fsdp, keep_copy);
     int start_step = 0;
     if (resuming) {
         ckpt_load(resume_dir, &p, &mesh, &c, bias_h, &start_step);
@@ -259,10 +269,16 @@ int cmd_train(const struct cli *a)
     } else if (*c.model.init_from) {
         err[0] = 0;
         agree_or_exit(&mesh, params_load_hf(&p, c.model.init_from, err, sizeof err), err);
+        if (m.bias) {
+            int rows = 0;
+            agree_or_exit(&mesh, hf_load_bias(c.model.init_from, &c.model, bias_h, &rows, err, sizeof err), err);
+            be->upload(m.bias, bias_h, (size_t)L * E * sizeof(float));
+        }
     } else {
         params_init_random(&p, tc->seed);
     }
-    params_gather_weights(&p);
+    struct fsdp sharding;
+    fsdp_init(&sharding, &p, c.parallel.reshard_after_forward);
     plan_print_mesh(stdout, &c, &mesh);
     char init[3 * MT_PATH_MAX];
     if (resuming) snprintf(init, sizeof init, "resumed from %s (step %d)", resume_dir, start_step);
@@ -271,6 +287,7 @@ int cmd_train(const struct cli *a)
     print_startup(&c, &mesh, be, data, n_micro, &m, init);
     struct validation *val = validation_open(&c, n_micro, mesh.me.local, dp);
     if (val) mt_log0("  validation  %s\n", validation_describe(val));
+    metrics_print_config(&c, c.log.metrics);
 
     struct metrics_log ml;
     metrics_open(&ml, c.log.metrics, resuming);
@@ -293,7 +310,7 @@ int cmd_train(const struct cli *a)
         double t0 = mt_now();
         double split[PROF_COUNT];
         profile_reset();
-        model_zero_grad(&m);
+        params_zero_grad(&p);
         double ce_local = 0, aux_sum = 0;
         int64_t valid_local = 0;
         memset(layer_counts, 0, (size_t)L * MT_MAX(E, 1) * sizeof(double));
@@ -316,12 +333,12 @@ int cmd_train(const struct cli *a)
             }
             model_backward(&m, (float)(1.0 / n_valid_global), use_aux ? aux_dp : NULL);
         }
-        double gsq = params_reduce_grads(&p, world);
+        double gsq = params_grad_sumsq(&p, world);
         double gnorm = sqrt(gsq);
         double scale = tc->grad_clip > 0 && gnorm > tc->grad_clip ? tc->grad_clip / gnorm : 1.0;
         double lr = train_lr_at(tc, step);
         params_adamw_step(&p, tc, (float)lr, (float)scale);
-        params_gather_weights(&p);
+        fsdp_invalidate(&sharding);
 
         double sums[2] = {ce_local, (double)valid_local};
         comm_all_reduce_sum(world, sums, 2, COMM_F64);
@@ -331,6 +348,7 @@ int cmd_train(const struct cli *a)
             balance_bias_update(bias_h, layer_counts, &c.model, tc->bias_update_rate);
             be->upload(m.bias, bias_h, (size_t)L * E * sizeof(float));
         }
+        mem_report_sample(be);
         double step_s = mt_now() - t0;
         if (step == start_step + 1) first_step_s = step_s;
         double ce = sums[0] / n_valid_global, aux = aux_sum / n_micro;
@@ -348,15 +366,13 @@ int cmd_train(const struct cli *a)
             .mfu = be->peak_flops > 0 ? tps * flops_tok / (be->peak_flops * mesh.d.world) : -1,
             .step_ms = 1e3 * step_s, .eta_s = avg * (tc->steps - step), .n_layers = n_moe,
             .load_min = lmin, .load_max = lmax, .load_cv = lcv, .n_experts = E, .expert_tokens = tok,
-            .time_split = c.log.profile ? split : NULL,
+            .time_split = c.log.profile ? split : NULL, .wall_time = metrics_wall_clock(),
+            .tokens_seen = (int64_t)step * tc->global_batch_size * tc->seq_len, .val_loss = NAN,
         };
         profile_read(split);
-        if (validation_due(val, step)) {
-            sm.has_val = true;
-            sm.val_loss = validation_run(val, &m, stage_h, world);
-        }
+        if (validation_due(val, step)) sm.val_loss = validation_run(val, &m, stage_h, world);
         bool print = step == 1 || step == tc->steps || step % MT_MAX(c.log.interval, 1) == 0 ||
-                     sm.has_val;
+                     isfinite(sm.val_loss);
         metrics_step(&ml, &sm, print);
         if (c.log.profile && step == tc->steps && mesh.rank == 0) {
             profile_print_ops(stdout, step_s);
@@ -365,14 +381,20 @@ int cmd_train(const struct cli *a)
         if (ckpt_due(&c, step)) ckpt_save(c.checkpoint.dir, step, &p, &mesh, &c, m.bias ? bias_h : NULL);
     }
     mt_log0("done: %d steps in %.1f s\n", tc->steps - start_step, mt_now() - t_start);
+    struct mem_peak peak;
+    mem_report_collect(&mesh, &peak);
+    mem_report_print(&c, &mesh, &peak, keep_copy, be->x_size);
     if (*c.checkpoint.export_hf) {
-        if (!export_params_hf(&p, &mesh, &c.model, c.checkpoint.export_hf, err, sizeof err)) mt_fatal("%s", err);
+        if (!export_params_hf(&p, &mesh, &c, m.bias ? bias_h : NULL, a->force, c.checkpoint.export_hf, err,
+                              sizeof err))
+            mt_user_error("%s", err);
         mt_log0("exported the final weights to %s (Hugging Face layout)\n", c.checkpoint.export_hf);
     }
     metrics_close(&ml);
     step_batch_free(&sb); validation_close(val);
     free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv);
     free(tok); free(bias_h);
+    fsdp_free(&sharding);
     params_free(&p);
     model_free(&m);
     comm_free(world); comm_free(stage_h); comm_free(stage); comm_free(ep); comm_free(fsdp);

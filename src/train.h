@@ -18,6 +18,12 @@ void aux_from_stats(const float *stats, int n_layers_all, const struct model_con
 void aux_grad_from_counts(const double *count, int E, int n_moe, int64_t tokens, double scale,
                           float *aux_dp);
 
+struct backend;
+struct mesh_dims;
+/* Whether the rank keeps a compute-dtype copy of its shard (train.weight_copy; auto decides by the
+ * memory plan against the device's memory). */
+bool train_keep_weight_copy(const struct config *c, const struct mesh_dims *d, const struct backend *be);
+
 /* Aux-loss-free balancing: per MoE layer, bias[l, e] += rate · sign(mean load − load[l, e]) from
  * the step's global token counts counts[l, e]; the bias shifts expert selection only. */
 void balance_bias_update(float *bias /*[L, E]*/, const double *counts /*[L, E]*/,

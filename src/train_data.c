@@ -57,8 +57,8 @@ void step_batch_forward(const struct step_batch *b, int micro, struct model *m,
                         struct model_step_out *out)
 {
     const size_t at = (size_t)micro * b->mb * b->S;
-    if (b->documents) model_set_documents(m, b->pos + at, b->seg + at);
-    else model_set_documents(m, NULL, NULL);
+    if (b->documents) model_set_documents(m, 0, b->pos + at, b->seg + at);   /* model_forward: slot 0 */
+    else model_set_documents(m, 0, NULL, NULL);
     model_forward(m, b->ids + at, b->labels + at, out);
 }
 

@@ -1,6 +1,6 @@
 /* `moetrain verify MODEL_DIR REFERENCE.safetensors`: runs the reference batch through the model
- * loaded from MODEL_DIR and compares logits, loss, aux loss and every parameter gradient with the
- * reference dump (format: tests/fixtures/README.md). Relative error = ‖ours − ref‖ / ‖ref‖ (the
+ * loaded from MODEL_DIR (a Hugging Face directory or a checkpoint) and compares logits, loss, aux
+ * loss and, unless --forward-only, every parameter gradient with the reference dump (format: tests/fixtures/README.md). Relative error = ‖ours − ref‖ / ‖ref‖ (the
  * plain norm of the difference where the reference is all zeros). */
 #include <limits.h>
 #include <math.h>
@@ -8,7 +8,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <mpi.h>
+
 #include "backend_select.h"
+#include "checkpoint.h"
+#include "hf_export.h"
 #include "cli.h"
 #include "common.h"
 #include "config.h"
@@ -99,18 +103,20 @@ static float *ref_read(const struct st_file *ref, const char *name, int64_t n)
 }
 
 /* Returns the number of tensors the reference lacks. */
-static int compare_grads(struct verify_ctx *v, const struct model *m, float *const grad[TG_COUNT])
+static int compare_grads(struct verify_ctx *v, const struct model *m)
 {
     char name[256];
     int missing = 0;
     for (int i = 0; i < m->tt.n; i++) {
         const struct tensor_spec *s = &m->tt.t[i];
-        const float *ours = grad[tensor_group_of(s)] + m->work_off[i];
+        float *ours = mt_malloc((size_t)s->numel * sizeof(float));
+        m->be->download(ours, model_grad(m, i), (size_t)s->numel * sizeof(float));
         snprintf(name, sizeof name, "grad.%s", s->name);
         float *ref = ref_read(v->ref, name, s->numel);
         if (ref) {
             compare(v, name, ours, ref, s->numel);
             free(ref);
+            free(ours);
             continue;
         }
         /* a fused dense tensor: the reference holds its hub parts (e.g. mlp.gate_proj / up_proj) */
@@ -130,18 +136,68 @@ static int compare_grads(struct verify_ctx *v, const struct model *m, float *con
             printf("  %-60s %10s  MISSING from the reference\n", s->name, "-");
             missing++;
         }
+        free(ours);
     }
     return missing;
+}
+
+/* A checkpoint's config is its manifest's, on one process (the mesh it was saved on does not
+ * matter to a forward pass). */
+static bool checkpoint_config(const char *dir, const struct cli *a, struct config *c, char *err, int cap)
+{
+    static char *own[] = {"model.hf_config=", "parallel.pipeline_parallel_size=1", "parallel.expert_parallel_size=1",
+                          "checkpoint.dir=", "checkpoint.export_hf=", "log.metrics="};
+    const int n_own = (int)(sizeof own / sizeof own[0]);
+    char **sets = mt_malloc((size_t)(n_own + a->n_sets) * sizeof(char *));
+    for (int i = 0; i < n_own; i++) sets[i] = own[i];
+    for (int i = 0; i < a->n_sets; i++) sets[n_own + i] = a->sets[i];
+    bool ok = ckpt_read_config(dir, n_own + a->n_sets, sets, c, err, cap);
+    free(sets);
+    return ok;
+}
+
+/* The weights (and balancing bias, when the directory has one) of a Hugging Face directory or a
+ * checkpoint into p and m.bias. */
+static void load_weights(const char *dir, bool is_ckpt, const struct config *c, struct params *p, struct model *m)
+{
+    char err[1024];
+    const int L = m->L, E = m->E;
+    float *bias = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(float));
+    bool have_bias = false;
+    if (is_ckpt) {
+        struct mesh one;
+        memset(&one, 0, sizeof one);
+        one.world_comm = MPI_COMM_NULL;
+        one.d.world = 1;
+        if (!ckpt_load_checked(dir, p, &one, c, bias, NULL, true, err, sizeof err)) mt_user_error("%s", err);
+        for (int i = 0; i < L * E && !have_bias; i++) have_bias = bias[i] != 0;
+    } else {
+        int rows = 0;
+        if (!params_load_hf(p, dir, err, sizeof err) || !hf_load_bias(dir, &c->model, bias, &rows, err, sizeof err))
+            mt_user_error("%s", err);
+        have_bias = rows > 0;
+    }
+    if (have_bias && E > 0) {
+        m->bias = m->be->alloc((size_t)L * E * sizeof(float));
+        m->be->upload(m->bias, bias, (size_t)L * E * sizeof(float));
+        printf("  routing with the aux-loss-free balancing bias stored in %s\n", dir);
+    }
+    free(bias);
 }
 
 int cmd_verify(const struct cli *a)
 {
     char dir[PATH_MAX], err[1024], yaml[PATH_MAX + 64];
     if (!realpath(a->model_dir, dir)) mt_user_error("%s: no such model directory", a->model_dir);
-    snprintf(yaml, sizeof yaml, "model:\n  hf_config: \"%s/config.json\"\n", dir);
+    const bool is_ckpt = ckpt_is_checkpoint(dir);
     struct config c;
-    if (!config_load_string_checked(&c, "verify", yaml, strlen(yaml), a->n_sets, a->sets, err, sizeof err))
-        mt_user_error("%s", err);
+    if (is_ckpt) {
+        if (!checkpoint_config(dir, a, &c, err, sizeof err)) mt_user_error("%s", err);
+    } else {
+        snprintf(yaml, sizeof yaml, "model:\n  hf_config: \"%s/config.json\"\n", dir);
+        if (!config_load_string_checked(&c, "verify", yaml, strlen(yaml), a->n_sets, a->sets, err, sizeof err))
+            mt_user_error("%s", err);
+    }
     c.parallel.backend = backend_choice_from_cli(a->backend, c.parallel.backend);
     struct st_file *ref = st_open(a->reference, err, sizeof err);
     if (!ref) mt_user_error("%s", err);
@@ -167,7 +223,9 @@ int cmd_verify(const struct cli *a)
     model_init(&m, be, &c.model, B, S, NULL, false);
     struct params p;
     params_init(&p, &m, NULL, NULL);
-    if (!params_load_hf(&p, dir, err, sizeof err)) mt_user_error("%s", err);
+    printf("moetrain verify %s against %s (backend %s, batch %dx%d, tolerance %.1e%s)\n", dir,
+           a->reference, be->name, B, S, a->tolerance, a->forward_only ? ", forward only" : "");
+    load_weights(dir, is_ckpt, &c, &p, &m);
     params_gather_weights(&p);
 
     struct model_step_out o;
@@ -189,45 +247,38 @@ int cmd_verify(const struct cli *a)
     if (o.n_valid == 0) mt_user_error("%s: every label is ignored; the loss is undefined", a->reference);
     double ce = o.ce_sum / o.n_valid;
     double loss = ce + (with_aux ? c.model.router_aux_loss_coef * aux : 0);
-    model_backward(&m, (float)(1.0 / o.n_valid), with_aux ? aux_dp : NULL);
+    if (!a->forward_only) model_backward(&m, (float)(1.0 / o.n_valid), with_aux ? aux_dp : NULL);
 
     struct verify_ctx v = {.ref = ref, .tol = a->tolerance};
     int first_grad;
-    printf("moetrain verify %s against %s (backend %s, batch %dx%d, tolerance %.1e)\n", dir,
-           a->reference, be->name, B, S, a->tolerance);
     printf("  %-60s %10s\n", "tensor", "rel error");
     float *rl = ref_read(ref, "logits", (int64_t)T * m.V);
     if (!rl) mt_user_error("%s: no tensor 'logits'", a->reference);
     compare(&v, "logits", logits, rl, (int64_t)T * m.V);
     free(rl);
+    /* a forward-only dump may carry logits alone: the loss is then printed, not compared */
     float *rloss = ref_read(ref, "loss", 1);
-    if (!rloss) mt_user_error("%s: no tensor 'loss'", a->reference);
+    if (!rloss && !a->forward_only) mt_user_error("%s: no tensor 'loss'", a->reference);
     float floss = (float)loss;
-    compare(&v, "loss", &floss, rloss, 1);
+    if (rloss) compare(&v, "loss", &floss, rloss, 1);
     if (with_aux) {
         float *raux = ref_read(ref, "aux_loss", 1), faux = (float)aux;
         compare(&v, "aux_loss", &faux, raux, 1);
         free(raux);
     }
-    printf("  loss %.6f = ce %.6f + %.3g x aux %.6f; reference %.6f\n", loss, ce,
-           with_aux ? c.model.router_aux_loss_coef : 0.0, aux, rloss[0]);
+    printf("  loss %.6f = ce %.6f + %.3g x aux %.6f", loss, ce, with_aux ? c.model.router_aux_loss_coef : 0.0, aux);
+    if (rloss) printf("; reference %.6f\n", rloss[0]);
+    else printf("; the reference has no loss\n");
     free(rloss);
     first_grad = v.n_rows;
 
-    float *grad[TG_COUNT];
-    for (int g = 0; g < TG_COUNT; g++) {
-        size_t n = (size_t)MT_MAX(m.work_numel[g], 1);
-        grad[g] = mt_malloc(n * sizeof(float));
-        be->download(grad[g], m.g[g], (size_t)m.work_numel[g] * sizeof(float));
-    }
-    int missing = compare_grads(&v, &m, grad);
+    int missing = a->forward_only ? 0 : compare_grads(&v, &m);
     double worst;
     int failed = report(&v, first_grad, &worst) + missing;
     int checked = v.n_rows + missing;
     printf("%s: %d of %d tensors within %.1e (worst %.3e)\n", failed ? "FAILED" : "PASSED",
            checked - failed, checked, v.tol, worst);
 
-    for (int g = 0; g < TG_COUNT; g++) free(grad[g]);
     free(logits); free(cnt); free(aux_dp); free(ids64); free(lab64); free(ids); free(labels);
     params_free(&p);
     model_free(&m);

@@ -24,6 +24,6 @@ void cpu_adamw_update(float *master, float *param, const float *grad, float *m, 
         float p = master[i] * decay;
         p -= lr * (mhat / (sqrtf(vhat) + eps));
         master[i] = p;
-        param[i] = p; /* param may be master itself */
+        if (param) param[i] = p; /* param may be master itself */
     }
 }

@@ -1,6 +1,7 @@
 /* Memory, casts and elementwise ops of the CPU backend: host memory plays the device. */
 #include "cpu/cpu_ops.h"
 #include "common.h"
+#include "mem_track.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -8,13 +9,18 @@
 void *cpu_alloc(size_t bytes)
 {
     void *p = mt_malloc(bytes);
+    mem_track_alloc(p, bytes);
     /* All-ones bytes are a NaN in fp32 (and an invalid index in int32): reading a buffer that was
      * never written shows up at once instead of passing on zeros that a GPU would not give. */
     memset(p, 0xff, bytes);
     return p;
 }
 
-void cpu_free(void *p) { free(p); }
+void cpu_free(void *p)
+{
+    mem_track_free(p);
+    free(p);
+}
 
 void cpu_zero(void *p, size_t bytes)
 {
@@ -27,6 +33,8 @@ void cpu_copy(void *dst, const void *src, size_t bytes)
 }
 
 void cpu_sync(void) {}
+
+double cpu_device_used(void) { return 0; }
 
 void cpu_cast_f32(float *out, const float *in, size_t n) { cpu_copy(out, in, n * sizeof(float)); }
 

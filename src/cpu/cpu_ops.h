@@ -34,6 +34,7 @@ void cpu_sync(void);
 /* casts (fp32 to fp32; in and out may alias) and elementwise */
 void cpu_cast_f32(float *out, const float *in, size_t n);
 void cpu_add_inplace(float *y, const float *x, size_t n);
+double cpu_device_used(void);
 void cpu_scale_f32(float *x, size_t n, float s);
 double cpu_sumsq_f32(const float *x, size_t n);
 

@@ -251,7 +251,8 @@ Test(checkpoint, files_follow_the_documented_layout)
     float *buf = malloc((size_t)s->numel * sizeof(float));
     hid_t d = H5Dopen2(f, "master/model.layers.1.mlp.experts.gate_up_proj", H5P_DEFAULT);
     cr_assert(H5Dread(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf) >= 0);
-    cr_expect(!memcmp(buf, a.p.g[TG_EXPERT].master + a.p.exp_shard_off[i], (size_t)s->numel * sizeof(float)));
+    const int64_t at = a.p.g[TG_EXPERT].u_off[tensor_unit(s, a.m.L)] + a.p.exp_piece_off[i];
+    cr_expect(!memcmp(buf, a.p.g[TG_EXPERT].master + at, (size_t)s->numel * sizeof(float)));
     free(buf);
     H5Dclose(d);
     H5Fclose(f);
@@ -528,7 +529,8 @@ Test(checkpoint, corrupted_data_is_caught_by_the_checksum)
      * compression, little-endian): flip one bit in the middle of them */
     int i = tensor_find(&a.m.tt, "model.layers.1.self_attn.o_proj.weight");
     cr_assert(i >= 0);
-    const float *vals = a.p.g[TG_DENSE].master + a.m.work_off[i] + 100;
+    const float *vals = a.p.g[TG_DENSE].master + a.p.g[TG_DENSE].u_off[tensor_unit(&a.m.tt.t[i], a.m.L)] +
+                        a.p.t_off[i] + 100;
     FILE *fp = fopen(p, "r+b");
     cr_assert(fp);
     cr_assert_eq(fseek(fp, 0, SEEK_END), 0);

@@ -57,7 +57,7 @@ static void run_seq(struct run *r, const int32_t *ids, const int32_t *labels, co
                     const int32_t *seg, float *losses)
 {
     struct model_step_out o;
-    model_set_documents(&r->m, pos, seg);
+    model_set_documents(&r->m, 0, pos, seg);
     model_forward(&r->m, ids, labels, &o);
     memcpy(losses, r->m.losses, (size_t)r->m.T * sizeof(float));   /* CPU: host memory */
     model_backward(&r->m, 1.0f, NULL);

@@ -33,6 +33,7 @@ static void hand_config(struct config *c, int pp, int ep)
     m->decoder_sparse_step = 1;
     c->parallel.pipeline_parallel_size = pp;
     c->parallel.expert_parallel_size = ep;
+    c->parallel.reshard_after_forward = true;
     c->train.seq_len = 8;
     c->train.micro_batch_size = 2;
     c->train.global_batch_size = 16;
@@ -88,6 +89,8 @@ Test(plan, model_counts_by_hand)
 }
 
 /* world 8, pp 2, ep 2: S = 4 ranks per stage, ep_fsdp 2. Stage 0 layers {0, 1}, stage 1 layer {2}. */
+static double scratch_of(const struct stage_estimate *e, double staging) { return e->buffer_bytes - staging; }
+
 Test(plan, shard_and_optimizer_bytes_by_hand)
 {
     struct config c;
@@ -97,53 +100,67 @@ Test(plan, shard_and_optimizer_bytes_by_hand)
     struct tensor_table tt;
     tensor_table_build(&tt, &c.model);
     struct stage_estimate s0, s1;
-    estimate_stage(&c, &tt, &d, 0, &s0);
-    estimate_stage(&c, &tt, &d, 1, &s1);
+    estimate_stage(&c, &tt, &d, 0, true, &s0);
+    estimate_stage(&c, &tt, &d, 1, true, &s1);
 
-    /* Non-expert rows split over the 4 stage ranks, rounded up: embedding 26 rows x 16 = 416;
-     * per layer: input norm 4, q 3x16 = 48, k 2x16 = 32, v 32, o 4x12 = 48, q/k norm 1 + 1,
-     * post norm 4, router 1x16 = 16 -> 186; final norm 4, lm_head 26x16 = 416. */
-    cr_assert_eq(s0.dense_numel, 416 + 2 * 186);
-    cr_assert_eq(s1.dense_numel, 186 + 4 + 416);
+    /* Non-expert elements per FSDP unit, each unit cut into 4 equal chunks (S = 4 ranks per stage):
+     * embedding 101 x 16 = 1616 -> 404; a layer's 678 (model_counts_by_hand) -> ceil(678 / 4) =
+     * 170; final norm 16 + lm_head 1616 = 1632 -> 408. */
+    cr_assert_eq(s0.dense_numel, 404 + 2 * 170);
+    cr_assert_eq(s1.dense_numel, 170 + 408);
     /* Experts: 2 per EP rank, dim 1 split over ep_fsdp 2: gate_up 2x5x16 = 160, down 2x8x5 = 80. */
     cr_assert_eq(s0.expert_numel, 2 * 240);
     cr_assert_eq(s1.expert_numel, 240);
     cr_assert(s0.layer0 == 0 && s0.layer1 == 2 && s1.layer0 == 2 && s1.layer1 == 3);
     cr_assert(s0.has_embed && !s0.has_head && !s1.has_embed && s1.has_head);
 
-    /* The shard: fp32 master and 2 fp32 Adam moments per held element. Every group here has
-     * several ranks (S = 4, ep_fsdp = 2), so the shard also has its own bf16 copy and fp32 gradient. */
-    const double h0 = 416 + 2 * 186 + 480, h1 = 606 + 240;
+    /* The shard: fp32 master, gradient and 2 Adam moments per held element, and the kept bf16 copy. */
+    const double h0 = 404 + 2 * 170 + 480, h1 = 578 + 240;
     cr_assert_float_eq(s0.master_bytes, 4 * h0, 1e-9);
     cr_assert_float_eq(s0.adam_bytes, 8 * h0, 1e-9);
     cr_assert_float_eq(s1.adam_bytes, 8 * h1, 1e-9);
-    /* The working set gathered for compute: stage 0 = embedding 1616 + 2 layers of 678 non-expert +
-     * 2 local experts x (gate_up 10x16 + down 16x5 = 240) = 1158 each; stage 1 = one layer 1158 +
-     * final norm 16 + lm_head 1616. bf16 weights and fp32 gradients of it, plus the shard's. */
     cr_assert_eq(s0.work_numel, 1616 + 2 * 1158);
     cr_assert_eq(s1.work_numel, 1158 + 16 + 1616);
-    cr_assert_float_eq(s0.param_bytes, 2 * (3932 + h0), 1e-9);
-    cr_assert_float_eq(s0.grad_bytes, 4 * (3932 + h0), 1e-9);
-    cr_assert_float_eq(s1.param_bytes, 2 * (2790 + h1), 1e-9);
-    /* staging: 4 x the dense shard and 2 x the expert shard, bf16 receive + fp32 send */
-    cr_assert_float_eq(s0.buffer_bytes, (4.0 * 788 + 2.0 * 480) * 6, 1e-9);
+    /* Working weights, bf16, of each sharded group: one buffer of the largest unit and one of the
+     * largest layer (dense: the embedding gathered 4 x 404 = 1616 and a layer 4 x 170 = 680;
+     * experts: 2 experts x (10x16 + 16x5) = 480 twice); one unit of fp32 working gradients per
+     * group (the largest). */
+    cr_assert_float_eq(s0.param_bytes, 2 * h0 + 2 * (1616 + 680 + 2 * 480), 1e-9);
+    cr_assert_float_eq(s0.grad_bytes, 4 * h0 + 4 * (1616 + 480), 1e-9);
+    cr_assert_float_eq(s1.param_bytes, 2 * h1 + 2 * (4 * 408 + 680 + 2 * 480), 1e-9);
+    /* staging: the expert gather / reduce-scatter buffer, 2 x 240 fp32 (the collectives run in
+     * place); the rest is backward scratch, the same for every stage */
+    const double st = 2 * 240 * 4;
+    cr_assert_float_eq(scratch_of(&s0, st), scratch_of(&s1, st), 1e-6);
+    cr_assert_gt(scratch_of(&s0, st), 0);
     cr_assert_float_eq(s0.total_bytes, s0.param_bytes + s0.grad_bytes + s0.master_bytes + s0.adam_bytes +
                                            s0.act_bytes + s0.buffer_bytes, 1e-6);
 
-    /* precision fp32: 4-byte weights and staging, the master copy kept apart */
-    c.model.precision = MT_PREC_FP32;
-    estimate_stage(&c, &tt, &d, 0, &s0);
-    cr_assert_float_eq(s0.param_bytes, 4 * (3932 + h0), 1e-9);
-    cr_assert_float_eq(s0.master_bytes, 4 * h0, 1e-9);
-    cr_assert_float_eq(s0.buffer_bytes, (4.0 * 788 + 2.0 * 480) * 8, 1e-9);
+    /* without the copy every gather casts from the master into its slot: no 2 bytes per held
+     * element, nothing else */
+    struct stage_estimate c0;
+    estimate_stage(&c, &tt, &d, 0, false, &c0);
+    cr_assert_float_eq(c0.param_bytes, s0.param_bytes - 2 * h0, 1e-9);
+    cr_assert_float_eq(c0.buffer_bytes, s0.buffer_bytes, 1e-9);
+    /* bf16 moments: half the Adam bytes */
+    c.train.optimizer_state_dtype = MT_STATE_BF16;
+    estimate_stage(&c, &tt, &d, 0, true, &c0);
+    cr_assert_float_eq(c0.adam_bytes, 4 * h0, 1e-9);
+    c.train.optimizer_state_dtype = MT_STATE_FP32;
 
-    /* one rank: the shard is the working set itself (no copy, no staging) */
+    /* precision fp32: the master is the compute copy (no extra bytes), 4-byte working weights */
+    c.model.precision = MT_PREC_FP32;
+    estimate_stage(&c, &tt, &d, 0, true, &s0);
+    cr_assert_float_eq(s0.param_bytes, 4 * (1616 + 680 + 2 * 480), 1e-9);
+    cr_assert_float_eq(s0.master_bytes, 4 * h0, 1e-9);
+
+    /* one rank: the shard is the working set itself (its copy computes in place, no staging) */
     struct mesh_dims d1;
     hand_config(&c, 1, 1);
     dims(&c, 1, &d1);
-    estimate_stage(&c, &tt, &d1, 0, &s0);
+    estimate_stage(&c, &tt, &d1, 0, true, &s0);
     cr_assert_float_eq(s0.param_bytes, 2.0 * s0.work_numel, 1e-9);
-    cr_assert_float_eq(s0.buffer_bytes, 0, 1e-9);
+    cr_assert_float_eq(s0.grad_bytes, 4.0 * s0.work_numel, 1e-9);
     cr_assert_float_eq(s0.master_bytes, 4.0 * s0.work_numel, 1e-9);
     tensor_table_free(&tt);
 }
@@ -157,11 +174,11 @@ Test(plan, tied_embedding_copy_on_last_stage)
     struct tensor_table tt;
     tensor_table_build(&tt, &c.model);
     struct stage_estimate untied, tied;
-    estimate_stage(&c, &tt, &d, 1, &untied);
+    estimate_stage(&c, &tt, &d, 1, true, &untied);
     tensor_table_free(&tt);
     c.model.tie_word_embeddings = true;
     tensor_table_build(&tt, &c.model);
-    estimate_stage(&c, &tt, &d, 1, &tied);
+    estimate_stage(&c, &tt, &d, 1, true, &tied);
     /* the head's copy of the embedding has lm_head's shape */
     cr_assert_eq(tied.dense_numel, untied.dense_numel);
     /* one stage: the tied embedding is held once */
@@ -169,7 +186,7 @@ Test(plan, tied_embedding_copy_on_last_stage)
     c.model.tie_word_embeddings = true;
     struct stage_estimate one;
     dims(&c, 1, &d);
-    estimate_stage(&c, &tt, &d, 0, &one);
+    estimate_stage(&c, &tt, &d, 0, true, &one);
     cr_assert_eq(one.dense_numel, 3 * 678 + 1616 + 16);
     tensor_table_free(&tt);
 }
@@ -191,7 +208,7 @@ Test(plan, shards_cover_the_model)
         int64_t held = 0;
         for (int s = 0; s < d.pp; s++) {
             struct stage_estimate e;
-            estimate_stage(&c, &tt, &d, s, &e);
+            estimate_stage(&c, &tt, &d, s, true, &e);
             held += (int64_t)d.S * (e.dense_numel + e.expert_numel);
         }
         if (pass == 0) cr_assert_eq(held, mc.total);

@@ -224,7 +224,7 @@ static void run_mesh(int np, int ep, const char *tag, const char *extra)
     snprintf(cmd, sizeof cmd, "rm -rf /tmp/mt_mesh_%s && timeout 240 %s -np %d %s/moetrain train configs/tiny.yaml "
              "--backend cpu --set train.steps=5 --set train.micro_batch_size=%d "
              "--set parallel.expert_parallel_size=%d --set log.metrics=/tmp/mt_mesh_%s.jsonl "
-             "--set checkpoint.export_hf=/tmp/mt_mesh_%s %s",
+             "--set checkpoint.export_hf=/tmp/mt_mesh_%s --set checkpoint.export_dtype=fp32 %s",
              tag, tu_mpirun(), np, tu_build(), 8 / np, ep, tag, tag, extra);
     int rc = tu_run(cmd, &out);
     cr_assert_eq(rc, 0, "mesh %s failed:\n%s", tag, out);
@@ -314,7 +314,7 @@ Test(train, freeze_router_keeps_router_weights, .timeout = 300)
     char cmd[1024], err[512], *out = NULL;
     snprintf(cmd, sizeof cmd, "rm -rf /tmp/mt_frz1 /tmp/mt_frz3; for s in 1 3; do %s/moetrain train "
              "configs/tiny.yaml --backend cpu --set train.steps=$s --set model.freeze_router=true "
-             "--set checkpoint.export_hf=/tmp/mt_frz$s || exit 1; done", tu_build());
+             "--set checkpoint.export_hf=/tmp/mt_frz$s --set checkpoint.export_dtype=fp32 || exit 1; done", tu_build());
     cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
     free(out);
     struct st_file *a = st_open("/tmp/mt_frz1/model.safetensors", err, sizeof err);
@@ -359,7 +359,7 @@ Test(train, activation_checkpointing_changes_nothing, .timeout = 300)
              "configs/tiny.yaml --backend cpu --set train.steps=3 --set parallel.expert_parallel_size=2 "
              "--set model.num_hidden_layers=3 --set model.mlp_only_layers=[1] "
              "--set train.activation_checkpointing=$ac --set log.metrics=/tmp/mt_ac_$ac.jsonl "
-             "--set checkpoint.export_hf=/tmp/mt_ac_$ac || exit 1; done", tu_mpirun(), tu_build());
+             "--set checkpoint.export_hf=/tmp/mt_ac_$ac --set checkpoint.export_dtype=fp32 || exit 1; done", tu_mpirun(), tu_build());
     cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
     free(out);
     double a[4], b[4];

@@ -78,7 +78,7 @@ static int run(int np, const char *extra, char **out)
     return tu_run(cmd, out);
 }
 
-/* field of each step 1..4 by the "step" field; NAN where missing */
+/* field of each step 1..4 by the "step" field; NAN where missing or null */
 static void by_step(const char *path, const char *field, double v[5])
 {
     FILE *f = fopen(path, "r");
@@ -89,7 +89,8 @@ static void by_step(const char *path, const char *field, double v[5])
     while (fgets(line, sizeof line, f)) {
         int step = atoi(strstr(line, "\"step\": ") + 8);
         const char *k = strstr(line, key);
-        if (k && step >= 1 && step <= 4) v[step] = strtod(k + strlen(key), NULL);
+        if (k && step >= 1 && step <= 4)   /* JSON null (not computed) reads as NaN */
+            v[step] = strncmp(k + strlen(key), "null", 4) ? strtod(k + strlen(key), NULL) : NAN;
     }
     fclose(f);
 }
