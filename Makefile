@@ -58,7 +58,7 @@ MPI_TEST_BINS := $(MPI_TEST_SRCS:tests/mpi/%.c=$(BUILD)/tests/mpi/%)
 TOOL_SRCS := $(wildcard tools/*.c)
 TOOL_BINS := $(TOOL_SRCS:tools/%.c=$(BUILD)/tools/%)
 
-.PHONY: all deps data-deps test test-unit test-gpu run bench bench-scaling clean check-deps tools
+.PHONY: all deps data-deps test test-unit test-slurm test-gpu run bench bench-scaling clean check-deps tools
 all: $(BUILD)/moetrain tools
 
 tools: $(TOOL_BINS)
@@ -105,6 +105,12 @@ test: deps
 
 test-unit: $(BUILD)/moetrain $(BUILD)/tests/unit_tests $(MPI_TEST_BINS) $(TOOL_BINS)
 	MT_BUILD=$(BUILD) MT_MPIRUN="$(MPIRUN)" $(BUILD)/tests/unit_tests --jobs 2 $(TEST_ARGS)
+
+# Under a real one-node Slurm started by ../shared/slurm/local-slurm.sh (root; skipped with a
+# message where the machine cannot run it): sbatch of scripts/launch-slurm.sh, requeue, the
+# time-limit signal, a killed and a stopped rank (tests/slurm/run.sh, about a minute).
+test-slurm: $(BUILD)/moetrain
+	BUILD=$(BUILD) tests/slurm/run.sh
 
 run: deps
 	@$(MAKE) --no-print-directory $(BUILD)/moetrain

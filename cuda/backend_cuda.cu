@@ -67,6 +67,7 @@ template <typename T> static struct backend make_table(double peak)
     b.attention_backward = cu_attention_tc_backward<T>;
     b.router_forward = cu_router_forward;
     b.router_backward = cu_router_backward;
+    b.router_gather_weights = cu_router_gather_weights;
     b.router_stats = cu_router_stats;
     b.moe_route_plan = cu_moe_route_plan;
     b.moe_pair_plan = cu_moe_pair_plan;

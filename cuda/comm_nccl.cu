@@ -3,14 +3,19 @@
  * (the block to self is a device copy); all_to_all_inbox uses the copy engines instead when every
  * rank is on this host (comm_ipc.cuh), else the same NCCL group into a buffer of its own. Buffers that are all host memory go to the MPI twin of the
  * same communicator. NVLink multicast (NVLS) is never asked for: NCCL_NVLS_ENABLE is forced to 0
- * unless the environment already sets it. */
+ * unless the environment already sets it. Every live communicator is registered with the watchdog
+ * (src/watchdog.h): its thread polls ncclCommGetAsyncError and, when it fires, ncclCommAbort
+ * ends whatever NCCL kernel still waits for a stopped or dead peer. */
 #include "cuda_common.cuh"
 
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 extern "C" {
 #include "comm.h"
+#include "watchdog.h"
 }
 #include "comm_ipc.cuh"
 #include "comm_nccl.h"
@@ -24,6 +29,53 @@ struct nccl_impl {
 };
 
 static struct nccl_impl *impl_of(struct comm *c) { return (struct nccl_impl *)c->impl; }
+
+/* The communicators the watchdog thread may poll and abort (created and destroyed on the main
+ * thread; a handful per process). */
+enum { MAX_LIVE = 64 };
+static pthread_mutex_t g_live_mu = PTHREAD_MUTEX_INITIALIZER;
+static ncclComm_t g_live[MAX_LIVE];
+static int g_n_live;
+
+static bool poll_live(char *why, int cap)
+{
+    bool ok = true;
+    pthread_mutex_lock(&g_live_mu);
+    for (int i = 0; i < g_n_live && ok; i++) {
+        ncclResult_t async = ncclSuccess;
+        ncclResult_t r = ncclCommGetAsyncError(g_live[i], &async);
+        if (r == ncclSuccess && (async == ncclSuccess || async == ncclInProgress)) continue;
+        snprintf(why, (size_t)cap, "NCCL reports an asynchronous error: %s",
+                 ncclGetErrorString(r != ncclSuccess ? r : async));
+        ok = false;
+    }
+    pthread_mutex_unlock(&g_live_mu);
+    return ok;
+}
+
+/* Without the lock: it runs once, right before the process ends, and must wait on nothing. */
+static void abort_live(void)
+{
+    for (int i = 0; i < g_n_live; i++) ncclCommAbort(g_live[i]);
+    g_n_live = 0;
+}
+
+static void register_live(ncclComm_t c)
+{
+    pthread_mutex_lock(&g_live_mu);
+    MT_CHECK(g_n_live < MAX_LIVE, "comm_nccl: more than %d NCCL communicators", MAX_LIVE);
+    g_live[g_n_live++] = c;
+    pthread_mutex_unlock(&g_live_mu);
+    watchdog_set_nccl_hooks(poll_live, abort_live);
+}
+
+static void unregister_live(ncclComm_t c)
+{
+    pthread_mutex_lock(&g_live_mu);
+    for (int i = 0; i < g_n_live; i++)
+        if (g_live[i] == c) g_live[i] = g_live[--g_n_live];
+    pthread_mutex_unlock(&g_live_mu);
+}
 
 static ncclDataType_t nccl_type(enum comm_dtype t)
 {
@@ -194,6 +246,7 @@ static void nccl_destroy(struct comm *c)
     ipc_a2a_free(im->ipc);
     CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
     if (im->inbox) CUDA_CHECK(cudaFree(im->inbox));
+    unregister_live(im->nccl);
     NCCL_CHECK(ncclCommFinalize(im->nccl));
     NCCL_CHECK(ncclCommDestroy(im->nccl));
     comm_free(im->host);
@@ -221,6 +274,7 @@ extern "C" struct comm *comm_nccl_create(MPI_Comm mpi)
     struct nccl_impl *im = (struct nccl_impl *)mt_calloc(1, sizeof *im);
     CUDA_CHECK(cudaSetDevice(g_cuda.device));
     NCCL_CHECK(ncclCommInitRank(&im->nccl, c->size, id, c->rank));
+    register_live(im->nccl);
     im->host = comm_mpi_create(mpi);
     im->ipc = ipc_a2a_create(mpi);
     c->ops = &nccl_ops;

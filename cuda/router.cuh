@@ -8,10 +8,12 @@
 /* logits and dlogits are fp32 in every precision (the router GEMM writes fp32, or its compute-dtype
  * output is widened first: src/moe.c) */
 void cu_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const float *logits,
-                       const float *bias, int T_, int E, int k, bool norm_topk);
+                       const float *bias, int T_, int E, int k, const struct router_opts *o);
 void cu_router_backward(float *dlogits, const float *dtopk_w, const float *probs,
                         const int32_t *topk_idx, const float *aux_dp, int T_, int E, int k,
-                        bool norm_topk);
+                        const struct router_opts *o);
+void cu_router_gather_weights(float *topk_w, const float *probs, const int32_t *topk_idx, int T_,
+                              int E, int k, const struct router_opts *o);
 void cu_router_stats(float *psum, float *count, const float *probs, const int32_t *topk_idx, int T_,
                      int E, int k);
 

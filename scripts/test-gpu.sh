@@ -149,7 +149,33 @@ run_step "train fp32, 1 GPU" "$LOG/train_1gpu_fp32.log" \
 compare_losses "losses CPU vs 1 GPU, fp32 (tol $TRAIN_FP32_TOL)" \
     "$LOG/train_1gpu_fp32.jsonl" "$LOG/train_cpu_fp32.jsonl" "$TRAIN_FP32_TOL"
 
-# 5. packed documents (data.document_masking): the Alice text as byte tokens, a document per line
+# 5. the router's knobs (docs/router.md), CPU vs 1 GPU in fp32: sigmoid scores, group-limited
+#    top-k, route_scale, detached routing weights, global-batch aux with its pre-pass, and the
+#    recompute reusing the forward's routing; then a routing file recorded on the GPU, replayed
+#    (weights gathered from the current router on the host) on the CPU and on the GPU
+V="--set model.scoring=sigmoid --set model.n_group=4 --set model.topk_group=2 --set model.route_scale=2.5
+   --set model.train_router=false --set train.aux_loss_scope=global_batch
+   --set train.activation_checkpointing=true"
+run_step "train fp32, CPU, router variants" "$LOG/train_cpu_router.log" \
+    "$B/moetrain" $T $V --backend cpu --set log.metrics="$LOG/train_cpu_router.jsonl"
+run_step "train fp32, 1 GPU, router variants" "$LOG/train_1gpu_router.log" \
+    "$B/moetrain" $T $V --backend cuda --set model.precision=fp32 \
+    --set log.metrics="$LOG/train_1gpu_router.jsonl"
+compare_losses "losses CPU vs 1 GPU, router variants, fp32 (tol $TRAIN_FP32_TOL)" \
+    "$LOG/train_1gpu_router.jsonl" "$LOG/train_cpu_router.jsonl" "$TRAIN_FP32_TOL"
+R="configs/tiny.yaml --set train.steps=$STEPS --set model.precision=fp32"
+run_step "route --record on 1 GPU" "$LOG/route_record.log" \
+    "$B/moetrain" route --record "$LOG/routing.bin" $R --backend cuda
+run_step "train fp32, CPU, routing replay" "$LOG/train_cpu_replay.log" \
+    "$B/moetrain" $T --backend cpu --set data.routing_replay="$LOG/routing.bin" \
+    --set log.metrics="$LOG/train_cpu_replay.jsonl"
+run_step "train fp32, 1 GPU, routing replay" "$LOG/train_1gpu_replay.log" \
+    "$B/moetrain" $T --backend cuda --set model.precision=fp32 \
+    --set data.routing_replay="$LOG/routing.bin" --set log.metrics="$LOG/train_1gpu_replay.jsonl"
+compare_losses "losses CPU vs 1 GPU, routing replay, fp32 (tol $TRAIN_FP32_TOL)" \
+    "$LOG/train_1gpu_replay.jsonl" "$LOG/train_cpu_replay.jsonl" "$TRAIN_FP32_TOL"
+
+# 6. packed documents (data.document_masking): the Alice text as byte tokens, a document per line
 #    (EOS = '\n' = 10), shuffled, no loss after EOS. fp32 CPU vs GPU exercises the masked CUDA-core
 #    attention kernels; the bf16 run the masked tensor-core kernels.
 run_step "make_tokens alice" "$LOG/make_tokens_alice.log" \

@@ -23,11 +23,15 @@ struct cli {
     uint64_t max_shard_bytes;  /* export --max-shard-bytes N (0 = 5e9) */
     const char *tokenizer_from;/* export --tokenizer DIR (default: the checkpoint's model.init_from) */
     bool forward_only;         /* verify --forward-only: logits and loss only, no gradient dump */
+    const char *record;        /* route --record OUT */
+    bool with_weights;         /* route --with-weights: the file carries the gate weights too */
 };
 
 int cmd_train(const struct cli *a);
 int cmd_plan(const struct cli *a);
 int cmd_verify(const struct cli *a);
+/* route --record OUT CONFIG.yaml: a routing file for data.routing_replay (route_replay.h) */
+int cmd_route(const struct cli *a);
 /* export CHECKPOINT OUT_DIR: model_dir = the checkpoint, reference = the output directory */
 int cmd_export(const struct cli *a);
 

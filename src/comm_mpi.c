@@ -6,6 +6,7 @@
 
 #include "comm.h"
 #include "common.h"
+#include "watchdog.h"
 
 size_t comm_dtype_size(enum comm_dtype t)
 {
@@ -162,11 +163,14 @@ void comm_set_timer(void (*begin)(void), void (*end)(void))
     timer_end = end;
 }
 
-#define TIMED(call)                      \
-    do {                                 \
-        if (timer_begin) timer_begin();  \
-        call;                            \
-        if (timer_end) timer_end();      \
+/* Also tells the watchdog which collective this rank is inside, for its report on a hang. */
+#define TIMED(call)                                 \
+    do {                                            \
+        watchdog_collective(__func__, c->size);     \
+        if (timer_begin) timer_begin();             \
+        call;                                       \
+        if (timer_end) timer_end();                 \
+        watchdog_collective(NULL, 0);               \
     } while (0)
 
 /* NULL is a host-memory group of one; a real comm (even of size 1) runs its own implementation,

@@ -14,6 +14,7 @@
 #include <yaml.h>
 
 #include "config_table.h"
+#include "router_opts.h"
 
 #define MAX_CONFIG_BYTES (16u << 20)
 
@@ -45,6 +46,11 @@ void config_defaults(struct config *c)
     m->freeze_router = false;
     m->train_router = true;
     m->router_weight_decay = false;
+    m->scoring = MT_SCORE_SOFTMAX;
+    m->route_scale = 1.0;
+    m->n_group = 1;
+    m->topk_group = 0;
+    m->debug_force_balance = false;
 
     c->parallel.pipeline_parallel_size = 1;
     c->parallel.expert_parallel_size = 1;
@@ -71,6 +77,8 @@ void config_defaults(struct config *c)
     t->weight_copy = MT_COPY_AUTO;
     t->optimizer_state_dtype = MT_STATE_FP32;
     t->bias_update_rate = 1e-3;
+    t->watchdog_s = 600;
+    t->aux_loss_scope = MT_AUX_MICRO_BATCH;
 
     c->data.kind = MT_DATA_SYNTHETIC;
     c->data.synthetic_branching = 4;
@@ -87,6 +95,8 @@ void config_defaults(struct config *c)
     c->checkpoint.export_shard_bytes = 5000000000ull;
 
     c->log.interval = 1;
+    c->log.collapse_steps = 50;
+    c->log.load_warn = 4.0;
 }
 
 int config_head_dim(const struct model_config *m)
@@ -288,6 +298,27 @@ static bool load_value(struct loader *L, yaml_document_t *doc, int idx, yaml_nod
                 return fail(L, "%s:%d:%d: %s", file_name(L), MARK(e), msg);
         }
         return true;
+    }
+    if (v->type == YAML_SEQUENCE_NODE && idx == key_index("train", "no_decay_modules")) {
+        /* a list of names, kept as its "[a, b]" text: router_opts.c parses it */
+        char text[sizeof L->c->train.no_decay_modules] = "[";
+        for (yaml_node_item_t *it = v->data.sequence.items.start; it < v->data.sequence.items.top;
+             it++) {
+            yaml_node_t *e = yaml_document_get_node(doc, *it);
+            if (!e || e->type != YAML_SCALAR_NODE)
+                return fail(L, "%s:%d:%d: train.no_decay_modules expects a list of module names",
+                            file_name(L), MARK(e ? e : v));
+            size_t n = strlen(text);
+            if (snprintf(text + n, sizeof text - n, "%s%s", n > 1 ? ", " : "",
+                         (const char *)e->data.scalar.value) >= (int)(sizeof text - n))
+                return fail(L, "%s:%d:%d: train.no_decay_modules is too long", file_name(L), MARK(v));
+        }
+        size_t n = strlen(text);
+        if (n + 2 > sizeof text)
+            return fail(L, "%s:%d:%d: train.no_decay_modules is too long", file_name(L), MARK(v));
+        memcpy(text + n, "]", 2);
+        return cfg_parse_scalar(k, L->c, text, false, msg, sizeof msg) ||
+               fail(L, "%s:%d:%d: %s", file_name(L), MARK(v), msg);
     }
     if (v->type == YAML_SEQUENCE_NODE && k->type == CFG_STRING) return load_string_list(L, doc, k, v);
     return fail(L, "%s:%d:%d: %s.%s expects %s, got %s", file_name(L), MARK(v), k->section, k->key,
@@ -498,7 +529,9 @@ static bool apply_set(struct loader *L, int i)
 static bool moetrain_only(const char *key)
 {
     static const char *const own[] = { "hf_config", "init_from", "precision", "router_fp32",
-                                       "freeze_router", "train_router", "router_weight_decay" };
+                                       "freeze_router", "train_router", "router_weight_decay",
+                                       "scoring", "route_scale", "n_group", "topk_group",
+                                       "debug_force_balance" };
     for (size_t i = 0; i < sizeof own / sizeof own[0]; i++)
         if (!strcmp(own[i], key)) return true;
     return false;
@@ -644,18 +677,16 @@ static bool validate(struct loader *L)
         CHECK2(m->mlp_only_layers[i] < m->num_hidden_layers, "model", "mlp_only_layers", "model",
                "num_hidden_layers", "model.mlp_only_layers names layer %d but there are only %d "
                "layers (0-based)", m->mlp_only_layers[i], m->num_hidden_layers);
-    int fz = key_index("model", "freeze_router"), tr = key_index("model", "train_router");
-    CHECK2(!(m->freeze_router && m->train_router && L->org[fz].kind != ORG_DEFAULT &&
-             L->org[tr].kind != ORG_DEFAULT),
-           "model", "freeze_router", "model", "train_router",
-           "model.freeze_router: true contradicts model.train_router: true (set only one)");
-    /* two spellings of one switch: after this, either field alone tells the truth */
-    if (m->freeze_router || !m->train_router) {
-        m->freeze_router = true;
-        m->train_router = false;
-    }
-
+    char why[512];
+    CHECK2(router_opts_check(m, why, sizeof why), "model", "n_group", "model", "topk_group", "%s", why);
     struct train_config *t = &c->train;
+    unsigned nd_mask;
+    CHECK2(no_decay_parse(t->no_decay_modules, &nd_mask, why, sizeof why), "train",
+           "no_decay_modules", "train", "no_decay_modules", "%s", why);
+    CHECK2(!(nd_mask && L->org[key_index("model", "router_weight_decay")].kind != ORG_DEFAULT), "train",
+           "no_decay_modules", "model", "router_weight_decay",
+           "train.no_decay_modules decides the router's weight decay too: set it or "
+           "model.router_weight_decay, not both");
     CHECK2(t->min_lr <= t->lr, "train", "min_lr", "train", "lr",
            "train.min_lr (%g) must be <= train.lr (%g)", t->min_lr, t->lr);
     CHECK2(t->micro_batch_size <= t->global_batch_size, "train", "micro_batch_size", "train",

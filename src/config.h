@@ -18,6 +18,8 @@ enum mt_backend_choice { MT_BACKEND_AUTO = 0, MT_BACKEND_CPU = 1, MT_BACKEND_CUD
 /* train.weight_copy: keep a compute-dtype copy of the shard, or cast the master at every gather */
 enum mt_weight_copy { MT_COPY_AUTO = 0, MT_COPY_KEEP = 1, MT_COPY_CAST = 2 };
 enum mt_state_dtype { MT_STATE_FP32 = 0, MT_STATE_BF16 = 1 };
+enum mt_scoring { MT_SCORE_SOFTMAX = 0, MT_SCORE_SIGMOID = 1 };
+enum mt_aux_scope { MT_AUX_MICRO_BATCH = 0, MT_AUX_GLOBAL_BATCH = 1 };
 
 struct model_config {
     char hf_config[MT_PATH_MAX];  /* path to a config.json; its fields fill the ones below */
@@ -44,9 +46,16 @@ struct model_config {
     int max_position_embeddings;  /* recorded only; default RoPE ignores it */
     enum mt_precision precision;  /* bf16 | fp32 (GPU); the CPU backend always computes in fp32 */
     bool router_fp32;             /* router logits/softmax in fp32 (GPU) */
-    bool freeze_router;           /* router weight gets no update */
-    bool train_router;            /* false is the same as freeze_router: true */
+    bool freeze_router;           /* router weight gets no update at all */
+    bool train_router;            /* false: routing weights detached before they scale the experts'
+                                   * outputs (the router learns from the aux loss only) */
     bool router_weight_decay;     /* apply weight decay to the router weight */
+    /* routing variants (docs/router.md); the defaults are Qwen3-MoE's router */
+    enum mt_scoring scoring;      /* softmax | sigmoid */
+    double route_scale;           /* routing weights × this after the renormalisation */
+    int n_group;                  /* experts in n_group equal groups; 1 = no group limit */
+    int topk_group;               /* groups a token may use; 0 = all n_group */
+    bool debug_force_balance;     /* round-robin routing, for benchmarks */
 };
 
 struct parallel_config {
@@ -74,6 +83,9 @@ struct train_config {
     double bias_update_rate;      /* aux-loss-free balancing: bias += rate * sign(mean - load) */
     enum mt_weight_copy weight_copy;   /* compute copy of the shard: auto | keep | cast */
     enum mt_state_dtype optimizer_state_dtype; /* Adam moments: fp32 | bf16 */
+    int watchdog_s;               /* seconds without progress before the job aborts; 0 = off */
+    char no_decay_modules[512];   /* "[gate, norm, ...]": modules without weight decay (router_params.h) */
+    enum mt_aux_scope aux_loss_scope; /* micro_batch | global_batch: what the aux statistic pools */
 };
 
 struct data_config {
@@ -90,6 +102,7 @@ struct data_config {
     int validation_batches;       /* global batches per validation pass */
     int synthetic_branching;      /* successors per state of the synthetic Markov chain */
     uint64_t synthetic_seed;
+    char routing_replay[MT_PATH_MAX]; /* routing file (route_replay.h) the MoE layers follow; "" = none */
 };
 
 struct ckpt_config {
@@ -106,6 +119,8 @@ struct log_config {
     int interval;                 /* steps between step lines */
     char metrics[MT_PATH_MAX];    /* JSONL file, "" = none */
     bool profile;                 /* time every op by category (synchronises after each op) */
+    int collapse_steps;           /* warn when an expert got no tokens for this many steps; 0 = off */
+    double load_warn;             /* warn when a layer's max/mean expert load exceeds this; 0 = off */
 };
 
 struct config {
@@ -138,7 +153,7 @@ bool config_load_string_checked(struct config *c, const char *name, const char *
                                 int n_sets, char **sets, char *err, int errcap);
 
 /* The checks config_load runs after merging (ranges, heads % kv_heads, min_lr <= lr, ...), for
- * configs built in code. Also makes freeze_router and train_router agree. */
+ * configs built in code. */
 bool config_validate(struct config *c, char *err, int errcap);
 
 /* Fill the model section from a Hugging Face config.json (both spellings). */

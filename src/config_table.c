@@ -16,6 +16,8 @@ _Static_assert(sizeof(enum mt_data_kind) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_backend_choice) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_weight_copy) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_state_dtype) == sizeof(int), "enum size");
+_Static_assert(sizeof(enum mt_scoring) == sizeof(int), "enum size");
+_Static_assert(sizeof(enum mt_aux_scope) == sizeof(int), "enum size");
 
 static const char *const precision_names[] = { "bf16", "fp32" };
 static const char *const load_balance_names[] = { "aux", "bias", "none" };
@@ -23,6 +25,8 @@ static const char *const data_kind_names[] = { "synthetic", "tokens" };
 static const char *const backend_names[] = { "auto", "cpu", "cuda" };
 static const char *const weight_copy_names[] = { "auto", "keep", "cast" };
 static const char *const state_dtype_names[] = { "fp32", "bf16" };
+static const char *const scoring_names[] = { "softmax", "sigmoid" };
+static const char *const aux_scope_names[] = { "micro_batch", "global_batch" };
 
 #define FIELD(f) offsetof(struct config, f), sizeof(((struct config *)0)->f)
 /* the bounds argument is one of POS / NONNEG / GT0 below, or "flags, lo, hi" */
@@ -69,6 +73,11 @@ const struct cfg_key cfg_keys[] = {
     BOOL("model", "freeze_router", model.freeze_router),
     BOOL("model", "train_router", model.train_router),
     BOOL("model", "router_weight_decay", model.router_weight_decay),
+    ENUM("model", "scoring", model.scoring, scoring_names),
+    DBL("model", "route_scale", model.route_scale, GT0),
+    INT("model", "n_group", model.n_group, POS),
+    INT("model", "topk_group", model.topk_group, NONNEG),
+    BOOL("model", "debug_force_balance", model.debug_force_balance),
 
     INT("parallel", "pipeline_parallel_size", parallel.pipeline_parallel_size, POS),
     INT("parallel", "expert_parallel_size", parallel.expert_parallel_size, POS),
@@ -94,6 +103,9 @@ const struct cfg_key cfg_keys[] = {
     DBL("train", "bias_update_rate", train.bias_update_rate, NONNEG),
     ENUM("train", "weight_copy", train.weight_copy, weight_copy_names),
     ENUM("train", "optimizer_state_dtype", train.optimizer_state_dtype, state_dtype_names),
+    INT("train", "watchdog_s", train.watchdog_s, NONNEG),
+    STR("train", "no_decay_modules", train.no_decay_modules),
+    ENUM("train", "aux_loss_scope", train.aux_loss_scope, aux_scope_names),
 
     ENUM("data", "kind", data.kind, data_kind_names),
     STR("data", "path", data.path),
@@ -108,6 +120,7 @@ const struct cfg_key cfg_keys[] = {
     INT("data", "validation_batches", data.validation_batches, POS),
     INT("data", "synthetic_branching", data.synthetic_branching, POS),
     U64("data", "synthetic_seed", data.synthetic_seed),
+    STR("data", "routing_replay", data.routing_replay),
 
     STR("checkpoint", "dir", checkpoint.dir),
     INT("checkpoint", "interval", checkpoint.interval, NONNEG),
@@ -119,6 +132,8 @@ const struct cfg_key cfg_keys[] = {
     INT("log", "interval", log.interval, POS),
     STR("log", "metrics", log.metrics),
     BOOL("log", "profile", log.profile),
+    INT("log", "collapse_steps", log.collapse_steps, NONNEG),
+    DBL("log", "load_warn", log.load_warn, NONNEG),
 
     /* transformers 5.x's name for num_experts, so model sections copied from a 5.x config.json load */
     { "model", "num_local_experts", CFG_INT, FIELD(model.num_experts), 0, NONNEG, NULL, 0, true },

@@ -1,4 +1,4 @@
-/* moetrain: train | plan | verify. */
+/* moetrain: train | plan | verify | export | route. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,6 +16,8 @@ static void usage(FILE *f)
             "  moetrain verify MODEL_DIR|CHECKPOINT REFERENCE.safetensors [--forward-only] [--tolerance X] [--set ...]\n"
             "  moetrain export CHECKPOINT_DIR OUT_DIR [--dtype bf16|fp32] [--max-shard-bytes N]\n"
             "                  [--tokenizer HF_DIR] [--force]   (checkpoint -> Hugging Face directory)\n"
+            "  moetrain route --record OUT CONFIG.yaml [--with-weights] [--set ...]\n"
+            "                                                   (routing file for data.routing_replay)\n"
             "common options: --backend cpu|cuda|auto   --help\n"
             "Launch on many ranks with: mpirun -np N moetrain train CONFIG.yaml (or srun).\n");
 }
@@ -50,6 +52,11 @@ int main(int argc, char **argv)
         } else if (!strcmp(s, "--resume")) {
             NEED_VALUE();
             a.resume = argv[++i];
+        } else if (!strcmp(s, "--record")) {
+            NEED_VALUE();
+            a.record = argv[++i];
+        } else if (!strcmp(s, "--with-weights")) {
+            a.with_weights = true;
         } else if (!strcmp(s, "--dry-run")) {
             a.dry_run = true;
         } else if (!strcmp(s, "--world")) {
@@ -115,13 +122,18 @@ int main(int argc, char **argv)
         a.model_dir = pos[0];
         a.reference = pos[1];
         rc = cmd_verify(&a);
+    } else if (!strcmp(a.command, "route")) {
+        if (npos != 1 || !a.record)
+            mt_user_error("route needs --record OUT and exactly one CONFIG.yaml (see moetrain --help)");
+        a.config_path = pos[0];
+        rc = cmd_route(&a);
     } else if (!strcmp(a.command, "export")) {
         if (npos != 2) mt_user_error("export needs CHECKPOINT_DIR and OUT_DIR (see moetrain --help)");
         a.model_dir = pos[0];
         a.reference = pos[1];
         rc = cmd_export(&a);
     } else {
-        mt_user_error("unknown command '%s' (expected train, plan, verify or export)", a.command);
+        mt_user_error("unknown command '%s' (expected train, plan, verify, export or route)", a.command);
     }
     free(a.sets);
     return rc;

@@ -106,7 +106,8 @@ void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool pri
         lmin = fmin(lmin, s->load_min[l]);
         lmax = fmax(lmax, s->load_max[l]);
     }
-    if (print) {
+    const bool warn = s->warning && *s->warning;
+    if (print || warn) {
         char eta[32], mfu[16], load[48] = "", extra[192] = "", when[16] = "", tok[32], mem[32];
         size_t x = 0;
         fmt_count(tok, sizeof tok, (double)s->tokens_seen, " tok");
@@ -123,9 +124,10 @@ void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool pri
         else snprintf(mfu, sizeof mfu, "   n/a");
         if (s->n_layers > 0) snprintf(load, sizeof load, " | load %.2f-%.2f", lmin, lmax);
         printf("step %*d/%d | loss %.4f | aux %.4f | gnorm %.3f | lr %.2e | %.0f tok/s | mfu %s | "
-               "%.0f ms%s%s | eta %s%s%s\n",
+               "%.0f ms%s%s | eta %s%s%s%s%s\n",
                (int)floor(log10(s->steps)) + 1, s->step, s->steps, s->loss, s->aux_loss, s->grad_norm,
-               s->lr, s->tokens_per_s, mfu, s->step_ms, load, extra, eta, *when ? " | " : "", when);
+               s->lr, s->tokens_per_s, mfu, s->step_ms, load, extra, eta, *when ? " | " : "", when,
+               warn ? " | WARNING " : "", warn ? s->warning : "");
         if (s->time_split) {
             char split[512];
             profile_format(split, sizeof split, s->time_split, s->step_ms / 1e3);
@@ -156,6 +158,7 @@ void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool pri
         json_num(f, "peak_mem_bytes", s->peak_mem_bytes, "%.0f");
         fprintf(f, ", \"peak_mem_rank\": %d", s->peak_mem_rank);
     }
+    if (warn) fprintf(f, ", \"warning\": \"%s\"", s->warning); /* expert_watch.c writes no quotes */
     const char *names[3] = {"load_min", "load_max", "load_cv"};
     const double *vals[3] = {s->load_min, s->load_max, s->load_cv};
     for (int k = 0; k < 3; k++) {

@@ -29,6 +29,7 @@ struct step_metrics {
     int peak_mem_rank;    /* the rank that had it */
     int skipped_steps;    /* steps skipped so far (non-finite gradients) */
     double val_loss;      /* validation loss computed at this step; NaN = none */
+    const char *warning;          /* expert collapse / overload (expert_watch.h); NULL or "" = none */
 };
 
 struct metrics_log {
@@ -39,7 +40,8 @@ struct metrics_log {
  * An unwritable path: mt_fatal. */
 void metrics_open(struct metrics_log *ml, const char *path, bool append);
 void metrics_close(struct metrics_log *ml);
-/* Rank 0: prints the step line (when print is true) and writes the JSONL record. */
+/* Rank 0: prints the step line (when print is true, or when there is a warning) and writes the
+ * JSONL record. */
 void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool print);
 
 /* Rank 0, once at start-up: the resolved config (config_to_yaml) written beside the metrics file

@@ -1,4 +1,5 @@
 #include "model.h"
+#include "route_replay.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -290,6 +291,7 @@ void model_free(struct model *m)
                    m->stats, m->bias};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(dev[i]);
+    route_replay_free(m);
     free(m->stats_h);
     free(m->wp);
     free(m->gp);

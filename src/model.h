@@ -13,6 +13,8 @@
 #include "ops.h"
 #include "tensors.h"
 
+struct route_replay;
+
 /* Per-layer MoE routing of one micro-batch (moe.c: token-once dispatch). Sender side: this rank's
  * tokens; receiver side: the pairs (token, this rank) that arrive for this rank's experts. */
 struct moe_route {
@@ -159,6 +161,7 @@ struct model {
     float *ones;                /* dev [ones_cap] all 1.0: unit combine weights */
     int64_t ones_cap;
     float *bias;                /* dev [L, E]: aux-free balancing selection bias (NULL if unused) */
+    struct route_replay *replay; /* saved (recompute) or pre-loaded routing, route_replay.h; NULL = none */
 };
 
 struct model_step_out {

@@ -20,6 +20,8 @@
 #include "common.h"
 #include "mem_track.h"
 #include "model.h"
+#include "route_replay.h"
+#include "router_opts.h"
 
 static void *W(const struct model *m, enum tensor_role r, int l) { return model_weight(m, tensor_lookup(&m->tt, r, l)); }
 static float *G(const struct model *m, enum tensor_role r, int l) { return model_grad(m, tensor_lookup(&m->tt, r, l)); }
@@ -251,8 +253,10 @@ static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out)
         be->matmul_forward(m->d_logits_r, a->m, W(m, TR_ROUTER, l), T, H, E);
         be->cast_x_to_f32(a->logits, m->d_logits_r, (size_t)T * E);
     }
+    const struct router_opts ro = router_opts_of(&m->cfg);
     be->router_forward(a->topk_idx, a->topk_w, a->probs, a->logits,
-                       m->bias ? m->bias + (size_t)l * E : NULL, T, E, K, m->cfg.norm_topk_prob);
+                       m->bias ? m->bias + (size_t)l * E : NULL, T, E, K, &ro);
+    route_replay_apply(m, l, a->topk_idx, a->topk_w, a->probs); /* data.routing_replay, recompute */
     float *st = m->stats + (size_t)l * 2 * E;
     if (!m->recomputing) be->router_stats(st, st + E, a->probs, a->topk_idx, T, E, K);
     route_plan(m, a);
@@ -276,9 +280,13 @@ static void moe_backward(struct model *m, struct layer_acts *a, int l)
     be->expert_matmul_backward(m->d_x_exp, G(m, TR_EXP_GATE_UP, l), m->d_gu, a->x_exp,
                                W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
     dispatch_rows_backward(m, a);
+    /* model.train_router false, or weights fixed by a routing file: the routing weights were
+     * detached before they scaled the expert outputs, so only the aux term reaches the router */
+    if (!m->cfg.train_router || route_replay_weights_fixed(m)) be->zero(m->d_topk_w, (size_t)T * K * sizeof(float));
     /* dlogits overwrite the layer's logits (the forward's last reader was router_forward) */
+    const struct router_opts ro = router_opts_of(&m->cfg);
     be->router_backward(a->logits, m->d_topk_w, a->probs, a->topk_idx,
-                        m->aux_active ? m->aux_dp : NULL, T, E, K, m->cfg.norm_topk_prob);
+                        m->aux_active ? m->aux_dp : NULL, T, E, K, &ro);
     int ri = tensor_lookup(&m->tt, TR_ROUTER, l);
     float *dwg = m->tt.t[ri].frozen ? NULL : model_grad(m, ri);
     if (m->router_f32) {

@@ -22,6 +22,18 @@
 /* An empty routing slot (sorts after every expert id) */
 #define MT_NO_EXPERT INT32_MAX
 
+/* How the router turns logits into a routing (docs/router.md; model.* keys of the same names).
+ * Qwen3-MoE: softmax, no groups, route_scale 1. Passed by value-pointer to the router ops: the
+ * struct is plain data (the CUDA side reads it on the host and passes the fields to its kernels). */
+struct router_opts {
+    bool sigmoid;            /* scores = sigmoid(logits) instead of softmax(logits) */
+    bool norm_topk;          /* the chosen weights are renormalised to sum 1 */
+    float route_scale;       /* the chosen weights × this, after the renormalisation */
+    int n_group;             /* experts in n_group equal groups (1 = no groups) */
+    int topk_group;          /* only the best topk_group groups compete (n_group = off) */
+    bool force_balance;      /* round-robin experts, for benchmarking only */
+};
+
 struct backend {
     const char *name;            /* "cpu" or "cuda" */
     size_t x_size;               /* bytes per compute-dtype element (4 or 2) */
@@ -96,20 +108,32 @@ struct backend {
                                const void *k, const void *v, const void *out, const float *lse,
                                int B, int S, int Hq, int Hkv, int D, const int32_t *seg);
 
-    /* Router: probs = softmax(logits) in fp32; top-k of (probs + bias) (bias NULL = none; bias
-     * changes the selection only), sorted by descending score, ties to the lower expert id;
-     * topk_w = probs of the chosen experts, renormalised to sum 1 if norm_topk. */
+    /* Router (docs/router.md): probs = softmax(logits) or sigmoid(logits) (o->sigmoid) in fp32;
+     * choice score = probs + bias (bias NULL = none; it changes the selection only); with
+     * o->n_group > 1 the experts form n_group equal groups, a group scores the sum of its two best
+     * choice scores and only the best o->topk_group groups compete; top-k sorted by descending
+     * score, ties to the lower id (o->force_balance: token t takes experts (t k + j) mod E
+     * instead). topk_w = probs of the chosen experts, renormalised to sum 1 if o->norm_topk, then
+     * × o->route_scale. */
     void (*router_forward)(int32_t *topk_idx /*[T,k]*/, float *topk_w /*[T,k]*/,
                            float *probs /*[T,E]*/, const float *logits /*[T,E]*/,
-                           const float *bias /*[E] or NULL*/, int T, int E, int k, bool norm_topk);
-    /* dlogits = softmax backward of (dp_route + aux_dp), where dp_route comes from dtopk_w through
-     * the renormalisation and the top-k scatter, and aux_dp[e] (NULL = none) is added to every
-     * row's dp[e] (the aux loss gradient is the same for every row of a pooled batch). */
+                           const float *bias /*[E] or NULL*/, int T, int E, int k,
+                           const struct router_opts *o);
+    /* dlogits = score backward (softmax or sigmoid) of (dp_route + aux_dp), where dp_route comes
+     * from dtopk_w through route_scale, the renormalisation and the top-k scatter, and aux_dp[e]
+     * (NULL = none) is added to every row's dp[e] (the aux loss gradient is the same for every
+     * row of a pooled batch). */
     void (*router_backward)(float *dlogits /*[T,E]*/, const float *dtopk_w /*[T,k]*/,
                             const float *probs /*[T,E]*/, const int32_t *topk_idx /*[T,k]*/,
                             const float *aux_dp /*[E] or NULL*/, int T, int E, int k,
-                            bool norm_topk);
+                            const struct router_opts *o);
     /* Aux-loss / load statistics: psum[e] += Σ_t probs[t,e]; count[e] += #(t, j) with idx = e. */
+    /* The weights router_forward gives a selection made elsewhere (data.routing_replay):
+     * topk_w[t, j] = probs[t, topk_idx[t, j]], renormalised to sum 1 if o->norm_topk, then
+     * × o->route_scale; router_backward is its backward. */
+    void (*router_gather_weights)(float *topk_w /*[T,k]*/, const float *probs /*[T,E]*/,
+                                  const int32_t *topk_idx /*[T,k]*/, int T, int E, int k,
+                                  const struct router_opts *o);
     void (*router_stats)(float *psum /*[E]*/, float *count /*[E]*/, const float *probs,
                          const int32_t *topk_idx, int T, int E, int k);
 

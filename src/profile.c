@@ -109,12 +109,16 @@ W(attention_backward, PROF_ATTN, S,
    const void *o, const float *lse, int B, int S, int Hq, int Hkv, int D, const int32_t *seg),
   (dq, dk, dv, d, q, k, v, o, lse, B, S, Hq, Hkv, D, seg))
 W(router_forward, PROF_MOE_ROWS, E,
-  (int32_t *ti, float *tw, float *p, const float *l, const float *b, int T, int E, int k, bool n),
-  (ti, tw, p, l, b, T, E, k, n))
+  (int32_t *ti, float *tw, float *p, const float *l, const float *b, int T, int E, int k,
+   const struct router_opts *o),
+  (ti, tw, p, l, b, T, E, k, o))
 W(router_backward, PROF_MOE_ROWS, E,
   (float *dl, const float *dtw, const float *p, const int32_t *ti, const float *a, int T, int E,
-   int k, bool n),
-  (dl, dtw, p, ti, a, T, E, k, n))
+   int k, const struct router_opts *o),
+  (dl, dtw, p, ti, a, T, E, k, o))
+W(router_gather_weights, PROF_MOE_ROWS, E,
+  (float *tw, const float *p, const int32_t *ti, int T, int E, int k, const struct router_opts *o),
+  (tw, p, ti, T, E, k, o))
 W(router_stats, PROF_MOE_ROWS, E,
   (float *ps, float *c, const float *p, const int32_t *ti, int T, int E, int k),
   (ps, c, p, ti, T, E, k))
@@ -175,7 +179,8 @@ const struct backend *profile_wrap(const struct backend *be)
     SET(add_inplace); SET(scale_f32); SET(add_f32); SET(sumsq_f32); SET(embedding_forward);
     SET(embedding_backward); SET(rmsnorm_forward); SET(rmsnorm_backward); SET(matmul_forward);
     SET(matmul_backward); SET(router_matmul_forward); SET(router_matmul_backward); SET(rope_forward); SET(rope_backward); SET(attention_forward);
-    SET(attention_backward); SET(router_forward); SET(router_backward); SET(router_stats);
+    SET(attention_backward); SET(router_forward); SET(router_backward); SET(router_gather_weights);
+    SET(router_stats);
     SET(moe_route_plan); SET(moe_pair_plan); SET(gather_f32); SET(gather_rows); SET(gather_rows_backward); SET(moe_combine_forward);
     SET(moe_combine_backward); SET(expert_matmul_forward); SET(expert_matmul_backward);
     SET(swiglu_forward); SET(swiglu_backward); SET(cross_entropy_forward);

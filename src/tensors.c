@@ -56,7 +56,7 @@ void tensor_table_build(struct tensor_table *tt, const struct model_config *m)
     const int L = m->num_hidden_layers;
     tt->n_layers = L;
     bool router_decay = m->router_weight_decay;
-    bool router_frozen = m->freeze_router || !m->train_router;
+    bool router_frozen = m->freeze_router;
 
     struct tensor_spec *s = add(tt, &cap, TR_EMBED, TK_DENSE, -1, true, 2, V, H, 0);
     name_global(s, "model.embed_tokens.weight");

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "backend_select.h"
+#include "aux_scope.h"
 #include "checkpoint.h"
 #include "cli.h"
 #include "comm.h"
@@ -25,6 +26,7 @@
 #include "common.h"
 #include "config.h"
 #include "data.h"
+#include "expert_watch.h"
 #include "flops.h"
 #include "fsdp.h"
 #include "hf_export.h"
@@ -36,9 +38,13 @@
 #include "model.h"
 #include "params.h"
 #include "plan.h"
+#include "preempt.h"
 #include "profile.h"
+#include "route_replay.h"
+#include "router_opts.h"
 #include "train.h"
 #include "train_data.h"
+#include "watchdog.h"
 
 double train_lr_at(const struct train_config *t, int step)
 {
@@ -118,9 +124,14 @@ static void print_startup(const struct config *c, const struct mesh *mesh, const
            c->train.micro_batch_size);
     const char *lb = c->train.load_balance == MT_LB_AUX ? "aux loss" :
                      c->train.load_balance == MT_LB_BIAS ? "aux-loss-free bias" : "none";
+    if (c->train.load_balance == MT_LB_AUX && c->train.aux_loss_scope == MT_AUX_GLOBAL_BATCH)
+        lb = "aux loss over the global batch (forward pre-pass)";
     printf("  optimizer   AdamW lr %.3g -> %.3g (warmup %d), wd %.3g, clip %.3g; balancing: %s\n",
            c->train.lr, c->train.min_lr, c->train.warmup_steps, c->train.weight_decay,
            c->train.grad_clip, lb);
+    char nd[256];
+    no_decay_describe(&m->tt, nd, sizeof nd);
+    printf("  no decay    %s\n", nd);
     printf("  data        %s\n", data_describe(data));
     double h = data_entropy_rate(data);
     if (isfinite(h))
@@ -248,6 +259,7 @@ int cmd_train(const struct cli *a)
     struct comm *fsdp = comm_for_backend(be, mesh.fsdp_comm);
     struct model m;
     model_init(&m, be, &c.model, mb, tc->seq_len, ep, tc->activation_checkpointing);
+    no_decay_apply(&m.tt, tc->no_decay_modules);
     const int E = m.E, L = m.L;
     if (tc->load_balance == MT_LB_BIAS && E > 0) {
         m.bias = be->alloc((size_t)L * E * sizeof(float));
@@ -279,6 +291,9 @@ int cmd_train(const struct cli *a)
     }
     struct fsdp sharding;
     fsdp_init(&sharding, &p, c.parallel.reshard_after_forward);
+    if (*c.data.routing_replay &&
+        !route_replay_open(&m, c.data.routing_replay, (int64_t)tc->steps * tc->global_batch_size, err, sizeof err))
+        mt_user_error("data.routing_replay: %s", err);
     plan_print_mesh(stdout, &c, &mesh);
     char init[3 * MT_PATH_MAX];
     if (resuming) snprintf(init, sizeof init, "resumed from %s (step %d)", resume_dir, start_step);
@@ -288,6 +303,8 @@ int cmd_train(const struct cli *a)
     struct validation *val = validation_open(&c, n_micro, mesh.me.local, dp);
     if (val) mt_log0("  validation  %s\n", validation_describe(val));
     metrics_print_config(&c, c.log.metrics);
+    preempt_install();
+    watchdog_start(&c, mesh.world_comm);
 
     struct metrics_log ml;
     metrics_open(&ml, c.log.metrics, resuming);
@@ -304,6 +321,10 @@ int cmd_train(const struct cli *a)
     double *lcv = mt_calloc((size_t)L + 1, sizeof(double));
     double *tok = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(double));
     const double flops_tok = flops_train_per_token(&c.model, tc->seq_len);
+    const bool aux_global = use_aux && tc->aux_loss_scope == MT_AUX_GLOBAL_BATCH;
+    const struct aux_prepass prepass = {&sb, stage_h, tokens_micro_global};
+    struct expert_watch watch;
+    expert_watch_init(&watch, &c.model, &c.log);
     double t_start = mt_now(), first_step_s = 0;
 
     for (int step = start_step + 1; step <= tc->steps; step++) {
@@ -314,9 +335,14 @@ int cmd_train(const struct cli *a)
         double ce_local = 0, aux_sum = 0;
         int64_t valid_local = 0;
         memset(layer_counts, 0, (size_t)L * MT_MAX(E, 1) * sizeof(double));
+        watchdog_phase(step, "data");
         step_batch_load(&sb, data, step - 1, stage_h);
         const int64_t n_valid_global = sb.n_valid_global;
+        /* global_batch scope: one aux over the whole step, its gradient fixed before any backward */
+        const double aux_step = aux_global ? aux_global_prepass(&m, &prepass, step, coef, aux_dp) : 0;
         for (int micro = 0; micro < n_micro; micro++) {
+            watchdog_phase(step, "forward");
+            route_replay_load(&m, data_first_seq(step - 1, micro, n_micro, mesh.me.local, dp, mb));
             struct model_step_out o;
             step_batch_forward(&sb, micro, &m, &o);
             ce_local += o.ce_sum;
@@ -326,21 +352,26 @@ int cmd_train(const struct cli *a)
                 double aux_m;
                 aux_from_stats(m.stats_h, L, &c.model, tokens_micro_global, &aux_m, cnt);
                 aux_sum += aux_m;
-                aux_grad_from_counts(cnt, E, m.n_moe_layers, tokens_micro_global, coef / n_micro, aux_dp);
+                if (!aux_global)
+                    aux_grad_from_counts(cnt, E, m.n_moe_layers, tokens_micro_global, coef / n_micro, aux_dp);
                 for (int l = 0; l < L; l++)
                     for (int e = 0; e < E; e++)
                         layer_counts[(size_t)l * E + e] += m.stats_h[(size_t)l * 2 * E + E + e];
             }
+            watchdog_phase(step, "backward");
             model_backward(&m, (float)(1.0 / n_valid_global), use_aux ? aux_dp : NULL);
         }
+        watchdog_phase(step, "gradient norm");
         double gsq = params_grad_sumsq(&p, world);
         double gnorm = sqrt(gsq);
         double scale = tc->grad_clip > 0 && gnorm > tc->grad_clip ? tc->grad_clip / gnorm : 1.0;
         double lr = train_lr_at(tc, step);
+        watchdog_phase(step, "optimizer step");
         params_adamw_step(&p, tc, (float)lr, (float)scale);
         fsdp_invalidate(&sharding);
 
         double sums[2] = {ce_local, (double)valid_local};
+        watchdog_phase(step, "loss all-reduce");
         comm_all_reduce_sum(world, sums, 2, COMM_F64);
         MT_CHECK((int64_t)sums[1] == n_valid_global, "step %d counted %.0f labelled tokens, expected %lld",
                  step, sums[1], (long long)n_valid_global);
@@ -351,7 +382,7 @@ int cmd_train(const struct cli *a)
         mem_report_sample(be);
         double step_s = mt_now() - t0;
         if (step == start_step + 1) first_step_s = step_s;
-        double ce = sums[0] / n_valid_global, aux = aux_sum / n_micro;
+        double ce = sums[0] / n_valid_global, aux = aux_global ? aux_step : aux_sum / n_micro;
         int n_moe = 0;
         if (E > 0) {
             load_summary(&m, layer_counts, lmin, lmax, lcv, tok);
@@ -368,6 +399,7 @@ int cmd_train(const struct cli *a)
             .load_min = lmin, .load_max = lmax, .load_cv = lcv, .n_experts = E, .expert_tokens = tok,
             .time_split = c.log.profile ? split : NULL, .wall_time = metrics_wall_clock(),
             .tokens_seen = (int64_t)step * tc->global_batch_size * tc->seq_len, .val_loss = NAN,
+            .warning = E > 0 ? expert_watch_step(&watch, tok) : NULL,
         };
         profile_read(split);
         if (validation_due(val, step)) sm.val_loss = validation_run(val, &m, stage_h, world);
@@ -378,23 +410,34 @@ int cmd_train(const struct cli *a)
             profile_print_ops(stdout, step_s);
             fflush(stdout);
         }
+        watchdog_phase(step, "checkpoint save");
         if (ckpt_due(&c, step)) ckpt_save(c.checkpoint.dir, step, &p, &mesh, &c, m.bias ? bias_h : NULL);
+        watchdog_phase(step, "preemption check");
+        if (preempt_requested(mesh.world_comm)) {
+            watchdog_phase(step, "checkpoint save (preempted)");
+            if (*c.checkpoint.dir && !ckpt_due(&c, step))
+                ckpt_save(c.checkpoint.dir, step, &p, &mesh, &c, m.bias ? bias_h : NULL);
+            preempt_exit(&c, step);
+        }
     }
     mt_log0("done: %d steps in %.1f s\n", tc->steps - start_step, mt_now() - t_start);
     struct mem_peak peak;
     mem_report_collect(&mesh, &peak);
     mem_report_print(&c, &mesh, &peak, keep_copy, be->x_size);
     if (*c.checkpoint.export_hf) {
+        watchdog_phase(tc->steps, "export");
         if (!export_params_hf(&p, &mesh, &c, m.bias ? bias_h : NULL, a->force, c.checkpoint.export_hf, err,
                               sizeof err))
             mt_user_error("%s", err);
         mt_log0("exported the final weights to %s (Hugging Face layout)\n", c.checkpoint.export_hf);
     }
+    watchdog_stop();
     metrics_close(&ml);
     step_batch_free(&sb); validation_close(val);
     free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv);
     free(tok); free(bias_h);
     fsdp_free(&sharding);
+    expert_watch_free(&watch);
     params_free(&p);
     model_free(&m);
     comm_free(world); comm_free(stage_h); comm_free(stage); comm_free(ep); comm_free(fsdp);

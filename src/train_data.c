@@ -117,6 +117,10 @@ double validation_run(struct validation *v, struct model *m, struct comm *dp_com
                       struct comm *world)
 {
     double sums[2] = {0, 0};
+    /* held-out sequences route on the model's own router: a routing replay file (data.routing_replay)
+     * holds training sequences only */
+    struct route_replay *replay = m->replay;
+    m->replay = NULL;
     for (int b = 0; b < v->batches; b++) {
         step_batch_load(&v->batch, v->src, b, dp_comm);
         for (int micro = 0; micro < v->batch.n_micro; micro++) {
@@ -126,6 +130,7 @@ double validation_run(struct validation *v, struct model *m, struct comm *dp_com
             sums[1] += (double)o.n_valid;
         }
     }
+    m->replay = replay;
     comm_all_reduce_sum(world, sums, 2, COMM_F64);
     return sums[1] > 0 ? sums[0] / sums[1] : NAN;
 }

@@ -45,7 +45,8 @@ void validation_close(struct validation *v);
 bool validation_due(const struct validation *v, int step);
 /* Mean cross-entropy over data.validation_batches global batches (forward only: no gradients;
  * the router statistics that model_forward leaves in m->stats_h are overwritten by the next
- * training micro-batch before anything reads them). All ranks call it together; world sums. */
+ * training micro-batch before anything reads them; a routing replay is off during the passes).
+ * All ranks call it together; world sums. */
 double validation_run(struct validation *v, struct model *m, struct comm *dp_comm,
                       struct comm *world);
 const char *validation_describe(const struct validation *v);

@@ -74,15 +74,15 @@ static void b_attention_backward(void *dq, void *dk, void *dv, const void *dout,
 }
 
 static void b_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const float *logits,
-                             const float *bias, int T, int E, int k, bool norm_topk)
+                             const float *bias, int T, int E, int k, const struct router_opts *o)
 {
-    cpu_router_forward(topk_idx, topk_w, probs, logits, bias, T, E, k, norm_topk);
+    cpu_router_forward(topk_idx, topk_w, probs, logits, bias, T, E, k, o);
 }
 static void b_router_backward(float *dlogits, const float *dtopk_w, const float *probs,
                               const int32_t *topk_idx, const float *aux_dp, int T, int E, int k,
-                              bool norm_topk)
+                              const struct router_opts *o)
 {
-    cpu_router_backward(dlogits, dtopk_w, probs, topk_idx, aux_dp, T, E, k, norm_topk);
+    cpu_router_backward(dlogits, dtopk_w, probs, topk_idx, aux_dp, T, E, k, o);
 }
 
 static void b_gather_rows(void *out, const void *in, const int32_t *idx, int R, int H)
@@ -175,6 +175,7 @@ static const struct backend cpu_backend = {
     .attention_backward = b_attention_backward,
     .router_forward = b_router_forward,
     .router_backward = b_router_backward,
+    .router_gather_weights = cpu_router_gather_weights,
     .router_stats = cpu_router_stats,
     .moe_route_plan = cpu_moe_route_plan,
     .moe_pair_plan = cpu_moe_pair_plan,

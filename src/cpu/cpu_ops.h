@@ -24,6 +24,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ops.h"
+
 /* memory: host memory is the "device" */
 void *cpu_alloc(size_t bytes);
 void cpu_free(void *p);
@@ -70,10 +72,12 @@ void cpu_attention_backward(float *dq, float *dk, float *dv, const float *dout, 
                             int B, int S, int Hq, int Hkv, int D, const int32_t *seg);
 
 void cpu_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const float *logits,
-                        const float *bias, int T, int E, int k, bool norm_topk);
+                        const float *bias, int T, int E, int k, const struct router_opts *o);
+void cpu_router_gather_weights(float *topk_w, const float *probs, const int32_t *topk_idx, int T,
+                               int E, int k, const struct router_opts *o);
 void cpu_router_backward(float *dlogits, const float *dtopk_w, const float *probs,
                          const int32_t *topk_idx, const float *aux_dp, int T, int E, int k,
-                         bool norm_topk);
+                         const struct router_opts *o);
 void cpu_router_stats(float *psum, float *count, const float *probs, const int32_t *topk_idx,
                       int T, int E, int k);
 

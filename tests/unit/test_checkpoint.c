@@ -251,8 +251,8 @@ Test(checkpoint, files_follow_the_documented_layout)
     float *buf = malloc((size_t)s->numel * sizeof(float));
     hid_t d = H5Dopen2(f, "master/model.layers.1.mlp.experts.gate_up_proj", H5P_DEFAULT);
     cr_assert(H5Dread(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf) >= 0);
-    const int64_t at = a.p.g[TG_EXPERT].u_off[tensor_unit(s, a.m.L)] + a.p.exp_piece_off[i];
-    cr_expect(!memcmp(buf, a.p.g[TG_EXPERT].master + at, (size_t)s->numel * sizeof(float)));
+    const int64_t shard_at = a.p.g[TG_EXPERT].u_off[tensor_unit(s, a.m.L)] + a.p.exp_piece_off[i];
+    cr_expect(!memcmp(buf, a.p.g[TG_EXPERT].master + shard_at, (size_t)s->numel * sizeof(float)));
     free(buf);
     H5Dclose(d);
     H5Fclose(f);

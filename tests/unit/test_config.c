@@ -452,19 +452,54 @@ Test(config, missing_required_and_cross_field_checks)
     expect(m, "hidden_size / num_attention_heads = 12 / 4 = 3");
     m = fails("train:\n  global_batch_size: 2\n  micro_batch_size: 4\n");
     expect(m, "train.micro_batch_size (4) must be <= train.global_batch_size (2)");
-    m = fails("model:\n  freeze_router: true\n  train_router: true\n");
-    expect(m, "contradicts");
+    m = fails("model:\n  num_experts: 8\n  n_group: 3\n");
+    expect(m, "model.n_group (3) must divide model.num_experts (8)");
+    m = fails("model:\n  num_experts: 8\n  n_group: 4\n  topk_group: 5\n");
+    expect(m, "model.topk_group (5) must be <= model.n_group (4)");
+    m = fails("model:\n  num_experts: 8\n  num_experts_per_tok: 3\n  n_group: 4\n  topk_group: 1\n");
+    expect(m, "model.num_experts_per_tok (3) must be <= the experts of model.topk_group (1) groups of 2");
+    m = fails("model:\n  route_scale: 0\n");
+    expect(m, "route_scale");
+    m = fails("model:\n  scoring: tanh\n");
+    expect(m, "scoring");
+    m = fails("train:\n  aux_loss_scope: step\n");
+    expect(m, "aux_loss_scope");
+    m = fails("train:\n  no_decay_modules: [gate, bias]\n");
+    expect(m, "train.no_decay_modules: unknown module 'bias' (known: gate, norm, embed");
+    m = fails("train:\n  no_decay_modules: [gate, gate]\n");
+    expect(m, "repeated module 'gate'");
+    m = fails("train:\n  no_decay_modules: [gate, [norm]]\n");
+    expect(m, "train.no_decay_modules expects a list of module names");
+    m = fails("model:\n  router_weight_decay: true\ntrain:\n  no_decay_modules: [norm]\n");
+    expect(m, "set it or model.router_weight_decay, not both");
     m = fails("model:\n  vocab_size: 3\n");
     expect(m, "data.synthetic_branching (4) must be <= model.vocab_size (3)");
 }
 
-Test(config, router_switches_agree_after_loading)
+/* train_router and freeze_router are two behaviours (docs/router.md): setting one leaves the other */
+Test(config, router_switches_are_independent)
 {
     struct config c;
     cr_assert(load(&c, put("r.yaml", "model:\n  train_router: false\n"), 0, NULL), "%s", errbuf);
-    cr_assert(c.model.freeze_router && !c.model.train_router);
+    cr_assert(!c.model.freeze_router && !c.model.train_router);
     cr_assert(load(&c, put("r.yaml", "model:\n  freeze_router: true\n"), 0, NULL), "%s", errbuf);
-    cr_assert(c.model.freeze_router && !c.model.train_router);
+    cr_assert(c.model.freeze_router && c.model.train_router);
+    cr_assert(load(&c, put("r.yaml", "model:\n  freeze_router: true\n  train_router: true\n"), 0, NULL),
+              "%s", errbuf);
+}
+
+Test(config, no_decay_modules_load_as_a_yaml_list_or_text)
+{
+    struct config c;
+    cr_assert(load(&c, put("n.yaml", "train:\n  no_decay_modules: [gate, norm, embed]\n"), 0, NULL),
+              "%s", errbuf);
+    cr_assert_str_eq(c.train.no_decay_modules, "[gate, norm, embed]");
+    cr_assert(load(&c, put("n.yaml", "train:\n  no_decay_modules:\n    - lm_head\n    - attn\n"), 0, NULL),
+              "%s", errbuf);
+    cr_assert_str_eq(c.train.no_decay_modules, "[lm_head, attn]");
+    char *sets[] = {"train.no_decay_modules=experts,mlp"};
+    cr_assert(load(&c, put("n.yaml", "train:\n  steps: 2\n"), 1, sets), "%s", errbuf);
+    cr_assert_str_eq(c.train.no_decay_modules, "experts,mlp");
 }
 
 /* ---- --set ---------------------------------------------------------------------------------- */

@@ -582,14 +582,20 @@ enum { RT = 4, RE = 8, RK = 3 };
 struct router_ctx {
     float *logits, *bias, *c, *aux, *probs, *w;
     int32_t *idx, *idx0;
-    bool norm, flipped;
+    struct router_opts o;
+    bool flipped;
 };
+
+static struct router_opts qwen_opts(bool norm)
+{
+    return (struct router_opts){.norm_topk = norm, .route_scale = 1.0f, .n_group = 1, .topk_group = 1};
+}
 
 /* L = Σ c ⊙ topk_w + Σ_{t,e} aux[e]·probs[t,e], whose dL/dprobs has the aux_dp form */
 static double router_loss(void *p)
 {
     struct router_ctx *c = p;
-    cpu_router_forward(c->idx, c->w, c->probs, c->logits, c->bias, RT, RE, RK, c->norm);
+    cpu_router_forward(c->idx, c->w, c->probs, c->logits, c->bias, RT, RE, RK, &c->o);
     if (memcmp(c->idx, c->idx0, sizeof(int32_t) * RT * RK) != 0) c->flipped = true;
     double l = project(c->c, c->w, RT * RK);
     for (int t = 0; t < RT; t++) l += project(c->aux, c->probs + t * RE, RE);
@@ -627,7 +633,8 @@ Test(cpu_ops, router_forward_properties)
     for (int pass = 0; pass < 3; pass++) {
         const bool norm = pass != 1;
         float *bias = pass == 2 ? frand(&rng, RE, 0.2) : NULL;
-        cpu_router_forward(idx, w, probs, z, bias, RT, RE, RK, norm);
+        const struct router_opts opts = qwen_opts(norm);
+        cpu_router_forward(idx, w, probs, z, bias, RT, RE, RK, &opts);
         for (int t = 0; t < RT; t++) {
             const float *p = probs + t * RE;
             double sum = 0.0, mx = -INFINITY, zsum = 0.0;
@@ -685,26 +692,34 @@ Test(cpu_ops, router_grad)
 {
     mt_rng rng;
     mt_rng_seed(&rng, 12);
-    for (int pass = 0; pass < 4; pass++) {
+    /* passes 4-7: the routing variants (sigmoid scores, route_scale, group-limited top-k) */
+    for (int pass = 0; pass < 8; pass++) {
         struct router_ctx c = {separated_logits(&rng), NULL, frand(&rng, RT * RK, 1.0),
                                pass & 2 ? frand(&rng, RE, 1.0) : NULL, fnew(RT * RE),
                                fnew(RT * RK), mt_calloc(RT * RK, sizeof(int32_t)),
-                               mt_calloc(RT * RK, sizeof(int32_t)), pass & 1, false};
+                               mt_calloc(RT * RK, sizeof(int32_t)), qwen_opts(pass & 1), false};
         /* a bias that reorders the selection (one step of the logit grid is ×2 in probability) */
-        if (pass == 3) c.bias = frand(&rng, RE, 0.05);
+        if (pass == 3 || pass == 7) c.bias = frand(&rng, RE, 0.05);
+        if (pass >= 4) {
+            c.o.sigmoid = pass != 6;
+            c.o.route_scale = 2.5f;
+            c.o.n_group = pass >= 6 ? 4 : 1;
+            c.o.topk_group = pass >= 6 ? 2 : 1;
+        }
         float *zero_aux = fnew(RE);
         if (!c.aux) c.aux = zero_aux;
-        cpu_router_forward(c.idx0, c.w, c.probs, c.logits, c.bias, RT, RE, RK, c.norm);
+        cpu_router_forward(c.idx0, c.w, c.probs, c.logits, c.bias, RT, RE, RK, &c.o);
         router_loss(&c);
         float *dz = fnew(RT * RE);
         cpu_router_backward(dz, c.c, c.probs, c.idx0, c.aux == zero_aux ? NULL : c.aux, RT, RE, RK,
-                            c.norm);
+                            &c.o);
         double *fd = dnew(RT * RE);
         fd_grad(fd, c.logits, RT * RE, router_loss, &c);
         cr_assert(!c.flipped, "pass %d: a finite-difference step changed the top-k selection", pass);
-        char what[64];
-        snprintf(what, sizeof what, "router dlogits (norm_topk %d, aux %d, bias %d)", c.norm,
-                 c.aux != zero_aux, c.bias != NULL);
+        char what[128];
+        snprintf(what, sizeof what, "router dlogits (norm_topk %d, aux %d, bias %d, sigmoid %d, "
+                 "scale %g, groups %d/%d)", c.o.norm_topk, c.aux != zero_aux, c.bias != NULL,
+                 c.o.sigmoid, c.o.route_scale, c.o.topk_group, c.o.n_group);
         expect_grad(what, dz, fd, RT * RE);
         if (c.aux != zero_aux) free(c.aux);
         free(c.logits), free(c.bias), free(c.c), free(c.probs), free(c.w), free(c.idx);

@@ -1089,12 +1089,14 @@ Test(gpu, attention_backend_uses_tc)
 
 /* ---------------------------------------------------------------- router */
 
-static void router_case(const struct mode *M, mt_rng *rng, int T, int E, int K, bool norm,
-                        bool with_bias, bool with_aux)
+static void router_case_opts(const struct mode *M, mt_rng *rng, int T, int E, int K,
+                             const struct router_opts *o, bool with_bias, bool with_aux)
 {
-    char tag[64], what[128];
-    snprintf(tag, sizeof tag, "T%d E%d k%d%s%s%s", T, E, K, norm ? " norm" : "",
-             with_bias ? " bias" : "", with_aux ? " aux" : "");
+    char tag[128], what[192];
+    snprintf(tag, sizeof tag, "T%d E%d k%d%s%s%s%s scale %g groups %d/%d%s", T, E, K,
+             o->norm_topk ? " norm" : "", with_bias ? " bias" : "", with_aux ? " aux" : "",
+             o->sigmoid ? " sigmoid" : "", o->route_scale, o->topk_group, o->n_group,
+             o->force_balance ? " round-robin" : "");
     const size_t te = (size_t)T * E, tk = (size_t)T * K;
     float *logits = hrand(rng, te, 2.0);
     /* row 0: all equal (every choice is a tie); row 1: equal pairs */
@@ -1107,12 +1109,12 @@ static void router_case(const struct mode *M, mt_rng *rng, int T, int E, int K, 
     int32_t *d_idx = M->g->alloc(tk * sizeof(int32_t));
     poison(M, d_idx, tk * sizeof(int32_t));
     float *d_w = df_poisoned(M, tk), *d_probs = df_poisoned(M, te);
-    M->g->router_forward(d_idx, d_w, d_probs, d_logits, d_bias, T, E, K, norm);
+    M->g->router_forward(d_idx, d_w, d_probs, d_logits, d_bias, T, E, K, o);
     int32_t *idx = mt_malloc(tk * sizeof(int32_t)), *idx_ref = mt_malloc(tk * sizeof(int32_t));
     M->g->download(idx, d_idx, tk * sizeof(int32_t));
     float *w = hf_of(M, d_w, tk), *probs = hf_of(M, d_probs, te);
     float *w_ref = fnew(tk), *probs_ref = fnew(te);
-    M->c->router_forward(idx_ref, w_ref, probs_ref, logits, bias, T, E, K, norm);
+    M->c->router_forward(idx_ref, w_ref, probs_ref, logits, bias, T, E, K, o);
     snprintf(what, sizeof what, "router forward topk_idx %s", tag);
     check_exact(M, what, idx, idx_ref, tk * sizeof(int32_t));
     snprintf(what, sizeof what, "router forward probs %s", tag);
@@ -1120,15 +1122,29 @@ static void router_case(const struct mode *M, mt_rng *rng, int T, int E, int K, 
     snprintf(what, sizeof what, "router forward topk_w %s", tag);
     check_close(M, what, w, w_ref, tk, TOL_F32);
 
+    /* the weights of a given selection (data.routing_replay), from the CPU's probs and top-k */
+    float *d_wg = df_poisoned(M, tk);
+    {
+        float *d_pr = df_from(M, probs_ref, te);
+        int32_t *d_ir = di_from(M, idx_ref, tk);
+        M->g->router_gather_weights(d_wg, d_pr, d_ir, T, E, K, o);
+        float *wg = hf_of(M, d_wg, tk), *wg_ref = fnew(tk);
+        M->c->router_gather_weights(wg_ref, probs_ref, idx_ref, T, E, K, o);
+        snprintf(what, sizeof what, "router_gather_weights %s", tag);
+        check_close(M, what, wg, wg_ref, tk, TOL_F32);
+        M->g->free(d_pr), M->g->free(d_ir), M->g->free(d_wg);
+        free(wg), free(wg_ref);
+    }
+
     /* backward from the CPU's forward outputs, so both see the same selection */
     float *dtw = hrand(rng, tk, 1.0), *aux = with_aux ? hrand(rng, E, 0.1) : NULL;
     float *d_dtw = df_from(M, dtw, tk), *d_aux = with_aux ? df_from(M, aux, E) : NULL;
     float *d_probs_ref = df_from(M, probs_ref, te);
     int32_t *d_idx_ref = di_from(M, idx_ref, tk);
     float *d_dlogits = df_poisoned(M, te);
-    M->g->router_backward(d_dlogits, d_dtw, d_probs_ref, d_idx_ref, d_aux, T, E, K, norm);
+    M->g->router_backward(d_dlogits, d_dtw, d_probs_ref, d_idx_ref, d_aux, T, E, K, o);
     float *dl = hf_of(M, d_dlogits, te), *dl_ref = fnew(te);
-    M->c->router_backward(dl_ref, dtw, probs_ref, idx_ref, aux, T, E, K, norm);
+    M->c->router_backward(dl_ref, dtw, probs_ref, idx_ref, aux, T, E, K, o);
     snprintf(what, sizeof what, "router backward dlogits %s", tag);
     check_close(M, what, dl, dl_ref, te, TOL_F32);
 
@@ -1152,6 +1168,34 @@ static void router_case(const struct mode *M, mt_rng *rng, int T, int E, int K, 
     free(logits), free(bias), free(idx), free(idx_ref), free(w), free(probs), free(w_ref);
     free(probs_ref), free(dtw), free(aux), free(dl), free(dl_ref), free(psum0), free(cnt0);
     free(psum), free(cnt), free(psum_ref), free(cnt_ref), free(add), free(add_ref);
+}
+
+static void router_case(const struct mode *M, mt_rng *rng, int T, int E, int K, bool norm,
+                        bool with_bias, bool with_aux)
+{
+    const struct router_opts o = {.norm_topk = norm, .route_scale = 1, .n_group = 1, .topk_group = 1};
+    router_case_opts(M, rng, T, E, K, &o, with_bias, with_aux);
+}
+
+/* model.scoring, route_scale, n_group/topk_group, debug_force_balance (docs/router.md): the same
+ * fresh random inputs through both routers; indices exact, weights and dlogits to TOL_F32. */
+Test(gpu, router_variants)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 109);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        struct router_opts o = {.sigmoid = true, .norm_topk = true, .route_scale = 2.5f, .n_group = 8,
+                                .topk_group = 4, .force_balance = false};
+        router_case_opts(&M, &rng, 256, 64, 8, &o, true, true);   /* DeepSeek-V3-like */
+        o.norm_topk = false, o.n_group = 1, o.topk_group = 1;
+        router_case_opts(&M, &rng, 300, 8, 2, &o, false, true);   /* sigmoid, unnormalised */
+        o.sigmoid = false, o.norm_topk = true, o.n_group = 40, o.topk_group = 3;
+        router_case_opts(&M, &rng, 64, 200, 5, &o, true, false);  /* groups of 5, E > block */
+        o.n_group = 1, o.topk_group = 1, o.force_balance = true;
+        router_case_opts(&M, &rng, 100, 64, 8, &o, false, true);  /* round-robin */
+    }
 }
 
 Test(gpu, router)

@@ -289,3 +289,16 @@ Test(model_grad, heads_equal_kv_heads)
     mc.num_key_value_heads = mc.num_attention_heads;
     expect_gradients_match(&mc, "Hq = Hkv");
 }
+
+/* DeepSeek-V3-style router (docs/router.md): sigmoid scores, 2 groups of 2 with 1 usable,
+ * route_scale; the whole model's gradient through the router variant. */
+Test(model_grad, sigmoid_group_limited_router)
+{
+    struct model_config mc;
+    base_config(&mc);
+    mc.scoring = MT_SCORE_SIGMOID;
+    mc.n_group = 2;
+    mc.topk_group = 1;
+    mc.route_scale = 2.5;
+    expect_gradients_match(&mc, "sigmoid, groups 1/2, route_scale 2.5");
+}
