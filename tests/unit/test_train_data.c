@@ -178,3 +178,28 @@ Test(train_data, bad_data_files_are_one_line_on_every_rank, .timeout = 300)
     cr_expect(strstr(out, "moetrain: error: data.sources[2]: no file matches"), "%s", out);
     free(out);
 }
+
+/* train.aux_loss_scope: global_batch runs a forward pre-pass over the step's loaded micro-batches
+ * (with their documents and labels); the run stays mesh-invariant with documents on. */
+Test(train_data, global_batch_aux_with_documents_is_mesh_invariant, .timeout = 300)
+{
+    char extra[1024], *out = NULL, pa[128], pb[128];
+    snprintf(pa, sizeof pa, "%s/g1.jsonl", dir);
+    snprintf(pb, sizeof pb, "%s/g2.jsonl", dir);
+    snprintf(extra, sizeof extra, "--set train.aux_loss_scope=global_batch --set train.micro_batch_size=4 "
+             "--set log.metrics=%s", pa);
+    cr_assert_eq(run(1, extra, &out), 0, "%s", out);
+    free(out);
+    snprintf(extra, sizeof extra, "--set train.aux_loss_scope=global_batch --set train.micro_batch_size=2 "
+             "--set log.metrics=%s", pb);
+    cr_assert_eq(run(2, extra, &out), 0, "%s", out);
+    free(out);
+    double la[5], lb[5], aa[5], ab[5];
+    by_step(pa, "loss", la), by_step(pb, "loss", lb), by_step(pa, "aux_loss", aa), by_step(pb, "aux_loss", ab);
+    for (int s = 1; s <= 4; s++) {
+        cr_expect(fabs(la[s] - lb[s]) <= 1e-5 * fabs(la[s]), "step %d loss: 1 rank %.8g, 2 ranks %.8g",
+                  s, la[s], lb[s]);
+        cr_expect(fabs(aa[s] - ab[s]) <= 1e-5 * fabs(aa[s]), "step %d aux: 1 rank %.8g, 2 ranks %.8g",
+                  s, aa[s], ab[s]);
+    }
+}
