@@ -9,4 +9,9 @@ void cu_adamw_update(float *master, void *param, const float *grad, float *m, fl
                      float lr, float beta1, float beta2, float eps, float weight_decay, int t,
                      float grad_scale);
 
+template <typename T>
+void cu_adamw_update_m16(float *master, void *param, const float *grad, void *m, void *v, size_t n,
+                         float lr, float beta1, float beta2, float eps, float weight_decay, int t,
+                         float grad_scale);
+
 #endif

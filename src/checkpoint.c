@@ -169,9 +169,9 @@ static void write_rank_file(const char *path, int step, const struct params *p, 
         float *host[TG_COUNT];
         for (int k = 0; k < TG_COUNT; k++) {
             const struct param_group_shard *g = &p->g[k];
-            const float *src = b == CK_MASTER ? g->master : b == CK_ADAM_M ? g->m1 : g->m2;
             host[k] = mt_malloc((size_t)MT_MAX(g->numel, 1) * sizeof(float));
-            be->download(host[k], src, (size_t)g->numel * sizeof(float));
+            if (b == CK_MASTER) be->download(host[k], g->master, (size_t)g->numel * sizeof(float));
+            else params_moment_to_host(p, (enum tensor_group)k, b == CK_ADAM_M ? 1 : 2, host[k]);
         }
         hid_t grp = CK_H5(H5Gcreate2(f, ck_buf_group[b], H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
         for (int i = 0; i < tt->n; i++)

@@ -595,17 +595,14 @@ bool ckpt_load_checked(const char *dir, struct params *p, const struct mesh *mes
         ok = ck_agree(mesh, e, sizeof e);
         for (int k = 0; k < TG_COUNT && ok; k++) {
             struct param_group_shard *g = &p->g[k];
-            float *dst = b == CK_MASTER ? g->master : b == CK_ADAM_M ? g->m1 : g->m2;
-            be->upload(dst, host[k], (size_t)g->numel * sizeof(float));
+            if (b == CK_MASTER) be->upload(g->master, host[k], (size_t)g->numel * sizeof(float));
+            else params_moment_from_host(p, (enum tensor_group)k, b == CK_ADAM_M ? 1 : 2, host[k]);
         }
         if (ok && b == CK_MASTER) params_refresh_copy(p);
         for (int k = 0; k < TG_COUNT; k++) free(host[k]);
     }
     if (ok) {
-        for (int k = 0; k < TG_COUNT && weights_only; k++) {
-            be->zero(p->g[k].m1, (size_t)p->g[k].numel * sizeof(float));
-            be->zero(p->g[k].m2, (size_t)p->g[k].numel * sizeof(float));
-        }
+        if (weights_only) params_moments_zero(p);
         p->step = weights_only ? 0 : (int)man.opt_step;
         if (bias_host_out) {
             if (man.has_bias) memcpy(bias_host_out, bias, (size_t)L * E * sizeof(float));

@@ -14,6 +14,17 @@ void mem_report_sample(const struct backend *be)
     if (used > device_peak) device_peak = used;
 }
 
+double mem_report_step_peak(const struct mesh *mesh, int *rank)
+{
+    struct {
+        double v;
+        int r;
+    } mine = {(double)mem_track_peak(NULL), mesh->rank}, top;
+    MT_CHECK_MPI(MPI_Allreduce(&mine, &top, 1, MPI_DOUBLE_INT, MPI_MAXLOC, mesh->world_comm));
+    *rank = top.r;
+    return top.v;
+}
+
 void mem_report_collect(const struct mesh *mesh, struct mem_peak *out)
 {
     double by[MEM_N];

@@ -17,6 +17,8 @@ struct mem_peak {
 
 /* Samples this rank's device memory into the running maximum (cheap; call once per step). */
 void mem_report_sample(const struct backend *be);
+/* Collective: the largest tracked peak so far over the ranks (one small all-reduce), and its rank. */
+double mem_report_step_peak(const struct mesh *mesh, int *rank);
 /* Collective over the mesh's world. */
 void mem_report_collect(const struct mesh *mesh, struct mem_peak *out);
 /* Rank 0: one line "memory: peak ... (params .., grads .., ...); plan .. for that rank's stage". */

@@ -213,6 +213,11 @@ struct backend {
     void (*adamw_update)(float *master, void *param, const float *grad, float *m, float *v,
                          size_t n, float lr, float beta1, float beta2, float eps,
                          float weight_decay, int t, float grad_scale);
+    /* The same with bf16 moments (train.optimizer_state_dtype: bf16, Megatron-Core's precision-aware
+     * optimizer): m and v are read as bf16, updated in fp32 and rounded to nearest-even bf16. */
+    void (*adamw_update_m16)(float *master, void *param, const float *grad, void *m, void *v,
+                             size_t n, float lr, float beta1, float beta2, float eps,
+                             float weight_decay, int t, float grad_scale);
 };
 
 /* The fp32 CPU reference backend (always available). */

@@ -10,6 +10,7 @@
 #include "common.h"
 #include "hf_load.h"
 #include "mem_track.h"
+#include "safetensors.h"
 
 static void *xat(const struct backend *be, void *p, int64_t i) { return (char *)p + (size_t)i * be->x_size; }
 
@@ -26,16 +27,18 @@ static void add_segment(struct param_group_shard *g, int *cap, int64_t off, int6
 
 /* Shard buffers of a group. A kept compute copy is the master itself when the compute dtype is fp32
  * (without one, gathers cast from the master on every backend: the CPU tests run that path too). */
-static void alloc_group(const struct backend *be, struct param_group_shard *g, bool keep_copy)
+static void alloc_group(const struct backend *be, struct param_group_shard *g, bool keep_copy,
+                        size_t mom_bytes)
 {
     size_t n = (size_t)MT_MAX(g->numel, 1);
-    float **f[] = {&g->master, &g->m1, &g->m2, &g->grad};
+    void **f[] = {(void **)&g->master, &g->m1, &g->m2, (void **)&g->grad};
     const enum mem_cat cat[] = {MEM_MASTER, MEM_ADAM, MEM_ADAM, MEM_GRADS};
+    const size_t es[] = {sizeof(float), mom_bytes, mom_bytes, sizeof(float)};
     for (size_t k = 0; k < sizeof f / sizeof f[0]; k++) {
         enum mem_cat was = mem_track_set(cat[k]);
-        *f[k] = be->alloc(n * sizeof(float));
+        *f[k] = be->alloc(n * es[k]);
         mem_track_set(was);
-        be->zero(*f[k], n * sizeof(float));
+        be->zero(*f[k], n * es[k]);
     }
     g->aliased = g->group_size == 1;
     enum mem_cat was = mem_track_set(MEM_WEIGHTS);
@@ -45,14 +48,15 @@ static void alloc_group(const struct backend *be, struct param_group_shard *g, b
 
 void params_init(struct params *p, struct model *m, struct comm *stage, struct comm *fsdp)
 {
-    params_init_opts(p, m, stage, fsdp, true);
+    params_init_opts(p, m, stage, fsdp, true, false);
 }
 
 void params_init_opts(struct params *p, struct model *m, struct comm *stage, struct comm *fsdp,
-                      bool keep_copy)
+                      bool keep_copy, bool bf16_moments)
 {
     memset(p, 0, sizeof *p);
     p->m = m;
+    p->mom_bytes = bf16_moments ? 2 : 4;
     p->stage = stage;
     p->fsdp = fsdp;
     p->S = stage ? stage->size : 1;
@@ -110,8 +114,8 @@ void params_init_opts(struct params *p, struct model *m, struct comm *stage, str
             add_segment(gd, &cap[TG_DENSE], gd->u_off[u] + a - lo, b - a, s);
         }
     }
-    alloc_group(m->be, gd, keep_copy);
-    alloc_group(m->be, ge, keep_copy);
+    alloc_group(m->be, gd, keep_copy, p->mom_bytes);
+    alloc_group(m->be, ge, keep_copy, p->mom_bytes);
 }
 
 void params_bind_unit(struct params *p, enum tensor_group g, int u, void *work, float *work_g)
@@ -262,11 +266,10 @@ static void upload_masters(struct params *p, struct host_fill *f)
     for (int k = 0; k < TG_COUNT; k++) {
         struct param_group_shard *g = &p->g[k];
         be->upload(g->master, f->host[k], (size_t)g->numel * sizeof(float));
-        be->zero(g->m1, (size_t)g->numel * sizeof(float));
-        be->zero(g->m2, (size_t)g->numel * sizeof(float));
         free(f->host[k]);
     }
     params_refresh_copy(p);
+    params_moments_zero(p);
     p->step = 0;
 }
 
@@ -468,6 +471,44 @@ void params_reduce_unit(struct params *p, enum tensor_group g, int u, float *wor
     be->add_f32(gs->grad + gs->u_off[u], mine, (size_t)n);
 }
 
+void params_moment_to_host(const struct params *p, enum tensor_group g, int k, float *host)
+{
+    const struct param_group_shard *gs = &p->g[g];
+    const void *src = k == 1 ? gs->m1 : gs->m2;
+    const size_t n = (size_t)gs->numel;
+    if (p->mom_bytes == sizeof(float)) {
+        p->m->be->download(host, src, n * sizeof(float));
+        return;
+    }
+    uint16_t *h = mt_malloc(MT_MAX(n, 1) * sizeof(uint16_t));
+    p->m->be->download(h, src, n * sizeof(uint16_t));
+    for (size_t j = 0; j < n; j++) host[j] = st_bf16_to_f32(h[j]);
+    free(h);
+}
+
+void params_moment_from_host(struct params *p, enum tensor_group g, int k, const float *host)
+{
+    struct param_group_shard *gs = &p->g[g];
+    void *dst = k == 1 ? gs->m1 : gs->m2;
+    const size_t n = (size_t)gs->numel;
+    if (p->mom_bytes == sizeof(float)) {
+        p->m->be->upload(dst, host, n * sizeof(float));
+        return;
+    }
+    uint16_t *h = mt_malloc(MT_MAX(n, 1) * sizeof(uint16_t));
+    for (size_t j = 0; j < n; j++) h[j] = st_f32_to_bf16(host[j]);
+    p->m->be->upload(dst, h, n * sizeof(uint16_t));
+    free(h);
+}
+
+void params_moments_zero(struct params *p)
+{
+    for (int k = 0; k < TG_COUNT; k++) {
+        p->m->be->zero(p->g[k].m1, (size_t)p->g[k].numel * p->mom_bytes);
+        p->m->be->zero(p->g[k].m2, (size_t)p->g[k].numel * p->mom_bytes);
+    }
+}
+
 void params_gather_weights(struct params *p)
 {
     for (int k = 0; k < TG_COUNT; k++)
@@ -504,10 +545,14 @@ void params_adamw_step(struct params *p, const struct train_config *t, float lr,
             /* without a compute copy the update writes the master alone (param = master: the
              * cast to fp32 is the identity) */
             void *param = g->param_x ? xat(be, g->param_x, s->off) : NULL;
-            be->adamw_update(g->master + s->off, param, g->grad + s->off,
-                             g->m1 + s->off, g->m2 + s->off, (size_t)s->len, lr, (float)t->beta1,
-                             (float)t->beta2, (float)t->adam_eps,
-                             s->decay ? (float)t->weight_decay : 0.0f, p->step, grad_scale);
+            void *m1 = (char *)g->m1 + (size_t)s->off * p->mom_bytes, *m2 = (char *)g->m2 + (size_t)s->off * p->mom_bytes;
+            const float wd = s->decay ? (float)t->weight_decay : 0.0f;
+            if (p->mom_bytes == 2)
+                be->adamw_update_m16(g->master + s->off, param, g->grad + s->off, m1, m2, (size_t)s->len, lr,
+                                     (float)t->beta1, (float)t->beta2, (float)t->adam_eps, wd, p->step, grad_scale);
+            else
+                be->adamw_update(g->master + s->off, param, g->grad + s->off, m1, m2, (size_t)s->len, lr,
+                                 (float)t->beta1, (float)t->beta2, (float)t->adam_eps, wd, p->step, grad_scale);
         }
     }
 }

@@ -30,7 +30,8 @@ struct param_segment {      /* a run of shard elements with one optimizer treatm
 
 struct param_group_shard {
     int64_t numel;          /* elements of this rank's shard (including padding) */
-    float *master, *m1, *m2, *grad;   /* backend memory, [numel] */
+    float *master, *grad;   /* backend memory, fp32 [numel] */
+    void *m1, *m2;          /* Adam moments [numel], fp32 or bf16 (train.optimizer_state_dtype) */
     /* compute-dtype copy of master [numel] that AdamW keeps current, or NULL when every gather
      * casts from master (train.weight_copy); the same memory as master when the compute dtype is
      * fp32 */
@@ -56,6 +57,7 @@ struct params {
     int64_t *exp_rows;      /* [tt.n] padded rows of each expert tensor's dim-1 block (0 = dense) */
     int64_t *exp_piece_off; /* [tt.n] offset of an expert tensor's row blocks in its unit's piece */
     int step;               /* optimizer steps taken */
+    size_t mom_bytes;       /* 4 (fp32 moments) or 2 (bf16) */
 };
 
 void params_init(struct params *p, struct model *m, struct comm *stage, struct comm *fsdp);
@@ -69,9 +71,14 @@ bool params_load_hf(struct params *p, const char *model_dir, char *err, int errc
  * so every mesh initialises the same model. */
 void params_init_random(struct params *p, uint64_t seed);
 
-/* Whether gathers cast from the fp32 master (no compute copy): decided by train.weight_copy. */
+/* keep_copy: hold the compute copy (train.weight_copy); bf16_moments: train.optimizer_state_dtype. */
 void params_init_opts(struct params *p, struct model *m, struct comm *stage, struct comm *fsdp,
-                      bool keep_copy);
+                      bool keep_copy, bool bf16_moments);
+/* Moment k (1 or 2) of group g to / from fp32 host memory [numel] (bf16 moments widen exactly;
+ * fp32 values narrow to nearest-even bf16), and zeroing. For checkpoints. */
+void params_moment_to_host(const struct params *p, enum tensor_group g, int k, float *host);
+void params_moment_from_host(struct params *p, enum tensor_group g, int k, const float *host);
+void params_moments_zero(struct params *p);
 /* Makes the compute copy (if any) equal the master after the masters were written (load, init). */
 void params_refresh_copy(struct params *p);
 /* Every unit of a group of one is bound for good; the others through fsdp.c. Without fsdp.c

@@ -232,8 +232,6 @@ int cmd_train(const struct cli *a)
     char resume_dir[2 * MT_PATH_MAX];
     const bool resuming = ckpt_resume_dir(a->resume, &c, &mesh, resume_dir, sizeof resume_dir);
 
-    if (c.train.optimizer_state_dtype == MT_STATE_BF16)
-        mt_user_error("%s: train.optimizer_state_dtype: bf16 is not implemented yet", c.path);
     if (mesh.d.pp > 1)
         mt_user_error("%s: pipeline_parallel_size %d: pipeline execution is not implemented yet "
                       "(plan and --dry-run lay it out)", c.path, mesh.d.pp);
@@ -268,7 +266,7 @@ int cmd_train(const struct cli *a)
     float *bias_h = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(float));
     struct params p;
     const bool keep_copy = train_keep_weight_copy(&c, &mesh.d, be);
-    params_init_opts(&p, &m, stage, fsdp, keep_copy);
+    params_init_opts(&p, &m, stage, fsdp, keep_copy, tc->optimizer_state_dtype == MT_STATE_BF16);
     int start_step = 0;
     if (resuming) {
         ckpt_load(resume_dir, &p, &mesh, &c, bias_h, &start_step);
@@ -380,6 +378,8 @@ int cmd_train(const struct cli *a)
             be->upload(m.bias, bias_h, (size_t)L * E * sizeof(float));
         }
         mem_report_sample(be);
+        int peak_rank = 0;
+        double peak_bytes = mem_report_step_peak(&mesh, &peak_rank);
         double step_s = mt_now() - t0;
         if (step == start_step + 1) first_step_s = step_s;
         double ce = sums[0] / n_valid_global, aux = aux_global ? aux_step : aux_sum / n_micro;
@@ -400,6 +400,7 @@ int cmd_train(const struct cli *a)
             .time_split = c.log.profile ? split : NULL, .wall_time = metrics_wall_clock(),
             .tokens_seen = (int64_t)step * tc->global_batch_size * tc->seq_len, .val_loss = NAN,
             .warning = E > 0 ? expert_watch_step(&watch, tok) : NULL,
+            .peak_mem_bytes = peak_bytes, .peak_mem_rank = peak_rank,
         };
         profile_read(split);
         if (validation_due(val, step)) sm.val_loss = validation_run(val, &m, stage_h, world);

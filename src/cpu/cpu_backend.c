@@ -136,6 +136,13 @@ static void b_cross_entropy_backward(void *dlogits, const void *logits, const fl
     cpu_cross_entropy_backward(dlogits, logits, lse, targets, N, V, scale);
 }
 
+static void b_adamw_update_m16(float *master, void *param, const float *grad, void *m, void *v,
+                               size_t n, float lr, float beta1, float beta2, float eps,
+                               float weight_decay, int t, float grad_scale)
+{
+    cpu_adamw_update_m16(master, param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, t, grad_scale);
+}
+
 static void b_adamw_update(float *master, void *param, const float *grad, float *m, float *v,
                            size_t n, float lr, float beta1, float beta2, float eps,
                            float weight_decay, int t, float grad_scale)
@@ -191,6 +198,7 @@ static const struct backend cpu_backend = {
     .cross_entropy_forward = b_cross_entropy_forward,
     .cross_entropy_backward = b_cross_entropy_backward,
     .adamw_update = b_adamw_update,
+    .adamw_update_m16 = b_adamw_update_m16,
 };
 
 const struct backend *backend_cpu(void) { return &cpu_backend; }

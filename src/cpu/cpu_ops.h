@@ -110,6 +110,9 @@ void cpu_cross_entropy_forward(float *losses, float *lse, const float *logits,
 void cpu_cross_entropy_backward(float *dlogits, const float *logits, const float *lse,
                                 const int32_t *targets, int N, int V, float scale);
 
+void cpu_adamw_update_m16(float *master, float *param, const float *grad, uint16_t *m, uint16_t *v,
+                          size_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
+                          int t, float grad_scale);
 void cpu_adamw_update(float *master, float *param, const float *grad, float *m, float *v, size_t n,
                       float lr, float beta1, float beta2, float eps, float weight_decay, int t,
                       float grad_scale);

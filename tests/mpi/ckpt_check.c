@@ -77,7 +77,7 @@ static void fill_state(struct params *p, uint64_t salt)
     params_for_each_run_of(p, p->S_rank, p->F_rank, p->m->expert0, fill_run, &f);
     for (int k = 0; k < TG_COUNT; k++) {
         struct param_group_shard *g = &p->g[k];
-        float *dst[3] = {g->master, g->m1, g->m2};
+        float *dst[3] = {g->master, (float *)g->m1, (float *)g->m2};
         for (int b = 0; b < 3; b++) {
             /* "something else" covers the padding too: the load must zero it */
             for (int64_t j = 0; salt && j < g->numel; j++) f.host[k][b][j] += 7.0f;
@@ -116,7 +116,7 @@ static void check_shard(const struct params *p)
     struct shard_check c;
     for (int k = 0; k < TG_COUNT; k++) {
         const struct param_group_shard *g = &p->g[k];
-        const float *src[3] = {g->master, g->m1, g->m2};
+        const float *src[3] = {g->master, (const float *)g->m1, (const float *)g->m2};
         size_t n = (size_t)MT_MAX(g->numel, 1);
         for (int b = 0; b < 3; b++) {
             c.host[k][b] = mt_malloc(n * sizeof(float));

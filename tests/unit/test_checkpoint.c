@@ -70,8 +70,8 @@ static void rig_init_e(struct rig *r, int hidden, int experts, uint64_t seed, fl
     for (int k = 0; k < TG_COUNT; k++) {
         struct param_group_shard *g = &r->p.g[k];
         for (int64_t j = 0; j < g->numel; j++) {
-            g->m1[j] = pattern(1, k, j, salt);
-            g->m2[j] = pattern(2, k, j, salt) + 1.0f;
+            ((float *)g->m1)[j] = pattern(1, k, j, salt);
+            ((float *)g->m2)[j] = pattern(2, k, j, salt) + 1.0f;
         }
     }
     r->p.step = 7;
@@ -176,7 +176,8 @@ Test(checkpoint, save_then_load_restores_everything_bit_exactly)
     for (int k = 0; k < TG_COUNT; k++) {
         size_t n = (size_t)a.p.g[k].numel;
         cr_expect(!memcmp(a.p.g[k].master, w.p.g[k].master, n * sizeof(float)));
-        for (size_t j = 0; j < n; j++) cr_assert(w.p.g[k].m1[j] == 0 && w.p.g[k].m2[j] == 0);
+        for (size_t j = 0; j < n; j++)
+            cr_assert(((float *)w.p.g[k].m1)[j] == 0 && ((float *)w.p.g[k].m2)[j] == 0);
     }
     cr_expect_eq(w.p.step, 0);
     rig_free(&w, true);
