@@ -134,6 +134,19 @@ run_step "train bf16, 1 GPU, router_fp32=false" "$LOG/train_1gpu_bf16_router16.l
     --set log.metrics="$LOG/train_1gpu_bf16_router16.jsonl"
 compare_losses "losses router_fp32 true vs false, bf16 (tol $TRAIN_BF16_TOL)" \
     "$LOG/train_1gpu_bf16_router16.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+# sharded-memory options on one GPU: casting every layer's weights from the fp32 master (no kept
+# bf16 copy) rounds exactly as the kept copy does, so the losses are identical; bf16 Adam moments
+# change the update by their rounding
+run_step "train bf16, 1 GPU, weight_copy=cast" "$LOG/train_1gpu_bf16_cast.log" \
+    "$B/moetrain" $T --backend cuda --set model.precision=bf16 --set train.weight_copy=cast \
+    --set log.metrics="$LOG/train_1gpu_bf16_cast.jsonl"
+compare_losses "losses weight_copy cast vs keep, bf16 (identical)" \
+    "$LOG/train_1gpu_bf16_cast.jsonl" "$LOG/train_1gpu_bf16.jsonl" 0
+run_step "train bf16, 1 GPU, bf16 Adam moments" "$LOG/train_1gpu_bf16_m16.log" \
+    "$B/moetrain" $T --backend cuda --set model.precision=bf16 --set train.optimizer_state_dtype=bf16 \
+    --set log.metrics="$LOG/train_1gpu_bf16_m16.jsonl"
+compare_losses "losses bf16 vs fp32 Adam moments, bf16 (tol $TRAIN_BF16_TOL)" \
+    "$LOG/train_1gpu_bf16_m16.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
 if [ "$NGPU" -ge 2 ]; then
     run_step "train bf16, 2 GPUs, EP=2" "$LOG/train_2gpu_ep2_bf16.log" \
         $MPIRUN -np 2 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
