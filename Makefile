@@ -62,7 +62,7 @@ MPI_TEST_BINS := $(MPI_TEST_SRCS:tests/mpi/%.c=$(BUILD)/tests/mpi/%)
 TOOL_SRCS := $(wildcard tools/*.c)
 TOOL_BINS := $(TOOL_SRCS:tools/%.c=$(BUILD)/tools/%)
 
-.PHONY: all deps test test-unit test-slurm test-gpu run bench bench-scaling clean check-deps tools fuzz
+.PHONY: all deps data-deps test test-unit test-slurm test-gpu run bench bench-scaling clean check-deps tools fuzz
 all: $(BUILD)/moetrain tools
 
 tools: $(TOOL_BINS)
@@ -96,6 +96,11 @@ $(BUILD)/tools/%: tools/%.c $(BUILD)/libmoetrain.a
 # Installs whatever system packages are missing (Debian/Ubuntu, as root or through sudo).
 deps:
 	@scripts/install-deps.sh
+
+# The pinned Python packages of the tools (also installed by `make deps`); parquet input to
+# tools/prepare_data.py also needs tools/requirements-parquet.txt.
+data-deps:
+	python3 -m pip install -r tools/requirements.txt
 
 # Criterion runs every unit and integration test in one binary; integration tests launch
 # build/moetrain and tests/mpi programs under `mpirun --oversubscribe`.

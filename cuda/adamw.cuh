@@ -13,6 +13,8 @@ template <typename T>
 void cu_adamw_update_m16(float *master, void *param, const float *grad, void *m, void *v, size_t n,
                          float lr, float beta1, float beta2, float eps, float weight_decay, int t,
                          float grad_scale);
+
+template <typename T>
 void cu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, float lr, float beta1,
                            float beta2, float eps, int t, float grad_scale);
 

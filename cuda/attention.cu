@@ -92,12 +92,20 @@ template <int D> constexpr size_t fwd_smem() { return (3 * AT_TILE * (D + 1) + A
 template <int D> constexpr size_t dq_smem() { return (4 * AT_TILE * (D + 1) + AT_TILE * AT_PLD + 2 * AT_TILE) * sizeof(float); }
 template <int D> constexpr size_t dkdv_smem() { return (4 * AT_TILE * (D + 1) + 2 * AT_TILE * AT_PLD + 2 * AT_TILE) * sizeof(float); }
 
+/* Document masking (ops.h): key kj is visible to query qi of sequence b only inside qi's document.
+ * seg == nullptr keeps plain causal attention; rows and keys past S are masked by the callers'
+ * bounds tests, which come first. */
+__device__ __forceinline__ bool same_doc(const int32_t *seg, int b, int S, int qi, int kj)
+{
+    return !seg || seg[(size_t)b * S + qi] == seg[(size_t)b * S + kj];
+}
+
 /* ---------------------------------------------------------------- forward */
 
 template <typename T, int D>
 __global__ void __launch_bounds__(AT_THREADS)
 attn_fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v, int S, int Hq, int Hkv,
-                int hd, float scale)
+                int hd, float scale, const int32_t *seg)
 {
     constexpr int LD = D + 1, DC = D / 16;
     extern __shared__ float smem[];
@@ -133,12 +141,14 @@ attn_fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v, int S, i
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 const int kj = k0 + tx + 16 * j;
-                s[i][j] = (kj <= qi && kj < S) ? s[i][j] * scale : -INFINITY;
+                s[i][j] = (kj <= qi && kj < S && qi < S && same_doc(seg, b, S, qi, kj))
+                              ? s[i][j] * scale : -INFINITY;
                 mx = fmaxf(mx, s[i][j]);
             }
             mx = row16_max(mx);
             const float mnew = fmaxf(m[i], mx);
-            /* every processed row has a visible key in every tile it meets; guard anyway */
+            /* a row may have no visible key in this tile (padding rows, or document masking);
+             * its diagonal tile always has one */
             const float base = mnew == -INFINITY ? 0.0f : mnew;
             const float alpha = expf(m[i] - base);
             float rs = 0.0f;
@@ -195,7 +205,7 @@ __global__ void attn_bwd_di_kernel(float *Di, const T *dout, const T *out, int B
 template <typename T, int D>
 __global__ void __launch_bounds__(AT_THREADS)
 attn_bwd_dq_kernel(T *dq, const T *dout, const T *q, const T *k, const T *v, const float *lse,
-                   const float *Di, int S, int Hq, int Hkv, int hd, float scale)
+                   const float *Di, int S, int Hq, int Hkv, int hd, float scale, const int32_t *seg)
 {
     constexpr int LD = D + 1, DC = D / 16;
     extern __shared__ float smem[];
@@ -235,7 +245,7 @@ attn_bwd_dq_kernel(T *dq, const T *dout, const T *q, const T *k, const T *v, con
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 const int kj = k0 + tx + 16 * j;
-                const bool vis = kj <= qi && kj < S && qi < S;
+                const bool vis = kj <= qi && kj < S && qi < S && same_doc(seg, b, S, qi, kj);
                 const float p = vis ? expf(s[i][j] * scale - lse_s[r]) : 0.0f;
                 dSs[r * AT_PLD + tx + 16 * j] = p * (dp[i][j] - di_s[r]);
             }
@@ -260,7 +270,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(AT_THREADS)
 attn_bwd_dkdv_kernel(T *dk, T *dv, const T *dout, const T *q, const T *k, const T *v,
                      const float *lse, const float *Di, int S, int Hq, int Hkv, int hd,
-                     float scale)
+                     float scale, const int32_t *seg)
 {
     constexpr int LD = D + 1, DC = D / 16;
     extern __shared__ float smem[];
@@ -303,7 +313,7 @@ attn_bwd_dkdv_kernel(T *dk, T *dv, const T *dout, const T *q, const T *k, const 
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
                     const int c = tx + 16 * j, qi = q0 + c;
-                    const bool vis = kj <= qi && qi < S && kj < S;
+                    const bool vis = kj <= qi && qi < S && kj < S && same_doc(seg, b, S, qi, kj);
                     const float p = vis ? expf(st[i][j] * scale - lse_s[c]) : 0.0f;
                     Ps[r * AT_PLD + c] = p;
                     dSs[r * AT_PLD + c] = p * (dpt[i][j] - di_s[c]);
@@ -353,20 +363,20 @@ static float attn_scale(int D) { return (float)(1.0 / sqrt((double)D)); } /* as 
 
 template <typename T, int D>
 static void fwd_launch(void *out, float *lse, const void *q, const void *k, const void *v, int B,
-                       int S, int Hq, int Hkv, int hd)
+                       int S, int Hq, int Hkv, int hd, const int32_t *seg)
 {
     static bool opted;
     smem_opt_in(attn_fwd_kernel<T, D>, fwd_smem<D>(), &opted);
     dim3 grid(B * Hq, (S + AT_TILE - 1) / AT_TILE);
     attn_fwd_kernel<T, D><<<grid, AT_THREADS, fwd_smem<D>(), g_cuda.stream>>>(
-        (T *)out, lse, (const T *)q, (const T *)k, (const T *)v, S, Hq, Hkv, hd, attn_scale(hd));
+        (T *)out, lse, (const T *)q, (const T *)k, (const T *)v, S, Hq, Hkv, hd, attn_scale(hd), seg);
     CUDA_LAUNCH_CHECK("attention forward");
 }
 
 template <typename T, int D>
 static void bwd_launch(void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
                        const void *v, const void *out, const float *lse, int B, int S, int Hq,
-                       int Hkv, int hd)
+                       int Hkv, int hd, const int32_t *seg)
 {
     static bool opted_dq, opted_dkdv;
     smem_opt_in(attn_bwd_dq_kernel<T, D>, dq_smem<D>(), &opted_dq);
@@ -380,46 +390,46 @@ static void bwd_launch(void *dq, void *dk, void *dv, const void *dout, const voi
     const float scale = attn_scale(hd);
     attn_bwd_dq_kernel<T, D><<<dim3(B * Hq, ntiles), AT_THREADS, dq_smem<D>(), g_cuda.stream>>>(
         (T *)dq, (const T *)dout, (const T *)q, (const T *)k, (const T *)v, lse, Di, S, Hq, Hkv, hd,
-        scale);
+        scale, seg);
     CUDA_LAUNCH_CHECK("attention backward dq");
     attn_bwd_dkdv_kernel<T, D><<<dim3(B * Hkv, ntiles), AT_THREADS, dkdv_smem<D>(), g_cuda.stream>>>(
         (T *)dk, (T *)dv, (const T *)dout, (const T *)q, (const T *)k, (const T *)v, lse, Di, S, Hq,
-        Hkv, hd, scale);
+        Hkv, hd, scale, seg);
     CUDA_LAUNCH_CHECK("attention backward dk dv");
 }
 
 template <typename T>
 void cu_attention_forward(void *out, float *lse, const void *q, const void *k, const void *v, int B,
-                          int S, int Hq, int Hkv, int D)
+                          int S, int Hq, int Hkv, int D, const int32_t *seg)
 {
     check_shape("attention", B, S, Hq, Hkv, D);
     if (B == 0 || S == 0) return;
-    if (D <= 16) fwd_launch<T, 16>(out, lse, q, k, v, B, S, Hq, Hkv, D);
-    else if (D <= 32) fwd_launch<T, 32>(out, lse, q, k, v, B, S, Hq, Hkv, D);
-    else if (D <= 64) fwd_launch<T, 64>(out, lse, q, k, v, B, S, Hq, Hkv, D);
-    else fwd_launch<T, 128>(out, lse, q, k, v, B, S, Hq, Hkv, D);
+    if (D <= 16) fwd_launch<T, 16>(out, lse, q, k, v, B, S, Hq, Hkv, D, seg);
+    else if (D <= 32) fwd_launch<T, 32>(out, lse, q, k, v, B, S, Hq, Hkv, D, seg);
+    else if (D <= 64) fwd_launch<T, 64>(out, lse, q, k, v, B, S, Hq, Hkv, D, seg);
+    else fwd_launch<T, 128>(out, lse, q, k, v, B, S, Hq, Hkv, D, seg);
 }
 
 template <typename T>
 void cu_attention_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
                            const void *k, const void *v, const void *out, const float *lse, int B,
-                           int S, int Hq, int Hkv, int D)
+                           int S, int Hq, int Hkv, int D, const int32_t *seg)
 {
     check_shape("attention backward", B, S, Hq, Hkv, D);
     if (B == 0 || S == 0) return;
-    if (D <= 16) bwd_launch<T, 16>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D);
-    else if (D <= 32) bwd_launch<T, 32>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D);
-    else if (D <= 64) bwd_launch<T, 64>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D);
-    else bwd_launch<T, 128>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D);
+    if (D <= 16) bwd_launch<T, 16>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, seg);
+    else if (D <= 32) bwd_launch<T, 32>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, seg);
+    else if (D <= 64) bwd_launch<T, 64>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, seg);
+    else bwd_launch<T, 128>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, seg);
 }
 
 template void cu_attention_forward<float>(void *, float *, const void *, const void *, const void *,
-                                          int, int, int, int, int);
+                                          int, int, int, int, int, const int32_t *);
 template void cu_attention_forward<bf16>(void *, float *, const void *, const void *, const void *,
-                                         int, int, int, int, int);
+                                         int, int, int, int, int, const int32_t *);
 template void cu_attention_backward<float>(void *, void *, void *, const void *, const void *,
                                            const void *, const void *, const void *, const float *,
-                                           int, int, int, int, int);
+                                           int, int, int, int, int, const int32_t *);
 template void cu_attention_backward<bf16>(void *, void *, void *, const void *, const void *,
                                           const void *, const void *, const void *, const float *,
-                                          int, int, int, int, int);
+                                          int, int, int, int, int, const int32_t *);

@@ -7,10 +7,10 @@
 
 template <typename T>
 void cu_attention_forward(void *out, float *lse, const void *q, const void *k, const void *v, int B,
-                          int S, int Hq, int Hkv, int D);
+                          int S, int Hq, int Hkv, int D, const int32_t *seg /* [B,S] or nullptr */);
 template <typename T>
 void cu_attention_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
                            const void *k, const void *v, const void *out, const float *lse, int B,
-                           int S, int Hq, int Hkv, int D);
+                           int S, int Hq, int Hkv, int D, const int32_t *seg /* [B,S] or nullptr */);
 
 #endif

@@ -49,11 +49,12 @@ namespace {
 
 /* ---------------------------------------------------------------- forward */
 
-template <int D, int MW, int NW, int MINB>
+/* DOCS: seg holds document ids (ops.h); false compiles the causal-only kernel as it always was. */
+template <int D, int MW, int NW, int MINB, bool DOCS>
 __global__ void __launch_bounds__(NW * 32, MINB)
 tc_fwd_kernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__restrict__ q,
               const bf16 *__restrict__ k, const bf16 *__restrict__ v, int S, int Hq, int Hkv,
-              float scale, float scale_log2)
+              float scale, float scale_log2, const int32_t *__restrict__ seg)
 {
     constexpr int NT = NW * 32, BR = 16 * MW * NW, BC = TC_BC, LDS = D + 8, DB = D / 8;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -108,7 +109,9 @@ tc_fwd_kernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__res
                 for (int nb = 0; nb < 8; nb++) s[mi][nb][0] = s[mi][nb][1] = s[mi][nb][2] = s[mi][nb][3] = 0.0f;
             mm_abt<D, MW>(s, Qs, wr0, Kt, lane);
 
-            if (k0 + BC - 1 > q0 + wr0 || k0 + BC > S) { /* the tile crosses the diagonal or S */
+            /* the tile crosses the diagonal or S, or documents are masked (DOCS: any tile) */
+            if (DOCS || k0 + BC - 1 > q0 + wr0 || k0 + BC > S) {
+                const int32_t *sb = DOCS ? seg + (size_t)b * S : nullptr;
 #pragma unroll
                 for (int mi = 0; mi < MW; mi++)
 #pragma unroll
@@ -117,7 +120,8 @@ tc_fwd_kernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__res
                         for (int e = 0; e < 4; e++) {
                             const int row = q0 + wr0 + mi * 16 + g + ((e >> 1) << 3);
                             const int col = k0 + nb * 8 + 2 * t + (e & 1);
-                            if (col > row || col >= S) s[mi][nb][e] = -INFINITY;
+                            if (col > row || col >= S || (sb && row < S && sb[row] != sb[col]))
+                                s[mi][nb][e] = -INFINITY;
                         }
             }
 
@@ -205,12 +209,12 @@ __global__ void tc_bwd_prep_kernel(float *__restrict__ delta, float *__restrict_
     }
 }
 
-template <int D>
+template <int D, bool DOCS>
 __global__ void __launch_bounds__(TC_THREADS, 2)
 tc_bwd_dkdv_kernel(bf16 *__restrict__ dk, bf16 *__restrict__ dv, const bf16 *__restrict__ dout,
                    const bf16 *__restrict__ q, const bf16 *__restrict__ k, const bf16 *__restrict__ v,
                    const float *__restrict__ lse2, const float *__restrict__ delta, int S, int Hq,
-                   int Hkv, float scale, float scale_log2)
+                   int Hkv, float scale, float scale_log2, const int32_t *__restrict__ seg)
 {
     constexpr int BK = BWD_BR, BQ = TC_BC, LDS = D + 8, DB = D / 8;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -270,7 +274,8 @@ tc_bwd_dkdv_kernel(bf16 *__restrict__ dk, bf16 *__restrict__ dv, const bf16 *__r
             for (int nb = 0; nb < 8; nb++) st[0][nb][0] = st[0][nb][1] = st[0][nb][2] = st[0][nb][3] = 0.0f;
             mm_abt<D, 1>(st, Ks, wk0, Qt, lane); /* Sᵀ[key][query] */
 
-            const bool mask = q0 < wkey + 15 || q0 + BQ > S;
+            const int32_t *sb = DOCS ? seg + (size_t)b * S : nullptr;
+            const bool mask = DOCS || q0 < wkey + 15 || q0 + BQ > S;
 #pragma unroll
             for (int nb = 0; nb < 8; nb++)
 #pragma unroll
@@ -279,7 +284,8 @@ tc_bwd_dkdv_kernel(bf16 *__restrict__ dk, bf16 *__restrict__ dv, const bf16 *__r
                     float p = ex2(fmaf(st[0][nb][e], scale_log2, -lt[c]));
                     if (mask) {
                         const int key = wkey + g + ((e >> 1) << 3), qi = q0 + c;
-                        if (qi < key || qi >= S) p = 0.0f;
+                        /* qi < S and key <= qi keep both seg reads in bounds */
+                        if (qi < key || qi >= S || (sb && sb[qi] != sb[key])) p = 0.0f;
                     }
                     st[0][nb][e] = p;
                 }
@@ -322,12 +328,12 @@ tc_bwd_dkdv_kernel(bf16 *__restrict__ dk, bf16 *__restrict__ dv, const bf16 *__r
     }
 }
 
-template <int D>
+template <int D, bool DOCS>
 __global__ void __launch_bounds__(TC_THREADS, 2)
 tc_bwd_dq_kernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dout, const bf16 *__restrict__ q,
                  const bf16 *__restrict__ k, const bf16 *__restrict__ v,
                  const float *__restrict__ lse2, const float *__restrict__ delta, int S, int Hq,
-                 int Hkv, float scale, float scale_log2)
+                 int Hkv, float scale, float scale_log2, const int32_t *__restrict__ seg)
 {
     constexpr int BR = BWD_BR, BC = TC_BC, LDS = D + 8, DB = D / 8;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -387,7 +393,8 @@ tc_bwd_dq_kernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dout, const bf1
                 for (int e = 0; e < 4; e++) s[0][nb][e] = dp[0][nb][e] = 0.0f;
             mm_abt<D, 1>(s, Qs, wr0, Kt, lane);
             mm_abt<D, 1>(dp, dOs, wr0, Vt, lane);
-            const bool mask = k0 + BC - 1 > q0 + wr0 || k0 + BC > S;
+            const int32_t *sb = DOCS ? seg + (size_t)b * S : nullptr;
+            const bool mask = DOCS || k0 + BC - 1 > q0 + wr0 || k0 + BC > S;
 #pragma unroll
             for (int nb = 0; nb < 8; nb++)
 #pragma unroll
@@ -396,7 +403,7 @@ tc_bwd_dq_kernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dout, const bf1
                     float p = ex2(fmaf(s[0][nb][e], scale_log2, -lr[r]));
                     if (mask) {
                         const int row = q0 + wr0 + g + 8 * r, col = k0 + nb * 8 + 2 * t + (e & 1);
-                        if (col > row || col >= S) p = 0.0f;
+                        if (col > row || col >= S || (sb && row < S && sb[row] != sb[col])) p = 0.0f;
                     }
                     s[0][nb][e] = p * (dp[0][nb][e] - dr[r]); /* dS */
                 }
@@ -439,19 +446,19 @@ bool tc_handles(int B, int S, int Hq, int Hkv, int D, const void *const *ptrs, i
     return true;
 }
 
-template <int D, int MW, int NW, int MINB>
+template <int D, int MW, int NW, int MINB, bool DOCS>
 void tc_fwd_launch_cfg(void *out, float *lse, const void *q, const void *k, const void *v, int B,
-                       int S, int Hq, int Hkv)
+                       int S, int Hq, int Hkv, const int32_t *seg)
 {
     constexpr int BR = 16 * MW * NW;
     constexpr size_t smem = fwd_smem_bytes<D, BR>();
     static bool opted;
-    smem_opt_in(tc_fwd_kernel<D, MW, NW, MINB>, smem, &opted);
+    smem_opt_in(tc_fwd_kernel<D, MW, NW, MINB, DOCS>, smem, &opted);
     const float scale = tc_scale(D);
     const dim3 grid((unsigned)(B * Hq), (unsigned)((S + BR - 1) / BR));
-    tc_fwd_kernel<D, MW, NW, MINB><<<grid, NW * 32, smem, g_cuda.stream>>>(
+    tc_fwd_kernel<D, MW, NW, MINB, DOCS><<<grid, NW * 32, smem, g_cuda.stream>>>(
         (bf16 *)out, lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, S, Hq, Hkv, scale,
-        scale * LOG2E);
+        scale * LOG2E, seg);
     CUDA_LAUNCH_CHECK("attention tc forward");
 }
 
@@ -463,13 +470,30 @@ int g_fwd_variant = 0;
 
 template <int D>
 void tc_fwd_launch(void *out, float *lse, const void *q, const void *k, const void *v, int B, int S,
-                   int Hq, int Hkv)
+                   int Hq, int Hkv, const int32_t *seg)
 {
-    switch (g_fwd_variant) {
-    case 1: tc_fwd_launch_cfg<D, 1, 4, 2>(out, lse, q, k, v, B, S, Hq, Hkv); break;
-    case 2: tc_fwd_launch_cfg<D, 1, 8, 1>(out, lse, q, k, v, B, S, Hq, Hkv); break;
-    default: tc_fwd_launch_cfg<D, 2, 4, 2>(out, lse, q, k, v, B, S, Hq, Hkv); break;
+    if (seg) { /* one tiling for documents: the default */
+        tc_fwd_launch_cfg<D, 2, 4, 2, true>(out, lse, q, k, v, B, S, Hq, Hkv, seg);
+        return;
     }
+    switch (g_fwd_variant) {
+    case 1: tc_fwd_launch_cfg<D, 1, 4, 2, false>(out, lse, q, k, v, B, S, Hq, Hkv, nullptr); break;
+    case 2: tc_fwd_launch_cfg<D, 1, 8, 1, false>(out, lse, q, k, v, B, S, Hq, Hkv, nullptr); break;
+    default: tc_fwd_launch_cfg<D, 2, 4, 2, false>(out, lse, q, k, v, B, S, Hq, Hkv, nullptr); break;
+    }
+}
+
+/* The forward with optional document ids (seg [B,S] or nullptr); false when the case is not one
+ * the tensor-core kernels handle. */
+bool tc_forward(void *out, float *lse, const void *q, const void *k, const void *v, int B, int S,
+                int Hq, int Hkv, int D, const int32_t *seg)
+{
+    const void *ptrs[] = {out, q, k, v};
+    if (!tc_handles(B, S, Hq, Hkv, D, ptrs, 4)) return false;
+    if (B == 0 || S == 0) return true;
+    if (D == 128) tc_fwd_launch<128>(out, lse, q, k, v, B, S, Hq, Hkv, seg);
+    else tc_fwd_launch<64>(out, lse, q, k, v, B, S, Hq, Hkv, seg);
+    return true;
 }
 
 /* Backward kernels: 0 = mma.sync (tc_bwd_dkdv_kernel / tc_bwd_dq_kernel), 1..3 = wgmma with
@@ -484,39 +508,47 @@ void tc_fwd_launch(void *out, float *lse, const void *q, const void *k, const vo
  * last products of a tile overlap the next tile's barrier and first products). */
 int g_bwd_dkdv = 1, g_bwd_dq = 1;
 
+template <int D, bool DOCS> void dkdv_mma_launch(const attn_bwd_args &a)
+{
+    static bool opted;
+    smem_opt_in(tc_bwd_dkdv_kernel<D, DOCS>, dkdv_smem_bytes<D>(), &opted);
+    const unsigned ntiles = (unsigned)((a.S + TC_BC - 1) / TC_BC);
+    tc_bwd_dkdv_kernel<D, DOCS><<<dim3((unsigned)(a.B * a.Hkv), ntiles), TC_THREADS,
+                                  dkdv_smem_bytes<D>(), g_cuda.stream>>>(
+        a.dk, a.dv, a.dout, a.q, a.k, a.v, a.lse2, a.delta, a.S, a.Hq, a.Hkv, a.scale,
+        a.scale_log2, a.seg);
+    CUDA_LAUNCH_CHECK("attention tc backward dk dv");
+}
+
+template <int D, bool DOCS> void dq_mma_launch(const attn_bwd_args &a)
+{
+    static bool opted;
+    smem_opt_in(tc_bwd_dq_kernel<D, DOCS>, dq_smem_bytes<D>(), &opted);
+    const unsigned ntiles = (unsigned)((a.S + TC_BC - 1) / TC_BC);
+    tc_bwd_dq_kernel<D, DOCS><<<dim3((unsigned)(a.B * a.Hq), ntiles), TC_THREADS, dq_smem_bytes<D>(),
+                                g_cuda.stream>>>(a.dq, a.dout, a.q, a.k, a.v, a.lse2, a.delta, a.S,
+                                                 a.Hq, a.Hkv, a.scale, a.scale_log2, a.seg);
+    CUDA_LAUNCH_CHECK("attention tc backward dq");
+}
+
 template <int D> void dkdv_launch(const attn_bwd_args &a, int variant)
 {
-    if (variant >= 1 && variant <= 3) {
-        attn_wgmma_dkdv(a, D, variant);
-        return;
-    }
-    static bool opted;
-    smem_opt_in(tc_bwd_dkdv_kernel<D>, dkdv_smem_bytes<D>(), &opted);
-    const unsigned ntiles = (unsigned)((a.S + TC_BC - 1) / TC_BC);
-    tc_bwd_dkdv_kernel<D><<<dim3((unsigned)(a.B * a.Hkv), ntiles), TC_THREADS, dkdv_smem_bytes<D>(),
-                            g_cuda.stream>>>(a.dk, a.dv, a.dout, a.q, a.k, a.v, a.lse2, a.delta,
-                                             a.S, a.Hq, a.Hkv, a.scale, a.scale_log2);
-    CUDA_LAUNCH_CHECK("attention tc backward dk dv");
+    if (a.seg) dkdv_mma_launch<D, true>(a);
+    else if (variant >= 1 && variant <= 3) attn_wgmma_dkdv(a, D, variant);
+    else dkdv_mma_launch<D, false>(a);
 }
 
 template <int D> void dq_launch(const attn_bwd_args &a, int variant)
 {
-    if (variant >= 1 && variant <= 3) {
-        attn_wgmma_dq(a, D, variant);
-        return;
-    }
-    static bool opted;
-    smem_opt_in(tc_bwd_dq_kernel<D>, dq_smem_bytes<D>(), &opted);
-    const unsigned ntiles = (unsigned)((a.S + TC_BC - 1) / TC_BC);
-    tc_bwd_dq_kernel<D><<<dim3((unsigned)(a.B * a.Hq), ntiles), TC_THREADS, dq_smem_bytes<D>(),
-                          g_cuda.stream>>>(a.dq, a.dout, a.q, a.k, a.v, a.lse2, a.delta, a.S, a.Hq,
-                                           a.Hkv, a.scale, a.scale_log2);
-    CUDA_LAUNCH_CHECK("attention tc backward dq");
+    if (a.seg) dq_mma_launch<D, true>(a);
+    else if (variant >= 1 && variant <= 3) attn_wgmma_dq(a, D, variant);
+    else dq_mma_launch<D, false>(a);
 }
 
 template <int D>
 void tc_bwd_launch(void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
-                   const void *v, const void *out, const float *lse, int B, int S, int Hq, int Hkv)
+                   const void *v, const void *out, const float *lse, int B, int S, int Hq, int Hkv,
+                   const int32_t *seg)
 {
     const float scale = tc_scale(D);
     const size_t rows = (size_t)B * S * Hq;
@@ -527,8 +559,10 @@ void tc_bwd_launch(void *dq, void *dk, void *dv, const void *dout, const void *q
     CUDA_LAUNCH_CHECK("attention tc backward prep");
     const attn_bwd_args a = {(bf16 *)dq, (bf16 *)dk, (bf16 *)dv, (const bf16 *)dout, (const bf16 *)q,
                         (const bf16 *)k, (const bf16 *)v, lse2, delta, B, S, Hq, Hkv, scale,
-                        scale * LOG2E};
-    const bool wg = g_cuda.hopper; /* else the sm_80 path: mma.sync (variant 0) */
+                        scale * LOG2E, seg};
+    /* the sm_80 path takes mma.sync (variant 0); documents (a.seg) do too: the wgmma kernels know
+     * only the causal mask */
+    const bool wg = g_cuda.hopper;
     dkdv_launch<D>(a, wg ? g_bwd_dkdv : 0);
     dq_launch<D>(a, wg ? g_bwd_dq : 0);
 }
@@ -540,30 +574,35 @@ void tc_bwd_launch(void *dq, void *dk, void *dv, const void *dout, const void *q
 extern "C" bool attention_tc_forward(void *out, float *lse, const void *q, const void *k,
                                      const void *v, int B, int S, int Hq, int Hkv, int D)
 {
-    const void *ptrs[] = {out, q, k, v};
-    if (!tc_handles(B, S, Hq, Hkv, D, ptrs, 4)) return false;
+    return tc_forward(out, lse, q, k, v, B, S, Hq, Hkv, D, nullptr);
+}
+
+namespace {
+/* The backward with optional document ids (seg [B,S] or nullptr: then the mma.sync kernels). */
+bool tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
+                 const void *v, const void *out, const float *lse, int B, int S, int Hq, int Hkv,
+                 int D, const int32_t *seg)
+{
+    const void *ptrs[] = {dq, dk, dv, dout, q, k, v, out};
+    if (!tc_handles(B, S, Hq, Hkv, D, ptrs, 8)) return false;
     if (B == 0 || S == 0) return true;
-    if (D == 128) tc_fwd_launch<128>(out, lse, q, k, v, B, S, Hq, Hkv);
-    else tc_fwd_launch<64>(out, lse, q, k, v, B, S, Hq, Hkv);
+    if (D == 128) tc_bwd_launch<128>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, seg);
+    else tc_bwd_launch<64>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, seg);
     return true;
 }
+} /* namespace */
 
 extern "C" bool attention_tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
                                       const void *k, const void *v, const void *out,
                                       const float *lse, int B, int S, int Hq, int Hkv, int D)
 {
-    const void *ptrs[] = {dq, dk, dv, dout, q, k, v, out};
-    if (!tc_handles(B, S, Hq, Hkv, D, ptrs, 8)) return false;
-    if (B == 0 || S == 0) return true;
-    if (D == 128) tc_bwd_launch<128>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv);
-    else tc_bwd_launch<64>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv);
-    return true;
+    return tc_backward(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, nullptr);
 }
 
 extern "C" void attention_simt_forward(void *out, float *lse, const void *q, const void *k,
                                        const void *v, int B, int S, int Hq, int Hkv, int D)
 {
-    cu_attention_forward<bf16>(out, lse, q, k, v, B, S, Hq, Hkv, D);
+    cu_attention_forward<bf16>(out, lse, q, k, v, B, S, Hq, Hkv, D, nullptr);
 }
 
 extern "C" void attention_simt_backward(void *dq, void *dk, void *dv, const void *dout,
@@ -571,7 +610,7 @@ extern "C" void attention_simt_backward(void *dq, void *dk, void *dv, const void
                                         const void *out, const float *lse, int B, int S, int Hq,
                                         int Hkv, int D)
 {
-    cu_attention_backward<bf16>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D);
+    cu_attention_backward<bf16>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, nullptr);
 }
 
 extern "C" void *attention_tc_stream(void) { return (void *)g_cuda.stream; }
@@ -592,31 +631,35 @@ extern "C" int attention_tc_set_variant(int fwd)
 
 template <typename T>
 void cu_attention_tc_forward(void *out, float *lse, const void *q, const void *k, const void *v,
-                             int B, int S, int Hq, int Hkv, int D)
+                             int B, int S, int Hq, int Hkv, int D, const int32_t *seg)
 {
-    if (std::is_same<T, bf16>::value && attention_tc_forward(out, lse, q, k, v, B, S, Hq, Hkv, D))
+    if (std::is_same<T, bf16>::value && tc_forward(out, lse, q, k, v, B, S, Hq, Hkv, D, seg))
         return;
-    cu_attention_forward<T>(out, lse, q, k, v, B, S, Hq, Hkv, D);
+    cu_attention_forward<T>(out, lse, q, k, v, B, S, Hq, Hkv, D, seg);
 }
 
 template <typename T>
 void cu_attention_tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
                               const void *k, const void *v, const void *out, const float *lse,
-                              int B, int S, int Hq, int Hkv, int D)
+                              int B, int S, int Hq, int Hkv, int D, const int32_t *seg)
 {
     if (std::is_same<T, bf16>::value &&
-        attention_tc_backward(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D))
+        tc_backward(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, seg))
         return;
-    cu_attention_backward<T>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D);
+    cu_attention_backward<T>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, seg);
 }
 
 template void cu_attention_tc_forward<float>(void *, float *, const void *, const void *,
-                                             const void *, int, int, int, int, int);
+                                             const void *, int, int, int, int, int,
+                                             const int32_t *);
 template void cu_attention_tc_forward<bf16>(void *, float *, const void *, const void *,
-                                            const void *, int, int, int, int, int);
+                                            const void *, int, int, int, int, int,
+                                            const int32_t *);
 template void cu_attention_tc_backward<float>(void *, void *, void *, const void *, const void *,
                                               const void *, const void *, const void *,
-                                              const float *, int, int, int, int, int);
+                                              const float *, int, int, int, int, int,
+                                              const int32_t *);
 template void cu_attention_tc_backward<bf16>(void *, void *, void *, const void *, const void *,
                                              const void *, const void *, const void *,
-                                             const float *, int, int, int, int, int);
+                                             const float *, int, int, int, int, int,
+                                             const int32_t *);

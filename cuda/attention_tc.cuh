@@ -52,13 +52,16 @@ int attention_tc_set_bwd_variant(int variant);
 #ifdef __cplusplus
 }
 
+/* seg != nullptr (document masking): the tensor-core kernels mask keys of other documents per
+ * score (in every tile, not only those on the diagonal); the backward then runs the mma.sync
+ * kernels, since the wgmma ones know only the causal mask. */
 template <typename T>
 void cu_attention_tc_forward(void *out, float *lse, const void *q, const void *k, const void *v,
-                             int B, int S, int Hq, int Hkv, int D);
+                             int B, int S, int Hq, int Hkv, int D, const int32_t *seg);
 template <typename T>
 void cu_attention_tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
                               const void *k, const void *v, const void *out, const float *lse,
-                              int B, int S, int Hq, int Hkv, int D);
+                              int B, int S, int Hq, int Hkv, int D, const int32_t *seg);
 #endif
 
 #endif

@@ -16,6 +16,7 @@ struct attn_bwd_args {
     const float *lse2, *delta;
     int B, S, Hq, Hkv;
     float scale, scale_log2;
+    const int32_t *seg;   /* [B,S] document ids or nullptr; only the mma.sync kernels read it */
 };
 
 /* The wgmma backward passes (sm_90a), D = 64 or 128, variant 1..3 = (warpgroups per block,

@@ -88,7 +88,7 @@ compare_losses() {
 
 MAKE_CMD=${MAKE:-make}
 if ! $MAKE_CMD --no-print-directory BUILD="$B" "$B/moetrain" "$B/tests/unit_tests" \
-    "$B/tests/mpi/gpu_comm_check"; then
+    "$B/tests/mpi/gpu_comm_check" "$B/tools/make_tokens"; then
     echo "test-gpu: FAIL: build"
     exit 1
 fi
@@ -134,6 +134,19 @@ run_step "train bf16, 1 GPU, router_fp32=false" "$LOG/train_1gpu_bf16_router16.l
     --set log.metrics="$LOG/train_1gpu_bf16_router16.jsonl"
 compare_losses "losses router_fp32 true vs false, bf16 (tol $TRAIN_BF16_TOL)" \
     "$LOG/train_1gpu_bf16_router16.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+# sharded-memory options on one GPU: casting every layer's weights from the fp32 master (no kept
+# bf16 copy) rounds exactly as the kept copy does, so the losses are identical; bf16 Adam moments
+# change the update by their rounding
+run_step "train bf16, 1 GPU, weight_copy=cast" "$LOG/train_1gpu_bf16_cast.log" \
+    "$B/moetrain" $T --backend cuda --set model.precision=bf16 --set train.weight_copy=cast \
+    --set log.metrics="$LOG/train_1gpu_bf16_cast.jsonl"
+compare_losses "losses weight_copy cast vs keep, bf16 (identical)" \
+    "$LOG/train_1gpu_bf16_cast.jsonl" "$LOG/train_1gpu_bf16.jsonl" 0
+run_step "train bf16, 1 GPU, bf16 Adam moments" "$LOG/train_1gpu_bf16_m16.log" \
+    "$B/moetrain" $T --backend cuda --set model.precision=bf16 --set train.optimizer_state_dtype=bf16 \
+    --set log.metrics="$LOG/train_1gpu_bf16_m16.jsonl"
+compare_losses "losses bf16 vs fp32 Adam moments, bf16 (tol $TRAIN_BF16_TOL)" \
+    "$LOG/train_1gpu_bf16_m16.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
 if [ "$NGPU" -ge 2 ]; then
     run_step "train bf16, 2 GPUs, EP=2" "$LOG/train_2gpu_ep2_bf16.log" \
         $MPIRUN -np 2 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
@@ -206,6 +219,24 @@ if [ "${MT_GPU_SM80:-1}" != 0 ]; then
 else
     record "sm80 path (MT_FORCE_SM80=1)" "SKIPPED (MT_GPU_SM80=0)"
 fi
+
+# 7. packed documents (data.document_masking): the Alice text as byte tokens, a document per line
+#    (EOS = '\n' = 10), shuffled, no loss after EOS. fp32 CPU vs GPU exercises the masked CUDA-core
+#    attention kernels; the bf16 run the masked tensor-core kernels.
+run_step "make_tokens alice" "$LOG/make_tokens_alice.log" \
+    "$B/tools/make_tokens" "$LOG/alice.bin" --vocab 512 --from-text tests/fixtures/text/alice-ch1.txt
+D="--set data.kind=tokens --set data.path=$LOG/alice.bin --set data.eos_id=10 \
+   --set data.document_masking=true --set data.loss_after_eos=false --set data.shuffle=true"
+run_step "train fp32, CPU, document masking" "$LOG/train_cpu_fp32_docs.log" \
+    "$B/moetrain" $T $D --backend cpu --set log.metrics="$LOG/train_cpu_fp32_docs.jsonl"
+run_step "train fp32, 1 GPU, document masking" "$LOG/train_1gpu_fp32_docs.log" \
+    "$B/moetrain" $T $D --backend cuda --set model.precision=fp32 \
+    --set log.metrics="$LOG/train_1gpu_fp32_docs.jsonl"
+compare_losses "losses CPU vs 1 GPU, fp32, document masking (tol $TRAIN_FP32_TOL)" \
+    "$LOG/train_1gpu_fp32_docs.jsonl" "$LOG/train_cpu_fp32_docs.jsonl" "$TRAIN_FP32_TOL"
+run_step "train bf16, 1 GPU, document masking" "$LOG/train_1gpu_bf16_docs.log" \
+    "$B/moetrain" $T $D --backend cuda --set model.precision=bf16 \
+    --set log.metrics="$LOG/train_1gpu_bf16_docs.jsonl"
 
 echo
 echo "test-gpu summary ($NGPU GPU(s)):"

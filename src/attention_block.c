@@ -1,5 +1,5 @@
 /* The attention half of a decoder layer: pre-norm, q/k/v projections, per-head q_norm/k_norm,
- * RoPE, causal GQA attention, o_proj and the residual add. */
+ * RoPE, causal GQA attention (within documents when m->seg is set), o_proj and the residual add. */
 #include "model.h"
 
 static void *W(const struct model *m, enum tensor_role r, int l) { return model_weight(m, tensor_lookup(&m->tt, r, l)); }
@@ -20,7 +20,7 @@ void attention_forward(struct model *m, int l)
     be->rmsnorm_forward(a->k, a->rstd_k, a->k_pre, W(m, TR_KNORM, l), T * Hkv, D, eps);
     be->rope_forward(a->q, a->q, m->pos, T, Hq, D, theta);
     be->rope_forward(a->k, a->k, m->pos, T, Hkv, D, theta);
-    be->attention_forward(a->attn, a->lse, a->q, a->k, a->v, m->B, m->S, Hq, Hkv, D);
+    be->attention_forward(a->attn, a->lse, a->q, a->k, a->v, m->B, m->S, Hq, Hkv, D, m->seg);
     be->matmul_forward(a->h_mid, a->attn, W(m, TR_O, l), T, Hq * D, H);
     be->add_inplace(a->h_mid, a->h_in, (size_t)T * H);
 }
@@ -35,7 +35,7 @@ void attention_backward(struct model *m, int l)
     /* d_t1 = dL/d attn */
     be->matmul_backward(m->d_t1, G(m, TR_O, l), m->d_h, a->attn, W(m, TR_O, l), T, Hq * D, H, false);
     be->attention_backward(m->d_q, m->d_k, m->d_v, m->d_t1, a->q, a->k, a->v, a->attn, a->lse,
-                           m->B, m->S, Hq, Hkv, D);
+                           m->B, m->S, Hq, Hkv, D, m->seg);
     be->rope_backward(m->d_q, m->d_q, m->pos, T, Hq, D, theta);
     be->rope_backward(m->d_k, m->d_k, m->pos, T, Hkv, D, theta);
     /* d_t2 = dL/d q_pre, then d_t3 = dL/d a accumulated over q, k, v */

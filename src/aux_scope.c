@@ -12,16 +12,15 @@ double aux_global_prepass(struct model *m, const struct aux_prepass *a, int step
     const int L = m->L, E = m->E;
     const size_t nstat = (size_t)L * 2 * E;
     float *sum = mt_calloc(nstat, sizeof(float));
-    for (int micro = 0; micro < a->n_micro; micro++) {
-        int64_t first = data_first_seq(step - 1, micro, a->n_micro, a->dp_rank, a->dp, a->micro_batch);
-        data_get_sequences(a->data, first, a->micro_batch, a->ids);
-        route_replay_load(m, first);
+    const struct step_batch *b = a->batch;
+    for (int micro = 0; micro < b->n_micro; micro++) {
+        route_replay_load(m, data_first_seq(step - 1, micro, b->n_micro, b->dp_rank, b->dp_size, b->mb));
         struct model_step_out o;
-        model_forward(m, a->ids, NULL, &o);
+        step_batch_forward(b, micro, m, &o);   /* the same documents and labels as the micro-steps */
         comm_all_reduce_sum(a->stage_h, m->stats_h, nstat, COMM_F32);
         for (size_t i = 0; i < nstat; i++) sum[i] += m->stats_h[i];
     }
-    const int64_t tokens = a->tokens_micro_global * a->n_micro;
+    const int64_t tokens = a->tokens_micro_global * b->n_micro;
     double aux, *cnt = mt_calloc((size_t)E, sizeof(double));
     aux_from_stats(sum, L, &m->cfg, tokens, &aux, cnt);
     aux_grad_from_counts(cnt, E, m->n_moe_layers, tokens, coef, aux_dp);

@@ -13,13 +13,12 @@
 #include "config.h"
 #include "data.h"
 #include "model.h"
+#include "train_data.h"
 
 struct aux_prepass {
-    const struct data_source *data;
+    const struct step_batch *batch;   /* the step's micro-batches, loaded (train_data.h) */
     struct comm *stage_h;       /* host statistics all-reduce over the stage's ranks */
-    int n_micro, dp_rank, dp, micro_batch;
     int64_t tokens_micro_global;
-    int32_t *ids;               /* [micro_batch × seq_len] host scratch */
 };
 
 /* Runs the pre-pass of optimizer step `step` (1-based) and returns the step's aux statistic;

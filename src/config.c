@@ -86,6 +86,11 @@ void config_defaults(struct config *c)
 
     c->data.kind = MT_DATA_SYNTHETIC;
     c->data.synthetic_branching = 4;
+    c->data.seed = 1;
+    c->data.eos_id = -1;
+    c->data.loss_after_eos = true;
+    c->data.validation_interval = 100;
+    c->data.validation_batches = 1;
     c->data.synthetic_seed = 42;
 
     c->checkpoint.interval = 0;
@@ -220,6 +225,60 @@ static bool yaml_problem(struct loader *L, const yaml_parser_t *p, const char *t
                 (int)p->problem_mark.column + 1, problem);
 }
 
+/* A YAML sequence for a string key: data.path's files joined with ',', or data.sources' mappings
+ * {path, weight} as "path:weight,..." (the same text --set and config_to_yaml use). */
+static bool load_string_list(struct loader *L, yaml_document_t *doc, const struct cfg_key *k,
+                             yaml_node_t *v)
+{
+    const bool weighted = !strcmp(k->key, "sources");
+    char *field = (char *)L->c + k->offset;
+    size_t len = 0;
+    field[0] = 0;
+    for (yaml_node_item_t *it = v->data.sequence.items.start; it < v->data.sequence.items.top; it++) {
+        yaml_node_t *e = yaml_document_get_node(doc, *it);
+        if (!e) return fail(L, "%s:%d:%d: libyaml returned no node", file_name(L), MARK(v));
+        const char *path = NULL, *weight = NULL;
+        if (!weighted && e->type == YAML_SCALAR_NODE) {
+            path = (const char *)e->data.scalar.value;
+        } else if (weighted && e->type == YAML_MAPPING_NODE) {
+            for (yaml_node_pair_t *pr = e->data.mapping.pairs.start; pr < e->data.mapping.pairs.top;
+                 pr++) {
+                yaml_node_t *kn = yaml_document_get_node(doc, pr->key);
+                yaml_node_t *vn = yaml_document_get_node(doc, pr->value);
+                if (!kn || !vn || kn->type != YAML_SCALAR_NODE || vn->type != YAML_SCALAR_NODE)
+                    return fail(L, "%s:%d:%d: data.sources entries are {path: FILES, weight: W}",
+                                file_name(L), MARK(e));
+                const char *name = (const char *)kn->data.scalar.value;
+                if (!strcmp(name, "path")) path = (const char *)vn->data.scalar.value;
+                else if (!strcmp(name, "weight")) weight = (const char *)vn->data.scalar.value;
+                else
+                    return fail(L, "%s:%d:%d: unknown key '%s' in a data.sources entry (path, weight)",
+                                file_name(L), MARK(kn), name);
+            }
+            if (!path || !weight)
+                return fail(L, "%s:%d:%d: a data.sources entry needs both path and weight",
+                            file_name(L), MARK(e));
+        } else {
+            return fail(L, "%s:%d:%d: %s.%s expects a list of %s, got %s as an element",
+                        file_name(L), MARK(e), k->section, k->key,
+                        weighted ? "{path, weight} mappings" : "paths", node_kind(e));
+        }
+        if (strchr(path, ','))
+            return fail(L, "%s:%d:%d: %s.%s: the path '%s' contains a ',' (not supported in lists)",
+                        file_name(L), MARK(e), k->section, k->key, path);
+        int n = snprintf(field + len, k->size - len, "%s%s%s%s", len ? "," : "", path,
+                         weight ? ":" : "", weight ? weight : "");
+        if (n < 0 || (size_t)n >= k->size - len)
+            return fail(L, "%s:%d:%d: %s.%s is longer than %zu bytes", file_name(L), MARK(e),
+                        k->section, k->key, k->size - 1);
+        len += (size_t)n;
+    }
+    return true;
+}
+
+static bool load_nested(struct loader *L, yaml_document_t *doc, const char *section,
+                        const char *key, yaml_node_t *map);
+
 static bool load_value(struct loader *L, yaml_document_t *doc, int idx, yaml_node_t *v)
 {
     const struct cfg_key *k = &cfg_keys[idx];
@@ -265,8 +324,37 @@ static bool load_value(struct loader *L, yaml_document_t *doc, int idx, yaml_nod
         return cfg_parse_scalar(k, L->c, text, false, msg, sizeof msg) ||
                fail(L, "%s:%d:%d: %s", file_name(L), MARK(v), msg);
     }
+    if (v->type == YAML_SEQUENCE_NODE && k->type == CFG_STRING) return load_string_list(L, doc, k, v);
     return fail(L, "%s:%d:%d: %s.%s expects %s, got %s", file_name(L), MARK(v), k->section, k->key,
                 cfg_type_desc(k, desc, sizeof desc), node_kind(v));
+}
+
+/* A mapping under key K (data.validation: {path, interval, batches}) sets the keys K_<name>. */
+static bool load_nested(struct loader *L, yaml_document_t *doc, const char *section,
+                        const char *key, yaml_node_t *map)
+{
+    for (yaml_node_pair_t *pr = map->data.mapping.pairs.start; pr < map->data.mapping.pairs.top;
+         pr++) {
+        yaml_node_t *kn = yaml_document_get_node(doc, pr->key);
+        yaml_node_t *vn = yaml_document_get_node(doc, pr->value);
+        if (!kn || !vn) return fail(L, "%s:%d:%d: libyaml returned no node", file_name(L), MARK(map));
+        char flat[160];
+        if (kn->type != YAML_SCALAR_NODE ||
+            snprintf(flat, sizeof flat, "%s_%s", key, (const char *)kn->data.scalar.value) >=
+                (int)sizeof flat)
+            return fail(L, "%s:%d:%d: keys under %s.%s must be short names", file_name(L), MARK(kn),
+                        section, key);
+        int idx = cfg_find(section, flat);
+        if (idx < 0)
+            return fail(L, "%s:%d:%d: unknown key '%s' under %s.%s", file_name(L), MARK(kn),
+                        (const char *)kn->data.scalar.value, section, key);
+        if (L->org[idx].kind == ORG_YAML)
+            return fail(L, "%s:%d:%d: %s.%s is set twice (already at line %d, column %d)",
+                        file_name(L), MARK(kn), section, flat, L->org[idx].line, L->org[idx].col);
+        if (!load_value(L, doc, idx, vn)) return false;
+        L->org[idx] = (struct origin){ ORG_YAML, MARK(vn), 0 };
+    }
+    return true;
 }
 
 static bool load_section(struct loader *L, yaml_document_t *doc, const char *section,
@@ -286,6 +374,11 @@ static bool load_section(struct loader *L, yaml_document_t *doc, const char *sec
                         MARK(kn), section, node_kind(kn));
         const char *key = (const char *)kn->data.scalar.value;
         int idx = cfg_find(section, key);
+        if (idx < 0 && vn->type == YAML_MAPPING_NODE && !strcmp(section, "data") &&
+            !strcmp(key, "validation")) {
+            if (!load_nested(L, doc, section, key, vn)) return false;
+            continue;
+        }
         if (idx < 0) {
             char hint[160];
             cfg_suggest_key(section, key, hint, sizeof hint);
@@ -631,8 +724,22 @@ static bool validate(struct loader *L)
     CHECK2(t->micro_batch_size <= t->global_batch_size, "train", "micro_batch_size", "train",
            "global_batch_size", "train.micro_batch_size (%d) must be <= train.global_batch_size (%d)",
            t->micro_batch_size, t->global_batch_size);
-    CHECK2(c->data.kind != MT_DATA_TOKENS || c->data.path[0], "data", "kind", "data", "path",
-           "data.path is required when data.kind is tokens (the token file to train on)");
+    CHECK2(c->data.kind != MT_DATA_TOKENS || c->data.path[0] || c->data.sources[0], "data", "kind",
+           "data", "path", "data.path is required when data.kind is tokens (the token files to "
+           "train on; or data.sources to blend several datasets)");
+    CHECK2(!c->data.path[0] || !c->data.sources[0], "data", "path", "data", "sources",
+           "data.path and data.sources are both set: give the files once, in data.sources with "
+           "their weights or in data.path alone");
+    CHECK2(c->data.kind == MT_DATA_TOKENS || !c->data.sources[0], "data", "sources", "data", "kind",
+           "data.sources needs data.kind: tokens");
+    CHECK2(c->data.kind == MT_DATA_TOKENS || !c->data.validation_path[0], "data", "validation_path",
+           "data", "kind", "data.validation_path needs data.kind: tokens");
+    CHECK2(!c->data.document_masking || c->data.eos_id >= 0, "data", "document_masking", "data",
+           "eos_id", "data.document_masking: true needs data.eos_id (the token that ends a document)");
+    CHECK2(c->data.loss_after_eos || c->data.eos_id >= 0, "data", "loss_after_eos", "data", "eos_id",
+           "data.loss_after_eos: false needs data.eos_id (the token that ends a document)");
+    CHECK2(c->data.eos_id < m->vocab_size, "data", "eos_id", "model", "vocab_size",
+           "data.eos_id (%d) must be < model.vocab_size (%d)", c->data.eos_id, m->vocab_size);
     CHECK2(c->data.kind != MT_DATA_SYNTHETIC || c->data.synthetic_branching <= m->vocab_size, "data",
            "synthetic_branching", "model", "vocab_size",
            "data.synthetic_branching (%d) must be <= model.vocab_size (%d)",

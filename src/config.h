@@ -96,7 +96,16 @@ struct train_config {
 
 struct data_config {
     enum mt_data_kind kind;       /* synthetic | tokens */
-    char path[MT_PATH_MAX];       /* token file for kind: tokens */
+    char path[MT_PATH_MAX];       /* kind tokens: token files, directories or globs, comma-separated */
+    char sources[MT_PATH_MAX];    /* blended datasets "PATH:WEIGHT,..." ("" = data.path alone) */
+    bool shuffle;                 /* permute each dataset's sequences, per epoch, from data.seed */
+    uint64_t seed;                /* shuffling and blending order */
+    int eos_id;                   /* document separator token; -1 = none */
+    bool document_masking;        /* attention and positions restart after each eos_id */
+    bool loss_after_eos;          /* false: no loss on predicting a document's first token */
+    char validation_path[MT_PATH_MAX];  /* held-out token files ("" = no validation) */
+    int validation_interval;      /* steps between validation passes */
+    int validation_batches;       /* global batches per validation pass */
     int synthetic_branching;      /* successors per state of the synthetic Markov chain */
     uint64_t synthetic_seed;
     char routing_replay[MT_PATH_MAX]; /* routing file (route_replay.h) the MoE layers follow; "" = none */

@@ -14,8 +14,11 @@
  * Sources:
  *  - synthetic: a sparse random Markov chain over the vocabulary with a known entropy rate, which is
  *    the best mean cross-entropy per labelled position any model can reach on it.
- *  - tokens: a file "MTTOKENS" v1 (header below) cut into consecutive windows of seq_len tokens that
- *    wrap around at the end (epochs); leftover tokens (count % seq_len) are never used. */
+ *  - tokens: files "MTTOKENS" v1 (header below), each cut into consecutive windows of seq_len tokens
+ *    (leftover tokens, count % seq_len, are never used). A dataset is data.path's files (a
+ *    comma-separated list of files, directories and globs) back to back; its windows repeat in
+ *    epochs, in file order or permuted per epoch (data.shuffle, data.seed). data.sources blends
+ *    several datasets by weight. All of it is computed per sequence index, without state. */
 #ifndef MT_DATA_H
 #define MT_DATA_H
 
@@ -54,13 +57,27 @@ int data_micro_steps(int global_batch, int micro_batch, int dp_size);
 
 /* Nats per token. Synthetic: the chain's entropy rate H = sum_s pi(s) H(next | s), the lower bound
  * of the expected loss at every labelled position (sequences start in the stationary distribution).
- * Token files: the unigram entropy of the file when it was scanned at open (small files), else NAN. */
+ * Token files: NAN (their entropy rate is unknown). */
 double data_entropy_rate(const struct data_source *src);
+/* Token files of one dataset in one file scanned at open (small files): the unigram entropy, the
+ * loss of the best model that ignores context (real models go below it). Else NAN. */
+double data_unigram_entropy(const struct data_source *src);
+
+/* Document boundaries of packed sequences: a document starts at the token after eos_id (and at
+ * each sequence start). pos [n_seq, seq_len]: position inside the document; seg: document number
+ * inside the sequence (0, 1, ...). */
+void data_documents(int eos_id, const int32_t *ids, int n_seq, int seq_len, int32_t *pos,
+                    int32_t *seg);
+/* labels [n_seq, seq_len] = ids, except MT_IGNORE_INDEX for a token right after eos_id when
+ * loss_after_eos is false (no loss on guessing the next document's first token). Returns the
+ * labelled positions (the model predicts label t from position t-1, so t = 0 never counts). */
+int64_t data_labels(int eos_id, bool loss_after_eos, const int32_t *ids, int n_seq, int seq_len,
+                    int32_t *labels);
 /* One line for the start-up table, e.g.
  * "synthetic Markov chain: vocab 512, 4 successors/state, seed 1, entropy rate 1.23 nats/token". */
 const char *data_describe(const struct data_source *src);
 int data_seq_len(const struct data_source *src);
-/* Sequences per pass over a token file; 0 for the endless synthetic source. */
+/* Sequences per epoch of a single token dataset; 0 for the synthetic source and blends. */
 int64_t data_epoch_sequences(const struct data_source *src);
 
 /* Token files (little-endian):

@@ -129,7 +129,8 @@ static struct token_file *fail(struct token_file *f)
     return NULL;
 }
 
-struct token_file *token_file_open(const char *path, int vocab, int seq_len, char *err, int errcap)
+struct token_file *token_file_open(const char *path, int vocab, int seq_len, bool allow_short,
+                                   char *err, int errcap)
 {
     struct token_file *f = mt_calloc(1, sizeof *f);
     f->fd = -1;
@@ -189,7 +190,7 @@ struct token_file *token_file_open(const char *path, int vocab, int seq_len, cha
         return fail(f);
     }
     f->count = (int64_t)count;
-    if (f->count < seq_len) {
+    if (f->count < seq_len && !allow_short) {
         snprintf(err, errcap, "%s: %lld tokens, fewer than one sequence of train.seq_len %d", path,
                  (long long)f->count, seq_len);
         return fail(f);

@@ -223,6 +223,7 @@ void model_use_slot(struct model *m, int slot)
     m->ids = sl->ids;
     m->targets = sl->targets;
     m->pos = sl->pos;
+    m->seg = sl->seg;
     m->layers = sl->layers;
     m->h_final = sl->h_out;
 }
@@ -275,6 +276,7 @@ void model_free(struct model *m)
         for (int l = m->st.layer0; l < m->st.layer1; l++) free_layer(m, &sl->layers[l]);
         void *dev[] = {sl->ids, sl->targets, sl->pos, sl->h_out};
         for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) be->free(dev[i]);
+        if (sl->seg) be->free(sl->seg);
         free(sl->layers);
     }
     free(m->slots);

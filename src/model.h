@@ -68,7 +68,9 @@ struct layer_acts {
 struct model_slot {
     int32_t *ids;               /* dev [T] */
     int32_t *targets;           /* dev [T] (shifted labels, MT_IGNORE_INDEX where none) */
-    int32_t *pos;               /* dev [T] RoPE positions */
+    int32_t *pos;               /* dev [T] RoPE positions (t mod S unless documents are set) */
+    int32_t *seg;               /* dev [T] document id per token, NULL = causal over the whole sequence
+                                 * (model_set_documents) */
     struct layer_acts *layers;  /* [L]; only the stage's layers are allocated, and with recompute
                                  * only their h_in (`shared` in struct model holds the rest) */
     void *h_out;                /* [T, H] residual after the stage's last layer (the stage output;
@@ -123,7 +125,7 @@ struct model {
     int B, S, T;
     struct model_slot *slots;   /* [st.n_slots] */
     int slot;                   /* the slot the pointers below belong to (model_use_slot) */
-    int32_t *ids, *targets, *pos;   /* = slots[slot]'s */
+    int32_t *ids, *targets, *pos, *seg;   /* = slots[slot]'s */
     struct layer_acts *layers;  /* = slots[slot].layers */
     int64_t d_cap_rows;         /* rows the expert-side backward scratch (d_x_exp ...) can hold */
     bool aux_active;            /* backward adds m->aux_dp to the router gradient */
@@ -217,6 +219,10 @@ void *model_stage_output(struct model *m, int slot);   /* [T, H] */
 void model_forward(struct model *m, const int32_t *ids_host, const int32_t *labels_host,
                    struct model_step_out *out);
 void model_backward(struct model *m, float ce_scale, const float *aux_dp_host);
+/* Document masking for micro-batch `slot` (model_documents.c), kept until set again: pos_host,
+ * seg_host HOST [B, S] per-token RoPE positions and document ids (attention stays inside a
+ * document). Both NULL restores positions t mod S and attention over the whole sequence. */
+void model_set_documents(struct model *m, int slot, const int32_t *pos_host, const int32_t *seg_host);
 /* Zeroes every bound gradient. */
 void model_zero_grad(struct model *m);
 

@@ -110,12 +110,14 @@ struct backend {
                           float theta);
 
     /* Causal GQA attention, scale 1/sqrt(D); query head h uses kv head h / (Hq/Hkv).
-     * q/out: [B,S,Hq,D], k/v: [B,S,Hkv,D], lse: [B,Hq,S] (log-sum-exp of the scaled scores). */
+     * q/out: [B,S,Hq,D], k/v: [B,S,Hkv,D], lse: [B,Hq,S] (log-sum-exp of the scaled scores).
+     * seg: NULL, or a device [B,S] document id per token (data.document_masking): key j is visible
+     * to query i of the same sequence iff j <= i and seg[j] == seg[i]. */
     void (*attention_forward)(void *out, float *lse, const void *q, const void *k, const void *v,
-                              int B, int S, int Hq, int Hkv, int D);
+                              int B, int S, int Hq, int Hkv, int D, const int32_t *seg);
     void (*attention_backward)(void *dq, void *dk, void *dv, const void *dout, const void *q,
                                const void *k, const void *v, const void *out, const float *lse,
-                               int B, int S, int Hq, int Hkv, int D);
+                               int B, int S, int Hq, int Hkv, int D, const int32_t *seg);
 
     /* Router (docs/router.md): probs = softmax(logits) or sigmoid(logits) (o->sigmoid) in fp32;
      * choice score = probs + bias (bias NULL = none; it changes the selection only); with

@@ -46,6 +46,7 @@
 #include "step_guard.h"
 #include "train.h"
 #include "train_check.h"
+#include "train_data.h"
 #include "train_pipeline.h"
 #include "watchdog.h"
 
@@ -304,6 +305,8 @@ int cmd_train(const struct cli *a)
     else if (*c.model.init_from) snprintf(init, sizeof init, "weights from %s", c.model.init_from);
     else snprintf(init, sizeof init, "random (seed %llu)", (unsigned long long)tc->seed);
     print_startup(&c, &mesh, be, data, n_micro, &m, init);
+    struct validation *val = validation_open(&c, n_micro, mesh.me.local, dp);
+    if (val) mt_log0("  validation  %s\n", validation_describe(val));
     metrics_print_config(&c, c.log.metrics);
     preempt_install();
     watchdog_start(&c, mesh.world_comm);
@@ -312,11 +315,11 @@ int cmd_train(const struct cli *a)
     struct metrics_log ml;
     metrics_open(&ml, c.log.metrics, resuming);
     const int64_t tokens_micro_global = (int64_t)dp * mb * tc->seq_len;
-    const int64_t n_valid_global = (int64_t)tc->global_batch_size * (tc->seq_len - 1);
     const double coef = c.model.router_aux_loss_coef;
     const bool use_aux = tc->load_balance == MT_LB_AUX && E > 0;
     const size_t nstat = (size_t)L * 2 * MT_MAX(E, 1);
-    int32_t *ids = mt_malloc((size_t)mb * tc->seq_len * sizeof(int32_t));
+    struct step_batch sb;
+    step_batch_init(&sb, &c.data, n_micro, mb, tc->seq_len, mesh.me.local, dp);
     float *aux_dp = mt_calloc((size_t)MT_MAX(E, 1), sizeof(float));
     double *cnt = mt_calloc((size_t)MT_MAX(E, 1), sizeof(double));
     double *layer_counts = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(double));
@@ -325,12 +328,12 @@ int cmd_train(const struct cli *a)
     double *tok = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(double));
     const double flops_tok = flops_train_per_token(&c.model, tc->seq_len);
     const bool aux_global = use_aux && tc->aux_loss_scope == MT_AUX_GLOBAL_BATCH;
-    const struct aux_prepass prepass = {data, stage_h, n_micro, mesh.me.local, dp, mb, tokens_micro_global, ids};
+    const struct aux_prepass prepass = {&sb, stage_h, tokens_micro_global};
     struct expert_watch watch;
     expert_watch_init(&watch, &c.model, &c.log);
     double t_start = mt_now(), first_step_s = 0;
     struct pipe_train pt;
-    if (piped) pipe_train_init(&pt, &c, &mesh, &m, data, stage_h, pp, n_micro);
+    if (piped) pipe_train_init(&pt, &c, &mesh, &m, stage_h, pp, n_micro);
     struct step_guard guard;
     step_guard_init(&guard, tc);
 
@@ -342,20 +345,21 @@ int cmd_train(const struct cli *a)
         double ce_local = 0, aux_sum = 0;
         int64_t valid_local = 0;
         memset(layer_counts, 0, (size_t)L * MT_MAX(E, 1) * sizeof(double));
+        watchdog_phase(step, "data");
+        step_batch_load(&sb, data, step - 1, stage_h);
+        const int64_t n_valid_global = sb.n_valid_global;
         /* global_batch scope: one aux over the whole step, its gradient fixed before any backward */
         const double aux_step = aux_global ? aux_global_prepass(&m, &prepass, step, coef, aux_dp) : 0;
         if (piped) {
             watchdog_phase(step, "pipeline");
-            pipe_train_step(&pt, step);
+            pipe_train_step(&pt, step, &sb);
             pipe_train_results(&pt, &ce_local, &valid_local, &aux_sum, layer_counts);
         }
         for (int micro = 0; micro < n_micro && !piped; micro++) {
-            int64_t first = data_first_seq(step - 1, micro, n_micro, mesh.me.local, dp, mb);
             watchdog_phase(step, "forward");
-            data_get_sequences(data, first, mb, ids);
-            route_replay_load(&m, first);
+            route_replay_load(&m, data_first_seq(step - 1, micro, n_micro, mesh.me.local, dp, mb));
             struct model_step_out o;
-            model_forward(&m, ids, NULL, &o);
+            step_batch_forward(&sb, micro, &m, &o);
             ce_local += o.ce_sum;
             valid_local += o.n_valid;
             if (E > 0) {
@@ -420,7 +424,9 @@ int cmd_train(const struct cli *a)
             .skipped = verdict != STEP_APPLY, .skipped_steps = guard.total_skipped,
         };
         profile_read(split);
-        bool print = step == 1 || step == tc->steps || step % MT_MAX(c.log.interval, 1) == 0;
+        if (validation_due(val, step)) sm.val_loss = validation_run(val, &m, stage_h, world);
+        bool print = step == 1 || step == tc->steps || step % MT_MAX(c.log.interval, 1) == 0 ||
+                     isfinite(sm.val_loss);
         metrics_step(&ml, &sm, print);
         if (verdict == STEP_STOP) {
             metrics_close(&ml);
@@ -455,7 +461,8 @@ int cmd_train(const struct cli *a)
     }
     watchdog_stop();
     metrics_close(&ml);
-    free(ids); free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv);
+    step_batch_free(&sb); validation_close(val);
+    free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv);
     free(tok); free(bias_h);
     if (piped) pipe_train_free(&pt);
     comm_free(pp); comm_free(ends);

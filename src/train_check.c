@@ -24,6 +24,11 @@ bool train_check(const struct config *c, const struct mesh_dims *d, int *n_micro
                  "parallel.pipeline_parallel_size %d (use micro_batch)", path, d->pp);
         return false;
     }
+    if (d->pp > 1 && c->data.validation_path[0]) {
+        snprintf(err, (size_t)errcap, "%s: data.validation_path is not supported with "
+                 "parallel.pipeline_parallel_size %d (the validation pass runs the whole model)", path, d->pp);
+        return false;
+    }
     if (d->pp > 1 && c->data.routing_replay[0]) {
         snprintf(err, (size_t)errcap, "%s: data.routing_replay is not supported with "
                  "parallel.pipeline_parallel_size %d", path, d->pp);

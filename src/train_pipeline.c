@@ -6,6 +6,7 @@
 
 #include "common.h"
 #include "data.h"
+#include "train_data.h"
 #include "pipeline.h"
 #include "train.h"
 
@@ -89,16 +90,16 @@ static void stage_forward(void *ctx, int slot, int micro)
     struct pipe_train *t = ctx;
     struct model *m = t->m;
     const struct mesh *mesh = t->mesh;
-    const struct train_config *tc = &t->c->train;
-    const int E = m->E, L = m->L, mb = tc->micro_batch_size;
+    (void)mesh;
+    const struct step_batch *b = t->sb;
+    const int E = m->E, L = m->L;
     const bool first = m->st.first, last = m->st.last;
-    if (first || last) {
-        /* the first stage embeds the ids; the last takes its labels from them */
-        const int64_t q = data_first_seq(t->step - 1, micro, t->n_micro, mesh->me.local, mesh->d.S, mb);
-        data_get_sequences(t->data, q, mb, t->ids);
-    }
+    /* the first stage embeds the ids, the last takes the labels; every stage's attention needs
+     * the document boundaries of its slot's micro-batch */
+    const size_t at = (size_t)micro * b->mb * b->S;
+    model_set_documents(m, slot, b->documents ? b->pos + at : NULL, b->documents ? b->seg + at : NULL);
     struct model_step_out o;
-    model_stage_forward(m, slot, first || last ? t->ids : NULL, NULL, &o);
+    model_stage_forward(m, slot, b->ids + at, b->labels + at, &o);
     t->ce_local += o.ce_sum;
     t->valid_local += o.n_valid;
     if (E == 0) return;
@@ -162,19 +163,17 @@ static int stage_buffers(void *ctx, enum pipe_xfer_kind k, int slot, int micro, 
 }
 
 void pipe_train_init(struct pipe_train *t, const struct config *c, const struct mesh *mesh, struct model *m,
-                     struct data_source *data, struct comm *stage_h, struct comm *pp, int n_micro)
+                     struct comm *stage_h, struct comm *pp, int n_micro)
 {
     memset(t, 0, sizeof *t);
     t->c = c;
     t->mesh = mesh;
     t->m = m;
-    t->data = data;
     t->stage_h = stage_h;
     t->pp = pp;
     t->n_micro = n_micro;
     const struct train_config *tc = &c->train;
     t->tokens_micro_global = (int64_t)mesh->d.S * tc->micro_batch_size * tc->seq_len;
-    t->n_valid_global = (int64_t)tc->global_batch_size * (tc->seq_len - 1);
     t->use_aux = tc->load_balance == MT_LB_AUX && m->E > 0;
     t->sched = mt_calloc(1, sizeof *t->sched);
     pipe_schedule_1f1b(t->sched, mesh->d.pp, mesh->me.stage, n_micro);
@@ -195,7 +194,6 @@ void pipe_train_init(struct pipe_train *t, const struct config *c, const struct 
         t->aux_host[s] = mt_calloc((size_t)E, sizeof(float));
     }
     t->pool = mt_calloc((size_t)2 * E, sizeof(double));
-    t->ids = mt_malloc((size_t)tc->micro_batch_size * tc->seq_len * sizeof(int32_t));
     t->layer_counts = mt_calloc((size_t)m->L * E, sizeof(double));
     t->pp_h = comm_mpi_create(mesh->pp_comm);
     t->world_h = comm_mpi_create(mesh->world_comm);
@@ -216,9 +214,11 @@ void pipe_train_results(struct pipe_train *t, double *ce_local, int64_t *valid_l
     if (m->E > 0) comm_all_reduce_sum(t->pp_h, layer_counts, n, COMM_F64);
 }
 
-void pipe_train_step(struct pipe_train *t, int step)
+void pipe_train_step(struct pipe_train *t, int step, const struct step_batch *sb)
 {
     t->step = step;
+    t->sb = sb;
+    t->n_valid_global = sb->n_valid_global;
     t->ce_local = t->aux_sum = 0;
     t->valid_local = 0;
     memset(t->layer_counts, 0, (size_t)t->m->L * MT_MAX(t->m->E, 1) * sizeof(double));
@@ -243,7 +243,6 @@ void pipe_train_free(struct pipe_train *t)
     free(t->aux_dev);
     free(t->aux_host);
     free(t->pool);
-    free(t->ids);
     free(t->layer_counts);
     pipe_schedule_free(t->sched);
     free(t->sched);

@@ -40,7 +40,7 @@ double pipe_grad_sumsq(struct params *p, const struct mesh *mesh, struct comm *e
 /* The model's stage for this rank: its layers, first/last, and the 1F1B slots it needs. */
 struct model_stage pipe_model_stage(const struct mesh *mesh, int n_micro);
 
-struct data_source;
+struct step_batch;
 struct pipe_schedule;
 /* One rank's pipelined training step (pp > 1): the 1F1B schedule over the micro-batches of a step
  * with the activations, the pooled router statistics [2, E] (f64) carried forward, and dL/dh with
@@ -49,7 +49,7 @@ struct pipe_train {
     const struct config *c;
     const struct mesh *mesh;
     struct model *m;
-    struct data_source *data;
+    const struct step_batch *sb; /* the step's micro-batches of this rank's data-parallel index */
     struct comm *stage_h;      /* host, the stage's ranks (router statistics) */
     struct comm *pp;           /* the backend's, this rank's pipeline */
     struct comm *pp_h, *world_h; /* host: the pipeline, every rank */
@@ -63,16 +63,16 @@ struct pipe_train {
     void **grad_in, **grad_out; /* [n_slots] backend [T, H]: dL/d(output) received, dL/d(input) sent
                                  * (the model's d_h is one buffer for every slot) */
     double *pool;              /* host [2E] */
-    int32_t *ids;              /* host [B, S] */
     /* the step's results on this rank */
     double ce_local, aux_sum;  /* aux_sum: Σ over micro-batches of aux, on the last stage */
     int64_t valid_local;
     double *layer_counts;      /* [L, E] of this stage's layers (others 0) */
 };
 void pipe_train_init(struct pipe_train *t, const struct config *c, const struct mesh *mesh, struct model *m,
-                     struct data_source *data, struct comm *stage_h, struct comm *pp, int n_micro);
-/* Runs the step's forwards and backwards; then the results above are this rank's. */
-void pipe_train_step(struct pipe_train *t, int step);
+                     struct comm *stage_h, struct comm *pp, int n_micro);
+/* Runs the step's forwards and backwards on sb (loaded for this step, with the step's labelled
+ * count); then the results above are this rank's. */
+void pipe_train_step(struct pipe_train *t, int step, const struct step_batch *sb);
 /* The step's results as the single-stage loop has them: ce and labelled tokens of this rank (the
  * last stage's; the caller sums them over the world), aux summed over micro-batches (the same on
  * every rank), layer_counts [L, E] of every layer (the same on every rank of the stage). */

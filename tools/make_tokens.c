@@ -163,7 +163,7 @@ int main(int argc, char **argv)
     if (!src) die("%s", err);
     printf("wrote %s: %lld tokens (uint%d), vocab %lld", out, (long long)data_epoch_sequences(src),
            8 * width, vocab);
-    if (!isnan(data_entropy_rate(src))) printf(", unigram entropy %.4f nats/token", data_entropy_rate(src));
+    if (!isnan(data_unigram_entropy(src))) printf(", unigram entropy %.4f nats/token", data_unigram_entropy(src));
     printf("\n");
     data_close(src);
     return 0;

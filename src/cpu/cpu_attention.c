@@ -1,10 +1,13 @@
 /* Causal GQA attention on the CPU, one query row at a time: a row of scores lives in an S-sized
- * scratch, and the backward recomputes it from q, k and the saved log-sum-exp. */
+ * scratch, and the backward recomputes it from q, k and the saved log-sum-exp. With a segment array
+ * (document masking) a key is visible only inside the query's own document; masked keys get
+ * probability 0, and the diagonal keeps every row non-empty. */
 #include "cpu/cpu_ops.h"
 #include "cpu/cpu_dot.h"
 #include "common.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -18,8 +21,11 @@ static void check_shape(const char *what, int S, int Hq, int Hkv, int D)
              Hkv, D);
 }
 
+/* Whether key j is visible to query i of sequence row sg (NULL = plain causal, checked by callers). */
+static inline bool seg_visible(const int32_t *sg, int i, int j) { return !sg || sg[j] == sg[i]; }
+
 void cpu_attention_forward(float *out, float *lse, const float *q, const float *k, const float *v,
-                           int B, int S, int Hq, int Hkv, int D)
+                           int B, int S, int Hq, int Hkv, int D, const int32_t *seg)
 {
     check_shape("attention", S, Hq, Hkv, D);
     const int group = Hq / Hkv;
@@ -28,17 +34,18 @@ void cpu_attention_forward(float *out, float *lse, const float *q, const float *
     for (int b = 0; b < B; b++)
         for (int h = 0; h < Hq; h++) {
             const int hk = h / group;
+            const int32_t *sg = seg ? seg + (size_t)b * S : NULL;
             for (int i = 0; i < S; i++) {
                 const float *qi = q + (((size_t)b * S + i) * Hq + h) * D;
                 float mx = -INFINITY;
                 for (int j = 0; j <= i; j++) {
                     const float *kj = k + (((size_t)b * S + j) * Hkv + hk) * D;
-                    p[j] = cpu_dot(qi, kj, D) * scale;
+                    p[j] = seg_visible(sg, i, j) ? cpu_dot(qi, kj, D) * scale : -INFINITY;
                     if (p[j] > mx) mx = p[j];
                 }
                 double sum = 0.0;
                 for (int j = 0; j <= i; j++) {
-                    p[j] = expf(p[j] - mx);
+                    p[j] = expf(p[j] - mx);   /* exp(-inf) = 0 for masked keys */
                     sum += p[j];
                 }
                 lse[((size_t)b * Hq + h) * S + i] = mx + (float)log(sum);
@@ -59,7 +66,7 @@ void cpu_attention_forward(float *out, float *lse, const float *q, const float *
  * dK = scale·dSᵀ·Q, dV = Pᵀ·dO. dK and dV of a kv head sum over the query heads sharing it. */
 void cpu_attention_backward(float *dq, float *dk, float *dv, const float *dout, const float *q,
                             const float *k, const float *v, const float *out, const float *lse,
-                            int B, int S, int Hq, int Hkv, int D)
+                            int B, int S, int Hq, int Hkv, int D, const int32_t *seg)
 {
     check_shape("attention backward", S, Hq, Hkv, D);
     const int group = Hq / Hkv;
@@ -73,6 +80,7 @@ void cpu_attention_backward(float *dq, float *dk, float *dv, const float *dout, 
     for (int b = 0; b < B; b++)
         for (int h = 0; h < Hq; h++) {
             const int hk = h / group;
+            const int32_t *sg = seg ? seg + (size_t)b * S : NULL;
             for (int i = 0; i < S; i++) {
                 const size_t qrow = (((size_t)b * S + i) * Hq + h) * D;
                 const float *qi = q + qrow, *doi = dout + qrow;
@@ -80,7 +88,7 @@ void cpu_attention_backward(float *dq, float *dk, float *dv, const float *dout, 
                 double rowdot = 0.0;
                 for (int j = 0; j <= i; j++) {
                     const size_t kvrow = (((size_t)b * S + j) * Hkv + hk) * D;
-                    p[j] = expf(cpu_dot(qi, k + kvrow, D) * scale - l);
+                    p[j] = seg_visible(sg, i, j) ? expf(cpu_dot(qi, k + kvrow, D) * scale - l) : 0.0f;
                     dp[j] = cpu_dot(doi, v + kvrow, D);
                     rowdot += (double)p[j] * dp[j];
                 }

@@ -62,15 +62,15 @@ static void b_rope_backward(void *din, const void *dout, const int32_t *pos, int
 }
 
 static void b_attention_forward(void *out, float *lse, const void *q, const void *k, const void *v,
-                                int B, int S, int Hq, int Hkv, int D)
+                                int B, int S, int Hq, int Hkv, int D, const int32_t *seg)
 {
-    cpu_attention_forward(out, lse, q, k, v, B, S, Hq, Hkv, D);
+    cpu_attention_forward(out, lse, q, k, v, B, S, Hq, Hkv, D, seg);
 }
 static void b_attention_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
                                  const void *k, const void *v, const void *out, const float *lse,
-                                 int B, int S, int Hq, int Hkv, int D)
+                                 int B, int S, int Hq, int Hkv, int D, const int32_t *seg)
 {
-    cpu_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D);
+    cpu_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, seg);
 }
 
 static void b_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const float *logits,

@@ -65,11 +65,11 @@ void cpu_rope_backward(float *din, const float *dout, const int32_t *pos, int T,
                        float theta);
 
 void cpu_attention_forward(float *out, float *lse, const float *q, const float *k, const float *v,
-                           int B, int S, int Hq, int Hkv, int D);
+                           int B, int S, int Hq, int Hkv, int D, const int32_t *seg /* [B,S] or NULL */);
 /* `out` is not read: the backward recomputes each probability row from q, k and lse. */
 void cpu_attention_backward(float *dq, float *dk, float *dv, const float *dout, const float *q,
                             const float *k, const float *v, const float *out, const float *lse,
-                            int B, int S, int Hq, int Hkv, int D);
+                            int B, int S, int Hq, int Hkv, int D, const int32_t *seg);
 
 void cpu_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const float *logits,
                         const float *bias, int T, int E, int k, const struct router_opts *o);

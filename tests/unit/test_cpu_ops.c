@@ -454,12 +454,13 @@ enum { AB = 2, AS = 5, AHQ = 4, AHKV = 2, AD = 8 };
 
 struct attn_ctx {
     float *q, *k, *v, *r, *out, *lse;
+    const int32_t *seg;   /* [AB, AS] document ids or NULL */
 };
 
 static double attn_loss(void *p)
 {
     struct attn_ctx *c = p;
-    cpu_attention_forward(c->out, c->lse, c->q, c->k, c->v, AB, AS, AHQ, AHKV, AD);
+    cpu_attention_forward(c->out, c->lse, c->q, c->k, c->v, AB, AS, AHQ, AHKV, AD, c->seg);
     return project(c->r, c->out, AQN);
 }
 
@@ -468,7 +469,7 @@ Test(cpu_ops, attention_forward_matches_double)
     mt_rng rng;
     mt_rng_seed(&rng, 8);
     struct attn_ctx c = {frand(&rng, AQN, 1.0), frand(&rng, AKN, 1.0), frand(&rng, AKN, 1.0),
-                         frand(&rng, AQN, 1.0), fnew(AQN), fnew(AB * AHQ * AS)};
+                         frand(&rng, AQN, 1.0), fnew(AQN), fnew(AB * AHQ * AS), NULL};
     attn_loss(&c);
     const double scale = 1.0 / sqrt(AD);
     for (int b = 0; b < AB; b++)
@@ -508,11 +509,11 @@ Test(cpu_ops, attention_grad)
     mt_rng rng;
     mt_rng_seed(&rng, 9);
     struct attn_ctx c = {frand(&rng, AQN, 1.0), frand(&rng, AKN, 1.0), frand(&rng, AKN, 1.0),
-                         frand(&rng, AQN, 1.0), fnew(AQN), fnew(AB * AHQ * AS)};
+                         frand(&rng, AQN, 1.0), fnew(AQN), fnew(AB * AHQ * AS), NULL};
     attn_loss(&c);
     float *dq = fnew(AQN), *dk = frand(&rng, AKN, 1.0), *dv = frand(&rng, AKN, 1.0);
     /* dk and dv are overwritten (not accumulated) even though they sum over query heads */
-    cpu_attention_backward(dq, dk, dv, c.r, c.q, c.k, c.v, c.out, c.lse, AB, AS, AHQ, AHKV, AD);
+    cpu_attention_backward(dq, dk, dv, c.r, c.q, c.k, c.v, c.out, c.lse, AB, AS, AHQ, AHKV, AD, NULL);
     double *fdq = dnew(AQN), *fdk = dnew(AKN), *fdv = dnew(AKN);
     fd_grad(fdq, c.q, AQN, attn_loss, &c);
     fd_grad(fdk, c.k, AKN, attn_loss, &c);
@@ -522,6 +523,56 @@ Test(cpu_ops, attention_grad)
     expect_grad("attention dv", dv, fdv, AKN);
     free(c.q), free(c.k), free(c.v), free(c.r), free(c.out), free(c.lse), free(dq), free(dk);
     free(dv), free(fdq), free(fdk), free(fdv);
+}
+
+/* Document masking: finite-difference gradients with documents of 2 and 3 tokens (row 0) and of 1,
+ * 3 and 1 tokens (row 1, ids not in order). */
+static const int32_t attn_seg[AB * AS] = {0, 0, 1, 1, 1, 3, 4, 4, 4, 7};
+
+Test(cpu_ops, attention_seg_grad)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 19);
+    struct attn_ctx c = {frand(&rng, AQN, 1.0), frand(&rng, AKN, 1.0), frand(&rng, AKN, 1.0),
+                         frand(&rng, AQN, 1.0), fnew(AQN), fnew(AB * AHQ * AS), attn_seg};
+    attn_loss(&c);
+    float *dq = fnew(AQN), *dk = fnew(AKN), *dv = fnew(AKN);
+    cpu_attention_backward(dq, dk, dv, c.r, c.q, c.k, c.v, c.out, c.lse, AB, AS, AHQ, AHKV, AD,
+                           attn_seg);
+    double *fdq = dnew(AQN), *fdk = dnew(AKN), *fdv = dnew(AKN);
+    fd_grad(fdq, c.q, AQN, attn_loss, &c);
+    fd_grad(fdk, c.k, AKN, attn_loss, &c);
+    fd_grad(fdv, c.v, AKN, attn_loss, &c);
+    expect_grad("seg attention dq", dq, fdq, AQN);
+    expect_grad("seg attention dk", dk, fdk, AKN);
+    expect_grad("seg attention dv", dv, fdv, AKN);
+    free(c.q), free(c.k), free(c.v), free(c.r), free(c.out), free(c.lse), free(dq), free(dk);
+    free(dv), free(fdq), free(fdk), free(fdv);
+}
+
+/* A document inside a packed row attends exactly as if it were a sequence of its own: the second
+ * document of row 0 (tokens 2..4) against a B=1, S=3 run of the same q, k, v. */
+Test(cpu_ops, attention_seg_matches_separate_document)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 20);
+    float *q = frand(&rng, AQN, 1.0), *k = frand(&rng, AKN, 1.0), *v = frand(&rng, AKN, 1.0);
+    float *out = fnew(AQN), *lse = fnew(AB * AHQ * AS);
+    cpu_attention_forward(out, lse, q, k, v, AB, AS, AHQ, AHKV, AD, attn_seg);
+    enum { S3 = 3 };
+    float *out3 = fnew(S3 * AHQ * AD), *lse3 = fnew(AHQ * S3);
+    cpu_attention_forward(out3, lse3, q + 2 * AHQ * AD, k + 2 * AHKV * AD, v + 2 * AHKV * AD, 1, S3,
+                          AHQ, AHKV, AD, NULL);
+    cr_expect(memcmp(out + 2 * AHQ * AD, out3, sizeof(float) * S3 * AHQ * AD) == 0,
+              "document 2 of a packed row differs from the same tokens run alone");
+    for (int h = 0; h < AHQ; h++)
+        for (int i = 0; i < S3; i++)
+            cr_expect(lse[h * AS + 2 + i] == lse3[h * S3 + i], "lse h=%d i=%d", h, i);
+    /* and a masked run differs from the unmasked one (the mask is not a no-op) */
+    float *out_c = fnew(AQN);
+    cpu_attention_forward(out_c, lse, q, k, v, AB, AS, AHQ, AHKV, AD, NULL);
+    cr_expect(memcmp(out + 2 * AHQ * AD, out_c + 2 * AHQ * AD, sizeof(float) * AHQ * AD) != 0);
+    free(q), free(k), free(v), free(out), free(lse), free(out3), free(lse3), free(out_c);
 }
 
 /* ---------------------------------------------------------------- router */

@@ -697,9 +697,12 @@ Test(gpu, rope_shapes)
 
 /* ---------------------------------------------------------------- attention */
 
-static void attention_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int Hkv, int D)
+/* seg: NULL, or host [B, S] document ids (document masking; the GPU gets a device copy) */
+static void attention_case_seg(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int Hkv,
+                               int D, const int32_t *seg)
 {
     char what[96];
+    int32_t *d_seg = seg ? di_from(M, seg, (size_t)B * S) : NULL;
     const size_t nq = (size_t)B * S * Hq * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * Hq * S;
     float *q = hrand(rng, nq, 1.0), *k = hrand(rng, nk, 1.0), *v = hrand(rng, nk, 1.0);
     float *dout = hrand(rng, nq, 1.0);
@@ -708,21 +711,22 @@ static void attention_case(const struct mode *M, mt_rng *rng, int B, int S, int 
 
     void *d_out = dx_poisoned(M, nq);
     float *d_lse = df_poisoned(M, nl);
-    M->g->attention_forward(d_out, d_lse, d_q, d_k, d_v, B, S, Hq, Hkv, D);
+    M->g->attention_forward(d_out, d_lse, d_q, d_k, d_v, B, S, Hq, Hkv, D, d_seg);
     float *out = hx_of(M, d_out, nq), *lse = hf_of(M, d_lse, nl);
     float *out_ref = fnew(nq), *lse_ref = fnew(nl);
-    M->c->attention_forward(out_ref, lse_ref, q, k, v, B, S, Hq, Hkv, D);
-    snprintf(what, sizeof what, "attention forward out B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
+    M->c->attention_forward(out_ref, lse_ref, q, k, v, B, S, Hq, Hkv, D, seg);
+    snprintf(what, sizeof what, "attention%s forward out B%d S%d H%d/%d D%d", seg ? " (seg)" : "", B,
+             S, Hq, Hkv, D);
     check_close(M, what, out, out_ref, nq, M->tol);
     snprintf(what, sizeof what, "attention forward lse B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
     check_close(M, what, lse, lse_ref, nl, TOL_F32); /* fp32 scores from the same inputs */
 
     /* the backward takes the GPU's own forward outputs (out, lse), as the model does */
     void *d_dq = dx_poisoned(M, nq), *d_dk = dx_poisoned(M, nk), *d_dv = dx_poisoned(M, nk);
-    M->g->attention_backward(d_dq, d_dk, d_dv, d_dout, d_q, d_k, d_v, d_out, d_lse, B, S, Hq, Hkv, D);
+    M->g->attention_backward(d_dq, d_dk, d_dv, d_dout, d_q, d_k, d_v, d_out, d_lse, B, S, Hq, Hkv, D, d_seg);
     float *dq = hx_of(M, d_dq, nq), *dk = hx_of(M, d_dk, nk), *dv = hx_of(M, d_dv, nk);
     float *dq_ref = fnew(nq), *dk_ref = fnew(nk), *dv_ref = fnew(nk);
-    M->c->attention_backward(dq_ref, dk_ref, dv_ref, dout, q, k, v, out_ref, lse_ref, B, S, Hq, Hkv, D);
+    M->c->attention_backward(dq_ref, dk_ref, dv_ref, dout, q, k, v, out_ref, lse_ref, B, S, Hq, Hkv, D, seg);
     snprintf(what, sizeof what, "attention backward dq B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
     check_close(M, what, dq, dq_ref, nq, M->tol_long);
     snprintf(what, sizeof what, "attention backward dk B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
@@ -732,8 +736,51 @@ static void attention_case(const struct mode *M, mt_rng *rng, int B, int S, int 
 
     M->g->free(d_q), M->g->free(d_k), M->g->free(d_v), M->g->free(d_dout), M->g->free(d_out);
     M->g->free(d_lse), M->g->free(d_dq), M->g->free(d_dk), M->g->free(d_dv);
+    if (d_seg) M->g->free(d_seg);
     free(q), free(k), free(v), free(dout), free(out), free(lse), free(out_ref), free(lse_ref);
     free(dq), free(dk), free(dv), free(dq_ref), free(dk_ref), free(dv_ref);
+}
+
+static void attention_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int Hkv, int D)
+{
+    attention_case_seg(M, rng, B, S, Hq, Hkv, D, NULL);
+}
+
+/* Document masking: random document lengths 1..max_len packed into each row (ids as data_documents
+ * makes them), checked against the CPU. In bf16 with D = 64 and 128 the backend runs the masked
+ * tensor-core kernels (mma.sync backward); fp32 and the other head dims the CUDA-core kernels. */
+static void attention_docs_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int Hkv,
+                                int D, int max_len)
+{
+    int32_t *seg = mt_malloc((size_t)B * S * sizeof(int32_t));
+    for (int b = 0; b < B; b++) {
+        int doc = 0, left = 0;
+        for (int t = 0; t < S; t++) {
+            if (left == 0) {
+                left = 1 + (int)(mt_rng_next(rng) % (uint64_t)max_len);
+                if (t) doc++;
+            }
+            seg[(size_t)b * S + t] = doc;
+            left--;
+        }
+    }
+    attention_case_seg(M, rng, B, S, Hq, Hkv, D, seg);
+    free(seg);
+}
+
+Test(gpu, attention_document_masking)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 108);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        attention_docs_case(&M, &rng, 2, 128, 8, 2, 64, 40);    /* documents across tile edges */
+        attention_docs_case(&M, &rng, 2, 128, 8, 2, 128, 90);
+        attention_docs_case(&M, &rng, 1, 100, 4, 4, 32, 7);     /* many short documents, ragged S */
+        attention_docs_case(&M, &rng, 2, 70, 6, 2, 16, 1);      /* every token its own document */
+        attention_docs_case(&M, &rng, 1, 65, 4, 2, 12, 200);    /* one document: plain causal */
+    }
 }
 
 Test(gpu, attention_d64_d128)
@@ -851,7 +898,7 @@ static void tc_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int
     attention_tc_set_variant(old_variant);
     float *out = hx_of(M, d_out, nq), *lse = hf_of(M, d_lse, nl);
     float *out_ref = fnew(nq), *lse_ref = fnew(nl);
-    M->c->attention_forward(out_ref, lse_ref, q, k, v, B, S, Hq, Hkv, D);
+    M->c->attention_forward(out_ref, lse_ref, q, k, v, B, S, Hq, Hkv, D, NULL);
     snprintf(what, sizeof what, "tc fwd v%d out B%d S%d H%d/%d D%d", variant, B, S, Hq, Hkv, D);
     check_tc(M, what, out, out_ref, nq);
     snprintf(what, sizeof what, "tc fwd v%d lse B%d S%d H%d/%d D%d", variant, B, S, Hq, Hkv, D);
@@ -863,7 +910,7 @@ static void tc_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int
               "attention_tc_backward declined B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
     float *dq = hx_of(M, d_dq, nq), *dk = hx_of(M, d_dk, nk), *dv = hx_of(M, d_dv, nk);
     float *dq_ref = fnew(nq), *dk_ref = fnew(nk), *dv_ref = fnew(nk);
-    M->c->attention_backward(dq_ref, dk_ref, dv_ref, dout, q, k, v, out_ref, lse_ref, B, S, Hq, Hkv, D);
+    M->c->attention_backward(dq_ref, dk_ref, dv_ref, dout, q, k, v, out_ref, lse_ref, B, S, Hq, Hkv, D, NULL);
     snprintf(what, sizeof what, "tc bwd dq B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
     check_tc(M, what, dq, dq_ref, nq);
     snprintf(what, sizeof what, "tc bwd dk B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
@@ -1018,9 +1065,9 @@ Test(gpu, attention_backend_uses_tc)
         for (int i = 0; i < 4; i++) r[w][i] = dx_poisoned(&M, n[i]);
         r[w][4] = df_poisoned(&M, nl);
         if (w == 0) {
-            M.g->attention_forward(r[w][0], r[w][4], d_q, d_k, d_v, B, S, Hq, Hkv, D);
+            M.g->attention_forward(r[w][0], r[w][4], d_q, d_k, d_v, B, S, Hq, Hkv, D, NULL);
             M.g->attention_backward(r[w][1], r[w][2], r[w][3], d_dout, d_q, d_k, d_v, r[w][0],
-                                    r[w][4], B, S, Hq, Hkv, D);
+                                    r[w][4], B, S, Hq, Hkv, D, NULL);
         } else {
             cr_assert(attention_tc_forward(r[w][0], r[w][4], d_q, d_k, d_v, B, S, Hq, Hkv, D));
             cr_assert(attention_tc_backward(r[w][1], r[w][2], r[w][3], d_dout, d_q, d_k, d_v,
