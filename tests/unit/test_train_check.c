@@ -106,6 +106,10 @@ Test(train_check, pipeline_refuses_step_wide_aux_and_routing_files)
     mt_strlcpy(c.data.routing_replay, "r.bin", sizeof c.data.routing_replay);
     cr_assert_not(check(&c, 2, &n_micro, err, sizeof err));
     cr_assert(strstr(err, "data.routing_replay is not supported with parallel.pipeline_parallel_size 2"), "%s", err);
+    c.data.routing_replay[0] = 0;
+    mt_strlcpy(c.data.validation_path, "v.tokens", sizeof c.data.validation_path);
+    cr_assert_not(check(&c, 2, &n_micro, err, sizeof err));
+    cr_assert(strstr(err, "data.validation_path is not supported with parallel.pipeline_parallel_size 2"), "%s", err);
 }
 
 /* configs/qwen3-235b-a22b.yaml: the released model's size, laid out as its comments say */
