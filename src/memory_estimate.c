@@ -75,6 +75,19 @@ static double layer_activation_bytes(const struct model_config *m, int layer, do
     return T * per_tok;
 }
 
+/* The largest layer's full activations among [layer0, layer1) (what the recompute rebuilds). */
+static double largest_layer_bytes(const struct config *c, int layer0, int layer1)
+{
+    const double T = (double)c->train.micro_batch_size * (double)c->train.seq_len;
+    const double act_b = c->model.precision == MT_PREC_FP32 ? 4 : 2;
+    double largest = 0;
+    for (int l = layer0; l < layer1; l++) {
+        double b = layer_activation_bytes(&c->model, l, T, act_b, c->parallel.expert_parallel_size);
+        largest = b > largest ? b : largest;
+    }
+    return largest;
+}
+
 double estimate_activation_bytes(const struct config *c, int layer0, int layer1, bool first, bool last)
 {
     const struct model_config *m = &c->model;
@@ -130,7 +143,7 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
     const struct model_config *m = &c->model;
     memset(e, 0, sizeof *e);
     e->stage = stage;
-    mesh_stage_layers(m->num_hidden_layers, d->pp, stage, &e->layer0, &e->layer1);
+    mesh_stage_layers_cfg(c, d->pp, stage, &e->layer0, &e->layer1);
     e->has_embed = stage == 0;
     e->has_head = stage == d->pp - 1;
     for (int l = e->layer0; l < e->layer1; l++) e->n_moe_layers += config_layer_is_moe(m, l);
@@ -194,8 +207,22 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
     e->grad_bytes = held * 4 + work_g;
     e->master_bytes = held * 4;
     e->adam_bytes = held * (c->train.optimizer_state_dtype == MT_STATE_BF16 ? 4 : 8);
-    e->act_bytes = estimate_activation_bytes(c, e->layer0, e->layer1, e->has_embed, e->has_head);
-    e->buffer_bytes = staging + scratch_bytes(c);
+    /* 1F1B (pipeline.c): stage s keeps min(pp - s, micro-steps) micro-batches in flight, each with
+     * its layers' saved activations (the recompute's shared layer and the head once), its input
+     * and output rows and, between stages, its transfer buffers for dL/dh in and out */
+    const int dp_micro = d->S * c->train.micro_batch_size;
+    const int n_micro = dp_micro > 0 ? MT_MAX(1, c->train.global_batch_size / dp_micro) : 1;
+    e->slots = d->pp > 1 ? MT_MIN(d->pp - stage, n_micro) : 1;
+    const double T = (double)c->train.micro_batch_size * (double)c->train.seq_len;
+    const double once = estimate_activation_bytes(c, e->layer0, e->layer0, e->has_embed, e->has_head);
+    const double per_slot = estimate_activation_bytes(c, e->layer0, e->layer1, false, false) -
+                            (c->train.activation_checkpointing ? largest_layer_bytes(c, e->layer0, e->layer1) : 0);
+    const double rows = (e->has_head ? 0 : T * m->hidden_size * x) + T * 12;  /* h_out; ids, labels, positions */
+    e->act_bytes = once + e->slots * (per_slot + rows) +
+                   (c->train.activation_checkpointing ? largest_layer_bytes(c, e->layer0, e->layer1) : 0);
+    const double transfer = d->pp > 1 ? (double)e->slots * ((e->has_head ? 0 : 1) + (e->has_embed ? 0 : 1)) * T *
+                                            m->hidden_size * x : 0;
+    e->buffer_bytes = staging + scratch_bytes(c) + transfer;
     e->keep_copy = copy;
     e->total_bytes = e->param_bytes + e->grad_bytes + e->master_bytes + e->adam_bytes + e->act_bytes +
                      e->buffer_bytes;

@@ -37,6 +37,7 @@ struct stage_estimate {
     double act_bytes;             /* activations saved for backward, one micro-batch */
     double buffer_bytes;          /* collective staging and backward scratch */
     bool keep_copy;               /* a compute-dtype copy of the shard is kept (train.weight_copy) */
+    int slots;                    /* micro-batches in flight (1F1B: min(pp - stage, micro-steps)) */
     double total_bytes;
 };
 

@@ -217,7 +217,53 @@ static void print_row(FILE *f, const struct config *c, const struct mesh_dims *d
             e->adam_bytes / unit, e->act_bytes / unit, e->buffer_bytes / unit, e->total_bytes / unit);
 }
 
+/* "a" or "a-b" */
+static void span(char *buf, size_t cap, int a, int b)
+{
+    if (a == b) snprintf(buf, cap, "%d", a);
+    else snprintf(buf, cap, "%d-%d", a, b);
+}
+
+/* The folded table: every rank of a stage has the same layers, shard shapes and memory (the padded
+ * shards are equal), so one row per stage with the ranges of ranks, nodes, EP and EP_FSDP ranks. */
+static void print_stage_row(FILE *f, const struct config *c, const struct mesh_dims *d,
+                            const struct tensor_table *tt, const struct stage_estimate *e, int first_moe,
+                            const int *node_of_rank, double unit)
+{
+    const int g0 = e->stage * d->S, g1 = g0 + d->S - 1;
+    int n0 = node_of_rank[g0], n1 = n0;
+    for (int g = g0; g <= g1; g++) {
+        n0 = MT_MIN(n0, node_of_rank[g]);
+        n1 = MT_MAX(n1, node_of_rank[g]);
+    }
+    char ranks[32], nodes[32], layers[32], eps[16], fs[16], experts[32], gu[48], dn[48];
+    span(ranks, sizeof ranks, g0, g1);
+    span(nodes, sizeof nodes, n0, n1);
+    span(eps, sizeof eps, 0, d->ep - 1);
+    span(fs, sizeof fs, 0, d->ep_fsdp - 1);
+    snprintf(layers, sizeof layers, "[%d,%d)", e->layer0, e->layer1);
+    if (c->model.num_experts > 0) snprintf(experts, sizeof experts, "%d each", c->model.num_experts / d->ep);
+    else snprintf(experts, sizeof experts, "-");
+    if (first_moe >= 0) {
+        expert_shape(gu, sizeof gu, tt, d, TR_EXP_GATE_UP, first_moe, 0, 0);
+        expert_shape(dn, sizeof dn, tt, d, TR_EXP_DOWN, first_moe, 0, 0);
+    } else {
+        snprintf(gu, sizeof gu, "-");
+        snprintf(dn, sizeof dn, "-");
+    }
+    fprintf(f, "%11s %7s %5d %-10s %4s %5s %-11s %17s %17s %12" PRId64 " %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f\n",
+            ranks, nodes, e->stage, layers, eps, fs, experts, gu, dn, e->dense_numel, e->param_bytes / unit,
+            e->grad_bytes / unit, e->master_bytes / unit, e->adam_bytes / unit, e->act_bytes / unit,
+            e->buffer_bytes / unit, e->total_bytes / unit);
+}
+
 void plan_print(FILE *f, const struct config *c, const struct mesh_dims *d, const int *node_of_rank)
+{
+    plan_print_opts(f, c, d, node_of_rank, false);
+}
+
+void plan_print_opts(FILE *f, const struct config *c, const struct mesh_dims *d, const int *node_of_rank,
+                     bool fold)
 {
     struct tensor_table tt;
     tensor_table_build(&tt, &c->model);
@@ -239,11 +285,18 @@ void plan_print(FILE *f, const struct config *c, const struct mesh_dims *d, cons
 
     print_header(f, c, d, &tt, n_nodes);
     fprintf(f, "\nper-rank layout; memory per rank in %s (estimate; legend below)\n", gib ? "GiB" : "MiB");
-    fprintf(f, "%6s %5s %5s %-10s %4s %5s %-11s %17s %17s %12s %8s %8s %8s %8s %8s %8s %8s\n", "rank", "node",
-            "stage", "layers", "ep", "fsdp", "experts", "gate_up shard", "down shard", "non-expert",
-            "params", "grads", "master", "adam", "acts", "buffers", "total");
+    if (fold) {
+        fprintf(f, "%11s %7s %5s %-10s %4s %5s %-11s %17s %17s %12s %8s %8s %8s %8s %8s %8s %8s\n", "ranks",
+                "nodes", "stage", "layers", "ep", "fsdp", "experts", "gate_up shard", "down shard",
+                "non-expert", "params", "grads", "master", "adam", "acts", "buffers", "total");
+        for (int s = 0; s < d->pp; s++) print_stage_row(f, c, d, &tt, &st[s], first_moe[s], node_of_rank, unit);
+    }
+    else
+        fprintf(f, "%6s %5s %5s %-10s %4s %5s %-11s %17s %17s %12s %8s %8s %8s %8s %8s %8s %8s\n", "rank",
+                "node", "stage", "layers", "ep", "fsdp", "experts", "gate_up shard", "down shard",
+                "non-expert", "params", "grads", "master", "adam", "acts", "buffers", "total");
     const bool elide = d->world > PLAN_FULL_TABLE_MAX;
-    for (int g = 0; g < d->world; g++) {
+    for (int g = 0; g < d->world && !fold; g++) {
         if (elide && g == PLAN_EDGE_ROWS) {
             fprintf(f, "%6s ... %d ranks not shown (the table is complete up to %d ranks) ...\n", "",
                     d->world - 2 * PLAN_EDGE_ROWS, PLAN_FULL_TABLE_MAX);
@@ -253,17 +306,21 @@ void plan_print(FILE *f, const struct config *c, const struct mesh_dims *d, cons
     }
     const bool fp32 = c->model.precision == MT_PREC_FP32;
     fprintf(f, "legend: experts = experts held [a,b); gate_up/down shard = experts x dim-1 rows held x dim 2 "
-            "(dim 1 split across ep_fsdp); non-expert = elements of the non-expert shard (dim 0 split across "
-            "the stage, padded)\n");
-    fprintf(f, "  params = the stage's weights gathered for compute (%s) plus the shard's own copy where its "
-            "group has several ranks; grads = fp32 gradients of those, accumulated over micro-batches; "
-            "master = fp32 master weights of the shard; adam = two fp32 moments of the shard\n",
-            fp32 ? "fp32" : "bf16");
-    fprintf(f, "  acts = activations saved for backward of one micro-batch (%d x %d tokens) by the stage's "
-            "layers, plus logits on the last stage (a pipeline schedule may keep up to pp - stage "
-            "micro-batches in flight)\n", c->train.micro_batch_size, c->train.seq_len);
-    fprintf(f, "  buffers = all-gather and reduce-scatter staging (group size x shard) of the groups with "
-            "several ranks\n");
+            "(dim 1 split across ep_fsdp); non-expert = elements of the non-expert shard (each layer's "
+            "non-expert tensors cut in equal chunks across the stage)\n");
+    fprintf(f, "  params = %s working weights: %s, plus layer buffers where a unit is gathered (or cast) per "
+            "use (one of the largest unit, one of the largest layer); grads = the fp32 gradient of the shard "
+            "plus one unit's working gradient where the group has several ranks; master = fp32 master "
+            "weights of the shard; adam = the two moments of the shard (%s)\n",
+            fp32 ? "fp32" : "bf16",
+            estimate_keep_copy(c, d, PLAN_DEVICE_BYTES) ? "the shard's kept compute copy (train.weight_copy)"
+                                                        : "no kept copy (train.weight_copy: cast)",
+            c->train.optimizer_state_dtype == MT_STATE_BF16 ? "bf16" : "fp32");
+    fprintf(f, "  acts = activations saved for backward by the stage's layers for the micro-batches in flight "
+            "(%d x %d tokens each; 1F1B keeps min(pp - stage, micro-steps)), plus logits on the last stage\n",
+            c->train.micro_batch_size, c->train.seq_len);
+    fprintf(f, "  buffers = expert all-gather / reduce-scatter staging, the backward's scratch, pipeline "
+            "transfer buffers\n");
 
     print_groups(f, d);
     print_ep_node_warning(f, d, node_of_rank);
@@ -276,13 +333,18 @@ void plan_print(FILE *f, const struct config *c, const struct mesh_dims *d, cons
 
 void plan_print_mesh(FILE *f, const struct config *c, const struct mesh *m)
 {
+    plan_print_mesh_opts(f, c, m, false);
+}
+
+void plan_print_mesh_opts(FILE *f, const struct config *c, const struct mesh *m, bool fold)
+{
     int size = 0, rank = 0;
     MT_CHECK_MPI(MPI_Comm_size(m->world_comm, &size));
     MT_CHECK_MPI(MPI_Comm_rank(m->world_comm, &rank));
     MT_CHECK(size == m->d.world, "mesh world communicator has %d ranks, mesh expects %d", size, m->d.world);
     int *nodes = rank == 0 ? mt_malloc((size_t)size * sizeof *nodes) : NULL;
     MT_CHECK_MPI(MPI_Gather(&m->node, 1, MPI_INT, nodes, 1, MPI_INT, 0, m->world_comm));
-    if (rank == 0) plan_print(f, c, &m->d, nodes);
+    if (rank == 0) plan_print_opts(f, c, &m->d, nodes, fold);
     free(nodes);
 }
 

@@ -19,8 +19,14 @@
  * node_of_rank: [d->world] node index of every global rank (dense, starting at 0). */
 void plan_print(FILE *f, const struct config *c, const struct mesh_dims *d, const int *node_of_rank);
 
+/* The same with one row per pipeline stage when fold is true (every rank of a stage has the same
+ * layers, shard shapes and memory): train's start-up table. */
+void plan_print_opts(FILE *f, const struct config *c, const struct mesh_dims *d, const int *node_of_rank,
+                     bool fold);
+
 /* Collective over m->world_comm: gathers every rank's node index to rank 0, which calls plan_print
  * on f. The other ranks print nothing. */
 void plan_print_mesh(FILE *f, const struct config *c, const struct mesh *m);
+void plan_print_mesh_opts(FILE *f, const struct config *c, const struct mesh *m, bool fold);
 
 #endif

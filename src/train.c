@@ -299,7 +299,7 @@ int cmd_train(const struct cli *a)
     if (*c.data.routing_replay &&
         !route_replay_open(&m, c.data.routing_replay, (int64_t)tc->steps * tc->global_batch_size, err, sizeof err))
         mt_user_error("data.routing_replay: %s", err);
-    plan_print_mesh(stdout, &c, &mesh);
+    plan_print_mesh_opts(stdout, &c, &mesh, mesh.d.world > 16);
     char init[3 * MT_PATH_MAX];
     if (resuming) snprintf(init, sizeof init, "resumed from %s (step %d)", resume_dir, start_step);
     else if (*c.model.init_from) snprintf(init, sizeof init, "weights from %s", c.model.init_from);

@@ -130,9 +130,14 @@ Test(plan, shard_and_optimizer_bytes_by_hand)
     cr_assert_float_eq(s1.param_bytes, 2 * h1 + 2 * (4 * 408 + 680 + 2 * 480), 1e-9);
     /* staging: the expert gather / reduce-scatter buffer, 2 x 240 fp32 (the collectives run in
      * place); the rest is backward scratch, the same for every stage */
-    const double st = 2 * 240 * 4;
-    cr_assert_float_eq(scratch_of(&s0, st), scratch_of(&s1, st), 1e-6);
-    cr_assert_gt(scratch_of(&s0, st), 0);
+    /* 1F1B: stage 0 keeps min(pp - 0, micro-steps = 16 / (4 x 2)) = 2 micro-batches in flight, the
+     * last stage 1; each slot of a stage with a neighbour has a dL/dh transfer buffer of T x H bf16
+     * (T = 2 x 8 tokens, H 16) towards it */
+    cr_assert_eq(s0.slots, 2);
+    cr_assert_eq(s1.slots, 1);
+    const double st = 2 * 240 * 4, xfer = 16 * 16 * 2;
+    cr_assert_float_eq(scratch_of(&s0, st + 2 * xfer), scratch_of(&s1, st + xfer), 1e-6);
+    cr_assert_gt(scratch_of(&s0, st + 2 * xfer), 0);
     cr_assert_float_eq(s0.total_bytes, s0.param_bytes + s0.grad_bytes + s0.master_bytes + s0.adam_bytes +
                                            s0.act_bytes + s0.buffer_bytes, 1e-6);
 
@@ -417,4 +422,50 @@ Test(plan_cli, impossible_world_is_one_line_error)
     cr_assert_not_null(strstr(text, "world size 6 is not divisible by pipeline_parallel_size 4"), "%s", text);
     cr_assert_eq(strchr(text, '\n'), text + strlen(text) - 1, "expected one line: %s", text);
     free(text);
+}
+
+/* train's start-up table folds every stage's identical ranks into one row: for 64 ranks in 4
+ * stages, 4 rows whose totals are those of the per-rank table. */
+Test(plan, folded_table_has_one_row_per_stage)
+{
+    struct config c;
+    qwen3_30b_config(&c, 4, 8);
+    struct mesh_dims d;
+    dims(&c, 64, &d);
+    int *nodes = nodes_of(64, 8);
+    char *full = plan_text(&c, &d, nodes), *folded = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&folded, &len);
+    cr_assert_not_null(f);
+    plan_print_opts(f, &c, &d, nodes, true);
+    fclose(f);
+    const char *p = strstr(folded, "\n      ranks ");
+    cr_assert(p, "%s", folded);
+    p = strchr(p + 1, '\n') + 1;
+    const char *want_ranks[4] = {"0-15", "16-31", "32-47", "48-63"};
+    for (int s = 0; s < 4; s++) {
+        char ranks[32], nodes_s[32], total_full[32];
+        int stage = -1;
+        cr_assert_eq(sscanf(p, "%31s %31s %d", ranks, nodes_s, &stage), 3, "%.120s", p);
+        cr_expect_str_eq(ranks, want_ranks[s]);
+        cr_expect_eq(stage, s);
+        const char *eol = strchr(p, '\n');
+        const char *last = eol;
+        while (last > p && last[-1] != ' ') last--;
+        /* the per-rank row of the stage's first rank ends with the same total */
+        char key[32];
+        snprintf(key, sizeof key, "\n%6d ", s * 16);
+        const char *row = strstr(full, key);
+        cr_assert(row, "no row for rank %d", s * 16);
+        const char *reol = strchr(row + 1, '\n'), *rlast = reol;
+        while (rlast > row && rlast[-1] != ' ') rlast--;
+        snprintf(total_full, sizeof total_full, "%.*s", (int)(reol - rlast), rlast);
+        cr_expect(!strncmp(last, total_full, (size_t)(eol - last)), "stage %d: total %.*s vs %s", s,
+                  (int)(eol - last), last, total_full);
+        p = eol + 1;
+    }
+    cr_expect(!strncmp(p, "legend", 6), "a fifth row: %.80s", p);
+    free(full);
+    free(folded);
+    free(nodes);
 }
