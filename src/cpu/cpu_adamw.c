@@ -26,25 +26,43 @@ static uint16_t f32_to_bf16(float x)
     return (uint16_t)(u >> 16);
 }
 
+/* The step's constants: bias corrections formed in double and rounded once, the decay factor. */
+struct adam_step {
+    float lr, beta1, beta2, eps, decay, bc1, bc2, grad_scale;
+};
+
+static struct adam_step adam_step_of(float lr, float beta1, float beta2, float eps, float weight_decay, int t,
+                                     float grad_scale)
+{
+    MT_CHECK(t >= 1, "adamw: step %d must be >= 1 (bias correction divides by 1 - beta^t)", t);
+    return (struct adam_step){lr, beta1, beta2, eps, 1.0f - lr * weight_decay,
+                              (float)(1.0 - pow((double)beta1, t)), (float)(1.0 - pow((double)beta2, t)),
+                              grad_scale};
+}
+
+/* One element: the moments *m, *v (read, then updated in fp32), the master and its compute copy. */
+static inline void adam_elem(const struct adam_step *k, float grad, float *m, float *v, float *master, float *param)
+{
+    const float g = grad * k->grad_scale;
+    *m = k->beta1 * *m + (1.0f - k->beta1) * g;
+    *v = k->beta2 * *v + (1.0f - k->beta2) * g * g;
+    const float mhat = *m / k->bc1, vhat = *v / k->bc2;
+    float p = *master * k->decay;
+    p -= k->lr * (mhat / (sqrtf(vhat) + k->eps));
+    *master = p;
+    if (param) *param = p; /* param may be master itself */
+}
+
 void cpu_adamw_update_m16(float *master, float *param, const float *grad, uint16_t *m, uint16_t *v,
                           size_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
                           int t, float grad_scale)
 {
-    MT_CHECK(t >= 1, "adamw: step %d must be >= 1 (bias correction divides by 1 - beta^t)", t);
-    const float bc1 = (float)(1.0 - pow((double)beta1, t));
-    const float bc2 = (float)(1.0 - pow((double)beta2, t));
-    const float decay = 1.0f - lr * weight_decay;
+    const struct adam_step k = adam_step_of(lr, beta1, beta2, eps, weight_decay, t, grad_scale);
     for (size_t i = 0; i < n; i++) {
-        const float g = grad[i] * grad_scale;
-        const float mi = beta1 * bf16_to_f32(m[i]) + (1.0f - beta1) * g;
-        const float vi = beta2 * bf16_to_f32(v[i]) + (1.0f - beta2) * g * g;
+        float mi = bf16_to_f32(m[i]), vi = bf16_to_f32(v[i]);
+        adam_elem(&k, grad[i], &mi, &vi, &master[i], param ? &param[i] : NULL);
         m[i] = f32_to_bf16(mi);
         v[i] = f32_to_bf16(vi);
-        const float mhat = mi / bc1, vhat = vi / bc2;
-        float p = master[i] * decay;
-        p -= lr * (mhat / (sqrtf(vhat) + eps));
-        master[i] = p;
-        if (param) param[i] = p;
     }
 }
 
@@ -52,22 +70,8 @@ void cpu_adamw_update(float *master, float *param, const float *grad, float *m, 
                       float lr, float beta1, float beta2, float eps, float weight_decay, int t,
                       float grad_scale)
 {
-    MT_CHECK(t >= 1, "adamw: step %d must be >= 1 (bias correction divides by 1 - beta^t)", t);
-    const float bc1 = (float)(1.0 - pow((double)beta1, t));
-    const float bc2 = (float)(1.0 - pow((double)beta2, t));
-    const float decay = 1.0f - lr * weight_decay;
-    for (size_t i = 0; i < n; i++) {
-        const float g = grad[i] * grad_scale;
-        const float mi = beta1 * m[i] + (1.0f - beta1) * g;
-        const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
-        m[i] = mi;
-        v[i] = vi;
-        const float mhat = mi / bc1, vhat = vi / bc2;
-        float p = master[i] * decay;
-        p -= lr * (mhat / (sqrtf(vhat) + eps));
-        master[i] = p;
-        if (param) param[i] = p; /* param may be master itself */
-    }
+    const struct adam_step k = adam_step_of(lr, beta1, beta2, eps, weight_decay, t, grad_scale);
+    for (size_t i = 0; i < n; i++) adam_elem(&k, grad[i], &m[i], &v[i], &master[i], param ? &param[i] : NULL);
 }
 
 void cpu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, float lr, float beta1,
