@@ -155,11 +155,21 @@ const char *hf_source_path(const struct hf_source *src)
     return src->path;
 }
 
+/* The aux-free balancing bias moetrain exports beside the weights is read by hf_load_bias, not as a
+ * parameter: it is not "unused". */
+static bool is_balancing_bias(const char *name)
+{
+    const char *suffix = ".mlp.gate.e_score_correction_bias";
+    size_t n = strlen(name), k = strlen(suffix);
+    return n > k && !strcmp(name + n - k, suffix);
+}
+
 int hf_count_unused(const struct hf_source *src)
 {
     int n = 0;
     for (int i = 0; i < src->n; i++)
-        for (int j = 0; j < src->files[i].f->n; j++) n += !src->files[i].used[j];
+        for (int j = 0; j < src->files[i].f->n; j++)
+            n += !src->files[i].used[j] && !is_balancing_bias(src->files[i].f->t[j].name);
     return n;
 }
 

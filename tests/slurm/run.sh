@@ -86,8 +86,17 @@ wait_steps() {
     done
     return 1
 }
-# "step loss ce aux gnorm" of every step of a metrics file, step order
-losses() { sed -E 's/^\{"step": ([0-9]+), "loss": ([^,]*), "ce_loss": ([^,]*), "aux_loss": ([^,]*), "grad_norm": ([^,]*),.*/\1 \2 \3 \4 \5/' "$1" | sort -n; }
+# the step and its loss, CE, aux loss and grad norm from each JSONL record, by key (the order and the
+# other keys of a record are not this test's business), in step order
+losses() {
+    awk '{ out = ""; n = split("step loss ce_loss aux_loss grad_norm", key, " ")
+           for (i = 1; i <= n; i++) {
+               v = "missing"
+               if (match($0, "\"" key[i] "\": [^,}]*")) { v = substr($0, RSTART, RLENGTH); sub(/^[^:]*: /, "", v) }
+               out = out (i > 1 ? " " : "") v
+           }
+           print out }' "$1" | sort -n
+}
 
 # --- a: the uninterrupted reference run; its dry run and its training print the same layout
 ref=$(submit ref --set log.metrics="$work/ref.jsonl" --set checkpoint.dir="$work/ck-ref") || { bad "sbatch refused the launch script"; finish; }

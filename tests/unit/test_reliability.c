@@ -374,7 +374,8 @@ Test(reliability, corrupt_checkpoints_are_one_line_errors)
 }
 
 /* kill -9 at random moments of runs that save every step: each restart with --resume auto finds
- * a complete checkpoint (or none yet) and the last one resumes cleanly */
+ * a complete checkpoint (or none yet) and the last one resumes cleanly. Each kill waits for the
+ * run's first save (a slow machine may take seconds to start) and then up to 0.9 s more. */
 Test(reliability, kill_9_during_saves_loses_nothing, .timeout = 400)
 {
     char cmd[4096], *out = NULL;
@@ -383,7 +384,8 @@ Test(reliability, kill_9_during_saves_loses_nothing, .timeout = 400)
              "(exec %s/%s/moetrain train %s/configs/tiny.yaml " SMALL " --set train.steps=100000 "
              "--set checkpoint.dir=ck --set checkpoint.interval=1 --set checkpoint.keep=2 "
              "--set model.hidden_size=128 --set model.vocab_size=4096 --resume auto > run_$i.log 2>&1) & pid=$!; "
-             "sleep 1.$(( RANDOM %% 10 )); kill -9 $pid; wait $pid; done; "
+             "for t in $(seq 600); do grep -q 'saved to' run_$i.log && break; kill -0 $pid 2>/dev/null || break; sleep 0.1; done; "
+             "sleep 0.$(( RANDOM %% 10 )); kill -9 $pid; wait $pid; done; "
              "grep -l 'moetrain: error' run_*.log; ls ck",
              dir, getenv("PWD"), tu_build(), getenv("PWD"));
     tu_run(cmd, &out);
