@@ -26,7 +26,7 @@ struct nccl_impl {
     struct ipc_a2a *ipc; /* copy-engine all_to_all_inbox when every rank is on this host */
     void *inbox;         /* all_to_all_inbox's buffer otherwise (NCCL moves the data) */
     size_t inbox_cap;
-    cudaStream_t side;   /* p2p_start's transfers (created on first use) */
+    cudaStream_t side;   /* p2p_start's and all_gather_start's transfers (created on first use) */
 };
 
 static struct nccl_impl *impl_of(struct comm *c) { return (struct nccl_impl *)c->impl; }
@@ -290,6 +290,9 @@ struct nccl_p2p_state {
 
 /* The group goes on the side stream once the compute stream's queued work (which wrote the send
  * buffers and last read the receive buffers) is done. */
+static void side_begin(struct nccl_impl *im);
+static void side_end(struct nccl_impl *im, struct nccl_p2p_state *st);
+
 static void nccl_p2p_start(struct comm *c, const struct comm_p2p_op *ops, int n, struct comm_p2p_req *r)
 {
     struct nccl_impl *im = impl_of(c);
@@ -300,16 +303,52 @@ static void nccl_p2p_start(struct comm *c, const struct comm_p2p_op *ops, int n,
     if (host == 1) {
         im->host->ops->p2p_start(im->host, ops, n, &st->host);
     } else {
-        if (!im->side) CUDA_CHECK(cudaStreamCreateWithFlags(&im->side, cudaStreamNonBlocking));
-        cudaEvent_t ready;
-        CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-        CUDA_CHECK(cudaEventRecord(ready, g_cuda.stream));
-        CUDA_CHECK(cudaStreamWaitEvent(im->side, ready, 0));
-        CUDA_CHECK(cudaEventDestroy(ready));
+        side_begin(im);
         p2p_group(im, ops, n, im->side);
-        CUDA_CHECK(cudaEventCreateWithFlags(&st->done, cudaEventDisableTiming));
-        CUDA_CHECK(cudaEventRecord(st->done, im->side));
+        side_end(im, st);
     }
+    r->state = st;
+}
+
+/* The side stream runs after everything already queued on the main stream (the buffers' producers). */
+static void side_begin(struct nccl_impl *im)
+{
+    if (!im->side) CUDA_CHECK(cudaStreamCreateWithFlags(&im->side, cudaStreamNonBlocking));
+    cudaEvent_t ready;
+    CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(ready, g_cuda.stream));
+    CUDA_CHECK(cudaStreamWaitEvent(im->side, ready, 0));
+    CUDA_CHECK(cudaEventDestroy(ready));
+}
+
+static void side_end(struct nccl_impl *im, struct nccl_p2p_state *st)
+{
+    CUDA_CHECK(cudaEventCreateWithFlags(&st->done, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(st->done, im->side));
+}
+
+/* fsdp.c's prefetch: the all-gather on the side stream, overlapping the compute queued after it
+ * on the main stream; p2p_wait makes the main stream wait for it. */
+static void nccl_all_gather_start(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t,
+                                  struct comm_p2p_req *r)
+{
+    struct nccl_impl *im = impl_of(c);
+    r->state = NULL;
+    if (on_host("all_gather", recv, n, send, n)) {
+        struct comm_p2p_req host = {NULL};
+        im->host->ops->all_gather_start(im->host, recv, send, n, t, &host);
+        if (!host.state) return;   /* it ran to completion */
+        struct nccl_p2p_state *st = (struct nccl_p2p_state *)mt_calloc(1, sizeof *st);
+        st->host = host;
+        r->state = st;
+        return;
+    }
+    const size_t es = comm_dtype_size(t);
+    const void *src = send == recv ? (const char *)recv + (size_t)c->rank * n * es : send;
+    struct nccl_p2p_state *st = (struct nccl_p2p_state *)mt_calloc(1, sizeof *st);
+    side_begin(im);
+    NCCL_CHECK(ncclAllGather(src, recv, n, nccl_type(t), im->nccl, im->side));
+    side_end(im, st);
     r->state = st;
 }
 
@@ -349,7 +388,8 @@ static void nccl_destroy(struct comm *c)
 
 static const struct comm_ops nccl_ops = {
     nccl_all_gather, nccl_reduce_scatter_sum, nccl_all_reduce_sum, nccl_all_to_all_v,
-    nccl_all_to_all, nccl_all_to_all_inbox, nccl_p2p, nccl_p2p_start, nccl_p2p_wait, nccl_destroy,
+    nccl_all_to_all, nccl_all_to_all_inbox, nccl_p2p, nccl_p2p_start, nccl_all_gather_start, nccl_p2p_wait,
+    nccl_destroy,
 };
 
 extern "C" struct comm *comm_nccl_create(MPI_Comm mpi)

@@ -30,7 +30,7 @@ struct comm_p2p_op {
     enum comm_dtype dtype;
 };
 
-/* A grouped transfer in flight between comm_p2p_start and comm_p2p_wait. */
+/* A transfer in flight between comm_p2p_start (or comm_all_gather_start) and comm_p2p_wait. */
 struct comm_p2p_req {
     void *state;           /* the implementation's; NULL when nothing is in flight */
 };
@@ -67,6 +67,11 @@ struct comm_ops {
      * stream waits for the side stream) and the send buffers writable again. Between the two the
      * buffers are the transfer's. Groups started on one comm complete in the order started. */
     void (*p2p_start)(struct comm *c, const struct comm_p2p_op *ops, int n, struct comm_p2p_req *r);
+    /* all_gather started now and finished by p2p_wait (fsdp.c's prefetch of the next layer):
+     * neither buffer may be touched in between; on NCCL it runs on the side stream after the work
+     * already queued */
+    void (*all_gather_start)(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t,
+                             struct comm_p2p_req *r);
     void (*p2p_wait)(struct comm *c, struct comm_p2p_req *r);
     /* optional (NULL for MPI): releases c->impl; comm_free calls it before freeing c */
     void (*destroy)(struct comm *c);
@@ -99,6 +104,10 @@ void comm_p2p(struct comm *c, const struct comm_p2p_op *ops, int n);
 void comm_p2p_start(struct comm *c, const struct comm_p2p_op *ops, int n, struct comm_p2p_req *r);
 /* (a request with nothing in flight returns at once) */
 void comm_p2p_wait(struct comm *c, struct comm_p2p_req *r);
+/* The all-gather in two halves (ops->all_gather_start); comm_p2p_wait finishes it. A NULL comm or a
+ * group of one runs it at once. */
+void comm_all_gather_start(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t,
+                           struct comm_p2p_req *r);
 /* (for a NULL comm the result is `send` itself) */
 const void *comm_all_to_all_inbox(struct comm *c, const int64_t *recv_counts, const void *send,
                                   const int64_t *send_counts, enum comm_dtype t);

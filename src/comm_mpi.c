@@ -246,6 +246,23 @@ static void mpi_p2p_wait(struct comm *c, struct comm_p2p_req *r)
     r->state = NULL;
 }
 
+/* one MPI_Iallgather, completed by mpi_p2p_wait (counts above the int limit run blocking) */
+static void mpi_all_gather_start(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t,
+                                 struct comm_p2p_req *r)
+{
+    r->state = NULL;
+    if (n > max_count()) {
+        mpi_all_gather(c, recv, send, n, t);
+        return;
+    }
+    const bool in_place = send == (const char *)recv + (size_t)c->rank * n * comm_dtype_size(t);
+    struct mpi_p2p_state *st = mt_malloc(sizeof *st + sizeof(MPI_Request));
+    MT_CHECK_MPI(MPI_Iallgather(in_place ? MPI_IN_PLACE : send, (int)n, mpi_type(t), recv, (int)n, mpi_type(t),
+                                c->mpi, &st->req[0]));
+    st->n = 1;
+    r->state = st;
+}
+
 static void mpi_p2p(struct comm *c, const struct comm_p2p_op *ops, int n)
 {
     struct comm_p2p_req r = {NULL};
@@ -294,6 +311,7 @@ static const struct comm_ops mpi_ops = {
     .all_to_all_inbox = mpi_all_to_all_inbox,
     .p2p = mpi_p2p,
     .p2p_start = mpi_p2p_start,
+    .all_gather_start = mpi_all_gather_start,
     .p2p_wait = mpi_p2p_wait,
     .destroy = mpi_destroy,
 };
@@ -396,6 +414,17 @@ void comm_p2p_start(struct comm *c, const struct comm_p2p_op *ops, int n, struct
         return;
     }
     if (n > 0) TIMED(c->ops->p2p_start(c, ops, n, r));
+}
+
+void comm_all_gather_start(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t,
+                           struct comm_p2p_req *r)
+{
+    r->state = NULL;
+    if (single(c)) {
+        if (recv != send) memmove(recv, send, n * comm_dtype_size(t));
+        return;
+    }
+    TIMED(c->ops->all_gather_start(c, recv, send, n, t, r));
 }
 
 void comm_p2p_wait(struct comm *c, struct comm_p2p_req *r)

@@ -135,8 +135,21 @@ static void suite(const struct backend *g, struct comm *hc, struct comm *dc, con
             dc->ops->all_gather(dc, dr, dr, n, t);
             got = host_of(g, dr, P * n * es);
             report(tag, "all_gather in place", t, same(got, ref, P * n, t, false, why, sizeof why), why);
+            free(got);
+            /* all_gather_start/p2p_wait (the FSDP prefetch): in place at recv + me·n, on the side
+             * stream, while the compute stream writes another buffer; even on one rank NCCL runs it */
+            g->free(dr);
+            dr = dev_out(g, P * n * es);
+            void *busy = dev_out(g, (size_t)1 << 22);
+            g->upload((char *)dr + (size_t)me * n * es, send, n * es);
+            struct comm_p2p_req req;
+            dc->ops->all_gather_start(dc, dr, (char *)dr + (size_t)me * n * es, n, t, &req);
+            g->zero(busy, (size_t)1 << 22);
+            dc->ops->p2p_wait(dc, &req);
+            got = host_of(g, dr, P * n * es);
+            report(tag, "all_gather_start in place", t, same(got, ref, P * n, t, false, why, sizeof why), why);
             free(got), free(send), free(ref);
-            g->free(ds), g->free(dr);
+            g->free(ds), g->free(dr), g->free(busy);
         }
         /* reduce_scatter_sum and all_reduce_sum */
         if (summable) {
