@@ -57,6 +57,7 @@ void config_defaults(struct config *c)
     c->parallel.ep_outside = false;
     c->parallel.n_pipeline_layers = 0;
     c->parallel.reshard_after_forward = true;
+    c->parallel.prefetch = true;
     c->parallel.backend = MT_BACKEND_AUTO;
 
     struct train_config *t = &c->train;

@@ -67,6 +67,7 @@ struct parallel_config {
     int pipeline_layers[MT_MAX_LAYERS]; /* layers of each stage, in order; sums to num_hidden_layers */
     enum mt_backend_choice backend; /* auto | cpu | cuda */
     bool reshard_after_forward;   /* free a layer's gathered weights after its forward (FSDP) */
+    bool prefetch;                /* gather the next layer while this one computes (FSDP) */
 };
 
 struct train_config {

@@ -24,31 +24,77 @@ static bool fits(const struct fsdp *f, const struct fsdp_wbuf *b, int u)
 
 static int64_t size_of(const struct fsdp_wbuf *b) { return b->cap[TG_DENSE] + b->cap[TG_EXPERT]; }
 
-/* The buffer holding unit u's weights, building them into a free buffer when none does: the
- * smallest that fits, the least recently used among equals. Without resharding every unit has a
- * buffer of its own. */
+/* The free buffer unit u's weights go to: the smallest that fits, the least recently used among
+ * equals; without resharding unit u's own. NULL when none is free. */
+static struct fsdp_wbuf *victim_for(struct fsdp *f, int u)
+{
+    if (!f->reshard) return f->wbuf[u].users == 0 ? &f->wbuf[u] : NULL;
+    struct fsdp_wbuf *victim = NULL;
+    for (int k = 0; k < f->n_bufs; k++) {
+        struct fsdp_wbuf *b = &f->wbuf[k];
+        if (b->users == 0 && fits(f, b, u) &&
+            (!victim || size_of(b) < size_of(victim) ||
+             (size_of(b) == size_of(victim) && b->last_use < victim->last_use)))
+            victim = b;
+    }
+    return victim;
+}
+
+static struct fsdp_wbuf *held(struct fsdp *f, int u)
+{
+    for (int k = 0; k < f->n_bufs; k++)
+        if (f->wbuf[k].unit == u) return &f->wbuf[k];
+    return NULL;
+}
+
+/* Every hook first finishes the prefetch in flight: its buffers (the working weights and the
+ * expert staging) are then free for whatever this hook does. */
+static void finish_prefetch(struct fsdp *f)
+{
+    struct fsdp_wbuf *b = f->pending.buf;
+    if (!b) return;
+    for (int g = 0; g < TG_COUNT; g++)
+        if (f->dyn_w[g]) params_gather_unit_finish(f->p, (enum tensor_group)g, b->unit, b->w[g], f->stage, &f->pending.req[g]);
+    f->pending.buf = NULL;
+}
+
+static bool p_tied(const struct fsdp *f) { return f->p->m->cfg.tie_word_embeddings; }
+
+/* Starts gathering unit u (when it is one of the stage's, not held already, and a buffer is free). */
+static void start_prefetch(struct fsdp *f, int u)
+{
+    if (!f->prefetch || u < 0 || u >= f->p->n_units || held(f, u)) return;
+    /* a tied head holds its unit and the embedding's at once: prefetched into the large buffer, the
+     * head would leave the embedding no room, so both go where on-demand placement puts them */
+    if (p_tied(f) && (u == 0 || u == f->p->n_units - 1)) return;
+    bool any = false;
+    for (int g = 0; g < TG_COUNT; g++) any |= unit_work(f, g, u) > 0;
+    struct fsdp_wbuf *b = any ? victim_for(f, u) : NULL;
+    if (!b) return;
+    for (int g = 0; g < TG_COUNT; g++)
+        if (f->dyn_w[g]) params_gather_unit_start(f->p, (enum tensor_group)g, u, b->w[g], f->stage, &f->pending.req[g]);
+    b->unit = u;
+    b->prefetched = true;
+    b->last_use = ++f->clock;
+    f->pending.buf = b;
+    f->n_gathers++;
+}
+
+/* The buffer holding unit u's weights, gathering them into a free buffer when none does. */
 static struct fsdp_wbuf *weights_of(struct fsdp *f, int u)
 {
-    struct fsdp_wbuf *hit = NULL, *victim = NULL;
-    if (!f->reshard) {
-        hit = &f->wbuf[u];
-        if (hit->unit != u) victim = hit, hit = NULL;
-    } else {
-        for (int k = 0; k < f->n_bufs; k++) {
-            struct fsdp_wbuf *b = &f->wbuf[k];
-            if (b->unit == u) hit = b;
-            else if (b->users == 0 && fits(f, b, u) &&
-                     (!victim || size_of(b) < size_of(victim) ||
-                      (size_of(b) == size_of(victim) && b->last_use < victim->last_use)))
-                victim = b;
-        }
-    }
+    struct fsdp_wbuf *hit = held(f, u);
     if (!hit) {
-        MT_CHECK(victim, "fsdp: no free working buffer holds unit %d", u);
+        hit = victim_for(f, u);
+        MT_CHECK(hit, "fsdp: no free working buffer holds unit %d", u);
         for (int g = 0; g < TG_COUNT; g++)
-            if (f->dyn_w[g]) params_gather_unit(f->p, (enum tensor_group)g, u, victim->w[g], f->stage);
-        victim->unit = u;
-        hit = victim;
+            if (f->dyn_w[g]) params_gather_unit(f->p, (enum tensor_group)g, u, hit->w[g], f->stage);
+        hit->unit = u;
+        hit->prefetched = false;
+        f->n_gathers++;
+    } else if (hit->prefetched) {
+        hit->prefetched = false;
+        f->n_prefetched++;
     }
     hit->last_use = ++f->clock;
     return hit;
@@ -64,30 +110,32 @@ static void bind_weights(struct fsdp *f, int u, struct fsdp_wbuf *b, struct fsdp
 static void before_forward(void *ctx, int u)
 {
     struct fsdp *f = ctx;
+    finish_prefetch(f);
     struct fsdp_wbuf *b = weights_of(f, u);
     b->users++;
     bind_weights(f, u, b, NULL);
+    start_prefetch(f, u + 1);
 }
 
 static struct fsdp_wbuf *holding(struct fsdp *f, int u)
 {
-    for (int k = 0; k < f->n_bufs; k++)
-        if (f->wbuf[k].unit == u) return &f->wbuf[k];
-    mt_fatal("fsdp: unit %d released but not held", u);
+    struct fsdp_wbuf *b = held(f, u);
+    if (!b) mt_fatal("fsdp: unit %d released but not held", u);
+    return b;
 }
 
 static void after_forward(void *ctx, int u)
 {
     struct fsdp *f = ctx;
+    finish_prefetch(f);
     struct fsdp_wbuf *b = holding(f, u);
     b->users--;
 }
 
-static bool p_tied(const struct fsdp *f) { return f->p->m->cfg.tie_word_embeddings; }
-
 static void before_backward(void *ctx, int u)
 {
     struct fsdp *f = ctx;
+    finish_prefetch(f);
     struct fsdp_wbuf *b = weights_of(f, u);
     b->users++;
     struct fsdp_gbuf *gb = NULL;
@@ -99,11 +147,13 @@ static void before_backward(void *ctx, int u)
         if (f->dyn_g[g])
             be_of(f)->zero(gb->g[g], (size_t)f->p->g[g].u_work[u] * sizeof(float));
     bind_weights(f, u, b, gb);
+    start_prefetch(f, u - 1);
 }
 
 static void after_backward(void *ctx, int u)
 {
     struct fsdp *f = ctx;
+    finish_prefetch(f);   /* before the reduce-scatter reuses the expert staging */
     struct fsdp_gbuf *gb = NULL;
     for (int k = 0; k < FSDP_GRAD_BUFS && !gb; k++)
         if (f->gbuf[k].unit == u) gb = &f->gbuf[k];
@@ -114,11 +164,12 @@ static void after_backward(void *ctx, int u)
     holding(f, u)->users--;
 }
 
-void fsdp_init(struct fsdp *f, struct params *p, bool reshard)
+void fsdp_init(struct fsdp *f, struct params *p, bool reshard, bool prefetch)
 {
     memset(f, 0, sizeof *f);
     f->p = p;
     f->reshard = reshard;
+    f->prefetch = prefetch;
     const struct backend *be = p->m->be;
     params_bind_aliased(p);
     for (int g = 0; g < TG_COUNT; g++) {
@@ -162,9 +213,11 @@ void fsdp_init(struct fsdp *f, struct params *p, bool reshard)
 
 void fsdp_invalidate(struct fsdp *f)
 {
+    finish_prefetch(f);
     for (int k = 0; k < f->n_bufs; k++) {
         MT_CHECK(f->wbuf[k].users == 0, "fsdp: unit %d still in use at the optimizer step", f->wbuf[k].unit);
         f->wbuf[k].unit = -1;
+        f->wbuf[k].prefetched = false;
     }
 }
 
@@ -172,6 +225,7 @@ void fsdp_free(struct fsdp *f)
 {
     if (!f->p) return;
     const struct backend *be = be_of(f);
+    finish_prefetch(f);
     model_set_hooks(f->p->m, NULL);
     for (int g = 0; g < TG_COUNT; g++) {
         for (int k = 0; k < f->n_bufs; k++)

@@ -435,12 +435,14 @@ void params_unit_max(const struct params *p, enum tensor_group g, int64_t *work,
 
 /* The gathers run in place: the rank's piece is put at its slot of the gather's output (a copy
  * of the compute copy, or a cast of the master), so no send buffer is needed. Experts gather into
- * `stage` and are reordered into `work`. */
-void params_gather_unit(struct params *p, enum tensor_group g, int u, void *work, void *stage)
+ * `stage` and are reordered into `work` when the gather is finished. */
+void params_gather_unit_start(struct params *p, enum tensor_group g, int u, void *work, void *stage,
+                              struct comm_p2p_req *r)
 {
     const struct backend *be = p->m->be;
     struct param_group_shard *gs = &p->g[g];
     const int64_t n = gs->u_piece[u];
+    r->state = NULL;
     if (n == 0) return;
     const int rank = g == TG_DENSE ? p->S_rank : p->F_rank;
     void *out = g == TG_DENSE || gs->group_size == 1 ? work : stage;
@@ -448,8 +450,23 @@ void params_gather_unit(struct params *p, enum tensor_group g, int u, void *work
     if (gs->param_x) be->copy(mine, xat(be, gs->param_x, gs->u_off[u]), (size_t)n * be->x_size);
     else be->cast_f32_to_x(mine, gs->master + gs->u_off[u], (size_t)n);
     if (gs->group_size == 1) return;   /* the unit's piece is its working layout */
-    comm_all_gather(g == TG_DENSE ? p->stage : p->fsdp, out, mine, (size_t)n, comm_dtype_of_x(be->x_size));
-    if (g == TG_EXPERT) expert_blocks_copy(p, u, stage, work, be->x_size, true);
+    comm_all_gather_start(g == TG_DENSE ? p->stage : p->fsdp, out, mine, (size_t)n, comm_dtype_of_x(be->x_size), r);
+}
+
+void params_gather_unit_finish(struct params *p, enum tensor_group g, int u, void *work, void *stage,
+                               struct comm_p2p_req *r)
+{
+    struct param_group_shard *gs = &p->g[g];
+    if (gs->u_piece[u] == 0 || gs->group_size == 1) return;
+    comm_p2p_wait(g == TG_DENSE ? p->stage : p->fsdp, r);
+    if (g == TG_EXPERT) expert_blocks_copy(p, u, stage, work, p->m->be->x_size, true);
+}
+
+void params_gather_unit(struct params *p, enum tensor_group g, int u, void *work, void *stage)
+{
+    struct comm_p2p_req r;
+    params_gather_unit_start(p, g, u, work, stage, &r);
+    params_gather_unit_finish(p, g, u, work, stage, &r);
 }
 
 /* In place as well: the dense unit's gradient buffer is the reduce-scatter's input, the experts'

@@ -89,6 +89,12 @@ void params_bind_aliased(struct params *p);
  * reduce-scattered and added to the shard gradient. `stage`: expert scratch of group_size x piece
  * fp32 elements (unused for the dense group). */
 void params_gather_unit(struct params *p, enum tensor_group g, int u, void *work, void *stage);
+/* The gather in two halves, for prefetching: between them the collective is in flight and
+ * neither `work` nor `stage` may be touched (finish reorders the experts from `stage`). */
+void params_gather_unit_start(struct params *p, enum tensor_group g, int u, void *work, void *stage,
+                              struct comm_p2p_req *r);
+void params_gather_unit_finish(struct params *p, enum tensor_group g, int u, void *work, void *stage,
+                               struct comm_p2p_req *r);
 void params_reduce_unit(struct params *p, enum tensor_group g, int u, float *work_g, float *stage);
 /* Largest working elements of group g over the decoder layers' units alone. */
 int64_t params_layer_unit_max(const struct params *p, enum tensor_group g);

@@ -295,7 +295,7 @@ int cmd_train(const struct cli *a)
         params_init_random(&p, tc->seed);
     }
     struct fsdp sharding;
-    fsdp_init(&sharding, &p, c.parallel.reshard_after_forward);
+    fsdp_init(&sharding, &p, c.parallel.reshard_after_forward, c.parallel.prefetch);
     if (*c.data.routing_replay &&
         !route_replay_open(&m, c.data.routing_replay, (int64_t)tc->steps * tc->global_batch_size, err, sizeof err))
         mt_user_error("data.routing_replay: %s", err);
@@ -452,6 +452,10 @@ int cmd_train(const struct cli *a)
     struct mem_peak peak;
     mem_report_collect(&mesh, &peak);
     mem_report_print(&c, &mesh, &peak, keep_copy, be->x_size);
+    if (sharding.n_gathers > 0)   /* every rank gathers the same units: rank 0's count speaks for all */
+        mt_log0("fsdp: %lld unit gathers per rank, %lld (%.0f%%) prefetched while the unit before them computed\n",
+                (long long)sharding.n_gathers, (long long)sharding.n_prefetched,
+                100.0 * (double)sharding.n_prefetched / (double)sharding.n_gathers);
     if (*c.checkpoint.export_hf) {
         watchdog_phase(tc->steps, "export");
         if (!export_params_hf(&p, &mesh, &c, m.bias ? bias_h : NULL, a->force, c.checkpoint.export_hf, err,

@@ -19,6 +19,7 @@ struct run {
     double loss[8], gnorm[8];
     double peak;        /* measured peak bytes, max over ranks */
     double plan_pct;    /* (measured - plan) / plan, percent */
+    long gathers, prefetched; /* the "fsdp:" line's counts (-1: no line) */
 };
 
 /* Trains on np ranks (EP = ep, micro-batch 4 / np) in a fresh directory; fills r. */
@@ -43,6 +44,9 @@ static void train(int np, int ep, const char *extra, struct run *r)
     pct = strchr(pct, '(');
     cr_assert(pct, "%s", m);
     r->plan_pct = strtod(pct + 1, NULL);
+    r->gathers = r->prefetched = -1;
+    const char *fl = strstr(out, "fsdp: ");
+    if (fl) cr_assert_eq(sscanf(fl, "fsdp: %ld unit gathers per rank, %ld", &r->gathers, &r->prefetched), 2, "%s", fl);
     free(out);
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     tu_run(cmd, NULL);
@@ -70,6 +74,24 @@ Test(fsdp, memory_falls_with_the_world, .timeout = 600)
     expect_same_training(&one, &four, "ep2 x ep_fsdp2");
 }
 
+/* Prefetch: with two working buffers every layer but the one the head evicts is gathered while
+ * the unit before it computes (5 units of a 4-layer model: at least 7 of each step's 11 gathers),
+ * and parallel.prefetch=false gathers each unit when it is needed, one gather less per step. A
+ * group of one rank gathers nothing and prints no line. */
+Test(fsdp, the_next_layer_is_gathered_while_this_one_computes, .timeout = 600)
+{
+    struct run on, off, one;
+    train(4, 2, "", &on);
+    train(4, 2, "--set parallel.prefetch=false", &off);
+    cr_expect(on.gathers > 0 && on.prefetched >= 7 * 5, "prefetched %ld of %ld gathers in 5 steps", on.prefetched,
+              on.gathers);
+    cr_expect(on.prefetched <= on.gathers, "prefetched %ld of %ld", on.prefetched, on.gathers);
+    cr_expect(off.prefetched == 0 && off.gathers >= 10 * 5, "prefetch off: %ld of %ld", off.prefetched, off.gathers);
+    expect_same_training(&off, &on, "prefetch on vs off");
+    train(1, 1, "", &one);
+    cr_expect(one.gathers == -1, "one rank printed an fsdp line (%ld gathers)", one.gathers);
+}
+
 /* `plan` (the same breakdown) within 10% of the measured peak on CPU meshes. */
 Test(fsdp, plan_matches_measured_peak_on_cpu_meshes, .timeout = 900)
 {
@@ -83,12 +105,13 @@ Test(fsdp, plan_matches_measured_peak_on_cpu_meshes, .timeout = 900)
 }
 
 /* Casting every gather from the master (no compute copy), keeping every layer gathered from the
- * forward to the backward, and a tied embedding (its gradient reduced twice per micro-step: from
- * the head and from the embedding) all leave the training of one rank unchanged. */
+ * forward to the backward, no prefetch, and a tied embedding (its gradient reduced twice per
+ * micro-step: from the head and from the embedding) all leave the training of one rank unchanged. */
 Test(fsdp, options_change_nothing, .timeout = 900)
 {
     const char *opts[] = {"--set train.weight_copy=cast", "--set parallel.reshard_after_forward=false",
-                          "--set train.activation_checkpointing=true --set train.weight_copy=cast"};
+                          "--set train.activation_checkpointing=true --set train.weight_copy=cast",
+                          "--set parallel.prefetch=false"};
     struct run ref, got;
     train(1, 1, "", &ref);
     for (size_t k = 0; k < sizeof opts / sizeof opts[0]; k++) {
