@@ -62,7 +62,7 @@ MPI_TEST_BINS := $(MPI_TEST_SRCS:tests/mpi/%.c=$(BUILD)/tests/mpi/%)
 TOOL_SRCS := $(wildcard tools/*.c)
 TOOL_BINS := $(TOOL_SRCS:tools/%.c=$(BUILD)/tools/%)
 
-.PHONY: all deps data-deps test test-unit test-slurm test-gpu run bench bench-scaling clean check-deps tools fuzz
+.PHONY: all deps data-deps test test-unit test-slurm test-gpu run bench bench-scaling bench-sweep clean check-deps tools fuzz
 all: $(BUILD)/moetrain tools
 
 tools: $(TOOL_BINS)
@@ -133,6 +133,9 @@ bench: $(BUILD)/moetrain
 
 bench-scaling: $(BUILD)/moetrain
 	@scripts/bench-scaling.sh $(BUILD)
+
+bench-sweep: $(BUILD)/moetrain
+	@scripts/bench-sweep.sh $(BUILD)
 
 clean:
 	rm -rf $(BUILD)

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# `make bench-sweep` on a GPU machine: moetrain on one GPU against the compiled PyTorch baseline
+# (tools/hf_baseline.py) over training shapes a user would pick, each pair run back to back in the
+# same job with the same shapes and 65,536 tokens per optimizer step. Appends one row per shape
+# to BENCH_OUT/sweep.tsv (default build/bench-sweep) and prints the table as markdown at the end.
+#
+# SWEEP_SHAPES: space-separated "model:layers:seq:micro_batch" (model 30b = Qwen3-30B-A3B layer
+# shapes, 235b = Qwen3-235B-A22B's: hidden 4096, expert width 1536, 64/4 heads). Layers "auto" =
+# as many as one GPU holds beside moetrain's fp32 master and Adam state (8 of 30B on 141 GB, 4 on
+# 80 GB; 1 of 235B). SWEEP_TIMEOUT: seconds per run (default 300); SWEEP_BASELINE=0 runs moetrain
+# only. Exits 0 unless no moetrain run finished.
+set -uo pipefail
+BUILD=${1:-build}
+OUT=${BENCH_OUT:-$BUILD/bench-sweep}
+CONFIG=configs/bench-qwen3-30b-8l.yaml
+STEPS=${SWEEP_STEPS:-6}
+TIMEOUT=${SWEEP_TIMEOUT:-300}
+TOKENS=65536
+SHAPES=${SWEEP_SHAPES:-"30b:auto:4096:2 30b:auto:4096:1 30b:auto:2048:4 30b:auto:1024:8 30b:auto:8192:1 235b:1:4096:1"}
+mkdir -p "$OUT"
+nvidia-smi -L > /dev/null 2>&1 || { echo "bench-sweep: no GPU here"; exit 1; }
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+day=$(date -u +%Y-%m-%d)
+[ -f "$OUT/sweep.tsv" ] || printf 'date\tgpu\tmodel\tlayers\tseq\tmicro_batch\tmoetrain_tok_s\tmoetrain_mfu\tbaseline_tok_s\tratio\n' > "$OUT/sweep.tsv"
+
+median_tok_s() {  # metrics.jsonl -> "tok/s mfu" over the steps after the first two
+    python3 - "$1" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+steady = rows[2:] or rows
+print(statistics.median(r["tokens_per_s"] for r in steady), statistics.median(r.get("mfu", -1) or -1 for r in steady))
+PY
+}
+
+ran=0
+for shape in $SHAPES; do
+    IFS=: read -r model layers seq mb <<< "$shape"
+    case $model in
+        30b) shape_set=(); base_env=(); per_layer_gib=11 ;;
+        235b) shape_set=(--set model.hidden_size=4096 --set model.moe_intermediate_size=1536
+                         --set model.num_attention_heads=64 --set model.num_key_value_heads=4
+                         --set model.intermediate_size=12288)
+              base_env=(HIDDEN=4096 MOE_I=1536 HEADS=64 KV_HEADS=4); per_layer_gib=40 ;;
+        *) echo "bench-sweep: unknown model '$model' in '$shape' (30b or 235b)"; continue ;;
+    esac
+    if [ "$layers" = auto ]; then
+        layers=$(( (mem_mib / 1024 - 30) / per_layer_gib ))
+        [ "$layers" -gt 8 ] && layers=8
+        [ "$layers" -lt 1 ] && layers=1
+    fi
+    gbs=$(( TOKENS / seq ))
+    if [ $(( gbs % mb )) -ne 0 ] || [ "$gbs" -lt 1 ]; then echo "bench-sweep: $shape: $TOKENS tokens are not whole micro-batches"; continue; fi
+    tag="${model}_l${layers}_s${seq}_b${mb}"
+    echo "bench-sweep: $tag: moetrain ..."
+    mt="-" mfu="-" base="-" ratio="-"
+    if timeout "$TIMEOUT" mpirun --oversubscribe --bind-to none -np 1 "$BUILD/moetrain" train "$CONFIG" \
+            "${shape_set[@]}" --set model.num_hidden_layers="$layers" --set model.max_position_embeddings="$seq" \
+            --set train.seq_len="$seq" --set train.micro_batch_size="$mb" --set train.global_batch_size="$gbs" \
+            --set train.steps="$STEPS" --set log.metrics="$OUT/$tag.jsonl" > "$OUT/$tag.moetrain.log" 2>&1; then
+        read -r mt mfu <<< "$(median_tok_s "$OUT/$tag.jsonl")"
+    else
+        echo "  moetrain failed or timed out: $(tail -1 "$OUT/$tag.moetrain.log")"
+    fi
+    if [ "${SWEEP_BASELINE:-1}" = 0 ]; then
+        echo "bench-sweep: $tag: PyTorch baseline not run (SWEEP_BASELINE=0)"
+    elif echo "bench-sweep: $tag: PyTorch baseline ..." && timeout "$TIMEOUT" env "${base_env[@]}" LAYERS="$layers" SEQ="$seq" BATCH="$mb" ACCUM=$(( gbs / mb )) \
+            python3 tools/hf_baseline.py > "$OUT/$tag.baseline.log" 2>&1; then
+        base=$(tail -1 "$OUT/$tag.baseline.log" | python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["tok_s"])')
+    else
+        echo "  baseline failed or timed out: $(tail -1 "$OUT/$tag.baseline.log")"
+    fi
+    if [ "$mt" != - ] && [ "$base" != - ]; then ratio=$(python3 -c "print(f'{$mt / $base:.2f}')"); fi
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$day" "$gpu_name" "$model" "$layers" "$seq" "$mb" "$mt" "$mfu" "$base" "$ratio" >> "$OUT/sweep.tsv"
+    echo "  moetrain $mt tok/s (MFU $mfu), baseline $base tok/s: ${ratio}x"
+    [ "$mt" != - ] && ran=$((ran + 1))
+done
+
+python3 - "$OUT/sweep.tsv" <<'PY' | tee "$OUT/sweep.md"
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1]), delimiter="\t"))
+print("| date | GPU | model | layers | seq | micro-batch | moetrain tok/s | MFU | compiled PyTorch tok/s | ratio |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+f = lambda v, fmt: fmt.format(float(v)) if v not in ("-", "", "-1") else "-"
+for r in rows:
+    print(f"| {r['date']} | {r['gpu']} | {r['model']} | {r['layers']} | {r['seq']} | {r['micro_batch']} | "
+          f"{f(r['moetrain_tok_s'], '{:,.0f}')} | {f(r['moetrain_mfu'], '{:.1%}')} | {f(r['baseline_tok_s'], '{:,.0f}')} | "
+          f"{r['ratio']}{'x' if r['ratio'] != '-' else ''} |")
+PY
+[ "$ran" -gt 0 ]
