@@ -168,6 +168,6 @@ Test(pipeline_features, validation_on_pipelines, .timeout = 600)
         same("val_ref", tags[k], "val_loss", 1e-5);
     }
     char cmd[256];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s' /tmp/mt_ppf_val_*.jsonl", dir);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s' /tmp/mt_ppf_val_ref.* /tmp/mt_ppf_val_pp2*", dir);
     tu_run(cmd, NULL);
 }
