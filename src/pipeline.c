@@ -74,6 +74,25 @@ void pipe_schedule_1f1b(struct pipe_schedule *s, int pp, int stage, int n_micro)
     }
 }
 
+void pipe_schedule_forward_only(struct pipe_schedule *s, int pp, int stage, int n_micro)
+{
+    MT_CHECK(pp >= 1 && stage >= 0 && stage < pp && n_micro >= 1,
+             "forward-only schedule: stage %d of %d, %d micro-batches", stage, pp, n_micro);
+    memset(s, 0, sizeof *s);
+    s->pp = pp;
+    s->stage = stage;
+    s->n_micro = n_micro;
+    s->n_slots = MT_MIN(pp - stage, n_micro);   /* the model's slots under 1F1B, reused */
+    s->a = mt_malloc((size_t)3 * n_micro * sizeof *s->a);
+    push_one(s, PIPE_RECV_FORWARD, 0);
+    for (int i = 0; i < n_micro; i++) {
+        push_compute(s, PIPE_FORWARD, i);
+        /* the next input is posted with this output, so it arrives while the send runs */
+        if (i + 1 < n_micro) push_two(s, PIPE_SEND_FORWARD, i, PIPE_RECV_FORWARD, i + 1);
+        else push_one(s, PIPE_SEND_FORWARD, i);
+    }
+}
+
 void pipe_schedule_free(struct pipe_schedule *s)
 {
     free(s->a);

@@ -51,6 +51,11 @@ struct pipe_schedule {
 /* Builds stage `stage`'s 1F1B list (0 <= stage < pp, n_micro >= 1). Transfers with no neighbour
  * (receiving forward on the first stage, sending forward on the last, ...) are left out. */
 void pipe_schedule_1f1b(struct pipe_schedule *s, int pp, int stage, int n_micro);
+/* Stage `stage`'s forward-only list (validation, the global-batch aux pre-pass): each micro-batch
+ * received, forwarded and sent on in order, no backward; micro-batch i in slot i % n_slots with
+ * the 1F1B schedule's n_slots. pipe_schedule_valid does not apply (it wants the backwards);
+ * pipe_schedules_simulate does. */
+void pipe_schedule_forward_only(struct pipe_schedule *s, int pp, int stage, int n_micro);
 void pipe_schedule_free(struct pipe_schedule *s);
 static inline int pipe_slot(const struct pipe_schedule *s, int micro) { return micro % s->n_slots; }
 

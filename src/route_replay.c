@@ -13,9 +13,11 @@ struct route_replay {
     int n_moe;
     int moe_of[MT_MAX_LAYERS];    /* MoE layer number of model layer l, -1 for dense */
     int n_slots;                  /* the model's micro-batch slots (1F1B keeps several in flight) */
-    int32_t **idx;                /* [n_slots][n_moe] dev [T, k]: (a) per slot, (b) slot 0 */
+    int32_t **idx;                /* [n_slots][n_moe] dev [T, k], the stage's layers only (else NULL):
+                                   * (a) saved or (b) loaded per slot */
     float **w;                    /* [n_slots][n_moe] dev [T, k] */
     bool *saved;                  /* [n_slots][n_moe] (a): the slot's forward saved layer's routing */
+    bool paused;                  /* (b) off: a validation pass routes on the model's router */
     /* (b) */
     FILE *file;
     char path[MT_PATH_MAX];
@@ -90,6 +92,9 @@ bool route_file_write_header(FILE *f, const struct route_file_header *h)
     return fwrite(b, 1, sizeof b, f) == sizeof b;
 }
 
+static bool on_stage(const struct model *m, int l) { return l >= m->st.layer0 && l < m->st.layer1; }
+
+/* Buffers for the stage's MoE layers only: a pipeline stage never routes another stage's layers. */
 static struct route_replay *create(struct model *m)
 {
     struct route_replay *r = mt_calloc(1, sizeof *r);
@@ -101,9 +106,13 @@ static struct route_replay *create(struct model *m)
     r->idx = mt_calloc(n, sizeof(int32_t *));
     r->w = mt_calloc(n, sizeof(float *));
     r->saved = mt_calloc(n, sizeof(bool));
-    for (int k = 0; k < r->n_moe * r->n_slots; k++) {
-        r->idx[k] = m->be->alloc(tk * sizeof(int32_t));
-        r->w[k] = m->be->alloc(tk * sizeof(float));
+    for (int l = 0; l < m->L; l++) {
+        if (r->moe_of[l] < 0 || !on_stage(m, l)) continue;
+        for (int s = 0; s < r->n_slots; s++) {
+            const int k = r->moe_of[l] + r->n_moe * s;
+            r->idx[k] = m->be->alloc(tk * sizeof(int32_t));
+            r->w[k] = m->be->alloc(tk * sizeof(float));
+        }
     }
     return r;
 }
@@ -186,27 +195,38 @@ bool route_replay_open(struct model *m, const char *path, int64_t needed, char *
     return true;
 }
 
-void route_replay_load(struct model *m, int64_t first)
+void route_replay_load(struct model *m, int slot, int64_t first)
 {
     struct route_replay *r = m->replay;
     if (!r || !r->file) return;
+    MT_CHECK(slot >= 0 && slot < r->n_slots, "routing replay: slot %d of %d", slot, r->n_slots);
     const int S = m->S, K = m->K;
     const size_t n = (size_t)r->h.layers * S * K, tk = (size_t)m->T * K;
     const bool has_w = r->h.flags & ROUTE_FILE_HAS_WEIGHTS;
     for (int b = 0; b < m->B; b++) {
         read_record(r, first + b);
         const float *w = (const float *)((const char *)r->rec + n * r->h.index_width);
-        for (int k = 0; k < r->n_moe; k++)
+        for (int l = m->st.layer0; l < m->st.layer1; l++) {
+            const int k = r->moe_of[l];
+            if (k < 0) continue;
             for (int s = 0; s < S * K; s++) {
                 const size_t from = (size_t)k * S * K + s, to = (size_t)k * tk + (size_t)b * S * K + s;
                 r->idx_h[to] = id_at(r, from);
                 if (has_w) memcpy(&r->w_h[to], &w[from], sizeof(float));
             }
+        }
     }
-    for (int k = 0; k < r->n_moe; k++) {
-        m->be->upload(r->idx[k], r->idx_h + (size_t)k * tk, tk * sizeof(int32_t));
-        if (has_w) m->be->upload(r->w[k], r->w_h + (size_t)k * tk, tk * sizeof(float));
+    for (int l = m->st.layer0; l < m->st.layer1; l++) {
+        const int k = r->moe_of[l], ks = k + r->n_moe * slot;
+        if (k < 0) continue;
+        m->be->upload(r->idx[ks], r->idx_h + (size_t)k * tk, tk * sizeof(int32_t));
+        if (has_w) m->be->upload(r->w[ks], r->w_h + (size_t)k * tk, tk * sizeof(float));
     }
+}
+
+void route_replay_pause(struct model *m, bool paused)
+{
+    if (m->replay) m->replay->paused = paused;
 }
 
 void route_replay_apply(struct model *m, int l, int32_t *topk_idx, float *topk_w, const float *probs)
@@ -215,21 +235,22 @@ void route_replay_apply(struct model *m, int l, int32_t *topk_idx, float *topk_w
     if (!m->replay) m->replay = create(m);
     struct route_replay *r = m->replay;
     const int k = r->moe_of[l];
-    MT_CHECK(k >= 0, "routing replay: layer %d is not an MoE layer", l);
+    MT_CHECK(k >= 0 && on_stage(m, l), "routing replay: layer %d is not an MoE layer of this stage", l);
     const size_t tk = (size_t)m->T * m->K;
-    if (r->file) {
-        /* the recompute gathers the same weights again: same probabilities, same experts */
-        if (!(r->h.flags & ROUTE_FILE_HAS_WEIGHTS)) {
-            const struct router_opts o = router_opts_of(&m->cfg);
-            m->be->router_gather_weights(r->w[k], probs, r->idx[k], m->T, m->E, m->K, &o);
-        }
-        m->be->copy(topk_idx, r->idx[k], tk * sizeof(int32_t));
-        m->be->copy(topk_w, r->w[k], tk * sizeof(float));
-        return;
-    }
     /* the micro-batch's own slot: another one's forward may run between this one's and its
      * backward (1F1B) */
     const int ks = k + r->n_moe * m->slot;
+    if (r->file && !r->paused) {
+        /* the recompute gathers the same weights again: same probabilities, same experts */
+        if (!(r->h.flags & ROUTE_FILE_HAS_WEIGHTS)) {
+            const struct router_opts o = router_opts_of(&m->cfg);
+            m->be->router_gather_weights(r->w[ks], probs, r->idx[ks], m->T, m->E, m->K, &o);
+        }
+        m->be->copy(topk_idx, r->idx[ks], tk * sizeof(int32_t));
+        m->be->copy(topk_w, r->w[ks], tk * sizeof(float));
+        return;
+    }
+    if (!m->recompute) return;
     if (m->recomputing) {
         MT_CHECK(r->saved[ks], "recompute of layer %d: its forward saved no routing", l);
         m->be->copy(topk_idx, r->idx[ks], tk * sizeof(int32_t));
@@ -249,7 +270,9 @@ bool route_replay_weights_fixed(const struct model *m)
 
 size_t route_replay_bytes(const struct model *m)
 {
-    return (size_t)m->n_moe_layers * MT_MAX(m->st.n_slots, 1) * m->T * m->K * (sizeof(int32_t) + sizeof(float));
+    size_t n_moe = 0;
+    for (int l = m->st.layer0; l < m->st.layer1; l++) n_moe += m->E > 0 && config_layer_is_moe(&m->cfg, l);
+    return n_moe * MT_MAX(m->st.n_slots, 1) * m->T * m->K * (sizeof(int32_t) + sizeof(float));
 }
 
 void route_replay_free(struct model *m)
@@ -257,8 +280,8 @@ void route_replay_free(struct model *m)
     struct route_replay *r = m->replay;
     if (!r) return;
     for (int k = 0; k < r->n_moe * r->n_slots; k++) {
-        m->be->free(r->idx[k]);
-        m->be->free(r->w[k]);
+        if (r->idx[k]) m->be->free(r->idx[k]);
+        if (r->w[k]) m->be->free(r->w[k]);
     }
     if (r->file) fclose(r->file);
     free(r->idx), free(r->w), free(r->saved), free(r->idx_h), free(r->w_h);

@@ -1,7 +1,7 @@
 /* Routing replay (R3; docs/router.md).
  *
  * (a) Activation checkpointing: the forward keeps each MoE layer's routing ([T, k] expert ids and
- *     [T, k] fp32 gate weights per layer, for the current micro-batch) and the backward's recompute
+ *     [T, k] fp32 gate weights per layer and micro-batch slot) and the backward's recompute
  *     uses it instead of its own top-k, so the recomputed route plan and all-to-all shapes are the
  *     forward's by construction. The dispatch itself is repeated.
  * (b) data.routing_replay: FILE: the experts every MoE layer chose at inference, per training
@@ -49,8 +49,14 @@ bool route_file_write_header(FILE *f, const struct route_file_header *h);
  * and every id must be a distinct expert of its token; false with a one-line reason. */
 bool route_replay_open(struct model *m, const char *path, int64_t needed, char *err, size_t cap);
 
-/* Loads the routing of sequences first .. first + B - 1 (the next forward's micro-batch). */
-void route_replay_load(struct model *m, int64_t first);
+/* Loads the routing of sequences first .. first + B - 1 (the next forward's micro-batch) into
+ * micro-batch slot `slot`, for the stage's MoE layers: a 1F1B stage runs other micro-batches'
+ * forwards before this one's backward, whose recompute reads the slot again. */
+void route_replay_load(struct model *m, int slot, int64_t first);
+
+/* Paused, the forwards route on the model's own router (validation: held-out sequences have no
+ * recorded routing); the recompute's saved routing (a) still works. */
+void route_replay_pause(struct model *m, bool paused);
 
 /* moe.c, after the router: replaces layer l's top-k (ids and weights) by the file's, or by the
  * forward's saved routing during a recompute, or saves it in a forward with checkpointing. */
@@ -59,7 +65,8 @@ void route_replay_apply(struct model *m, int l, int32_t *topk_idx, float *topk_w
 /* The file fixes the routing weights: the router gets no gradient through them. */
 bool route_replay_weights_fixed(const struct model *m);
 
-/* Bytes of device memory the saved routing of (a) takes: 8 × T × k per MoE layer. */
+/* Bytes of device memory the saved routing of (a) takes: 8 × T × k per MoE layer of the stage
+ * and micro-batch slot. */
 size_t route_replay_bytes(const struct model *m);
 
 void route_replay_free(struct model *m);

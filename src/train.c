@@ -258,6 +258,7 @@ int cmd_train(const struct cli *a)
     const bool piped = mesh.d.pp > 1;
     struct comm *pp = piped ? comm_for_backend(be, mesh.pp_comm) : NULL;
     struct comm *ends = piped && mesh.ends_comm != MPI_COMM_NULL ? comm_for_backend(be, mesh.ends_comm) : NULL;
+    struct comm *pp_h = piped ? comm_mpi_create(mesh.pp_comm) : NULL;
     if (piped) {
         const struct model_stage st = pipe_model_stage(&mesh, n_micro);
         model_init_stage(&m, be, &c.model, mb, tc->seq_len, ep, tc->activation_checkpointing, &st);
@@ -328,12 +329,13 @@ int cmd_train(const struct cli *a)
     double *tok = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(double));
     const double flops_tok = flops_train_per_token(&c.model, tc->seq_len);
     const bool aux_global = use_aux && tc->aux_loss_scope == MT_AUX_GLOBAL_BATCH;
-    const struct aux_prepass prepass = {&sb, stage_h, tokens_micro_global};
+    const struct aux_prepass prepass = {&sb, stage_h, tokens_micro_global, pp, pp_h};
     struct expert_watch watch;
     expert_watch_init(&watch, &c.model, &c.log);
     double t_start = mt_now(), first_step_s = 0;
     struct pipe_train pt;
     if (piped) pipe_train_init(&pt, &c, &mesh, &m, stage_h, pp, n_micro);
+    if (piped) pt.aux_fixed = aux_global ? aux_dp : NULL;
     struct step_guard guard;
     step_guard_init(&guard, tc);
 
@@ -357,7 +359,7 @@ int cmd_train(const struct cli *a)
         }
         for (int micro = 0; micro < n_micro && !piped; micro++) {
             watchdog_phase(step, "forward");
-            route_replay_load(&m, data_first_seq(step - 1, micro, n_micro, mesh.me.local, dp, mb));
+            route_replay_load(&m, 0, data_first_seq(step - 1, micro, n_micro, mesh.me.local, dp, mb));
             struct model_step_out o;
             step_batch_forward(&sb, micro, &m, &o);
             ce_local += o.ce_sum;
@@ -424,7 +426,7 @@ int cmd_train(const struct cli *a)
             .skipped = verdict != STEP_APPLY, .skipped_steps = guard.total_skipped,
         };
         profile_read(split);
-        if (validation_due(val, step)) sm.val_loss = validation_run(val, &m, stage_h, world);
+        if (validation_due(val, step)) sm.val_loss = validation_run(val, &m, stage_h, world, pp);
         bool print = step == 1 || step == tc->steps || step % MT_MAX(c.log.interval, 1) == 0 ||
                      isfinite(sm.val_loss);
         metrics_step(&ml, &sm, print);
@@ -469,7 +471,7 @@ int cmd_train(const struct cli *a)
     free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv);
     free(tok); free(bias_h);
     if (piped) pipe_train_free(&pt);
-    comm_free(pp); comm_free(ends);
+    comm_free(pp); comm_free(ends); comm_free(pp_h);
     fsdp_free(&sharding);
     expert_watch_free(&watch);
     params_free(&p);

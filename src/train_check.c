@@ -16,24 +16,6 @@ bool train_check(const struct config *c, const struct mesh_dims *d, int *n_micro
                  path, tc->global_batch_size, mb, dp);
         return false;
     }
-    /* a pipeline's last stage sees a micro-batch's router statistics only when it arrives, and a
-     * stage's routes come from its own layers: neither a step-wide aux nor a routing file is wired */
-    if (d->pp > 1 && tc->load_balance == MT_LB_AUX && c->model.num_experts > 0 &&
-        tc->aux_loss_scope == MT_AUX_GLOBAL_BATCH) {
-        snprintf(err, (size_t)errcap, "%s: train.aux_loss_scope: global_batch is not supported with "
-                 "parallel.pipeline_parallel_size %d (use micro_batch)", path, d->pp);
-        return false;
-    }
-    if (d->pp > 1 && c->data.validation_path[0]) {
-        snprintf(err, (size_t)errcap, "%s: data.validation_path is not supported with "
-                 "parallel.pipeline_parallel_size %d (the validation pass runs the whole model)", path, d->pp);
-        return false;
-    }
-    if (d->pp > 1 && c->data.routing_replay[0]) {
-        snprintf(err, (size_t)errcap, "%s: data.routing_replay is not supported with "
-                 "parallel.pipeline_parallel_size %d", path, d->pp);
-        return false;
-    }
     *n_micro = tc->global_batch_size / (dp * mb);
     return true;
 }

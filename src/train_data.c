@@ -5,6 +5,8 @@
 #include <string.h>
 
 #include "common.h"
+#include "pipeline_forward.h"
+#include "route_replay.h"
 #include "train_data.h"
 
 void step_batch_init(struct step_batch *b, const struct data_config *d, int n_micro, int mb, int S,
@@ -113,24 +115,30 @@ void validation_close(struct validation *v)
 bool validation_due(const struct validation *v, int step) { return v && step % v->interval == 0; }
 const char *validation_describe(const struct validation *v) { return v->desc; }
 
-double validation_run(struct validation *v, struct model *m, struct comm *dp_comm,
-                      struct comm *world)
+double validation_run(struct validation *v, struct model *m, struct comm *dp_comm, struct comm *world,
+                      struct comm *pp)
 {
     double sums[2] = {0, 0};
     /* held-out sequences route on the model's own router: a routing replay file (data.routing_replay)
      * holds training sequences only */
-    struct route_replay *replay = m->replay;
-    m->replay = NULL;
+    route_replay_pause(m, true);
     for (int b = 0; b < v->batches; b++) {
         step_batch_load(&v->batch, v->src, b, dp_comm);
-        for (int micro = 0; micro < v->batch.n_micro; micro++) {
+        if (pp) {
+            /* through the stages; the last one's CE and labelled count, 0 on the others */
+            struct pipe_forward f = {.m = m, .pp = pp, .b = &v->batch};
+            pipe_forward_run(&f);
+            sums[0] += f.ce_sum;
+            sums[1] += (double)f.n_valid;
+        }
+        for (int micro = 0; micro < v->batch.n_micro && !pp; micro++) {
             struct model_step_out o;
             step_batch_forward(&v->batch, micro, m, &o);
             sums[0] += o.ce_sum;
             sums[1] += (double)o.n_valid;
         }
     }
-    m->replay = replay;
+    route_replay_pause(m, false);
     comm_all_reduce_sum(world, sums, 2, COMM_F64);
     return sums[1] > 0 ? sums[0] / sums[1] : NAN;
 }

@@ -46,9 +46,11 @@ bool validation_due(const struct validation *v, int step);
 /* Mean cross-entropy over data.validation_batches global batches (forward only: no gradients;
  * the router statistics that model_forward leaves in m->stats_h are overwritten by the next
  * training micro-batch before anything reads them; a routing replay is off during the passes).
- * All ranks call it together; world sums. */
-double validation_run(struct validation *v, struct model *m, struct comm *dp_comm,
-                      struct comm *world);
+ * pp: NULL for a whole model, else the backend's comm of this rank's pipeline, and the batches
+ * run as a forward-only pass through the stages (pipeline_forward.h). All ranks call it
+ * together; world sums. */
+double validation_run(struct validation *v, struct model *m, struct comm *dp_comm, struct comm *world,
+                      struct comm *pp);
 const char *validation_describe(const struct validation *v);
 
 #endif

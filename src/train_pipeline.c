@@ -8,6 +8,7 @@
 #include "data.h"
 #include "train_data.h"
 #include "pipeline.h"
+#include "route_replay.h"
 #include "train.h"
 
 double pipe_aux_pooled(const double *psum, const double *count, int E, int n_moe, int64_t tokens)
@@ -97,6 +98,8 @@ static void stage_forward(void *ctx, int slot, int micro)
     /* the first stage embeds the ids, the last takes the labels; every stage's attention needs
      * the document boundaries of its slot's micro-batch */
     const size_t at = (size_t)micro * b->mb * b->S;
+    /* the recorded routing of the slot's sequences stays for the recompute in its backward */
+    route_replay_load(m, slot, data_first_seq(t->step - 1, micro, b->n_micro, b->dp_rank, b->dp_size, b->mb));
     model_set_documents(m, slot, b->documents ? b->pos + at : NULL, b->documents ? b->seg + at : NULL);
     struct model_step_out o;
     model_stage_forward(m, slot, b->ids + at, b->labels + at, &o);
@@ -118,8 +121,9 @@ static void stage_forward(void *ctx, int slot, int micro)
     /* every MoE layer of the micro-batch is in: its aux and the aux gradient for the backwards */
     const double coef = m->cfg.router_aux_loss_coef;
     t->aux_sum += pipe_aux_pooled(t->pool, t->pool + E, E, m->n_moe_layers, t->tokens_micro_global);
-    aux_grad_from_counts(t->pool + E, E, m->n_moe_layers, t->tokens_micro_global, coef / t->n_micro,
-                         t->aux_host[slot]);
+    if (t->aux_fixed) memcpy(t->aux_host[slot], t->aux_fixed, (size_t)E * sizeof(float));
+    else aux_grad_from_counts(t->pool + E, E, m->n_moe_layers, t->tokens_micro_global, coef / t->n_micro,
+                              t->aux_host[slot]);
 }
 
 static void stage_backward(void *ctx, int slot, int micro)

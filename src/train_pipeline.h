@@ -57,6 +57,8 @@ struct pipe_train {
     int n_micro, step;
     int64_t tokens_micro_global, n_valid_global;
     bool use_aux;
+    const float *aux_fixed;    /* host [E] or NULL: the step's aux_dp for every micro-batch
+                                * (train.aux_loss_scope: global_batch, from its pre-pass) */
     double **carry;            /* [n_slots] backend [2E] f64: pooled psum then count */
     float **aux_dev;           /* [n_slots] backend [E] */
     float **aux_host;          /* [n_slots] host [E] */

@@ -53,6 +53,46 @@ Test(pipeline, every_schedule_valid_and_deadlock_free)
     }
 }
 
+/* The forward-only lists (validation, the global-batch aux pre-pass): each stage forwards every
+ * micro-batch once in order, receives its input before and sends its output after, and the
+ * stages together pair the right micro-batches without a deadlock. */
+Test(pipeline, forward_only_schedules_flow_through_every_stage)
+{
+    char err[256];
+    for (int pp = 2; pp <= 8; pp++) {
+        for (int m = 1; m <= 12; m++) {
+            struct pipe_schedule s[8];
+            for (int st = 0; st < pp; st++) {
+                pipe_schedule_forward_only(&s[st], pp, st, m);
+                cr_assert_eq(s[st].n_slots, MT_MIN(pp - st, m));
+                int next = 0, recvd = st == 0 ? m : 0, sent = 0;
+                for (int k = 0; k < s[st].n; k++) {
+                    const struct pipe_action *a = &s[st].a[k];
+                    cr_assert_neq(a->kind, PIPE_BACKWARD);
+                    if (a->kind == PIPE_FORWARD) {
+                        cr_assert_eq(a->micro, next, "pp %d m %d stage %d", pp, m, st);
+                        cr_assert(recvd > next, "pp %d m %d stage %d: forward %d before its input", pp, m, st,
+                                  next);
+                        next++;
+                        continue;
+                    }
+                    for (int j = 0; j < a->n_xfer; j++) {
+                        const struct pipe_xfer *x = &a->xfer[j];
+                        cr_assert(x->kind == PIPE_RECV_FORWARD || x->kind == PIPE_SEND_FORWARD);
+                        if (x->kind == PIPE_RECV_FORWARD) cr_assert_eq(x->micro, recvd++);
+                        else cr_assert(x->micro == sent++ && x->micro < next, "sent %d before its forward",
+                                       x->micro);
+                    }
+                }
+                cr_assert_eq(next, m);
+                cr_assert_eq(sent, st == pp - 1 ? 0 : m);
+            }
+            cr_assert(pipe_schedules_simulate(s, pp, err, sizeof err), "pp %d m %d: %s", pp, m, err);
+            free_all(s, pp);
+        }
+    }
+}
+
 /* the textbook shape: stage 0 of 4 with 6 micro-batches */
 Test(pipeline, warmup_steady_cooldown_order)
 {

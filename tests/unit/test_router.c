@@ -395,6 +395,64 @@ Test(router, recompute_reuses_the_forward_routing)
     model_free(&m);
 }
 
+/* (b) on a pipeline stage: each micro-batch slot keeps its own sequences' routing (1F1B forwards
+ * micro-batch 1 before micro-batch 0's backward, whose recompute reads slot 0 again), and a stage
+ * loads and keeps only its own MoE layers. */
+Test(router, routing_file_keeps_each_slot_on_the_stage_layers)
+{
+    struct model_config mc;
+    small_model(&mc);
+    const int K = mc.num_experts_per_tok, E = mc.num_experts, n_seq = 2 * GB, tk = GB * GS * K;
+    const char *path = "/tmp/mt_rr_slots.bin";
+    FILE *f = fopen(path, "wb");
+    cr_assert(f);
+    struct route_file_header h = {.version = ROUTE_FILE_VERSION, .layers = 2, .top_k = (uint32_t)K,
+                                  .seq_len = GS, .sequences = (uint64_t)n_seq, .index_width = 2,
+                                  .flags = ROUTE_FILE_HAS_WEIGHTS, .num_experts = (uint32_t)E};
+    cr_assert(route_file_write_header(f, &h));
+    /* sequence q, MoE layer k, token t: experts (q + 2k + t) mod E and the next; weights q + k / 10 */
+    for (int q = 0; q < n_seq; q++) {
+        for (int k = 0; k < 2; k++)
+            for (int t = 0; t < GS; t++)
+                for (int j = 0; j < K; j++) {
+                    int16_t e = (int16_t)((q + 2 * k + t + j) % E);
+                    cr_assert_eq(fwrite(&e, 2, 1, f), 1);
+                }
+        for (int k = 0; k < 2; k++)
+            for (int i = 0; i < GS * K; i++) {
+                float w = (float)q + 0.1f * (float)k;
+                cr_assert_eq(fwrite(&w, 4, 1, f), 1);
+            }
+    }
+    cr_assert_eq(fclose(f), 0);
+    struct model m;
+    const struct model_stage st = {.layer0 = 1, .layer1 = 2, .first = false, .last = true, .n_slots = 2};
+    model_init_stage(&m, backend_cpu(), &mc, GB, GS, NULL, true, &st);
+    char err[512];
+    cr_assert(route_replay_open(&m, path, n_seq, err, sizeof err), "%s", err);
+    cr_expect_eq(route_replay_bytes(&m), (size_t)2 * tk * 8, "one MoE layer x two slots");
+    route_replay_load(&m, 0, 0);        /* micro-batch 0: sequences 0, 1 */
+    route_replay_load(&m, 1, GB);       /* micro-batch 1: sequences 2, 3 */
+    int32_t *idx = mt_malloc((size_t)tk * sizeof(int32_t));
+    float *w = mt_malloc((size_t)tk * sizeof(float));
+    for (int slot = 0; slot < 2; slot++) {
+        model_use_slot(&m, slot);
+        m.recomputing = slot == 0;   /* slot 0: the recompute of micro-batch 0 after 1's forward */
+        route_replay_apply(&m, 1, idx, w, NULL);
+        m.recomputing = false;
+        for (int b = 0; b < GB; b++)
+            for (int t = 0; t < GS; t++)
+                for (int j = 0; j < K; j++) {
+                    const int q = slot * GB + b, i = (b * GS + t) * K + j;
+                    cr_assert_eq(idx[i], (q + 2 + t + j) % E, "slot %d sequence %d token %d", slot, q, t);
+                    cr_assert_float_eq(w[i], (float)q + 0.1f, 1e-6, "slot %d sequence %d", slot, q);
+                }
+    }
+    free(idx), free(w);
+    model_free(&m);
+    unlink(path);
+}
+
 static void route_cmd(const char *what, const char *cmd_fmt, const char *arg, int want_rc, const char *want_msg)
 {
     char cmd[2048], *out = NULL;

@@ -64,19 +64,16 @@ static void same_refusal(int np, const char *sets, const char *key)
     free(real);
 }
 
-Test(train_check, dry_run_refuses_a_step_wide_aux_on_a_pipeline_as_train_does, .timeout = 300)
-{
-    same_refusal(2, "--set parallel.pipeline_parallel_size=2 --set train.aux_loss_scope=global_batch",
-                 "train.aux_loss_scope");
-}
-
-/* and approves a pipeline, which train runs */
+/* and approves a pipeline, which train runs, with the step-wide aux loss too */
 Test(train_check, dry_run_approves_a_pipeline, .timeout = 300)
 {
     char *out = NULL;
     int rc = train(2, "--dry-run --set parallel.pipeline_parallel_size=2", &out);
     cr_assert_eq(rc, 0, "%s", out);
     cr_assert_not_null(strstr(out, "pp 2"), "%s", out);
+    free(out);
+    rc = train(2, "--dry-run --set parallel.pipeline_parallel_size=2 --set train.aux_loss_scope=global_batch", &out);
+    cr_assert_eq(rc, 0, "%s", out);
     free(out);
 }
 
@@ -85,31 +82,21 @@ Test(train_check, dry_run_refuses_an_indivisible_batch, .timeout = 300)
     same_refusal(2, "--set parallel.expert_parallel_size=2 --set train.global_batch_size=6", "train.global_batch_size");
 }
 
-/* what a pipeline does not wire refuses with the key named */
-Test(train_check, pipeline_refuses_step_wide_aux_and_routing_files)
+/* a pipeline runs the step-wide aux loss, a routing file and validation
+ * (tests/unit/test_pipeline_features.c): none of them is refused */
+Test(train_check, pipeline_accepts_step_wide_aux_routing_files_and_validation)
 {
     struct config c;
     config_defaults(&c);
     mt_strlcpy(c.path, "x.yaml", sizeof c.path);
     c.parallel.pipeline_parallel_size = 2;
+    c.train.aux_loss_scope = MT_AUX_GLOBAL_BATCH;
+    mt_strlcpy(c.data.routing_replay, "r.bin", sizeof c.data.routing_replay);
+    mt_strlcpy(c.data.validation_path, "v.tokens", sizeof c.data.validation_path);
     char err[512] = "";
     int n_micro = 0;
     cr_assert(check(&c, 2, &n_micro, err, sizeof err), "%s", err);
-    c.train.aux_loss_scope = MT_AUX_GLOBAL_BATCH;
-    cr_assert_not(check(&c, 2, &n_micro, err, sizeof err));
-    cr_assert(strstr(err, "x.yaml: train.aux_loss_scope: global_batch is not supported with "
-                          "parallel.pipeline_parallel_size 2"), "%s", err);
-    c.parallel.pipeline_parallel_size = 1;
-    cr_assert(check(&c, 2, &n_micro, err, sizeof err), "%s", err);
-    c.parallel.pipeline_parallel_size = 2;
-    c.train.aux_loss_scope = MT_AUX_MICRO_BATCH;
-    mt_strlcpy(c.data.routing_replay, "r.bin", sizeof c.data.routing_replay);
-    cr_assert_not(check(&c, 2, &n_micro, err, sizeof err));
-    cr_assert(strstr(err, "data.routing_replay is not supported with parallel.pipeline_parallel_size 2"), "%s", err);
-    c.data.routing_replay[0] = 0;
-    mt_strlcpy(c.data.validation_path, "v.tokens", sizeof c.data.validation_path);
-    cr_assert_not(check(&c, 2, &n_micro, err, sizeof err));
-    cr_assert(strstr(err, "data.validation_path is not supported with parallel.pipeline_parallel_size 2"), "%s", err);
+    cr_assert_eq(n_micro, c.train.global_batch_size / c.train.micro_batch_size);
 }
 
 /* configs/qwen3-235b-a22b.yaml: the released model's size, laid out as its comments say */
