@@ -16,7 +16,7 @@ have_pc jansson || have_h jansson.h || missing+=(libjansson-dev)
 have_pc criterion || have_h criterion/criterion.h || missing+=(libcriterion-dev)
 have_pc hdf5 || have_h hdf5.h || missing+=(libhdf5-dev)
 # Python packages of the tools the tests run (tools/requirements.txt, pinned), from PyPI
-if ! python3 -c "import numpy, safetensors, matplotlib, tokenizers" >/dev/null 2>&1; then
+if ! python3 -c "import numpy, safetensors, matplotlib, tokenizers, tensorboardX" >/dev/null 2>&1; then
     echo "moetrain: installing tools/requirements.txt (pip)"
     python3 -m pip install -q -r "$(dirname "$0")/../tools/requirements.txt"
 fi

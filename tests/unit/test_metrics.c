@@ -132,3 +132,32 @@ Test(metrics, plot_writes_the_pictures, .timeout = 180)
     free(out);
     tu_run("rm -rf /tmp/mt_plot", NULL);
 }
+
+/* tools/plot.py --tensorboard: the event files hold the JSONL's losses at the JSONL's steps, read
+ * back through TensorBoard's own record format (tests/tools/tb_events.py). */
+Test(metrics, tensorboard_events_hold_the_jsonl_scalars, .timeout = 180)
+{
+    char cmd[2048], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "rm -rf /tmp/mt_tb && mkdir -p /tmp/mt_tb && %s/moetrain train configs/tiny.yaml --backend cpu "
+             "--set train.steps=5 --set log.metrics=/tmp/mt_tb/m.jsonl > /dev/null && "
+             "python3 tools/plot.py /tmp/mt_tb/m.jsonl --out /tmp/mt_tb/png --tensorboard /tmp/mt_tb/tb > /dev/null && "
+             "python3 tests/tools/tb_events.py /tmp/mt_tb/tb",
+             tu_build());
+    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+    double loss[8];
+    cr_assert_eq(tu_read_losses("/tmp/mt_tb/m.jsonl", loss, 8), 5);
+    int seen = 0;
+    for (const char *line = out; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+        int step = 0;
+        double v = 0;
+        if (sscanf(line, "loss %d %lf", &step, &v) != 2) continue;
+        cr_assert(step >= 1 && step <= 5, "event at step %d", step);
+        cr_expect(fabs(v - loss[step - 1]) <= 1e-6 * fabs(loss[step - 1]), "step %d: event %.9g, JSONL %.9g", step, v,
+                  loss[step - 1]);
+        seen++;
+    }
+    cr_expect_eq(seen, 5, "%d loss events:\n%s", seen, out);
+    free(out);
+    tu_run("rm -rf /tmp/mt_tb", NULL);
+}
