@@ -104,11 +104,12 @@ data-deps:
 
 # Criterion runs every unit and integration test in one binary; integration tests launch
 # build/moetrain and tests/mpi programs under `mpirun --oversubscribe`.
-test: deps
+test:
+	@scripts/install-deps.sh --transformers
 	@$(MAKE) --no-print-directory test-unit
 
 test-unit: $(BUILD)/moetrain $(BUILD)/tests/unit_tests $(MPI_TEST_BINS) $(TOOL_BINS)
-	MT_BUILD=$(BUILD) MT_MPIRUN="$(MPIRUN)" $(BUILD)/tests/unit_tests --jobs 2 $(TEST_ARGS)
+	MT_BUILD=$(BUILD) MT_MPIRUN="$(MPIRUN)" MT_REF_PYTHON=.venv-ref/bin/python $(BUILD)/tests/unit_tests --jobs 2 $(TEST_ARGS)
 
 # Under a real one-node Slurm started by ../shared/slurm/local-slurm.sh (root; skipped with a
 # message where the machine cannot run it): sbatch of scripts/launch-slurm.sh, requeue, the

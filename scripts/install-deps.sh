@@ -20,10 +20,21 @@ if ! python3 -c "import numpy, safetensors, matplotlib, tokenizers, tensorboardX
     echo "moetrain: installing tools/requirements.txt (pip)"
     python3 -m pip install -q -r "$(dirname "$0")/../tools/requirements.txt"
 fi
-[ ${#missing[@]} -eq 0 ] && exit 0
-echo "moetrain: installing missing packages: ${missing[*]}"
-sudo=""
-[ "$(id -u)" -eq 0 ] || sudo="sudo"
-export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -qq
-$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+python3 -c "import ensurepip" >/dev/null 2>&1 || missing+=(python3-venv)
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "moetrain: installing missing packages: ${missing[*]}"
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    export DEBIAN_FRONTEND=noninteractive
+    $sudo apt-get update -qq
+    $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+# --transformers (`make test`): also torch and transformers for the export round trip test, in their
+# own environment (tools/requirements-transformers.txt); `make run` does not need them
+[ "${1:-}" = --transformers ] || exit 0
+ref="$(dirname "$0")/../.venv-ref"
+if ! "$ref/bin/python" -c "import torch, transformers" >/dev/null 2>&1; then
+    echo "moetrain: installing torch and transformers into .venv-ref (tools/requirements-transformers.txt, ~4.7 GB)"
+    python3 -m venv "$ref"
+    "$ref/bin/python" -m pip install -q -r "$(dirname "$0")/../tools/requirements-transformers.txt"
+fi

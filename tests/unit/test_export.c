@@ -310,6 +310,36 @@ Test(export, round_trip_through_the_reference, .timeout = 300)
     tu_run("rm -rf /tmp/mt_exp_rt", NULL);
 }
 
+/* The same round trip through transformers itself (Qwen3MoeForCausalLM in fp32, eager attention
+ * and experts, from .venv-ref, which `make test` installs): its logits and loss on the fp32 export
+ * against moetrain's on the export and on the checkpoint, to 1e-4 (verify --forward-only), and the
+ * numpy reference against the same dump to 1e-5. No balancing bias: transformers' Qwen3-MoE routes
+ * without one. */
+Test(export, round_trip_through_transformers, .timeout = 300)
+{
+    const char *py = getenv("MT_REF_PYTHON");
+    cr_assert(py && access(py, X_OK) == 0,
+              "MT_REF_PYTHON (%s) is not an interpreter: `make test` installs torch and transformers into "
+              ".venv-ref (scripts/install-deps.sh --transformers)", py ? py : "unset");
+    char cmd[4096], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "rm -rf /tmp/mt_exp_tf && %s/moetrain train configs/tiny.yaml --backend cpu --set train.steps=3 "
+             "--set checkpoint.dir=/tmp/mt_exp_tf/ck --set checkpoint.export_hf=/tmp/mt_exp_tf/hf "
+             "--set checkpoint.export_dtype=fp32 > /dev/null && "
+             "%s tools/qwen3_moe_ref.py /tmp/mt_exp_tf/hf --transformers --random 2,40,11 --out /tmp/mt_exp_tf/ref.safetensors && "
+             "%s/moetrain verify /tmp/mt_exp_tf/hf /tmp/mt_exp_tf/ref.safetensors --forward-only && "
+             "%s/moetrain verify /tmp/mt_exp_tf/ck/step_00000003 /tmp/mt_exp_tf/ref.safetensors --forward-only && "
+             "python3 tools/qwen3_moe_ref.py /tmp/mt_exp_tf/hf --random 2,40,11 --compare /tmp/mt_exp_tf/ref.safetensors --tol 1e-5",
+             tu_build(), py, tu_build(), tu_build());
+    int rc = tu_run(cmd, &out);
+    cr_expect_eq(rc, 0, "%s", out);
+    cr_expect(strstr(out, "transformers reference: batch 2x40"), "%s", out);
+    const char *p = strstr(out, "PASSED");
+    cr_expect(p && (p = strstr(p + 1, "PASSED")) && strstr(p + 1, "PASSED"), "three checks did not all pass:\n%s", out);
+    free(out);
+    tu_run("rm -rf /tmp/mt_exp_tf", NULL);
+}
+
 /* model.init_from of the export (weights and balancing bias) gives the same first-step loss as
  * model.init_from of the checkpoint the export was made from; the tokenizer files of the model
  * trained from travel into the export. */
