@@ -12,6 +12,7 @@
 #include "model.h"
 #include "ops.h"
 #include "params.h"
+#include "small_model.h"
 
 enum { EOS = 1, LA = 3, LB = 5, LP = LA + LB };
 
@@ -35,23 +36,6 @@ static void close_model(struct run *r)
     model_free(&r->m);
 }
 
-static void small_config(struct model_config *mc)
-{
-    struct config c;
-    config_defaults(&c);
-    *mc = c.model;
-    mc->vocab_size = 40;
-    mc->hidden_size = 16;
-    mc->moe_intermediate_size = 8;
-    mc->num_hidden_layers = 2;
-    mc->num_attention_heads = 4;
-    mc->num_key_value_heads = 2;
-    mc->head_dim = 8;
-    mc->num_experts = 4;
-    mc->num_experts_per_tok = 2;
-    mc->initializer_range = 0.2;
-}
-
 /* Forward (+ backward with ce_scale 1, no aux) of one sequence; losses [S] copied out. */
 static void run_seq(struct run *r, const int32_t *ids, const int32_t *labels, const int32_t *pos,
                     const int32_t *seg, float *losses)
@@ -66,7 +50,7 @@ static void run_seq(struct run *r, const int32_t *ids, const int32_t *labels, co
 Test(documents, packed_documents_equal_separate_runs)
 {
     struct model_config mc;
-    small_config(&mc);
+    small_model_config(&mc);
     /* document A ends with EOS; document B follows it in the packed row */
     const int32_t a[LA] = {7, 23, EOS}, b[LB] = {5, 31, 12, 9, 38};
     int32_t packed[LP], labels[LP], pos[LP], seg[LP];

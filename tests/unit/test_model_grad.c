@@ -34,6 +34,7 @@
 #include "ops.h"
 #include "params.h"
 #include "train.h"
+#include "small_model.h"
 
 #define GB 2
 #define GS 8
@@ -42,27 +43,6 @@
 #define LOSS_NOISE 2e-7    /* bound on the fp32 rounding noise of L; its share of the error is this / h */
 #define GTOL 1e-4          /* × max |grad| of the tensor */
 #define N_RANDOM 3         /* random elements per tensor besides the largest-|grad| one */
-
-/* A small model with weights large enough (initializer_range 0.2) that no gradient is tiny. */
-static void base_config(struct model_config *mc)
-{
-    struct config c;
-    config_defaults(&c);
-    *mc = c.model;
-    mc->vocab_size = 40;
-    mc->hidden_size = 16;
-    mc->intermediate_size = 24;
-    mc->moe_intermediate_size = 8;
-    mc->num_hidden_layers = 2;
-    mc->num_attention_heads = 4;
-    mc->num_key_value_heads = 2;
-    mc->head_dim = 8;
-    mc->num_experts = 4;
-    mc->num_experts_per_tok = 2;
-    mc->initializer_range = 0.2;
-    /* large enough that the aux term's gradient is a visible part of the router's */
-    mc->router_aux_loss_coef = 0.1;
-}
 
 struct grad_ctx {
     struct model m;
@@ -236,14 +216,14 @@ static void expect_gradients_match(const struct model_config *mc, const char *wh
 Test(model_grad, default_moe_with_aux_loss)
 {
     struct model_config mc;
-    base_config(&mc);
+    small_model_config(&mc);
     expect_gradients_match(&mc, "default MoE + aux");
 }
 
 Test(model_grad, dense_layer_in_the_middle)
 {
     struct model_config mc;
-    base_config(&mc);
+    small_model_config(&mc);
     mc.num_hidden_layers = 3;
     mc.n_mlp_only_layers = 1;
     mc.mlp_only_layers[0] = 1;
@@ -253,7 +233,7 @@ Test(model_grad, dense_layer_in_the_middle)
 Test(model_grad, decoder_sparse_step_2)
 {
     struct model_config mc;
-    base_config(&mc);
+    small_model_config(&mc);
     mc.decoder_sparse_step = 2;   /* layer 0 dense, layer 1 MoE */
     expect_gradients_match(&mc, "decoder_sparse_step = 2");
 }
@@ -261,7 +241,7 @@ Test(model_grad, decoder_sparse_step_2)
 Test(model_grad, norm_topk_prob_false)
 {
     struct model_config mc;
-    base_config(&mc);
+    small_model_config(&mc);
     mc.norm_topk_prob = false;
     expect_gradients_match(&mc, "norm_topk_prob = false");
 }
@@ -269,7 +249,7 @@ Test(model_grad, norm_topk_prob_false)
 Test(model_grad, tied_word_embeddings)
 {
     struct model_config mc;
-    base_config(&mc);
+    small_model_config(&mc);
     mc.tie_word_embeddings = true;
     expect_gradients_match(&mc, "tie_word_embeddings = true");
 }
@@ -277,7 +257,7 @@ Test(model_grad, tied_word_embeddings)
 Test(model_grad, top1_routing)
 {
     struct model_config mc;
-    base_config(&mc);
+    small_model_config(&mc);
     mc.num_experts_per_tok = 1;
     expect_gradients_match(&mc, "num_experts_per_tok = 1");
 }
@@ -285,7 +265,7 @@ Test(model_grad, top1_routing)
 Test(model_grad, heads_equal_kv_heads)
 {
     struct model_config mc;
-    base_config(&mc);
+    small_model_config(&mc);
     mc.num_key_value_heads = mc.num_attention_heads;
     expect_gradients_match(&mc, "Hq = Hkv");
 }
@@ -295,7 +275,7 @@ Test(model_grad, heads_equal_kv_heads)
 Test(model_grad, sigmoid_group_limited_router)
 {
     struct model_config mc;
-    base_config(&mc);
+    small_model_config(&mc);
     mc.scoring = MT_SCORE_SIGMOID;
     mc.n_group = 2;
     mc.topk_group = 1;

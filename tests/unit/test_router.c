@@ -16,31 +16,13 @@
 #include "params.h"
 #include "router_opts.h"
 #include "../test_util.h"
+#include "small_model.h"
 #include "train.h"
 
 /* ---- train_router / freeze_router ------------------------------------------------------------- */
 
 #define GB 2
 #define GS 8
-
-static void small_model(struct model_config *mc)
-{
-    struct config c;
-    config_defaults(&c);
-    *mc = c.model;
-    mc->vocab_size = 40;
-    mc->hidden_size = 16;
-    mc->intermediate_size = 24;
-    mc->moe_intermediate_size = 8;
-    mc->num_hidden_layers = 2;
-    mc->num_attention_heads = 4;
-    mc->num_key_value_heads = 2;
-    mc->head_dim = 8;
-    mc->num_experts = 4;
-    mc->num_experts_per_tok = 2;
-    mc->initializer_range = 0.2;
-    mc->router_aux_loss_coef = 0.1;
-}
 
 /* All gradients (working layout, dense group then expert group) of L = CE/n_valid·ce_on + coef·aux
  * for one fixed batch and seed-7 weights. */
@@ -115,7 +97,7 @@ static void free_grads(struct grads *g)
 Test(router, train_router_false_leaves_the_gate_only_the_aux_gradient)
 {
     struct model_config mc, det;
-    small_model(&mc);
+    small_model_config(&mc);
     det = mc;
     det.train_router = false;
     struct grads full, detached, detached_noaux, aux_only;
@@ -146,7 +128,7 @@ Test(router, train_router_false_leaves_the_gate_only_the_aux_gradient)
 Test(router, freeze_router_zeroes_the_gate_gradient_and_keeps_the_rest)
 {
     struct model_config mc, fz;
-    small_model(&mc);
+    small_model_config(&mc);
     fz = mc;
     fz.freeze_router = true;
     struct grads full, frozen;
@@ -269,7 +251,7 @@ Test(router, group_limit_masks_the_other_groups)
 Test(router, no_decay_modules_select_tensors_by_module)
 {
     struct model_config mc;
-    small_model(&mc);
+    small_model_config(&mc);
     mc.decoder_sparse_step = 2; /* layer 0 dense, layer 1 MoE */
     struct tensor_table tt;
     tensor_table_build(&tt, &mc);
@@ -295,7 +277,7 @@ Test(router, no_decay_modules_select_tensors_by_module)
 Test(router, collapse_and_overload_warnings_name_layer_and_expert)
 {
     struct model_config mc;
-    small_model(&mc);
+    small_model_config(&mc);
     mc.num_hidden_layers = 3;
     mc.decoder_sparse_step = 1;
     mc.n_mlp_only_layers = 1;
@@ -375,7 +357,7 @@ Test(router, global_batch_aux_is_the_whole_batch_statistic_on_any_mesh, .timeout
 Test(router, recompute_reuses_the_forward_routing)
 {
     struct model_config mc;
-    small_model(&mc);
+    small_model_config(&mc);
     struct model m;
     model_init(&m, backend_cpu(), &mc, GB, GS, NULL, true);
     const size_t tk = (size_t)m.T * m.K;
@@ -401,7 +383,7 @@ Test(router, recompute_reuses_the_forward_routing)
 Test(router, routing_file_keeps_each_slot_on_the_stage_layers)
 {
     struct model_config mc;
-    small_model(&mc);
+    small_model_config(&mc);
     const int K = mc.num_experts_per_tok, E = mc.num_experts, n_seq = 2 * GB, tk = GB * GS * K;
     const char *path = "/tmp/mt_rr_slots.bin";
     FILE *f = fopen(path, "wb");
