@@ -12,6 +12,7 @@
 #include "../test_util.h"
 #include "common.h"
 #include "data.h"
+#include "eos_docs.h"
 
 enum { STEPS = 5, EOS = 1 };
 
@@ -121,25 +122,6 @@ Test(pipeline_features, routing_replay_on_pipelines, .timeout = 600)
     tu_run("rm -f /tmp/mt_ppf_rr*", NULL);
 }
 
-/* Documents of 3..40 tokens ending in EOS: a few cycles of a short phrase. */
-static void write_docs(const char *path, uint64_t seed, int n_tokens)
-{
-    char err[1024];
-    struct token_writer *w = token_writer_open(path, 2, err, sizeof err);
-    cr_assert(w, "%s", err);
-    mt_rng rng;
-    mt_rng_seed(&rng, seed);
-    int left = 0;
-    for (int i = 0; i < n_tokens; i++) {
-        uint32_t v;
-        if (left == 0) left = 3 + (int)(mt_rng_next(&rng) % 38);
-        if (--left == 0) v = EOS;
-        else v = 2 + (uint32_t)((i % 7) * 60 + mt_rng_next(&rng) % 3);
-        cr_assert(token_writer_put(w, &v, 1, err, sizeof err), "%s", err);
-    }
-    cr_assert(token_writer_close(w, err, sizeof err), "%s", err);
-}
-
 /* Validation every 2 steps over 2 held-out batches, with document masking (each stage masks its
  * slot's documents) and labels that stop at EOS (the labelled count comes from the last stage). */
 Test(pipeline_features, validation_on_pipelines, .timeout = 600)
@@ -148,8 +130,8 @@ Test(pipeline_features, validation_on_pipelines, .timeout = 600)
     cr_assert(mkdtemp(dir));
     snprintf(train, sizeof train, "%s/train.bin", dir);
     snprintf(val, sizeof val, "%s/val.bin", dir);
-    write_docs(train, 1, 8000);
-    write_docs(val, 2, 3000);
+    write_eos_docs(train, 1, 8000, EOS);
+    write_eos_docs(val, 2, 3000, EOS);
     snprintf(data, sizeof data, "--set data.kind=tokens --set data.path=%s --set data.eos_id=%d "
              "--set data.document_masking=true --set data.loss_after_eos=false --set data.validation_path=%s "
              "--set data.validation_interval=2 --set data.validation_batches=2", train, EOS, val);

@@ -12,30 +12,11 @@
 #include "../test_util.h"
 #include "common.h"
 #include "data.h"
+#include "eos_docs.h"
 
 enum { EOS = 1, VOCAB = 512 };
 
 static char dir[64];
-
-/* Documents of 3..40 tokens in [2, VOCAB), each ending in EOS; a few cycles of a short phrase so
- * the loss has something to learn. */
-static void write_docs(const char *path, uint64_t seed, int n_tokens)
-{
-    char err[1024];
-    struct token_writer *w = token_writer_open(path, 2, err, sizeof err);
-    cr_assert(w, "%s", err);
-    mt_rng rng;
-    mt_rng_seed(&rng, seed);
-    int left = 0;
-    for (int i = 0; i < n_tokens; i++) {
-        uint32_t v;
-        if (left == 0) left = 3 + (int)(mt_rng_next(&rng) % 38);
-        if (--left == 0) v = EOS;
-        else v = 2 + (uint32_t)((i % 7) * 60 + mt_rng_next(&rng) % 3);
-        cr_assert(token_writer_put(w, &v, 1, err, sizeof err), "%s", err);
-    }
-    cr_assert(token_writer_close(w, err, sizeof err), "%s", err);
-}
 
 static void setup(void)
 {
@@ -43,15 +24,15 @@ static void setup(void)
     cr_assert(mkdtemp(dir));
     char p[160];
     snprintf(p, sizeof p, "%s/web.bin", dir);
-    write_docs(p, 1, 6000);
+    write_eos_docs(p, 1, 6000, EOS);
     snprintf(p, sizeof p, "%s/books", dir);
     cr_assert_eq(mkdir(p, 0700), 0);
     snprintf(p, sizeof p, "%s/books/shard-00000.bin", dir);
-    write_docs(p, 2, 2000);
+    write_eos_docs(p, 2, 2000, EOS);
     snprintf(p, sizeof p, "%s/books/shard-00001.bin", dir);
-    write_docs(p, 3, 1500);
+    write_eos_docs(p, 3, 1500, EOS);
     snprintf(p, sizeof p, "%s/val.bin", dir);
-    write_docs(p, 4, 1000);
+    write_eos_docs(p, 4, 1000, EOS);
 }
 
 static void teardown(void)
