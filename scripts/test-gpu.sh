@@ -16,7 +16,7 @@
 #                 experts.down_proj gradient 1.00e-1 with router_fp32 (the fp32 logits flip other
 #                 tokens than the bf16 ones did), so 1e-1 had no margin left. A real bug (wrong
 #                 index, missing term) gives O(1).
-#   train bf16, 1 GPU vs 2 GPUs with expert_parallel_size=2: per-step loss within
+#   train bf16, 1 GPU vs 2 GPUs with expert_parallel_size=2 (and with pipeline_parallel_size=2): per-step loss within
 #                 TRAIN_BF16_TOL = 1e-2 (measured 1.5e-5 over 5 steps)
 #   train fp32, CPU vs 1 GPU: per-step loss within TRAIN_FP32_TOL = 1e-3 (measured 0 at the 8
 #                 digits the metrics file keeps)
@@ -150,8 +150,15 @@ if [ "$NGPU" -ge 2 ]; then
         --set parallel.expert_parallel_size=2 --set log.metrics="$LOG/train_2gpu_ep2_bf16.jsonl"
     compare_losses "losses 1 GPU vs 2 GPUs EP=2, bf16 (tol $TRAIN_BF16_TOL)" \
         "$LOG/train_2gpu_ep2_bf16.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+    # a pipeline of two stages, one per GPU (NCCL point-to-point between them)
+    run_step "train bf16, 2 GPUs, PP=2" "$LOG/train_2gpu_pp2_bf16.log" \
+        $MPIRUN -np 2 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+        --set parallel.pipeline_parallel_size=2 --set log.metrics="$LOG/train_2gpu_pp2_bf16.jsonl"
+    compare_losses "losses 1 GPU vs 2 GPUs PP=2, bf16 (tol $TRAIN_BF16_TOL)" \
+        "$LOG/train_2gpu_pp2_bf16.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
 else
     record "losses 1 GPU vs 2 GPUs EP=2" "SKIPPED (one GPU)"
+    record "losses 1 GPU vs 2 GPUs PP=2" "SKIPPED (one GPU)"
 fi
 run_step "train fp32, CPU" "$LOG/train_cpu_fp32.log" \
     "$B/moetrain" $T --backend cpu --set log.metrics="$LOG/train_cpu_fp32.jsonl"
