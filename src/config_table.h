@@ -16,6 +16,7 @@ enum cfg_type { CFG_INT, CFG_U64, CFG_DOUBLE, CFG_BOOL, CFG_STRING, CFG_ENUM, CF
 #define CFG_LO_OPEN 2u
 #define CFG_HI      4u   /* value <= hi (or < hi with CFG_HI_OPEN) */
 #define CFG_HI_OPEN 8u
+#define INT_MAXD 2147483647.0  /* INT_MAX as a bound (lo/hi are doubles) */
 
 struct cfg_key {
     const char *section;
