@@ -1,8 +1,8 @@
-/* Internal to the tensor-core attention (cuda/attention_tc.cu: forward and mma.sync backward;
- * cuda/attention_wgmma.cu: the backward on wgmma): tile constants, PTX wrappers, tile loads and the
- * mma.sync fragment helpers both use, and the backward's arguments. attention_tc.cu's header
- * comment says how the kernels work. Everything but attn_bwd_args and the two wgmma entry points is
- * file-local (an unnamed namespace) in each including file. */
+/* Internal to the tensor-core attention (cuda/attention_tc_fwd.cu: forward; attention_tc_bwd.cu:
+ * mma.sync backward; attention_wgmma.cu: the backward on wgmma): tile constants, PTX wrappers, tile
+ * loads and the mma.sync fragment helpers they use, and the backward's arguments. attention_tc.cu's
+ * header comment says how the kernels work. Everything but attn_bwd_args and the two wgmma entry
+ * points is file-local (an unnamed namespace) in each including file. */
 #ifndef MT_CUDA_ATTENTION_TC_COMMON_CUH
 #define MT_CUDA_ATTENTION_TC_COMMON_CUH
 
