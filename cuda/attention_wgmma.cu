@@ -1,5 +1,6 @@
 /* The attention backward's two passes (dK/dV and dQ) on the Hopper warpgroup MMA (sm_90a); the
- * forward, the mma.sync backward, the launch choice and the entry points are in attention_tc.cu. */
+ * forward is in attention_tc_fwd.cu, the mma.sync backward and the launch choice in
+ * attention_tc_bwd.cu, the entry points in attention_tc.cu. */
 #include "attention_tc_common.cuh"
 
 namespace {
