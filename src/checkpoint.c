@@ -1,14 +1,12 @@
 /* Saving a checkpoint (checkpoint.h; format in docs/checkpoints.md): every rank writes its shard
- * pieces to its own HDF5 file in ROOT/step_N.tmp, rank 0 adds the manifest, renames the directory
- * and marks it COMPLETE. */
+ * pieces to its own HDF5 file in ROOT/step_N.tmp, rank 0 adds the manifest (checkpoint_manifest.c),
+ * renames the directory and marks it COMPLETE. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "checkpoint.h"
 #include "checkpoint_internal.h"
@@ -18,41 +16,7 @@
  * corrupted file is an error on read rather than silently wrong weights. */
 #define CK_CHUNK_ELEMS (1 << 18)
 
-static bool any_layer(const struct model_config *m, bool moe)
-{
-    for (int l = 0; l < m->num_hidden_layers; l++)
-        if (config_layer_is_moe(m, l) == moe) return true;
-    return false;
-}
-
-int ck_model_fields(const struct model_config *m, struct ck_field *f)
-{
-    const bool dense = any_layer(m, false), moe = any_layer(m, true);
-    int n = 0;
-#define FIELD(key, v, rel) f[n++] = (struct ck_field){key, (int64_t)(v), rel}
-    FIELD("num_hidden_layers", m->num_hidden_layers, true);
-    FIELD("vocab_size", m->vocab_size, true);
-    FIELD("hidden_size", m->hidden_size, true);
-    FIELD("num_attention_heads", m->num_attention_heads, true);
-    FIELD("num_key_value_heads", m->num_key_value_heads, true);
-    FIELD("head_dim", config_head_dim(m), true);
-    FIELD("tie_word_embeddings", m->tie_word_embeddings, true);
-    FIELD("intermediate_size", m->intermediate_size, dense);
-    FIELD("num_experts", m->num_experts, moe);
-    FIELD("moe_intermediate_size", m->moe_intermediate_size, moe);
-#undef FIELD
-    return n;
-}
-
 /* --- one rank's file ----------------------------------------------------------------------- */
-
-void ck_collect_run(void *ctx, enum tensor_group g, int i, int64_t gidx, int64_t soff, int64_t len)
-{
-    (void)g;
-    struct ck_runs *rs = (struct ck_runs *)ctx + i;
-    if (rs->n == rs->cap) rs->r = mt_realloc(rs->r, (size_t)(rs->cap = rs->cap ? 2 * rs->cap : 4) * sizeof *rs->r);
-    rs->r[rs->n++] = (struct ck_run){gidx, soff, len};
-}
 
 static int cmp_run(const void *a, const void *b)
 {
@@ -222,74 +186,6 @@ static void write_rank_file(const char *path, int step, const struct params *p, 
     free(file_at);
 }
 
-/* --- the manifest (rank 0) ----------------------------------------------------------------- */
-
-/* Names this process's saves in their manifests: which launch of the job wrote a checkpoint. */
-static const char *run_id(void)
-{
-    static char id[32];
-    if (!id[0]) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        snprintf(id, sizeof id, "%08lx-%05x", (unsigned long)ts.tv_sec, (unsigned)(getpid() & 0xfffff));
-    }
-    return id;
-}
-
-static void write_manifest(const char *path, int step, const struct params *p, const struct mesh *mesh,
-                           const struct config *c, const float *bias, int64_t save_seq)
-{
-    ck_h5_context(path);
-    hid_t fapl = ck_fapl();
-    hid_t f = CK_H5(H5Fcreate(path, H5F_ACC_EXCL, H5P_DEFAULT, fapl));
-    ck_write_attr_str(f, "format", CK_FORMAT_MANIFEST);
-    const struct mesh_dims *d = &mesh->d;
-    int64_t meta[] = {CKPT_FORMAT_VERSION, step, p->step, step, d->world, d->pp, d->ep, d->ep_fsdp,
-                      d->ep_outside, d->S};
-    const char *meta_names[] = {"format_version", "step", "optimizer_step", "data_position", "world",
-                                "pp", "ep", "ep_fsdp", "ep_outside", "stage_size"};
-    for (size_t j = 0; j < sizeof meta / sizeof meta[0]; j++) ck_write_attr_i64(f, meta_names[j], &meta[j], 1);
-    ck_write_attr_i64(f, "save_seq", &save_seq, 1);
-    ck_write_attr_str(f, "run_id", run_id());
-
-    const struct model_config *mc = &c->model;
-    hid_t g = CK_H5(H5Gcreate2(f, "model", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
-    struct ck_field fields[CK_MAX_FIELDS];
-    int nf = ck_model_fields(mc, fields);
-    for (int j = 0; j < nf; j++) ck_write_attr_i64(g, fields[j].name, &fields[j].value, 1);
-    const int L = mc->num_hidden_layers;
-    int64_t *moe = mt_malloc((size_t)L * sizeof(int64_t));
-    for (int l = 0; l < L; l++) moe[l] = config_layer_is_moe(mc, l);
-    ck_write_attr_i64(g, "moe_layers", moe, L);
-    free(moe);
-    CK_H5(H5Gclose(g));
-
-    int len = config_to_yaml(c, NULL, 0);
-    char *yaml = mt_malloc((size_t)len + 1);
-    config_to_yaml(c, yaml, len + 1);
-    ck_write_string_dataset(f, "config_yaml", yaml, (size_t)len);
-    free(yaml);
-
-    if (bias) {
-        hsize_t dims[2] = {(hsize_t)L, (hsize_t)mc->num_experts};
-        hid_t sp = CK_H5(H5Screate_simple(2, dims, NULL));
-        /* checksummed like the weights: a flipped byte is a read error, not a silently wrong bias */
-        hid_t dcpl = CK_H5(H5Pcreate(H5P_DATASET_CREATE));
-        CK_H5(H5Pset_chunk(dcpl, 2, dims));
-        CK_H5(H5Pset_fletcher32(dcpl));
-        hid_t ds = CK_H5(H5Dcreate2(f, "balance_bias", H5T_IEEE_F32LE, sp, H5P_DEFAULT, dcpl, H5P_DEFAULT));
-        CK_H5(H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, bias));
-        CK_H5(H5Dclose(ds));
-        CK_H5(H5Pclose(dcpl));
-        CK_H5(H5Sclose(sp));
-    }
-    CK_H5(H5Fflush(f, H5F_SCOPE_GLOBAL));
-    CK_H5(H5Fclose(f));
-    CK_H5(H5Pclose(fapl));
-    ck_h5_context(NULL);
-    if (!ck_fsync_path(path)) mt_fatal("fsync(%s): %s", path, strerror(errno));
-}
-
 /* --- the directory dance ------------------------------------------------------------------- */
 
 static void fsync_or_die(const char *path)
@@ -331,7 +227,7 @@ static void publish(const char *root, const char *tmp, const char *fin, int step
 {
     char path[MT_PATH_MAX * 2];
     ck_path(path, sizeof path, "%s/%s", tmp, CK_MANIFEST);
-    write_manifest(path, step, p, mesh, c, bias, ck_next_save_seq(root));
+    ck_write_manifest(path, step, p, mesh, c, bias, ck_next_save_seq(root));
     fsync_or_die(tmp);
     /* saving a step that exists (a run resumed before it): the old copy steps aside first, so
      * there is never a moment with two directories of this step */

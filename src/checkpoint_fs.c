@@ -1,5 +1,6 @@
-/* The filesystem side of checkpoints: directory names, fsync, recursive removal, finding the
- * newest complete checkpoint, keeping the newest few. */
+/* The filesystem side of checkpoints: directory names, fsync, recursive removal, telling a
+ * moetrain checkpoint from another directory (ck_manifest_identity), finding the newest complete
+ * checkpoint, keeping the newest few. Above checkpoint_h5.c, below the save and the load. */
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -79,6 +80,27 @@ bool ck_remove_tree(const char *path)
     if (closedir(d) != 0) ok = false;
     errno = saved;
     return ok && rmdir(path) == 0;
+}
+
+bool ck_manifest_identity(const char *dir, int64_t *save_seq)
+{
+    char path[MT_PATH_MAX * 2];
+    ck_path(path, sizeof path, "%s/%s", dir, CK_MANIFEST);
+    if (!ck_file_exists(path)) return false;
+    ck_h5_init();
+    hid_t fapl = ck_fapl();
+    hid_t f = H5Fopen(path, H5F_ACC_RDONLY, fapl);
+    CK_H5(H5Pclose(fapl));
+    if (f < 0) return false;
+    char fmt[64] = "", err[CK_ERR_CAP] = "";
+    bool ours = ck_read_attr_str(f, "format", fmt, sizeof fmt, path, err, (int)sizeof err) &&
+                !strcmp(fmt, CK_FORMAT_MANIFEST);
+    *save_seq = 0;  /* saved before save sequences were recorded */
+    if (ours && H5Aexists(f, "save_seq") > 0 &&
+        !ck_read_attr_i64(f, "save_seq", save_seq, 1, NULL, path, err, (int)sizeof err))
+        ours = false;
+    H5Fclose(f);
+    return ours;
 }
 
 /* The step of a directory entry named step_<digits> or step_<digits>.<anything>.tmp (*tmp set:

@@ -1,5 +1,6 @@
 /* The HDF5 layer of the checkpoints: checked calls, attribute helpers, the error stack as one
- * line; and the loader's collective error agreement. */
+ * line; and the loader's collective error agreement. The lowest checkpoint layer: it uses no other
+ * checkpoint*.c file. */
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -236,6 +237,26 @@ bool ck_read_attr_str(hid_t obj, const char *name, char *s, size_t cap_s, const 
     return ok;
 }
 
+/* H5Fopen read-only with HDF5's reason in err on failure. */
+hid_t ck_open_ro(const char *path, const char *what, char *err, int cap)
+{
+    hid_t fapl = ck_fapl();
+    hid_t f = H5Fopen(path, H5F_ACC_RDONLY, fapl);
+    if (f < 0) {
+        char m[512];
+        ck_h5_message(m, sizeof m);
+        ck_errf(err, cap, "%s: cannot open %s (truncated or not an HDF5 file?): %s", path, what, m);
+    }
+    CK_H5(H5Pclose(fapl));
+    return f;
+}
+
+bool ck_link_exists(hid_t loc, const char *name)
+{
+    htri_t ex = H5Lexists(loc, name, H5P_DEFAULT);
+    return ex > 0;
+}
+
 bool ck_use_mpi(const struct mesh *mesh) { return mesh->world_comm != MPI_COMM_NULL && mesh->d.world > 1; }
 
 bool ck_agree(const struct mesh *mesh, char *err, int cap)
@@ -247,25 +268,4 @@ bool ck_agree(const struct mesh *mesh, char *err, int cap)
     MT_CHECK_MPI(MPI_Bcast(err, cap, MPI_CHAR, first, mesh->world_comm));
     err[cap - 1] = 0;
     return false;
-}
-
-bool ck_manifest_identity(const char *dir, int64_t *save_seq)
-{
-    char path[MT_PATH_MAX * 2];
-    ck_path(path, sizeof path, "%s/%s", dir, CK_MANIFEST);
-    if (!ck_file_exists(path)) return false;
-    ck_h5_init();
-    hid_t fapl = ck_fapl();
-    hid_t f = H5Fopen(path, H5F_ACC_RDONLY, fapl);
-    CK_H5(H5Pclose(fapl));
-    if (f < 0) return false;
-    char fmt[64] = "", err[CK_ERR_CAP] = "";
-    bool ours = ck_read_attr_str(f, "format", fmt, sizeof fmt, path, err, (int)sizeof err) &&
-                !strcmp(fmt, CK_FORMAT_MANIFEST);
-    *save_seq = 0;  /* saved before save sequences were recorded */
-    if (ours && H5Aexists(f, "save_seq") > 0 &&
-        !ck_read_attr_i64(f, "save_seq", save_seq, 1, NULL, path, err, (int)sizeof err))
-        ours = false;
-    H5Fclose(f);
-    return ours;
 }

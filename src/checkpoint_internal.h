@@ -1,6 +1,13 @@
 /* Private to checkpoint*.c: the HDF5 layer (checked calls, attributes, error text), names of the
- * files of a checkpoint directory, the filesystem steps of a crash-safe save, and the collective
- * error agreement of the loader. */
+ * files of a checkpoint directory, the filesystem steps of a crash-safe save, the collective
+ * error agreement of the loader, the manifest and the piece index the loader reads.
+ *
+ * The files, each using only those listed after it:
+ *   checkpoint.c (save), checkpoint_load.c (load, export reader)
+ *   checkpoint_index.c     shard runs, phase 2 of a load: indexing the old rank files
+ *   checkpoint_manifest.c  writing the manifest, phase 1 of a load: reading and checking it
+ *   checkpoint_fs.c        directories, fsync, newest / cleanup of checkpoints
+ *   checkpoint_h5.c        HDF5 helpers, error messages, the collective agreement */
 #ifndef MT_CKPT_INTERNAL_H
 #define MT_CKPT_INTERNAL_H
 
@@ -52,13 +59,16 @@ bool ck_flat_io(hid_t dset, int ndim, const hsize_t *dims, int64_t start, int64_
                 bool write, char *msg, size_t msgcap);
 
 /* Readers for files that may be bad: false with "what: problem" in err. */
+/* H5Fopen read-only with HDF5's reason in err on failure ("path: cannot open what ..."). */
+hid_t ck_open_ro(const char *path, const char *what, char *err, int cap);
+bool ck_link_exists(hid_t loc, const char *name);
 /* n_out NULL: the attribute must hold exactly n integers; else up to n, the count in *n_out. */
 bool ck_read_attr_i64(hid_t obj, const char *name, int64_t *v, int n, int *n_out, const char *what,
                       char *err, int cap);
 bool ck_read_attr_str(hid_t obj, const char *name, char *s, size_t cap_s, const char *what,
                       char *err, int cap);
 
-/* --- shard runs (params_for_each_run_of), grouped by tensor -------------------------------- */
+/* --- shard runs (params_for_each_run_of), grouped by tensor (checkpoint_index.c) ---------- */
 
 struct ck_run {
     int64_t gidx, soff, len;   /* global flat element, shard offset, elements */
@@ -115,17 +125,38 @@ bool ck_manifest_identity(const char *dir, int64_t *save_seq);
  * checkpoints (1 when there is none). */
 int64_t ck_next_save_seq(const char *root);
 
-/* --- the model shape recorded in the manifest --------------------------------------------- */
+/* --- the manifest (checkpoint_manifest.c) ------------------------------------------------- */
 
-/* The fields of the model section that decide tensor shapes. `relevant` is false for those that
- * shape nothing in this model (intermediate_size without dense layers, expert sizes without MoE
- * layers), which are then not compared. */
-struct ck_field {
-    const char *name;
-    int64_t value;
-    bool relevant;
+struct ck_manifest {            /* all int64 so that it travels as bytes */
+    int64_t version, step, opt_step, data_pos, world, pp, ep, ep_fsdp, ep_outside, S;
+    int64_t has_bias, bias_L, bias_E;
 };
-#define CK_MAX_FIELDS 16
-int ck_model_fields(const struct model_config *m, struct ck_field *out);
+/* Rank 0 of a save, every rank file written: creates and fsyncs manifest `path` (fatal on
+ * failure). bias: [L, E] or NULL. */
+void ck_write_manifest(const char *path, int step, const struct params *p, const struct mesh *mesh,
+                       const struct config *c, const float *bias, int64_t save_seq);
+/* Not collective: checks that dir is a complete checkpoint whose manifest is of this format and
+ * version, with a consistent mesh and c->model's shape; fills man, and *bias (malloc'd [bias_L,
+ * bias_E]) when the manifest has one. False with a one-line message in err. */
+bool ck_read_manifest(const char *dir, const struct config *c, struct ck_manifest *man, float **bias,
+                     char *err, int cap);
+
+/* --- the index of an old checkpoint's rank files (checkpoint_index.c) --------------------- */
+
+/* One tensor piece of one old rank file: a flat range [a, b) of a non-expert tensor, or experts
+ * [e0, e1) x rows [r0, r1) (x all of dim 2) of an expert tensor. */
+struct ck_piece {
+    int64_t file, tensor, a, b, e0, e1, r0, r1;
+};
+#define CK_PIECE_INTS 8
+struct ck_pieces {
+    struct ck_piece *v;
+    int n, cap;
+};
+/* Collective over mesh (one process when it has no MPI): every rank indexes old files rank,
+ * rank + W, ..., checking each dataset's slice against tt; the pieces are then all-gathered into
+ * *all (the caller frees all->v). False on every rank with the same message otherwise. */
+bool ck_build_index(const char *dir, const struct ck_manifest *man, const struct tensor_table *tt,
+                    const struct mesh *mesh, struct ck_pieces *all, char *err, int cap);
 
 #endif
