@@ -296,7 +296,7 @@ struct in_flight {
 /* Waits for every point in flight that receives into, or sends from, what the compute of `micro`
  * (kind k) touches: its input (forward) or output gradient (backward), and its slot's sends. */
 static void wait_for(const struct pipe_schedule *s, struct comm *c, struct in_flight *fl, int n_fl,
-                     enum pipe_action_kind k, int micro)
+                     enum pipe_action_kind k, int micro, double *waited)
 {
     const enum pipe_xfer_kind needed = k == PIPE_FORWARD ? PIPE_RECV_FORWARD : PIPE_RECV_BACKWARD;
     for (int f = 0; f < n_fl; f++) {
@@ -308,14 +308,17 @@ static void wait_for(const struct pipe_schedule *s, struct comm *c, struct in_fl
             hit |= is_send(x->kind) && pipe_slot(s, x->micro) == pipe_slot(s, micro);
         }
         if (hit) {
+            const double t0 = mt_now();
             comm_p2p_wait(c, &fl[f].req);
+            *waited += mt_now() - t0;
             fl[f].live = false;
         }
     }
 }
 
-void pipe_run(const struct pipe_schedule *s, struct comm *pp_comm, const struct pipe_stage *st, bool overlap)
+double pipe_run(const struct pipe_schedule *s, struct comm *pp_comm, const struct pipe_stage *st, bool overlap)
 {
+    double waited = 0;
     MT_CHECK(s->pp == 1 || (pp_comm && pp_comm->size == s->pp && pp_comm->rank == s->stage),
              "pipeline: the PP comm (rank %d of %d) does not match stage %d of %d",
              pp_comm ? pp_comm->rank : 0, pp_comm ? pp_comm->size : 1, s->stage, s->pp);
@@ -324,7 +327,7 @@ void pipe_run(const struct pipe_schedule *s, struct comm *pp_comm, const struct 
     int n_fl = 0;
     for (int k = 0; k < s->n; k++) {
         const struct pipe_action *a = &s->a[k];
-        if (a->kind != PIPE_COMM && overlap) wait_for(s, pp_comm, fl, n_fl, a->kind, a->micro);
+        if (a->kind != PIPE_COMM && overlap) wait_for(s, pp_comm, fl, n_fl, a->kind, a->micro, &waited);
         if (a->kind == PIPE_FORWARD) {
             st->forward(st->ctx, pipe_slot(s, a->micro), a->micro);
             continue;
@@ -346,14 +349,19 @@ void pipe_run(const struct pipe_schedule *s, struct comm *pp_comm, const struct 
             n += got;
         }
         if (!overlap) {
+            const double t0 = mt_now();
             comm_p2p(pp_comm, ops, n);
+            waited += mt_now() - t0;
             continue;
         }
         fl[n_fl].a = *a;
         fl[n_fl].live = true;
         comm_p2p_start(pp_comm, ops, n, &fl[n_fl++].req);
     }
+    const double t0 = mt_now();
     for (int f = 0; f < n_fl; f++)
         if (fl[f].live) comm_p2p_wait(pp_comm, &fl[f].req);
+    waited += mt_now() - t0;
     free(fl);
+    return waited;
 }

@@ -94,6 +94,9 @@ struct pipe_stage {
  * compute that reads what it receives, or that runs in the slot of a micro-batch it sends, so
  * sends run under the next compute. The stage must then keep each slot's transfer buffers
  * apart from what compute on other slots writes. */
-void pipe_run(const struct pipe_schedule *s, struct comm *pp_comm, const struct pipe_stage *st, bool overlap);
+/* Returns the seconds the host spent waiting for transfers: the stage's idle time on the CPU (MPI
+ * waits block); on a GPU only under log.profile, whose comm timer synchronises the device around
+ * each wait (otherwise the waits are queued and return at once). */
+double pipe_run(const struct pipe_schedule *s, struct comm *pp_comm, const struct pipe_stage *st, bool overlap);
 
 #endif

@@ -454,6 +454,7 @@ int cmd_train(const struct cli *a)
     struct mem_peak peak;
     mem_report_collect(&mesh, &peak);
     mem_report_print(&c, &mesh, &peak, keep_copy, be->x_size);
+    if (piped) pipe_train_report_idle(&pt, c.log.profile || !strcmp(be->name, "cpu"));
     if (sharding.n_gathers > 0)   /* every rank gathers the same units: rank 0's count speaks for all */
         mt_log0("fsdp: %lld unit gathers per rank, %lld (%.0f%%) prefetched while the unit before them computed\n",
                 (long long)sharding.n_gathers, (long long)sharding.n_prefetched,

@@ -229,7 +229,35 @@ void pipe_train_step(struct pipe_train *t, int step, const struct step_batch *sb
     const struct pipe_stage st = {.ctx = t, .forward = stage_forward, .backward = stage_backward,
                                   .buffers = stage_buffers};
     /* every transfer buffer is its slot's own: transfers may run under the next compute */
-    pipe_run(t->sched, t->pp, &st, true);
+    const double t0 = mt_now();
+    t->wait_s += pipe_run(t->sched, t->pp, &st, true);
+    t->run_s += mt_now() - t0;
+}
+
+void pipe_train_report_idle(const struct pipe_train *t, bool measured)
+{
+    const int pp = t->mesh->d.pp, world = t->mesh->d.pp * t->mesh->d.S, m = t->n_micro;
+    double mine[3] = {t->mesh->me.stage, t->run_s, t->wait_s};
+    double *all = mt_malloc((size_t)world * 3 * sizeof(double));
+    comm_all_gather(t->world_h, all, mine, 3, COMM_F64);
+    if (t->mesh->rank == 0) {
+        const double theory = (double)(pp - 1) / (double)(m + pp - 1);
+        if (!measured) {
+            mt_log0("pipeline: 1F1B bubble in theory %.1f%% (pp %d, %d micro-batches per step); the stages' idle "
+                    "time is measured on the CPU backend or with log.profile: true\n", 100 * theory, pp, m);
+        } else {
+            mt_log0("pipeline: idle share of each stage's 1F1B schedules (waiting for a neighbour), mean over its "
+                    "ranks; 1F1B bubble in theory %.1f%% (pp %d, %d micro-batches per step)\n", 100 * theory, pp, m);
+            for (int s = 0; s < pp; s++) {
+                double run = 0, wait = 0;
+                for (int r = 0; r < world; r++)
+                    if ((int)all[3 * r] == s) run += all[3 * r + 1], wait += all[3 * r + 2];
+                mt_log0("  stage %d: %.1f%% idle (%.3f s of %.3f s)\n", s, run > 0 ? 100 * wait / run : 0.0,
+                        wait / t->mesh->d.S, run / t->mesh->d.S);
+            }
+        }
+    }
+    free(all);
 }
 
 void pipe_train_free(struct pipe_train *t)

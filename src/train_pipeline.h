@@ -69,12 +69,19 @@ struct pipe_train {
     double ce_local, aux_sum;  /* aux_sum: Σ over micro-batches of aux, on the last stage */
     int64_t valid_local;
     double *layer_counts;      /* [L, E] of this stage's layers (others 0) */
+    /* over the run: seconds in the 1F1B schedules, and of them waiting for a neighbour's transfer */
+    double run_s, wait_s;
 };
 void pipe_train_init(struct pipe_train *t, const struct config *c, const struct mesh *mesh, struct model *m,
                      struct comm *stage_h, struct comm *pp, int n_micro);
 /* Runs the step's forwards and backwards on sb (loaded for this step, with the step's labelled
  * count); then the results above are this rank's. */
 void pipe_train_step(struct pipe_train *t, int step, const struct step_batch *sb);
+/* Collective over every rank: rank 0 prints each stage's measured idle share of its 1F1B schedules
+ * (run_s, wait_s; the mean over the stage's ranks) beside the 1F1B bubble (pp-1)/(m+pp-1). Only
+ * meaningful where waits block the host (the CPU backend, or log.profile on a GPU): `measured`
+ * false prints that instead. */
+void pipe_train_report_idle(const struct pipe_train *t, bool measured);
 /* The step's results as the single-stage loop has them: ce and labelled tokens of this rank (the
  * last stage's; the caller sums them over the world), aux summed over micro-batches (the same on
  * every rank), layer_counts [L, E] of every layer (the same on every rank of the stage). */

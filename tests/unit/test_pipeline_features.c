@@ -153,3 +153,27 @@ Test(pipeline_features, validation_on_pipelines, .timeout = 600)
     snprintf(cmd, sizeof cmd, "rm -rf '%s' /tmp/mt_ppf_val_ref.* /tmp/mt_ppf_val_pp2*", dir);
     tu_run(cmd, NULL);
 }
+
+/* The end of a pipelined run reports each stage's idle share of its 1F1B schedules beside the
+ * theory (pp-1)/(m+pp-1): 16 sequences as 4 micro-batches of 4 on PP=2 -> 20.0%. The measured
+ * shares are timings, so only their form and bounds are checked (waits within the schedule). */
+Test(pipeline_features, the_run_reports_each_stage_idle_share, .timeout = 120)
+{
+    char cmd[2048], *out = NULL;
+    snprintf(cmd, sizeof cmd, "timeout 100 %s -np 2 %s/moetrain train configs/tiny.yaml --backend cpu "
+             "--set train.steps=3 --set train.global_batch_size=16 %s", tu_mpirun(), tu_build(), PP2);
+    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+    const char *p = strstr(out, "pipeline: idle share of each stage's 1F1B schedules");
+    cr_assert(p, "no idle report:\n%s", out);
+    cr_expect(strstr(p, "1F1B bubble in theory 20.0% (pp 2, 4 micro-batches per step)"), "%.300s", p);
+    for (int s = 0; s < 2; s++) {
+        char key[32];
+        snprintf(key, sizeof key, "  stage %d: ", s);
+        const char *l = strstr(p, key);
+        cr_assert(l, "no line for stage %d:\n%s", s, p);
+        double pct = -1, wait = -1, run = -1;
+        cr_assert_eq(sscanf(l + strlen(key), "%lf%% idle (%lf s of %lf s)", &pct, &wait, &run), 3, "%.200s", l);
+        cr_expect(pct >= 0 && pct <= 100 && wait >= 0 && wait <= run && run > 0, "%.200s", l);
+    }
+    free(out);
+}
