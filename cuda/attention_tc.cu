@@ -1,7 +1,7 @@
 /* Causal GQA flash attention on the tensor cores: bf16 operands, fp32 accumulation, FlashAttention-2
- * structure written for mma.sync.m16n8k16 (sm_80+; this build targets sm_90a); the backward's two
- * passes also exist on the Hopper warpgroup MMA (wgmma), which is what runs by default on sm_90
- * (attention_wgmma.cu).
+ * structure written for mma.sync.m16n8k16 (sm_80+); the forward and the backward's two passes also
+ * exist on the Hopper warpgroup MMA (wgmma), which is what runs by default on sm_90
+ * (attention_wgmma_fwd.cu, attention_wgmma.cu).
  *
  * Layout. q/out [B,S,Hq,D], k/v [B,S,Hkv,D] bf16 row-major; one head's rows are D contiguous
  * elements, H·D apart. Tiles are copied global -> shared with 16-byte cp.async (rows past S are
@@ -15,7 +15,8 @@
  * registers. ldmatrix loads A operands and B operands stored as [n][k] (K for Q·Kᵀ); ldmatrix.trans
  * loads B operands stored as [k][n] (V for P·V).
  *
- * forward  grid (B·Hq, query tiles of 128), 4 warps × 32 query rows (two m16 blocks, so every K/V
+ * forward  (mma.sync; the wgmma forward is described in attention_wgmma_fwd.cu)
+ *          grid (B·Hq, query tiles of 128), 4 warps × 32 query rows (two m16 blocks, so every K/V
  *          fragment read from shared memory feeds two mma). Key tiles of 64, double-buffered:
  *          tile j+1 is in flight while tile j is used. Online softmax in fp32 in the exp2 domain;
  *          the row sum l stays per thread until the end (the rescale factor is the same for the 4
@@ -40,7 +41,8 @@
  * rows (forward, dQ: the last query tiles; dK/dV: the first key tiles) to the shortest.
  *
  * Files: this one holds the entry points (attention_tc.cuh) and the bf16-or-fp32 choice;
- * attention_tc_fwd.cu the forward kernel and its launch; attention_tc_bwd.cu the backward's prep,
+ * attention_tc_fwd.cu the mma.sync forward kernel and the choice of forward; attention_wgmma_fwd.cu
+ * the wgmma forward; attention_tc_bwd.cu the backward's prep,
  * dK/dV and dQ kernels and their launch; attention_tc_common.cuh the device helpers (tile loads,
  * ldmatrix/mma fragments) they share with attention_wgmma.cu; attention_tc_launch.cuh the host-side
  * checks and the two launchers' declarations. */

@@ -37,9 +37,10 @@ void attention_simt_backward(void *dq, void *dk, void *dv, const void *dout, con
 /* The backend's stream (a cudaStream_t), for callers that time work around these. */
 void *attention_tc_stream(void);
 
-/* Selects the forward tiling (0 = 32 query rows per warp × 4 warps, the default; 1 = 16 × 4;
- * 2 = 16 × 8) for tests and benchmarks; out-of-range values change nothing. Returns the previous
- * one. Not thread-safe: call it between ops. */
+/* Selects the forward kernel for tests and benchmarks: mma.sync tilings 0 = 32 query rows per
+ * warp × 4 warps, 1 = 16 × 4, 2 = 16 × 8; wgmma (Hopper only, else 0 runs) 3, 4, 5, 6 = warpgroups
+ * × keys per tile 2 × 128, 2 × 64, 1 × 64, 3 × 64; -1 (the default) = 5 on Hopper, 0 elsewhere. Out-of-range
+ * values change nothing. Returns the previous one. Not thread-safe: call it between ops. */
 int attention_tc_set_variant(int fwd);
 
 /* Selects the backward kernels for tests and benchmarks: variant = dkdv + 4·dq, each 0 = the

@@ -23,6 +23,10 @@ struct attn_bwd_args {
  * stages) (2, 3), (1, 2), (2, 2). */
 void attn_wgmma_dkdv(const attn_bwd_args &a, int D, int variant);
 void attn_wgmma_dq(const attn_bwd_args &a, int D, int variant);
+/* The forward on wgmma (sm_90a, no document masks), D = 64 or 128, variant 1..4 = (warpgroups per
+ * block, keys per tile) (2, 128), (2, 64), (1, 64), (3, 64). */
+void attn_wgmma_forward(void *out, float *lse, const void *q, const void *k, const void *v, int B,
+                        int S, int Hq, int Hkv, int D, float scale, int variant);
 
 namespace {
 
@@ -117,15 +121,31 @@ template <int R, int D, int NT, class At>
 __device__ __forceinline__ void load_rows_at(At at, const bf16 *base, size_t stride, int row0, int S)
 {
     constexpr int CPR = D / 8; /* 16-byte chunks per row */
-    static_assert((R * CPR) % NT == 0, "tile chunks must divide among the threads");
+    if constexpr (NT % CPR == 0 && R % (NT / CPR) == 0) {
+        /* a thread's chunks share their column and stand NT/CPR rows apart: one address, bumped
+         * (these loads run every key tile; the general loop below cost the forward ~300 integer
+         * instructions a tile per thread) */
+        constexpr int RPI = NT / CPR;
+        const int c = (int)threadIdx.x % CPR, r0 = (int)threadIdx.x / CPR;
+        const bf16 *src = base + (size_t)(row0 + r0) * stride + c * 8;
+        const size_t bump = (size_t)RPI * stride;
 #pragma unroll
-    for (int it = 0; it < R * CPR / NT; it++) {
-        const int i = it * NT + (int)threadIdx.x;
-        const int r = i / CPR, c = i - r * CPR;
-        const int row = row0 + r;
-        const bool ok = row < S;
-        const bf16 *src = base + (size_t)(ok ? row : 0) * stride + c * 8;
-        cp_async16(at(r, c), src, ok);
+        for (int it = 0; it < R / RPI; it++) {
+            const bool ok = row0 + r0 + it * RPI < S;
+            cp_async16(at(r0 + it * RPI, c), ok ? src : base, ok);
+            src += bump;
+        }
+    } else {
+#pragma unroll
+        for (int it = 0; it < (R * CPR + NT - 1) / NT; it++) {
+            const int i = it * NT + (int)threadIdx.x;
+            if ((R * CPR) % NT != 0 && i >= R * CPR) break; /* a last, partial round */
+            const int r = i / CPR, c = i - r * CPR;
+            const int row = row0 + r;
+            const bool ok = row < S;
+            const bf16 *src = base + (size_t)(ok ? row : 0) * stride + c * 8;
+            cp_async16(at(r, c), src, ok);
+        }
     }
 }
 

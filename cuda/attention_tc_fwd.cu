@@ -154,11 +154,17 @@ void tc_fwd_launch_cfg(void *out, float *lse, const void *q, const void *k, cons
     CUDA_LAUNCH_CHECK("attention tc forward");
 }
 
-/* Forward tilings (query rows per warp × warps): 0 = 32 × 4 (the default), 1 = 16 × 4, 2 = 16 × 8.
- * All three are tested; attention_tc_set_variant picks one for benchmarking. 0 wins because each
- * K/V fragment read from shared memory feeds two mma (B=2 S=4096 Hq=32/4 D=128 on an H100:
- * 0.89 ms against 1.17 and 1.11), at the price of a few spilled softmax statistics (ptxas: 52 B). */
-int g_fwd_variant = 0;
+/* Forward kernels: mma.sync tilings (query rows per warp × warps) 0 = 32 × 4, 1 = 16 × 4,
+ * 2 = 16 × 8; on sm_90a the wgmma kernels 3, 4, 5, 6 (attention_wgmma_fwd.cu: warpgroups × keys
+ * per tile 2 × 128, 2 × 64, 1 × 64, 3 × 64). -1, the default, takes 5 where the wgmma kernels may
+ * run (a Hopper GPU without MT_FORCE_SM80) and 0 elsewhere: at B=2 S=4096 Hq=32/4 on an H100, 5 ran
+ * 0.672 ms (409 TFLOPS) against 0.693 for 3, 0.735 for 4, 0.772 for 6 and 0.864 for mma.sync 0, and
+ * at D=64 0.402 ms against 0.451 for 0 (the one-warpgroup blocks, two per SM, do not wait for each
+ * other at every key tile). Among the mma.sync tilings 0 wins because each K/V fragment read from
+ * shared memory feeds two mma (0.89 ms against 1.17 and 1.11), at the price of a few spilled softmax
+ * statistics (ptxas: 52 B). All are tested; attention_tc_set_variant picks one for benchmarking.
+ * Documents always take tiling 0. */
+int g_fwd_variant = -1;
 
 template <int D>
 void tc_fwd_launch(void *out, float *lse, const void *q, const void *k, const void *v, int B, int S,
@@ -168,9 +174,14 @@ void tc_fwd_launch(void *out, float *lse, const void *q, const void *k, const vo
         tc_fwd_launch_cfg<D, 2, 4, 2, true>(out, lse, q, k, v, B, S, Hq, Hkv, seg);
         return;
     }
-    switch (g_fwd_variant) {
+    int variant = g_fwd_variant < 0 ? (g_cuda.hopper ? 5 : 0) : g_fwd_variant;
+    if (variant >= 3 && !g_cuda.hopper) variant = 0;
+    switch (variant) {
     case 1: tc_fwd_launch_cfg<D, 1, 4, 2, false>(out, lse, q, k, v, B, S, Hq, Hkv, nullptr); break;
     case 2: tc_fwd_launch_cfg<D, 1, 8, 1, false>(out, lse, q, k, v, B, S, Hq, Hkv, nullptr); break;
+    case 3: case 4: case 5: case 6:
+        attn_wgmma_forward(out, lse, q, k, v, B, S, Hq, Hkv, D, tc_scale(D), variant - 2);
+        break;
     default: tc_fwd_launch_cfg<D, 2, 4, 2, false>(out, lse, q, k, v, B, S, Hq, Hkv, nullptr); break;
     }
 }
@@ -193,6 +204,6 @@ bool tc_forward(void *out, float *lse, const void *q, const void *k, const void 
 extern "C" int attention_tc_set_variant(int fwd)
 {
     const int old = g_fwd_variant;
-    if (fwd >= 0 && fwd <= 2) g_fwd_variant = fwd;
+    if (fwd >= -1 && fwd <= 6) g_fwd_variant = fwd;
     return old;
 }

@@ -10,7 +10,7 @@
  * FLOPs counted as for causal attention: forward 2·2·B·Hq·D·S²/2 (Q·Kᵀ and P·V over the lower
  * triangle), backward 2.5× that (the usual convention; the kernels do more: dQ recomputes S, dP).
  * Inputs are random bf16 in [-1, 1) (never zeros). Before timing, the new kernels' outputs are
- * compared with the old ones at the benchmarked shape (‖new − old‖ / ‖old‖; lse max |diff|).
+ * compared with the old ones at the benchmarked shape (each forward kernel: mma.sync 0-2, wgmma 3-6) (‖new − old‖ / ‖old‖; lse max |diff|).
  * Then every backward kernel choice (attention_tc_set_bwd_variant: dK/dV kernel + 4 × dQ kernel)
  * is compared with the mma.sync pair (variant 0), run twice (the FNV-1a hash of dq, dk, dv must
  * not change) and timed; the default's hash is printed last, to compare between processes.
@@ -28,6 +28,8 @@
 #include <cuda_runtime.h>
 
 #include "../cuda/attention_tc.cuh"
+
+enum { N_FWD = 7 }; /* forward kernels: attention_tc_set_variant 0..6 */
 
 static int B = 2, S = 4096, Hq = 32, Hkv = 4, D = 128;
 static cudaStream_t stream;
@@ -178,7 +180,7 @@ static void compare(void)
     float *o_old = host_bf16(out, nq);
     CUDA_CALL(cudaStreamSynchronize(stream));
     CUDA_CALL(cudaMemcpy(lse_o, lse, nl * 4, cudaMemcpyDeviceToHost));
-    for (int var = 0; var < 3; var++) {
+    for (int var = 0; var < N_FWD; var++) {
         attention_tc_set_variant(var);
         poison(out, nq * 2);
         poison(lse, nl * 4);
@@ -192,7 +194,7 @@ static void compare(void)
                rel_err(o_new, o_old, nq), le);
         free(o_new);
     }
-    attention_tc_set_variant(0);
+    attention_tc_set_variant(-1);
     /* both backwards from the same out/lse: the default tensor-core forward's */
     run_op(OP_FWD_TC);
     run_op(OP_BWD_SIMT);
@@ -284,12 +286,12 @@ int main(int argc, char **argv)
 
     const double fwd_flop = 2.0 * 2.0 * B * Hq * (double)D * S * (double)S / 2.0;
     const double bwd_flop = 2.5 * fwd_flop;
-    double t_fwd[3];
-    for (int var = 0; var < 3; var++) {
+    double t_fwd[N_FWD];
+    for (int var = 0; var < N_FWD; var++) {
         attention_tc_set_variant(var);
         t_fwd[var] = time_op(OP_FWD_TC, 3, reps);
     }
-    attention_tc_set_variant(0);
+    attention_tc_set_variant(-1);
     run_op(OP_FWD_TC); /* out/lse for the backward */
     const double t_bwd = time_op(OP_BWD_TC, 3, reps);
     const int sreps = reps < 3 ? reps : 3;
@@ -298,12 +300,16 @@ int main(int argc, char **argv)
     const double t_bwd_old = time_op(OP_BWD_SIMT, 1, sreps);
 
     printf("\n%-34s %10s %10s\n", "kernel", "ms", "TFLOPS");
-    for (int var = 0; var < 3; var++) {
+    for (int var = 0; var < N_FWD; var++) {
         char name[64];
-        snprintf(name, sizeof name, "fwd tensor-core (variant %d)", var);
+        snprintf(name, sizeof name, "fwd %s (variant %d)", var < 3 ? "mma.sync" : "wgmma", var);
         printf("%-34s %10.3f %10.1f\n", name, t_fwd[var], fwd_flop / (t_fwd[var] * 1e-3) / 1e12);
     }
     printf("%-34s %10.3f %10.1f\n", "bwd tensor-core", t_bwd, bwd_flop / (t_bwd * 1e-3) / 1e12);
+    const double t_fwd_dflt = time_op(OP_FWD_TC, 3, reps); /* the default kernel (variant -1) */
+    printf("%-34s %10.3f %10.1f\n", "fwd default", t_fwd_dflt, fwd_flop / (t_fwd_dflt * 1e-3) / 1e12);
+    printf("%-34s %10.3f %10.1f\n", "fwd + bwd, defaults", t_fwd_dflt + t_bwd,
+           (fwd_flop + bwd_flop) / ((t_fwd_dflt + t_bwd) * 1e-3) / 1e12);
     printf("%-34s %10.3f %10.1f\n", "fwd fp32 CUDA cores (old)", t_fwd_old,
            fwd_flop / (t_fwd_old * 1e-3) / 1e12);
     printf("%-34s %10.3f %10.1f\n", "bwd fp32 CUDA cores (old)", t_bwd_old,

@@ -937,18 +937,22 @@ static void tc_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int
 }
 
 /* S not a multiple of any tile (100, 257, 300), exact tiles (64, 128), S = 1; grouped (8/2, 6/3)
- * and ungrouped heads; D 128 and 64; each of the three forward tilings. */
+ * and ungrouped heads; D 128 and 64; each forward kernel: the three mma.sync tilings and the three
+ * wgmma ones (3..6; on a GPU other than Hopper, or with MT_FORCE_SM80, they run tiling 0). S = 300
+ * and 257 give the wgmma kernels 3 to 5 key tiles (the pipelined steps and both P buffers), S = 100
+ * with 64-key tiles a warpgroup that stops a tile before its block. */
 Test(gpu, attention_tc_vs_cpu)
 {
     mt_rng rng;
     mt_rng_seed(&rng, 108);
     struct mode M;
     mode_get(1, &M);
-    for (int variant = 0; variant < 3; variant++) {
+    for (int variant = 0; variant < 7; variant++) {
         tc_case(&M, &rng, 2, 100, 8, 2, 128, variant);
         tc_case(&M, &rng, 2, 257, 8, 2, 64, variant);
         tc_case(&M, &rng, 1, 257, 4, 4, 128, variant);
         tc_case(&M, &rng, 1, 1, 2, 1, 128, variant);
+        tc_case(&M, &rng, 1, 300, 4, 2, 128, variant);
     }
     tc_case(&M, &rng, 2, 128, 6, 3, 128, 0);
     tc_case(&M, &rng, 1, 300, 8, 8, 64, 0);

@@ -1,0 +1,162 @@
+/* Internal to the attention kernels on the Hopper warpgroup MMA (attention_wgmma.cu: the
+ * backward's dK/dV and dQ passes; attention_wgmma_fwd.cu: the forward): the wgmma shapes they
+ * issue, the 128-byte-swizzle descriptors of their [rows][D] bf16 tiles, the swizzled tile load
+ * and the register tricks that keep ptxas from serialising the MMAs. The tile layout is described
+ * in attention_wgmma.cu's header comment. Device code only, file-local in each including file. */
+#ifndef MT_CUDA_ATTENTION_WGMMA_CUH
+#define MT_CUDA_ATTENTION_WGMMA_CUH
+
+#include "attention_tc_common.cuh"
+
+namespace {
+
+/* keeps the compiler from moving reads of an accumulator above the wait for its MMA */
+template <int N> __device__ __forceinline__ void fence_regs(float (&x)[N])
+{
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(x[i])::"memory");
+}
+
+/* 128-byte-swizzled tiles here keep their 8-row groups 1024 B apart (the stride byte offset) */
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo) { return smem_desc(addr, lbo, 1024); }
+
+/* k step kk (columns 16kk ..) of the K-major operand rows r0 .. of a tile of R rows */
+template <int R> __device__ __forceinline__ uint64_t desc_kmajor(uint32_t tile, int r0, int kk)
+{
+    return sw128_desc(tile + (uint32_t)(kk >> 2) * (R * 128) + (uint32_t)r0 * 128 + (kk & 3) * 32, 16);
+}
+
+/* k step kk (rows 16kk ..) of a tile of R rows read as an MN-major operand (n = the D columns) */
+template <int R> __device__ __forceinline__ uint64_t desc_mnmajor(uint32_t tile, int kk)
+{
+    return sw128_desc(tile + (uint32_t)kk * 2048, R * 128);
+}
+
+/* d[64×64] (+)= A[64×16] · B[64×16]ᵀ, both K-major in shared memory */
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t da, uint64_t db, int acc)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+                 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(da), "l"(db), "r"(acc));
+}
+
+/* d[64×128] (+)= A[64×16] · B[128×16]ᵀ, both K-major in shared memory */
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t da, uint64_t db, int acc)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(da), "l"(db), "r"(acc));
+}
+
+/* S (+)= A·Bᵀ over 16 columns with N = 64 or 128 rows of B: the score tile of a key block */
+template <int N>
+__device__ __forceinline__ void wgmma_ss_nn(float (&d)[N / 2], uint64_t da, uint64_t db, int acc)
+{
+    if constexpr (N == 128) wgmma_ss_n128(d, da, db, acc);
+    else wgmma_ss_n64(d, da, db, acc);
+}
+
+/* d[64×64] (+)= A[64×16] · B[16×64], A in registers (the mma A fragment, warp w of the group
+ * holding rows 16w ..), B MN-major in shared memory */
+__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int acc)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+                 "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
+}
+
+/* d[64×128] (+)= A[64×16] · B[16×128], A in registers (the mma A fragment, warp w of the group
+ * holding rows 16w ..), B MN-major in shared memory */
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int acc)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                 "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
+}
+
+template <int D>
+__device__ __forceinline__ void wgmma_rs_nd(float (&d)[D / 2], const uint32_t (&a)[4], uint64_t db, int acc)
+{
+    if constexpr (D == 128) wgmma_rs_n128(d, a, db, acc);
+    else wgmma_rs_n64(d, a, db, acc);
+}
+
+/* Accumulators are never zeroed by ordinary instructions: ptxas serializes every wgmma of a
+ * function in which a non-wgmma instruction writes an accumulator register inside a span of
+ * MMAs in flight, which with MMAs left running across loop iterations is the whole loop. Their
+ * first MMA ignores the old contents instead (scale-d = 0); this marks them as set for the
+ * compiler without an instruction. */
+template <int N> __device__ __forceinline__ void undef_regs(float (&x)[N])
+{
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "=f"(x[i]));
+}
+
+/* Rows row0 .. row0+R-1 of one head (as load_rows) into the 128-byte-swizzled layout at dst:
+ * 64-column slabs of R rows, chunk c of row r at chunk (c ^ r) mod 8 of its 128-byte line */
+template <int R, int D, int NT>
+__device__ __forceinline__ void load_rows_sw(uint32_t dst, const bf16 *base, size_t stride, int row0, int S)
+{
+    load_rows_at<R, D, NT>(
+        [dst](int r, int c) {
+            return dst + (uint32_t)(c >> 3) * (R * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+        },
+        base, stride, row0, S);
+}
+
+/* the C tile c[32] (64 rows × 64 columns over the warpgroup) as the A operands of a product
+ * whose k dimension is those 64 columns: a[kk] covers columns 16kk .. 16kk+15 */
+__device__ __forceinline__ void pack_a64(uint32_t a[4][4], const float c[32])
+{
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        a[kk][0] = pack_bf16(c[8 * kk], c[8 * kk + 1]);
+        a[kk][1] = pack_bf16(c[8 * kk + 2], c[8 * kk + 3]);
+        a[kk][2] = pack_bf16(c[8 * kk + 4], c[8 * kk + 5]);
+        a[kk][3] = pack_bf16(c[8 * kk + 6], c[8 * kk + 7]);
+    }
+}
+
+} /* namespace */
+
+#endif
