@@ -3,6 +3,8 @@
  * attention_tc_bwd.cu, the entry points in attention_tc.cu. */
 #include "attention_wgmma.cuh"
 
+#include <type_traits>
+
 namespace {
 
 /* ---------------------------------------------------------------- backward on wgmma (sm_90a)
@@ -127,20 +129,24 @@ tc_bwd_dkdv_wg_kernel(bf16 *__restrict__ dk, bf16 *__restrict__ dv, const bf16 *
             wgmma_wait<1>();
             fence_regs(s);
 
-            const bool mask = q0 < wk0 + 63 || q0 + BQ > S;
+            /* two straight-line copies: with one, the compiler if-converts the mask into every tile */
+            auto probs = [&](auto masked) {
 #pragma unroll
-            for (int j = 0; j < 8; j++) {
-                const float2 l2 = *reinterpret_cast<const float2 *>(lt + 8 * j + 2 * t);
+                for (int j = 0; j < 8; j++) {
+                    const float2 l2 = *reinterpret_cast<const float2 *>(lt + 8 * j + 2 * t);
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float p = ex2(fmaf(s[4 * j + e], scale_log2, (e & 1) ? -l2.y : -l2.x));
-                    if (mask) {
-                        const int key = key0 + ((e >> 1) << 3), qi = q0 + 8 * j + 2 * t + (e & 1);
-                        if (qi < key || qi >= S) p = 0.0f;
+                    for (int e = 0; e < 4; e++) {
+                        float p = ex2(fmaf(s[4 * j + e], scale_log2, (e & 1) ? -l2.y : -l2.x));
+                        if constexpr (decltype(masked)::value) {
+                            const int key = key0 + ((e >> 1) << 3), qi = q0 + 8 * j + 2 * t + (e & 1);
+                            if (qi < key || qi >= S) p = 0.0f;
+                        }
+                        pt[4 * j + e] = p;
                     }
-                    pt[4 * j + e] = p;
                 }
-            }
+            };
+            if (q0 < wk0 + 63 || q0 + BQ > S) probs(std::true_type{});
+            else probs(std::false_type{});
             uint32_t pa[4][4];
             pack_a64(pa, pt);
             wgmma_fence();
@@ -269,19 +275,22 @@ tc_bwd_dq_wg_kernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dout, const 
             wgmma_wait<1>();
             fence_regs(s);
 
-            const bool mask = k0 + BC - 1 > wq0 || k0 + BC > S;
+            auto probs = [&](auto masked) { /* two copies, as in the dK/dV kernel */
 #pragma unroll
-            for (int jb = 0; jb < 8; jb++)
+                for (int jb = 0; jb < 8; jb++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int r = e >> 1;
-                    float p = ex2(fmaf(s[4 * jb + e], scale_log2, -lr[r]));
-                    if (mask) {
-                        const int row = row0 + 8 * r, col = k0 + 8 * jb + 2 * t + (e & 1);
-                        if (col > row || col >= S) p = 0.0f;
+                    for (int e = 0; e < 4; e++) {
+                        const int r = e >> 1;
+                        float p = ex2(fmaf(s[4 * jb + e], scale_log2, -lr[r]));
+                        if constexpr (decltype(masked)::value) {
+                            const int row = row0 + 8 * r, col = k0 + 8 * jb + 2 * t + (e & 1);
+                            if (col > row || col >= S) p = 0.0f;
+                        }
+                        ds[4 * jb + e] = p;
                     }
-                    ds[4 * jb + e] = p;
-                }
+            };
+            if (k0 + BC - 1 > wq0 || k0 + BC > S) probs(std::true_type{});
+            else probs(std::false_type{});
             wgmma_wait<0>();
             fence_regs(dp);
 #pragma unroll

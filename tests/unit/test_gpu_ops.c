@@ -937,10 +937,10 @@ static void tc_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int
 }
 
 /* S not a multiple of any tile (100, 257, 300), exact tiles (64, 128), S = 1; grouped (8/2, 6/3)
- * and ungrouped heads; D 128 and 64; each forward kernel: the three mma.sync tilings and the three
+ * and ungrouped heads; D 128 and 64; each forward kernel: the three mma.sync tilings and the four
  * wgmma ones (3..6; on a GPU other than Hopper, or with MT_FORCE_SM80, they run tiling 0). S = 300
  * and 257 give the wgmma kernels 3 to 5 key tiles (the pipelined steps and both P buffers), S = 100
- * with 64-key tiles a warpgroup that stops a tile before its block. */
+ * with 64-key tiles a key tile wholly after the first warpgroup's queries (fully masked). */
 Test(gpu, attention_tc_vs_cpu)
 {
     mt_rng rng;
