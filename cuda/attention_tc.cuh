@@ -39,7 +39,8 @@ void *attention_tc_stream(void);
 
 /* Selects the forward kernel for tests and benchmarks: mma.sync tilings 0 = 32 query rows per
  * warp × 4 warps, 1 = 16 × 4, 2 = 16 × 8; wgmma (Hopper only, else 0 runs) 3, 4, 5, 6 = warpgroups
- * × keys per tile 2 × 128, 2 × 64, 1 × 64, 3 × 64; -1 (the default) = 5 on Hopper, 0 elsewhere. Out-of-range
+ * × keys per tile 2 × 128, 2 × 64, 1 × 64, 3 × 64; 7, 8 = TMA producer + two wgmma warpgroups,
+ * 4 or 6 stages; -1 (the default) = 7 (D = 128) or 5 (D = 64) on Hopper, 0 elsewhere. Out-of-range
  * values change nothing. Returns the previous one. Not thread-safe: call it between ops. */
 int attention_tc_set_variant(int fwd);
 

@@ -27,6 +27,10 @@ void attn_wgmma_dq(const attn_bwd_args &a, int D, int variant);
  * block, keys per tile) (2, 128), (2, 64), (1, 64), (3, 64). */
 void attn_wgmma_forward(void *out, float *lse, const void *q, const void *k, const void *v, int B,
                         int S, int Hq, int Hkv, int D, float scale, int variant);
+/* The warp-specialised forward (TMA producer + two wgmma consumers, sm_90a, no document masks),
+ * D = 64 or 128, 64 keys per tile, variant 1..2 = 4 or 6 stages. */
+void attn_tma_forward(void *out, float *lse, const void *q, const void *k, const void *v, int B,
+                      int S, int Hq, int Hkv, int D, float scale, int variant);
 
 namespace {
 

@@ -156,12 +156,13 @@ void tc_fwd_launch_cfg(void *out, float *lse, const void *q, const void *k, cons
 
 /* Forward kernels: mma.sync tilings (query rows per warp × warps) 0 = 32 × 4, 1 = 16 × 4,
  * 2 = 16 × 8; on sm_90a the wgmma kernels 3, 4, 5, 6 (attention_wgmma_fwd.cu: warpgroups × keys
- * per tile 2 × 128, 2 × 64, 1 × 64, 3 × 64). -1, the default, takes 5 where the wgmma kernels may
- * run (a Hopper GPU without MT_FORCE_SM80) and 0 elsewhere: at B=2 S=4096 Hq=32/4 on an H100, 5 ran
- * 0.672 ms (409 TFLOPS) against 0.693 for 3, 0.735 for 4, 0.772 for 6 and 0.864 for mma.sync 0, and
- * at D=64 0.402 ms against 0.451 for 0 (the one-warpgroup blocks, two per SM, do not wait for each
- * other at every key tile). Among the mma.sync tilings 0 wins because each K/V fragment read from
- * shared memory feeds two mma (0.89 ms against 1.17 and 1.11), at the price of a few spilled softmax
+ * per tile 2 × 128, 2 × 64, 1 × 64, 3 × 64) and 7, 8 (attention_tma_fwd.cu: TMA producer warp,
+ * two consumer warpgroups, 64-key tiles in 4 or 6 stages). -1, the default, takes 7 for D = 128
+ * and 5 for D = 64 where the wgmma kernels may run (a Hopper GPU without MT_FORCE_SM80), and 0
+ * elsewhere. At B=2 S=4096 Hq=32/4 on an H100 (ms): D=128 7: 0.584 (471 TFLOPS), 8: 0.604,
+ * 5: 0.659, 3: 0.690, 4: 0.724, 6: 0.754, mma.sync 0: 0.867; D=64 5: 0.406, 8: 0.433, 7: 0.439,
+ * 0: 0.456. Among the mma.sync tilings 0 wins because each K/V fragment read from shared memory
+ * feeds two mma (0.89 ms against 1.17 and 1.11), at the price of a few spilled softmax
  * statistics (ptxas: 52 B). All are tested; attention_tc_set_variant picks one for benchmarking.
  * Documents always take tiling 0. */
 int g_fwd_variant = -1;
@@ -174,7 +175,7 @@ void tc_fwd_launch(void *out, float *lse, const void *q, const void *k, const vo
         tc_fwd_launch_cfg<D, 2, 4, 2, true>(out, lse, q, k, v, B, S, Hq, Hkv, seg);
         return;
     }
-    int variant = g_fwd_variant < 0 ? (g_cuda.hopper ? 5 : 0) : g_fwd_variant;
+    int variant = g_fwd_variant < 0 ? (g_cuda.hopper ? (D == 128 ? 7 : 5) : 0) : g_fwd_variant;
     if (variant >= 3 && !g_cuda.hopper) variant = 0;
     switch (variant) {
     case 1: tc_fwd_launch_cfg<D, 1, 4, 2, false>(out, lse, q, k, v, B, S, Hq, Hkv, nullptr); break;
@@ -182,6 +183,7 @@ void tc_fwd_launch(void *out, float *lse, const void *q, const void *k, const vo
     case 3: case 4: case 5: case 6:
         attn_wgmma_forward(out, lse, q, k, v, B, S, Hq, Hkv, D, tc_scale(D), variant - 2);
         break;
+    case 7: case 8: attn_tma_forward(out, lse, q, k, v, B, S, Hq, Hkv, D, tc_scale(D), variant - 6); break;
     default: tc_fwd_launch_cfg<D, 2, 4, 2, false>(out, lse, q, k, v, B, S, Hq, Hkv, nullptr); break;
     }
 }
@@ -204,6 +206,6 @@ bool tc_forward(void *out, float *lse, const void *q, const void *k, const void 
 extern "C" int attention_tc_set_variant(int fwd)
 {
     const int old = g_fwd_variant;
-    if (fwd >= -1 && fwd <= 6) g_fwd_variant = fwd;
+    if (fwd >= -1 && fwd <= 8) g_fwd_variant = fwd;
     return old;
 }

@@ -28,10 +28,9 @@
 #include "grouped_gemm.cuh"
 
 #include "cuda_common.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
-#include <cuda.h>
-#include <cudaTypedefs.h>
 #include <string.h>
 
 namespace {
@@ -57,72 +56,7 @@ struct gg_params {
     int tile_start[MAX_EXPERTS + 1]; /* prefix sums of tiles per expert */
 };
 
-/* ---------------------------------------------------------------- PTX wrappers (and wgmma.cuh) */
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes)
-{
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}"
-                 ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar)
-{
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar)
-                 : "memory");
-}
-
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity)
-{
-    uint32_t ok;
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 "selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(ok)
-                 : "r"(bar), "r"(parity)
-                 : "memory");
-    return ok != 0;
-}
-
-__device__ __forceinline__ uint64_t global_ns()
-{
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-/* A wait that never returns is a bug in this file (a miscounted barrier); trap after 10 s so it
- * surfaces as a launch failure instead of a hung process. */
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity)
-{
-    if (mbar_try_wait(bar, parity)) return;
-    const uint64_t t0 = global_ns();
-    for (uint32_t n = 1; !mbar_try_wait(bar, parity); n++)
-        if ((n & 0xffffu) == 0 && global_ns() - t0 > 10000000000ull) __trap();
-}
-
-__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1,
-                                       uint32_t bar)
-{
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
-                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
-                 : "memory");
-}
-
-__device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap *map, int c0, int c1, int c2,
-                                       uint32_t bar)
-{
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
-                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-                 : "memory");
-}
-
+/* ---------------------------------------------------------------- PTX wrappers: wgmma.cuh, tma.cuh */
 
 /* keeps the compiler from moving accumulator reads across the asynchronous MMA's completion */
 __device__ __forceinline__ void fence_operand(float &x) { asm volatile("" : "+f"(x)::"memory"); }
@@ -383,35 +317,6 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
 
 /* ---------------------------------------------------------------- host side */
 
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled()
-{
-    static PFN_cuTensorMapEncodeTiled_v12000 fn;
-    if (!fn) {
-        void *ptr = NULL;
-        cudaDriverEntryPointQueryResult q;
-        CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
-                                                    cudaEnableDefault, &q));
-        MT_CHECK(q == cudaDriverEntryPointSuccess && ptr,
-                 "grouped_gemm: the driver has no cuTensorMapEncodeTiled");
-        fn = (PFN_cuTensorMapEncodeTiled_v12000)ptr;
-    }
-    return fn;
-}
-
-/* A bf16 tensor map, 128-byte swizzle, zeros out of bounds. dims innermost first; strides in
- * bytes for dims 1.. */
-void make_map(CUtensorMap *m, const void *base, int rank, const cuuint64_t *dims,
-              const cuuint64_t *strides, const cuuint32_t *box)
-{
-    const cuuint32_t elem_strides[3] = {1, 1, 1};
-    const CUresult r = encode_tiled()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank,
-                                      const_cast<void *>(base), dims, strides, box, elem_strides,
-                                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    MT_CHECK(r == CUDA_SUCCESS, "grouped_gemm: cuTensorMapEncodeTiled failed (CUresult %d)", (int)r);
-}
-
 bool aligned16(const void *q) { return ((uintptr_t)q & 15u) == 0; }
 
 /* What the kernel handles: TMA wants 16-byte aligned bases and row strides (I, O multiples of 8),
@@ -476,11 +381,11 @@ extern "C" bool grouped_gemm_forward(void *out, const void *in, const void *w, c
     CUtensorMap ma, mb;
     const cuuint64_t da[2] = {(cuuint64_t)I, R}, sa[1] = {(cuuint64_t)I * 2};
     const cuuint32_t ba[2] = {64, BM};
-    make_map(&ma, in, 2, da, sa, ba);
+    tma_make_map(&ma, in, 2, da, sa, ba, "grouped_gemm");
     const cuuint64_t db[3] = {(cuuint64_t)I, (cuuint64_t)O, (cuuint64_t)n_exp};
     const cuuint64_t sb[2] = {(cuuint64_t)I * 2, (cuuint64_t)O * I * 2};
     const cuuint32_t bb[3] = {64, BN, 1};
-    make_map(&mb, w, 3, db, sb, bb);
+    tma_make_map(&mb, w, 3, db, sb, bb, "grouped_gemm");
     launch<KIND_FWD>(ma, mb, out, off, n_exp, 0, O, I);
     return true;
 }
@@ -494,11 +399,11 @@ extern "C" bool grouped_gemm_dgrad(void *din, const void *dout, const void *w, c
     CUtensorMap ma, mb;
     const cuuint64_t da[2] = {(cuuint64_t)O, R}, sa[1] = {(cuuint64_t)O * 2};
     const cuuint32_t ba[2] = {64, BM};
-    make_map(&ma, dout, 2, da, sa, ba);
+    tma_make_map(&ma, dout, 2, da, sa, ba, "grouped_gemm");
     const cuuint64_t db[3] = {(cuuint64_t)I, (cuuint64_t)O, (cuuint64_t)n_exp};
     const cuuint64_t sb[2] = {(cuuint64_t)I * 2, (cuuint64_t)O * I * 2};
     const cuuint32_t bb[3] = {64, 64, 1};
-    make_map(&mb, w, 3, db, sb, bb);
+    tma_make_map(&mb, w, 3, db, sb, bb, "grouped_gemm");
     launch<KIND_DGRAD>(ma, mb, din, off, n_exp, 0, I, O);
     return true;
 }
@@ -512,9 +417,9 @@ extern "C" bool grouped_gemm_wgrad(float *dw, const void *dout, const void *in, 
     CUtensorMap ma, mb;
     const cuuint64_t da[2] = {(cuuint64_t)O, R}, sa[1] = {(cuuint64_t)O * 2};
     const cuuint32_t box[2] = {64, 64};
-    make_map(&ma, dout, 2, da, sa, box);
+    tma_make_map(&ma, dout, 2, da, sa, box, "grouped_gemm");
     const cuuint64_t db[2] = {(cuuint64_t)I, R}, sb[1] = {(cuuint64_t)I * 2};
-    make_map(&mb, in, 2, db, sb, box);
+    tma_make_map(&mb, in, 2, db, sb, box, "grouped_gemm");
     launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0);
     return true;
 }

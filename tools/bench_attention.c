@@ -10,7 +10,7 @@
  * FLOPs counted as for causal attention: forward 2·2·B·Hq·D·S²/2 (Q·Kᵀ and P·V over the lower
  * triangle), backward 2.5× that (the usual convention; the kernels do more: dQ recomputes S, dP).
  * Inputs are random bf16 in [-1, 1) (never zeros). Before timing, the new kernels' outputs are
- * compared with the old ones at the benchmarked shape (each forward kernel: mma.sync 0-2, wgmma 3-6) (‖new − old‖ / ‖old‖; lse max |diff|).
+ * compared with the old ones at the benchmarked shape (each forward kernel: mma.sync 0-2, wgmma 3-6, TMA + wgmma 7-8) (‖new − old‖ / ‖old‖; lse max |diff|).
  * Then every backward kernel choice (attention_tc_set_bwd_variant: dK/dV kernel + 4 × dQ kernel)
  * is compared with the mma.sync pair (variant 0), run twice (the FNV-1a hash of dq, dk, dv must
  * not change) and timed; the default's hash is printed last, to compare between processes.
@@ -29,7 +29,7 @@
 
 #include "../cuda/attention_tc.cuh"
 
-enum { N_FWD = 7 }; /* forward kernels: attention_tc_set_variant 0..6 */
+enum { N_FWD = 9 }; /* forward kernels: attention_tc_set_variant 0..8 */
 
 static int B = 2, S = 4096, Hq = 32, Hkv = 4, D = 128;
 static cudaStream_t stream;
@@ -302,7 +302,7 @@ int main(int argc, char **argv)
     printf("\n%-34s %10s %10s\n", "kernel", "ms", "TFLOPS");
     for (int var = 0; var < N_FWD; var++) {
         char name[64];
-        snprintf(name, sizeof name, "fwd %s (variant %d)", var < 3 ? "mma.sync" : "wgmma", var);
+        snprintf(name, sizeof name, "fwd %s (variant %d)", var < 3 ? "mma.sync" : var < 7 ? "wgmma" : "wgmma+TMA", var);
         printf("%-34s %10.3f %10.1f\n", name, t_fwd[var], fwd_flop / (t_fwd[var] * 1e-3) / 1e12);
     }
     printf("%-34s %10.3f %10.1f\n", "bwd tensor-core", t_bwd, bwd_flop / (t_bwd * 1e-3) / 1e12);

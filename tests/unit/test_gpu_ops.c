@@ -937,17 +937,19 @@ static void tc_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int
 }
 
 /* S not a multiple of any tile (100, 257, 300), exact tiles (64, 128), S = 1; grouped (8/2, 6/3)
- * and ungrouped heads; D 128 and 64; each forward kernel: the three mma.sync tilings and the four
- * wgmma ones (3..6; on a GPU other than Hopper, or with MT_FORCE_SM80, they run tiling 0). S = 300
- * and 257 give the wgmma kernels 3 to 5 key tiles (the pipelined steps and both P buffers), S = 100
- * with 64-key tiles a key tile wholly after the first warpgroup's queries (fully masked). */
+ * and ungrouped heads; D 128 and 64; each forward kernel: the three mma.sync tilings, the four
+ * wgmma ones (3..6) and the two warp-specialised TMA ones (7, 8); on a GPU other than Hopper, or
+ * with MT_FORCE_SM80, 3..8 run tiling 0. S = 300 and 257 give the wgmma kernels 3 to 5 key tiles
+ * (the pipelined steps and both P buffers; with 4 stages the TMA ring wraps), S = 100 with 64-key
+ * tiles a key tile wholly after the first warpgroup's queries (fully masked), S = 1 a Q box that
+ * is mostly out of bounds. */
 Test(gpu, attention_tc_vs_cpu)
 {
     mt_rng rng;
     mt_rng_seed(&rng, 108);
     struct mode M;
     mode_get(1, &M);
-    for (int variant = 0; variant < 7; variant++) {
+    for (int variant = 0; variant < 9; variant++) {
         tc_case(&M, &rng, 2, 100, 8, 2, 128, variant);
         tc_case(&M, &rng, 2, 257, 8, 2, 64, variant);
         tc_case(&M, &rng, 1, 257, 4, 4, 128, variant);

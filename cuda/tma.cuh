@@ -1,0 +1,86 @@
+/* Hopper bulk-tensor copies (TMA) and the shared-memory mbarriers that track them, shared by the
+ * warp-specialised kernels (grouped_gemm.cu, attention_tma_fwd.cu): device wrappers here, the
+ * tensor-map encoder in tma.cu. Device wrappers compile to nothing useful off sm_90a; the kernels
+ * that call them are never launched there (see wgmma.cuh). */
+#ifndef MT_CUDA_TMA_CUH
+#define MT_CUDA_TMA_CUH
+
+#include "cuda_common.cuh"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+/* A bf16 tensor map, 128-byte swizzle, zeros out of bounds. dims innermost first; strides in
+ * bytes for dims 1..; `what` names the caller in the error message. */
+void tma_make_map(CUtensorMap *m, const void *base, int rank, const cuuint64_t *dims,
+                  const cuuint64_t *strides, const cuuint32_t *box, const char *what);
+
+namespace {
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes)
+{
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}"
+                 ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar)
+{
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar)
+                 : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity)
+{
+    uint32_t ok;
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 "selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(ok)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+    return ok != 0;
+}
+
+__device__ __forceinline__ uint64_t global_ns()
+{
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* A wait that never returns is a bug in this file (a miscounted barrier); trap after 10 s so it
+ * surfaces as a launch failure instead of a hung process. */
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity)
+{
+    if (mbar_try_wait(bar, parity)) return;
+    const uint64_t t0 = global_ns();
+    for (uint32_t n = 1; !mbar_try_wait(bar, parity); n++)
+        if ((n & 0xffffu) == 0 && global_ns() - t0 > 10000000000ull) __trap();
+}
+
+__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1,
+                                       uint32_t bar)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
+                 : "memory");
+}
+
+__device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap *map, int c0, int c1, int c2,
+                                       uint32_t bar)
+{
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+                 : "memory");
+}
+
+} /* namespace */
+
+#endif
