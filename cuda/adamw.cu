@@ -183,9 +183,10 @@ static long long common_head(const adamw_seg_dev &e, size_t x_size, size_t mom_b
     return -1;
 }
 
-/* The device copy of the last segment table and its per-block segment index, one buffer: the
- * train loop passes the same segments every step, so after the first step a call builds the
- * small table on the host, finds it unchanged, and only launches. */
+/* The device copy of the last segment table and its per-block segment index, one buffer (the
+ * index is 4 bytes per 2048 parameters: 8 MB for a 4B-parameter shard): the train loop passes
+ * the same segments every step, so after the first step a call builds the small table on the
+ * host, finds it unchanged, and only launches. */
 struct multi_plan {
     std::vector<adamw_seg_dev> table;
     std::vector<char> staged; /* table, then block_seg [blocks] */
