@@ -1,84 +1,149 @@
 /* AdamW, elementwise, in the order of src/cpu/cpu_adamw.c (decoupled decay first, then the Adam
  * step); the bias corrections are formed on the host in double and rounded once, as there.
+ * adamw_update / adamw_update_m16 launch one scalar grid-stride kernel per tensor.
  * adamw_update_multi runs every segment of an optimizer step in one launch: each block takes one
- * chunk of one segment (a table of segments and their first chunk, searched by the block), and
- * the element maths is the same function as the single-segment kernel's, so the bits match. */
+ * chunk of one segment (a per-block segment index, built on the host and kept on the device while
+ * the segment list stays the same), moves 8-element packs with 16-byte accesses, and does the
+ * few elements before a segment's first 16-byte boundary and after its last whole pack one by
+ * one. Every path runs the same adamw_math, every operation rounded as written, so the bits
+ * match whichever kernel updated a segment. */
 #include "adamw.cuh"
 
+#include <string.h>
 #include <vector>
 
-enum { AD_BLOCK = 256, AD_CHUNK = 16 * AD_BLOCK };
-
-template <typename T>
-__device__ __forceinline__ void adamw_elem(float *master, T *param, const float *grad, float *m,
-                                           float *v, size_t i, float lr, float beta1, float beta2,
-                                           float eps, float decay, float bc1, float bc2,
-                                           float grad_scale)
-{
-    /* every operation rounded as written (no fused multiply-adds the compiler might form in one
-     * kernel and not the other), so adamw_kernel and adamw_multi_kernel give the same bits */
-    const float g = __fmul_rn(grad[i], grad_scale);
-    const float mi = __fadd_rn(__fmul_rn(beta1, m[i]), __fmul_rn(1.0f - beta1, g));
-    const float vi = __fadd_rn(__fmul_rn(beta2, v[i]), __fmul_rn(__fmul_rn(1.0f - beta2, g), g));
-    m[i] = mi;
-    v[i] = vi;
-    const float mhat = __fdiv_rn(mi, bc1), vhat = __fdiv_rn(vi, bc2);
-    float p = __fmul_rn(master[i], decay);
-    p = __fsub_rn(p, __fmul_rn(lr, __fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), eps))));
-    master[i] = p;
-    if (param) param[i] = from_f<T>(p); /* param may be master itself in fp32; NULL: no copy */
-}
-
-template <typename T>
-__global__ void adamw_kernel(float *master, T *param, const float *grad, float *m, float *v,
-                             size_t n, float lr, float beta1, float beta2, float eps, float decay,
-                             float bc1, float bc2, float grad_scale)
-{
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x)
-        adamw_elem<T>(master, param, grad, m, v, i, lr, beta1, beta2, eps, decay, bc1, bc2,
-                      grad_scale);
-}
-
-struct adamw_seg_dev {
-    float *master;
-    void *param;
-    const float *grad;
-    float *m, *v;
-    long long n;
-    long long chunk0; /* first chunk (block) of this segment */
-    float decay;      /* 1 - lr * weight_decay, rounded on the host as adamw_update does */
+/* Multi kernel: each thread has one pack's 16-byte loads in flight (8 with fp32 moments, 6 with
+ * bf16), 128 or 80 bytes. At 58 registers (fp32 moments; 49 bf16) 4 blocks of 256 fit an SM:
+ * ~128 KB in flight per SM, several times what hides the H100's memory latency. AD_UNROLL = 2
+ * doubles the bytes per thread but needs 100 registers (2 blocks per SM): the same bytes in
+ * flight with half the warps to hide the per-block segment lookup and the divisions. */
+enum {
+    AD_BLOCK = 256,
+    AD_UNROLL = 1,                        /* packs per thread per block */
+    AD_PACKS = AD_UNROLL * AD_BLOCK,      /* packs per block (multi kernel) */
+    AD_CHUNK = 8 * AD_PACKS,              /* elements per block: 2048 */
 };
 
-template <typename T>
-__global__ void adamw_multi_kernel(const adamw_seg_dev *__restrict__ segs, int n_seg, float lr,
-                                   float beta1, float beta2, float eps, float bc1, float bc2,
-                                   float grad_scale)
+struct adam_k {   /* one step's constants */
+    float lr, beta1, beta2, eps, bc1, bc2, grad_scale;
+};
+
+/* 1 - lr * weight_decay, on the device in every kernel so they agree whatever the host compiler
+ * would contract */
+__device__ __forceinline__ float decay_of(const adam_k &k, float wd)
 {
-    __shared__ int seg;
-    if (threadIdx.x == 0) { /* the last segment whose first chunk is at or before this block */
-        int lo = 0, hi = n_seg - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (segs[mid].chunk0 <= (long long)blockIdx.x) lo = mid;
-            else hi = mid - 1;
-        }
-        seg = lo;
-    }
-    __syncthreads();
-    const adamw_seg_dev s = segs[seg];
-    const long long i0 = ((long long)blockIdx.x - s.chunk0) * AD_CHUNK;
-    const long long end = i0 + AD_CHUNK < s.n ? i0 + AD_CHUNK : s.n;
-    for (long long i = i0 + threadIdx.x; i < end; i += AD_BLOCK)
-        adamw_elem<T>(s.master, (T *)s.param, s.grad, s.m, s.v, (size_t)i, lr, beta1, beta2, eps,
-                      s.decay, bc1, bc2, grad_scale);
+    return __fsub_rn(1.0f, __fmul_rn(k.lr, wd));
 }
 
-static void bias_corrections(int t, float beta1, float beta2, float *bc1, float *bc2)
+/* One element: m, v updated in fp32 (before any rounding to bf16 moments); returns the new
+ * master. No fused multiply-adds (each op rounded as written), so every kernel gives the same
+ * bits. */
+__device__ __forceinline__ float adamw_math(const adam_k &k, float decay, float grad, float &m,
+                                            float &v, float master)
+{
+    const float g = __fmul_rn(grad, k.grad_scale);
+    m = __fadd_rn(__fmul_rn(k.beta1, m), __fmul_rn(1.0f - k.beta1, g));
+    v = __fadd_rn(__fmul_rn(k.beta2, v), __fmul_rn(__fmul_rn(1.0f - k.beta2, g), g));
+    const float mhat = __fdiv_rn(m, k.bc1), vhat = __fdiv_rn(v, k.bc2);
+    const float p = __fmul_rn(master, decay);
+    return __fsub_rn(p, __fmul_rn(k.lr, __fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), k.eps))));
+}
+
+/* element i; moments M (float, or bf16 rounded to nearest even as the CPU does); param may be
+ * master itself in fp32, NULL: no compute copy */
+template <typename T, typename M>
+__device__ __forceinline__ void adamw_elem(const adam_k &k, float decay, float *master, T *param,
+                                           const float *grad, M *m, M *v, long long i)
+{
+    float mi = to_f(m[i]), vi = to_f(v[i]);
+    const float p = adamw_math(k, decay, grad[i], mi, vi, master[i]);
+    m[i] = from_f<M>(mi);
+    v[i] = from_f<M>(vi);
+    master[i] = p;
+    if (param) param[i] = from_f<T>(p);
+}
+
+template <typename T, typename M>
+__global__ void adamw_kernel(adam_k k, float wd, float *master, T *param, const float *grad, M *m,
+                             M *v, size_t n)
+{
+    const float decay = decay_of(k, wd);
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        adamw_elem<T, M>(k, decay, master, param, grad, m, v, (long long)i);
+}
+
+/* A segment as the multi kernel sees it (no padding: the host compares tables bytewise). Elements
+ * [0, head) and [head + 8 packs, n) are scalar, the packs between start 16-byte aligned in every
+ * array; scalar != 0 (arrays that never align together) makes the whole segment scalar, chunked
+ * like the packs. */
+struct adamw_seg_dev {
+    float *master;
+    void *param;      /* NULL: no compute copy (or it is the master itself) */
+    const float *grad;
+    void *m, *v;
+    long long n, head, packs;
+    int block0, blocks; /* this segment's blocks of the grid */
+    float wd;
+    int scalar;
+};
+
+template <typename T, typename M>
+__global__ void __launch_bounds__(AD_BLOCK)
+    adamw_multi_kernel(const adamw_seg_dev *__restrict__ segs, const int *__restrict__ block_seg,
+                       adam_k k)
+{
+    const adamw_seg_dev s = segs[block_seg[blockIdx.x]];
+    const long long c = (long long)blockIdx.x - s.block0; /* chunk of the segment */
+    float *master = s.master;
+    T *param = (T *)s.param;
+    M *m = (M *)s.m, *v = (M *)s.v;
+    const float decay = decay_of(k, s.wd);
+    if (s.scalar) {
+        const long long end = (c + 1) * AD_CHUNK < s.n ? (c + 1) * AD_CHUNK : s.n;
+        for (long long i = c * AD_CHUNK + threadIdx.x; i < end; i += AD_BLOCK)
+            adamw_elem<T, M>(k, decay, master, param, s.grad, m, v, i);
+        return;
+    }
+    const long long tail0 = s.head + 8 * s.packs;
+    if (c == 0 && threadIdx.x < s.head)
+        adamw_elem<T, M>(k, decay, master, param, s.grad, m, v, threadIdx.x);
+    if (c == s.blocks - 1 && threadIdx.x < s.n - tail0)
+        adamw_elem<T, M>(k, decay, master, param, s.grad, m, v, tail0 + threadIdx.x);
+
+    /* every load of the thread's packs before any maths */
+    pack8<float> g[AD_UNROLL], w[AD_UNROLL];
+    pack8<M> mp[AD_UNROLL], vp[AD_UNROLL];
+    long long at[AD_UNROLL];
+#pragma unroll
+    for (int u = 0; u < AD_UNROLL; u++) {
+        const long long pk = c * AD_PACKS + u * AD_BLOCK + threadIdx.x;
+        at[u] = pk < s.packs ? s.head + 8 * pk : -1;
+        if (at[u] < 0) continue;
+        g[u] = ld8(s.grad + at[u]);
+        w[u] = ld8(master + at[u]);
+        mp[u] = ld8(m + at[u]);
+        vp[u] = ld8(v + at[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < AD_UNROLL; u++) {
+        if (at[u] < 0) continue;
+        float gf[8], wf[8], mf[8], vf[8];
+        unpack8(g[u], gf), unpack8(w[u], wf), unpack8(mp[u], mf), unpack8(vp[u], vf);
+#pragma unroll
+        for (int e = 0; e < 8; e++) wf[e] = adamw_math(k, decay, gf[e], mf[e], vf[e], wf[e]);
+        st8(m + at[u], pack8_of<M>(mf));
+        st8(v + at[u], pack8_of<M>(vf));
+        st8(master + at[u], pack8_of<float>(wf));
+        if (param) st8(param + at[u], pack8_of<T>(wf));
+    }
+}
+
+static adam_k step_constants(float lr, float beta1, float beta2, float eps, int t, float grad_scale)
 {
     MT_CHECK(t >= 1, "adamw: step %d must be >= 1 (bias correction divides by 1 - beta^t)", t);
-    *bc1 = (float)(1.0 - pow((double)beta1, t));
-    *bc2 = (float)(1.0 - pow((double)beta2, t));
+    return adam_k{lr, beta1, beta2, eps, (float)(1.0 - pow((double)beta1, t)),
+                  (float)(1.0 - pow((double)beta2, t)), grad_scale};
 }
 
 template <typename T>
@@ -86,63 +151,11 @@ void cu_adamw_update(float *master, void *param, const float *grad, float *m, fl
                      float lr, float beta1, float beta2, float eps, float weight_decay, int t,
                      float grad_scale)
 {
-    float bc1, bc2;
-    bias_corrections(t, beta1, beta2, &bc1, &bc2);
+    const adam_k k = step_constants(lr, beta1, beta2, eps, t, grad_scale);
     if (n == 0) return;
-    const float decay = 1.0f - lr * weight_decay;
-    adamw_kernel<T><<<cuda_grid(n, AD_BLOCK), AD_BLOCK, 0, g_cuda.stream>>>(
-        master, (T *)param, grad, m, v, n, lr, beta1, beta2, eps, decay, bc1, bc2, grad_scale);
+    adamw_kernel<T, float><<<cuda_grid(n, AD_BLOCK), AD_BLOCK, 0, g_cuda.stream>>>(
+        k, weight_decay, master, (T *)param, grad, m, v, n);
     CUDA_LAUNCH_CHECK("adamw");
-}
-
-template <typename T>
-void cu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, float lr, float beta1,
-                           float beta2, float eps, int t, float grad_scale)
-{
-    float bc1, bc2;
-    bias_corrections(t, beta1, beta2, &bc1, &bc2);
-    MT_CHECK(n_seg >= 0 && (n_seg == 0 || segs), "adamw_multi: bad segment list (%d)", n_seg);
-    /* kept between calls: the async copy below stages pageable memory before it returns, and the
-     * next call refills it only after that */
-    static std::vector<adamw_seg_dev> table;
-    table.clear();
-    long long chunks = 0;
-    for (int i = 0; i < n_seg; i++) {
-        const struct adamw_segment &s = segs[i];
-        if (s.n == 0) continue;
-        table.push_back({s.master, s.param, s.grad, s.m, s.v, (long long)s.n, chunks,
-                         1.0f - lr * s.weight_decay});
-        chunks += ((long long)s.n + AD_CHUNK - 1) / AD_CHUNK;
-    }
-    if (table.empty()) return;
-    MT_CHECK(chunks <= INT32_MAX, "adamw_multi: %lld chunks exceed the grid", chunks);
-    const size_t bytes = table.size() * sizeof(adamw_seg_dev);
-    adamw_seg_dev *d_table = (adamw_seg_dev *)cuda_scratch(SCRATCH_ADAMW, bytes);
-    CUDA_CHECK(cudaMemcpyAsync(d_table, table.data(), bytes, cudaMemcpyHostToDevice, g_cuda.stream));
-    adamw_multi_kernel<T><<<(unsigned)chunks, AD_BLOCK, 0, g_cuda.stream>>>(
-        d_table, (int)table.size(), lr, beta1, beta2, eps, bc1, bc2, grad_scale);
-    CUDA_LAUNCH_CHECK("adamw multi");
-}
-
-/* bf16 moments: read, update in fp32, round to nearest-even bf16 (the CPU's rounding) */
-template <typename T>
-__global__ void adamw_m16_kernel(float *master, T *param, const float *grad, bf16 *m, bf16 *v, size_t n,
-                                 float lr, float beta1, float beta2, float eps, float decay, float bc1,
-                                 float bc2, float grad_scale)
-{
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        const float g = grad[i] * grad_scale;
-        const float mi = beta1 * __bfloat162float(m[i]) + (1.0f - beta1) * g;
-        const float vi = beta2 * __bfloat162float(v[i]) + (1.0f - beta2) * g * g;
-        m[i] = __float2bfloat16_rn(mi);
-        v[i] = __float2bfloat16_rn(vi);
-        const float mhat = mi / bc1, vhat = vi / bc2;
-        float p = master[i] * decay;
-        p -= lr * (mhat / (sqrtf(vhat) + eps));
-        master[i] = p;
-        if (param) param[i] = from_f<T>(p);
-    }
 }
 
 template <typename T>
@@ -150,27 +163,108 @@ void cu_adamw_update_m16(float *master, void *param, const float *grad, void *m,
                          float lr, float beta1, float beta2, float eps, float weight_decay, int t,
                          float grad_scale)
 {
-    MT_CHECK(t >= 1, "adamw: step %d must be >= 1 (bias correction divides by 1 - beta^t)", t);
+    const adam_k k = step_constants(lr, beta1, beta2, eps, t, grad_scale);
     if (n == 0) return;
-    const float bc1 = (float)(1.0 - pow((double)beta1, t));
-    const float bc2 = (float)(1.0 - pow((double)beta2, t));
-    const float decay = 1.0f - lr * weight_decay;
-    adamw_m16_kernel<T><<<cuda_grid(n, AD_BLOCK), AD_BLOCK, 0, g_cuda.stream>>>(
-        master, (T *)param, grad, (bf16 *)m, (bf16 *)v, n, lr, beta1, beta2, eps, decay, bc1, bc2,
-        grad_scale);
+    adamw_kernel<T, bf16><<<cuda_grid(n, AD_BLOCK), AD_BLOCK, 0, g_cuda.stream>>>(
+        k, weight_decay, master, (T *)param, grad, (bf16 *)m, (bf16 *)v, n);
     CUDA_LAUNCH_CHECK("adamw_m16");
 }
 
-template void cu_adamw_update_m16<float>(float *, void *, const float *, void *, void *, size_t, float,
-                                         float, float, float, float, int, float);
-template void cu_adamw_update_m16<bf16>(float *, void *, const float *, void *, void *, size_t, float,
-                                        float, float, float, float, int, float);
+/* first element at which every array of the segment is 16-byte aligned, or -1 */
+static long long common_head(const adamw_seg_dev &e, size_t x_size, size_t mom_bytes)
+{
+    for (long long h = 0; h < 8; h++) {
+        const bool ok = aligned16(e.master + h) && aligned16(e.grad + h) &&
+                        aligned16((const char *)e.m + h * mom_bytes) &&
+                        aligned16((const char *)e.v + h * mom_bytes) &&
+                        (!e.param || aligned16((const char *)e.param + h * x_size));
+        if (ok) return h;
+    }
+    return -1;
+}
 
-template void cu_adamw_update<float>(float *, void *, const float *, float *, float *, size_t, float,
-                                     float, float, float, float, int, float);
-template void cu_adamw_update<bf16>(float *, void *, const float *, float *, float *, size_t, float,
-                                    float, float, float, float, int, float);
-template void cu_adamw_update_multi<float>(const struct adamw_segment *, int, float, float, float,
-                                           float, int, float);
-template void cu_adamw_update_multi<bf16>(const struct adamw_segment *, int, float, float, float,
-                                          float, int, float);
+/* The device copy of the last segment table and its per-block segment index, one buffer (the
+ * index is 4 bytes per 2048 parameters: 8 MB for a 4B-parameter shard): the train loop passes
+ * the same segments every step, so after the first step a call builds the small table on the
+ * host, finds it unchanged, and only launches. */
+struct multi_plan {
+    std::vector<adamw_seg_dev> table;
+    std::vector<char> staged; /* table, then block_seg [blocks] */
+    size_t mom_bytes = 0;
+    long long blocks = 0;
+    void *dev = NULL;
+};
+
+template <typename T>
+void cu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, size_t mom_bytes, float lr,
+                           float beta1, float beta2, float eps, int t, float grad_scale)
+{
+    const adam_k k = step_constants(lr, beta1, beta2, eps, t, grad_scale);
+    MT_CHECK(n_seg >= 0 && (n_seg == 0 || segs), "adamw_multi: bad segment list (%d)", n_seg);
+    MT_CHECK(mom_bytes == 4 || mom_bytes == 2, "adamw_multi: moments of %zu bytes", mom_bytes);
+    static multi_plan plan;
+    std::vector<adamw_seg_dev> table;
+    table.reserve((size_t)n_seg);
+    long long blocks = 0;
+    for (int i = 0; i < n_seg; i++) {
+        const struct adamw_segment &s = segs[i];
+        if (s.n == 0) continue;
+        adamw_seg_dev e;
+        memset(&e, 0, sizeof e);
+        e.master = s.master;
+        e.param = s.param == (void *)s.master ? NULL : s.param; /* fp32 copy = master: written once */
+        e.grad = s.grad;
+        e.m = s.m, e.v = s.v;
+        e.n = (long long)s.n;
+        e.wd = s.weight_decay;
+        const long long h = common_head(e, sizeof(T), mom_bytes);
+        e.scalar = h < 0;
+        e.head = h < 0 ? 0 : (h < e.n ? h : e.n);
+        e.packs = h < 0 ? 0 : (e.n - e.head) / 8;
+        const long long body = e.scalar ? (e.n + AD_CHUNK - 1) / AD_CHUNK
+                                        : (e.packs + AD_PACKS - 1) / AD_PACKS;
+        e.blocks = (int)(body > 0 ? body : 1);
+        e.block0 = (int)blocks;
+        blocks += e.blocks;
+        MT_CHECK(blocks <= INT32_MAX, "adamw_multi: %lld blocks exceed the grid", blocks);
+        table.push_back(e);
+    }
+    if (table.empty()) return;
+    const size_t table_bytes = table.size() * sizeof(adamw_seg_dev);
+    const size_t bytes = table_bytes + (size_t)blocks * sizeof(int);
+    void *dev = cuda_scratch(SCRATCH_ADAMW, bytes);
+    const bool same = dev == plan.dev && mom_bytes == plan.mom_bytes &&
+                      table.size() == plan.table.size() &&
+                      !memcmp(table.data(), plan.table.data(), table_bytes);
+    if (!same) {
+        plan.table = table;
+        plan.mom_bytes = mom_bytes;
+        plan.blocks = blocks;
+        plan.dev = dev;
+        plan.staged.resize(bytes);
+        memcpy(plan.staged.data(), table.data(), table_bytes);
+        int *block_seg = (int *)(plan.staged.data() + table_bytes);
+        for (size_t i = 0; i < table.size(); i++)
+            for (int b = 0; b < table[i].blocks; b++) block_seg[table[i].block0 + b] = (int)i;
+        /* pageable source: staged before the call returns, so plan.staged may change after */
+        CUDA_CHECK(cudaMemcpyAsync(dev, plan.staged.data(), bytes, cudaMemcpyHostToDevice,
+                                   g_cuda.stream));
+    }
+    const adamw_seg_dev *d_table = (const adamw_seg_dev *)dev;
+    const int *d_block_seg = (const int *)((const char *)dev + table_bytes);
+    if (mom_bytes == 2)
+        adamw_multi_kernel<T, bf16><<<(unsigned)blocks, AD_BLOCK, 0, g_cuda.stream>>>(d_table, d_block_seg, k);
+    else
+        adamw_multi_kernel<T, float><<<(unsigned)blocks, AD_BLOCK, 0, g_cuda.stream>>>(d_table, d_block_seg, k);
+    CUDA_LAUNCH_CHECK("adamw multi");
+}
+
+#define ADAMW_INSTANTIATE(T)                                                                        \
+    template void cu_adamw_update<T>(float *, void *, const float *, float *, float *, size_t,     \
+                                     float, float, float, float, float, int, float);                \
+    template void cu_adamw_update_m16<T>(float *, void *, const float *, void *, void *, size_t,   \
+                                         float, float, float, float, float, int, float);            \
+    template void cu_adamw_update_multi<T>(const struct adamw_segment *, int, size_t, float, float, \
+                                           float, float, int, float);
+ADAMW_INSTANTIATE(float)
+ADAMW_INSTANTIATE(bf16)

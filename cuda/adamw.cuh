@@ -1,4 +1,4 @@
-/* AdamW on fp32 master weights and moments; writes the compute-dtype parameter copy. */
+/* AdamW on fp32 master weights and fp32 or bf16 moments; writes the compute-dtype parameter copy. */
 #ifndef MT_CUDA_ADAMW_CUH
 #define MT_CUDA_ADAMW_CUH
 
@@ -15,7 +15,7 @@ void cu_adamw_update_m16(float *master, void *param, const float *grad, void *m,
                          float grad_scale);
 
 template <typename T>
-void cu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, float lr, float beta1,
-                           float beta2, float eps, int t, float grad_scale);
+void cu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, size_t mom_bytes, float lr,
+                           float beta1, float beta2, float eps, int t, float grad_scale);
 
 #endif

@@ -34,13 +34,14 @@ struct router_opts {
     bool force_balance;      /* round-robin experts, for benchmarking only */
 };
 
-/* One run of parameters for adamw_update_multi: the arrays adamw_update takes, offset to the run's
- * start (param in the compute dtype), n elements, its weight decay (0 for norms). */
+/* One run of parameters for adamw_update_multi: the arrays adamw_update (or adamw_update_m16)
+ * takes, offset to the run's start (param in the compute dtype), n elements, its weight decay (0
+ * for norms). */
 struct adamw_segment {
     float *master;     /* [n] fp32 */
-    void *param;       /* [n] compute dtype (may be master on the CPU; NULL: no compute copy) */
+    void *param;       /* [n] compute dtype (may be master in fp32; NULL: no compute copy) */
     const float *grad; /* [n] fp32 */
-    float *m, *v;      /* [n] fp32 Adam moments */
+    void *m, *v;       /* [n] Adam moments, fp32 or bf16 (adamw_update_multi's mom_bytes) */
     size_t n;
     float weight_decay;
 };
@@ -229,11 +230,13 @@ struct backend {
     void (*adamw_update_m16)(float *master, void *param, const float *grad, void *m, void *v,
                              size_t n, float lr, float beta1, float beta2, float eps,
                              float weight_decay, int t, float grad_scale);
-    /* adamw_update over n_seg segments (each its own arrays, length and weight decay) in one
-     * pass: on the GPU one launch for the whole optimizer step instead of one per segment. Each
-     * segment's results are bit-identical to adamw_update on it; segments must not overlap. */
-    void (*adamw_update_multi)(const struct adamw_segment *segs, int n_seg, float lr, float beta1,
-                               float beta2, float eps, int t, float grad_scale);
+    /* adamw_update (mom_bytes 4: fp32 moments) or adamw_update_m16 (mom_bytes 2) over n_seg
+     * segments (each its own arrays, length and weight decay) in one pass: on the GPU one launch
+     * for the whole optimizer step instead of one per segment. Each segment's results are
+     * bit-identical to the per-segment op on it; segments must not overlap. */
+    void (*adamw_update_multi)(const struct adamw_segment *segs, int n_seg, size_t mom_bytes,
+                               float lr, float beta1, float beta2, float eps, int t,
+                               float grad_scale);
 };
 
 /* The fp32 CPU reference backend (always available). */

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "common.h"
+#include "env_flag.h"
 #include "hf_load.h"
 #include "mem_track.h"
 #include "safetensors.h"
@@ -57,6 +58,7 @@ void params_init_opts(struct params *p, struct model *m, struct comm *stage, str
     memset(p, 0, sizeof *p);
     p->m = m;
     p->mom_bytes = bf16_moments ? 2 : 4;
+    p->adamw_per_tensor = mt_env_flag("MT_ADAMW_PER_TENSOR");
     p->stage = stage;
     p->fsdp = fsdp;
     p->S = stage ? stage->size : 1;
@@ -168,6 +170,7 @@ void params_free(struct params *p)
         free(g->u_piece);
         free(g->u_work);
     }
+    free(p->opt_seg);
     free(p->t_off);
     free(p->exp_rows);
     free(p->exp_piece_off);
@@ -549,30 +552,6 @@ double params_grad_sumsq(struct params *p, struct comm *world)
     for (int k = 0; k < TG_COUNT; k++) ss += be->sumsq_f32(p->g[k].grad, (size_t)p->g[k].numel);
     comm_all_reduce_sum(world, &ss, 1, COMM_F64);
     return ss;
-}
-
-void params_adamw_step(struct params *p, const struct train_config *t, float lr, float grad_scale)
-{
-    const struct backend *be = p->m->be;
-    p->step++;
-    for (int k = 0; k < TG_COUNT; k++) {
-        struct param_group_shard *g = &p->g[k];
-        for (int j = 0; j < g->n_seg; j++) {
-            const struct param_segment *s = &g->seg[j];
-            if (s->frozen) continue;
-            /* without a compute copy the update writes the master alone (param = master: the
-             * cast to fp32 is the identity) */
-            void *param = g->param_x ? xat(be, g->param_x, s->off) : NULL;
-            void *m1 = (char *)g->m1 + (size_t)s->off * p->mom_bytes, *m2 = (char *)g->m2 + (size_t)s->off * p->mom_bytes;
-            const float wd = s->decay ? (float)t->weight_decay : 0.0f;
-            if (p->mom_bytes == 2)
-                be->adamw_update_m16(g->master + s->off, param, g->grad + s->off, m1, m2, (size_t)s->len, lr,
-                                     (float)t->beta1, (float)t->beta2, (float)t->adam_eps, wd, p->step, grad_scale);
-            else
-                be->adamw_update(g->master + s->off, param, g->grad + s->off, m1, m2, (size_t)s->len, lr,
-                                 (float)t->beta1, (float)t->beta2, (float)t->adam_eps, wd, p->step, grad_scale);
-        }
-    }
 }
 
 void params_gather_global(const struct params *p, const struct mesh *mesh, float *const global[TG_COUNT])

@@ -58,6 +58,13 @@ struct params {
     int64_t *exp_piece_off; /* [tt.n] offset of an expert tensor's row blocks in its unit's piece */
     int step;               /* optimizer steps taken */
     size_t mom_bytes;       /* 4 (fp32 moments) or 2 (bf16) */
+    /* params_adamw.c: every group's unfrozen segments for adamw_update_multi, built at the first
+     * step with weight decay opt_seg_wd */
+    struct adamw_segment *opt_seg;
+    int n_opt_seg;
+    bool opt_seg_built;
+    double opt_seg_wd;
+    bool adamw_per_tensor;  /* MT_ADAMW_PER_TENSOR=1: one AdamW call per segment (benchmarking) */
 };
 
 void params_init(struct params *p, struct model *m, struct comm *stage, struct comm *fsdp);
@@ -108,7 +115,8 @@ void params_zero_grad(struct params *p);
 /* Global squared L2 norm of the shard gradients (each element counted once), all-reduced over
  * `world`. */
 double params_grad_sumsq(struct params *p, struct comm *world);
-/* AdamW on the shards with the given lr and gradient scale (clipping) */
+/* AdamW on the shards with the given lr and gradient scale (clipping): one adamw_update_multi
+ * call over the shard, or one call per segment under MT_ADAMW_PER_TENSOR=1 (the same bits) */
 void params_adamw_step(struct params *p, const struct train_config *t, float lr, float grad_scale);
 /* For single-process tools and tests: the model's working weights from the masters (every group
  * of one; a no-op when aliased). */

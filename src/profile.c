@@ -165,8 +165,9 @@ W(adamw_update, PROF_OPTIM, 0,
    float eps, float wd, int t, float gs),
   (ms, p, g, m, v, n, lr, b1, b2, eps, wd, t, gs))
 W(adamw_update_multi, PROF_OPTIM, 0,
-  (const struct adamw_segment *sg, int n, float lr, float b1, float b2, float eps, int t, float gs),
-  (sg, n, lr, b1, b2, eps, t, gs))
+  (const struct adamw_segment *sg, int n, size_t mb, float lr, float b1, float b2, float eps, int t,
+   float gs),
+  (sg, n, mb, lr, b1, b2, eps, t, gs))
 #undef W
 
 static double p_sumsq_f32(const float *x, size_t n)
@@ -192,7 +193,7 @@ const struct backend *profile_wrap(const struct backend *be)
     SET(moe_combine_backward); SET(expert_matmul_forward); SET(expert_matmul_backward);
     SET(swiglu_forward); SET(swiglu_backward); SET(cross_entropy_forward);
     SET(cross_entropy_backward); SET(adamw_update); SET(adamw_update_m16);
-    SET(cross_entropy_backward); SET(adamw_update); SET(adamw_update_multi);
+    SET(adamw_update_multi);
 #undef SET
     comm_set_timer(comm_begin, comm_end);
     return &wrapped;

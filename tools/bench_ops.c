@@ -11,7 +11,8 @@
  * weights of a few KB left out) over that time. Inputs are random normal values (a 1 Mi-element
  * random block repeated), the route is a random top-8 of 128 per token in the layout of the route
  * plan (rows by expert then token). AdamW runs over one layer's tensors, per tensor and as one
- * multi-segment call (7 fp32 arrays read or written plus the compute copy per parameter). Without
+ * multi-segment call, with fp32 moments (7 fp32 arrays read or written plus the compute copy per
+ * parameter) and with bf16 moments (3 fp32 and 4 bf16 plus the copy). Without
  * CUDA (or a GPU) it says so and exits 0. */
 #include <math.h>
 #include <stdio.h>
@@ -107,6 +108,7 @@ enum {
     OP_RMS_FWD_H, OP_RMS_FWD_Q, OP_RMS_FWD_K, OP_RMS_BWD_H, OP_RMS_BWD_Q, OP_RMS_BWD_K,
     OP_SWIGLU_FWD, OP_SWIGLU_BWD, OP_GATHER, OP_GATHER_BWD, OP_COMBINE_FWD, OP_COMBINE_BWD,
     OP_ROPE_FWD_Q, OP_ROPE_BWD_Q, OP_ROPE_FWD_K, OP_ADD, OP_CAST, OP_ADAMW_SEG, OP_ADAMW_MULTI,
+    OP_ADAMW16_SEG, OP_ADAMW16_MULTI,
     OP_COUNT
 };
 
@@ -120,6 +122,7 @@ static const char *op_name[OP_COUNT] = {
     "rope_forward q T=8192 32x128 (in place)", "rope_backward q T=8192 32x128",
     "rope_forward k T=8192 4x128", "add_inplace n=16.7M", "cast_x_to_f32 n=16.7M",
     "adamw_update x11 (one layer's tensors)", "adamw_update_multi (the same 11, one call)",
+    "adamw_update_m16 x11 (bf16 moments)", "adamw_update_multi bf16 moments",
 };
 
 /* AdamW over one Qwen3-30B-A3B layer's tensors, one segment each (623M parameters): input norm,
@@ -128,7 +131,7 @@ enum { N_ADAM_SEG = 11 };
 static const size_t adam_len[N_ADAM_SEG] = {
     H, (size_t)HQ * D * H, (size_t)HKV * D * H, (size_t)HKV * D * H, (size_t)H * HQ * D, D, D, H,
     (size_t)E * H, (size_t)E * 2 * I * H, (size_t)E * H * I};
-static struct adamw_segment adam_seg[N_ADAM_SEG];
+static struct adamw_segment adam_seg[N_ADAM_SEG], adam_seg16[N_ADAM_SEG]; /* fp32, bf16 moments */
 static size_t adam_n;
 
 static void make_adamw(void)
@@ -138,11 +141,15 @@ static void make_adamw(void)
     float *v = be->alloc(adam_n * sizeof(float));
     be->zero(v, adam_n * sizeof(float));
     char *param = be->alloc(adam_n * be->x_size);
+    uint16_t *m16 = be->alloc(adam_n * 2), *v16 = be->alloc(adam_n * 2);
+    be->zero(m16, adam_n * 2), be->zero(v16, adam_n * 2);
     size_t off = 0;
     for (int j = 0; j < N_ADAM_SEG; j++) {
         const bool norm = adam_len[j] <= (size_t)H;
         adam_seg[j] = (struct adamw_segment){master + off, param + off * be->x_size, grad + off,
                                              m + off, v + off, adam_len[j], norm ? 0.0f : 0.1f};
+        adam_seg16[j] = adam_seg[j];
+        adam_seg16[j].m = m16 + off, adam_seg16[j].v = v16 + off;
         off += adam_len[j];
     }
 }
@@ -169,6 +176,7 @@ static double op_bytes(int op)
     case OP_ROPE_FWD_K: return 2 * k * x;
     case OP_ADD: return 3 * th * x;
     case OP_ADAMW_SEG: case OP_ADAMW_MULTI: return adam_n * (7 * 4.0 + x); /* 4 fp32 in, 3 out */
+    case OP_ADAMW16_SEG: case OP_ADAMW16_MULTI: return adam_n * (3 * 4.0 + 4 * 2.0 + x);
     default: return th * x + th * 4.0;
     }
 }
@@ -211,7 +219,17 @@ static void run_op(int op)
         }
         break;
     case OP_ADAMW_MULTI:
-        be->adamw_update_multi(adam_seg, N_ADAM_SEG, 1e-4f, 0.9f, 0.95f, 1e-8f, 3, 1.0f);
+        be->adamw_update_multi(adam_seg, N_ADAM_SEG, sizeof(float), 1e-4f, 0.9f, 0.95f, 1e-8f, 3, 1.0f);
+        break;
+    case OP_ADAMW16_SEG:
+        for (int j = 0; j < N_ADAM_SEG; j++) {
+            const struct adamw_segment *g = &adam_seg16[j];
+            be->adamw_update_m16(g->master, g->param, g->grad, g->m, g->v, g->n, 1e-4f, 0.9f, 0.95f,
+                                 1e-8f, g->weight_decay, 3, 1.0f);
+        }
+        break;
+    case OP_ADAMW16_MULTI:
+        be->adamw_update_multi(adam_seg16, N_ADAM_SEG, 2, 1e-4f, 0.9f, 0.95f, 1e-8f, 3, 1.0f);
         break;
     default: be->cast_x_to_f32(f_scratch, x_th, (size_t)T * H); break;
     }
@@ -290,5 +308,6 @@ int main(int argc, char **argv)
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->free(bufs[i]);
     be->free(adam_seg[0].master), be->free((void *)adam_seg[0].grad), be->free(adam_seg[0].m);
     be->free(adam_seg[0].v), be->free(adam_seg[0].param);
+    be->free(adam_seg16[0].m), be->free(adam_seg16[0].v);
     return 0;
 }

@@ -74,11 +74,18 @@ void cpu_adamw_update(float *master, float *param, const float *grad, float *m, 
     for (size_t i = 0; i < n; i++) adam_elem(&k, grad[i], &m[i], &v[i], &master[i], param ? &param[i] : NULL);
 }
 
-void cpu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, float lr, float beta1,
-                            float beta2, float eps, int t, float grad_scale)
+void cpu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, size_t mom_bytes, float lr,
+                            float beta1, float beta2, float eps, int t, float grad_scale)
 {
     MT_CHECK(n_seg >= 0 && (n_seg == 0 || segs), "adamw_multi: bad segment list (%d)", n_seg);
-    for (int i = 0; i < n_seg; i++)
-        cpu_adamw_update(segs[i].master, segs[i].param, segs[i].grad, segs[i].m, segs[i].v,
-                         segs[i].n, lr, beta1, beta2, eps, segs[i].weight_decay, t, grad_scale);
+    MT_CHECK(mom_bytes == 4 || mom_bytes == 2, "adamw_multi: moments of %zu bytes", mom_bytes);
+    for (int i = 0; i < n_seg; i++) {
+        const struct adamw_segment *s = &segs[i];
+        if (mom_bytes == 2)
+            cpu_adamw_update_m16(s->master, s->param, s->grad, s->m, s->v, s->n, lr, beta1, beta2,
+                                 eps, s->weight_decay, t, grad_scale);
+        else
+            cpu_adamw_update(s->master, s->param, s->grad, s->m, s->v, s->n, lr, beta1, beta2, eps,
+                             s->weight_decay, t, grad_scale);
+    }
 }

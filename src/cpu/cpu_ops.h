@@ -117,7 +117,8 @@ void cpu_adamw_update(float *master, float *param, const float *grad, float *m, 
                       float lr, float beta1, float beta2, float eps, float weight_decay, int t,
                       float grad_scale);
 struct adamw_segment; /* ops.h */
-void cpu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, float lr, float beta1,
-                            float beta2, float eps, int t, float grad_scale);
+/* mom_bytes 4: fp32 moments (cpu_adamw_update per segment), 2: bf16 (cpu_adamw_update_m16) */
+void cpu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, size_t mom_bytes, float lr,
+                            float beta1, float beta2, float eps, int t, float grad_scale);
 
 #endif

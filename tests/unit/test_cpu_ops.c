@@ -20,6 +20,7 @@
 #include "common.h"
 #include "cpu/cpu_ops.h"
 #include "ops.h"
+#include "safetensors.h"
 
 #define GRAD_TOL 1e-3
 #define FD_STEP 1e-2
@@ -1034,7 +1035,7 @@ Test(cpu_ops, adamw_multi_is_per_segment)
         cpu_adamw_update(p2 + off[j], p2 + off[j], g + off[j], m2 + off[j], v2 + off[j], len[j],
                          1e-3f, 0.9f, 0.95f, 1e-8f, wd[j], 2, 0.5f);
     }
-    cpu_adamw_update_multi(segs, NSEG, 1e-3f, 0.9f, 0.95f, 1e-8f, 2, 0.5f);
+    cpu_adamw_update_multi(segs, NSEG, sizeof(float), 1e-3f, 0.9f, 0.95f, 1e-8f, 2, 0.5f);
     cr_expect(memcmp(p, p2, sizeof(float) * N) == 0, "master differs from per-segment updates");
     cr_expect(memcmp(m, m2, sizeof(float) * N) == 0, "m differs");
     cr_expect(memcmp(v, v2, sizeof(float) * N) == 0, "v differs");
@@ -1042,6 +1043,38 @@ Test(cpu_ops, adamw_multi_is_per_segment)
               "elements outside the segments changed");
     cr_expect(p[3] != p0[3] && p[21] != p0[21], "the segments must move");
     free(p), free(g), free(m), free(v), free(p2), free(m2), free(v2), free(p0);
+}
+
+/* the same with bf16 moments (mom_bytes 2): adamw_update_m16 per segment, bit for bit */
+Test(cpu_ops, adamw_multi_bf16_moments_is_per_segment)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 21);
+    enum { N = 40, NSEG = 3 };
+    const size_t off[NSEG] = {1, 9, 19}, len[NSEG] = {6, 0, 20};
+    const float wd[NSEG] = {0.0f, 0.1f, 0.1f};
+    float *p = frand(&rng, N, 1.0), *g = frand(&rng, N, 1.0), *mf = frand(&rng, N, 0.1);
+    float *vf = frand(&rng, N, 0.01);
+    uint16_t m[N], v[N], m2[N], v2[N];
+    for (int i = 0; i < N; i++) {
+        m[i] = m2[i] = st_f32_to_bf16(mf[i]);
+        v[i] = v2[i] = st_f32_to_bf16(fabsf(vf[i]));
+    }
+    float *p2 = fdup(p, N), *p0 = fdup(p, N);
+    struct adamw_segment segs[NSEG];
+    for (int j = 0; j < NSEG; j++) {
+        segs[j] = (struct adamw_segment){p + off[j], NULL, g + off[j], m + off[j], v + off[j],
+                                         len[j], wd[j]};
+        cpu_adamw_update_m16(p2 + off[j], NULL, g + off[j], m2 + off[j], v2 + off[j], len[j],
+                             1e-3f, 0.9f, 0.95f, 1e-8f, wd[j], 3, 0.5f);
+    }
+    cpu_adamw_update_multi(segs, NSEG, 2, 1e-3f, 0.9f, 0.95f, 1e-8f, 3, 0.5f);
+    cr_expect(memcmp(p, p2, sizeof(float) * N) == 0, "master differs from per-segment updates");
+    cr_expect(memcmp(m, m2, sizeof m) == 0, "m differs");
+    cr_expect(memcmp(v, v2, sizeof v) == 0, "v differs");
+    cr_expect(p[0] == p0[0] && p[8] == p0[8] && p[39] == p0[39], "elements outside the segments changed");
+    cr_expect(p[3] != p0[3] && p[25] != p0[25], "the segments must move");
+    free(p), free(g), free(mf), free(vf), free(p2), free(p0);
 }
 
 Test(cpu_ops, pair_plan_and_route_plan_follow_their_definition)

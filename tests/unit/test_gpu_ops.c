@@ -1565,74 +1565,7 @@ Test(gpu, expert_matmul_grouped)
     }
 }
 
-/* adamw_update_multi: one launch over segments of one flat buffer with gaps between them (which
- * must stay untouched) and of ragged lengths around the kernel's 4096-element chunks (0, 1, 4095,
- * 4096, 4097, and a long one), alternating weight decay. Against adamw_update per segment on the
- * GPU bit for bit (the whole buffers, gaps included), and against the CPU's multi op. */
-Test(gpu, adamw_multi)
-{
-    mt_rng rng;
-    mt_rng_seed(&rng, 116);
-    enum { N = 40000, NSEG = 6 };
-    const size_t off[NSEG] = {0, 5, 4200, 8400, 12600, 13000};
-    const size_t len[NSEG] = {1, 4095, 4096, 4097, 0, 20000};
-    const float lr = 1e-3f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, gs = 0.7f;
-    const int t = 3;
-    for (int i = 0; i < 2; i++) {
-        struct mode M;
-        mode_get(i, &M);
-        float *master = hrand(&rng, N, 1.0), *grad = hrand(&rng, N, 0.1), *m = hrand(&rng, N, 0.01);
-        float *v = hrand(&rng, N, 0.001);
-        for (size_t k = 0; k < N; k++) v[k] = fabsf(v[k]);
-        float *a_master = df_from(&M, master, N), *a_m = df_from(&M, m, N), *a_v = df_from(&M, v, N);
-        float *b_master = df_from(&M, master, N), *b_m = df_from(&M, m, N), *b_v = df_from(&M, v, N);
-        float *d_grad = df_from(&M, grad, N);
-        void *a_param = dx_poisoned(&M, N), *b_param = dx_poisoned(&M, N);
-        float *param_ref = fnew(N);
-        struct adamw_segment ga[NSEG], cs[NSEG];
-        for (int j = 0; j < NSEG; j++) {
-            const size_t o = off[j];
-            const float wd = j % 2 ? 0.1f : 0.0f;
-            ga[j] = (struct adamw_segment){a_master + o, (char *)a_param + o * M.g->x_size,
-                                           d_grad + o, a_m + o, a_v + o, len[j], wd};
-            cs[j] = (struct adamw_segment){master + o, param_ref + o, grad + o, m + o, v + o,
-                                           len[j], wd};
-            M.g->adamw_update(b_master + o, (char *)b_param + o * M.g->x_size, d_grad + o, b_m + o,
-                              b_v + o, len[j], lr, b1, b2, eps, wd, t, gs);
-        }
-        M.g->adamw_update_multi(ga, NSEG, lr, b1, b2, eps, t, gs);
-        M.c->adamw_update_multi(cs, NSEG, lr, b1, b2, eps, t, gs);
-
-        float *am = hf_of(&M, a_master, N), *a1 = hf_of(&M, a_m, N), *a2 = hf_of(&M, a_v, N);
-        float *bm = hf_of(&M, b_master, N), *b1h = hf_of(&M, b_m, N), *b2h = hf_of(&M, b_v, N);
-        float *ap = hx_of(&M, a_param, N), *bp = hx_of(&M, b_param, N);
-        check_exact(&M, "adamw multi = per segment: master", am, bm, N * sizeof(float));
-        check_exact(&M, "adamw multi = per segment: m", a1, b1h, N * sizeof(float));
-        check_exact(&M, "adamw multi = per segment: v", a2, b2h, N * sizeof(float));
-        check_exact(&M, "adamw multi = per segment: param", ap, bp, N * sizeof(float));
-        float *cp = fnew(N);
-        for (int j = 0; j < NSEG; j++) /* only the segments' params exist on the CPU side */
-            memcpy(cp + off[j], ap + off[j], len[j] * sizeof(float));
-        check_close(&M, "adamw multi master vs CPU", am, master, N, TOL_F32);
-        check_close(&M, "adamw multi m vs CPU", a1, m, N, TOL_F32);
-        check_close(&M, "adamw multi v vs CPU", a2, v, N, TOL_F32);
-        check_close(&M, "adamw multi param vs CPU", cp, param_ref, N, M.tol);
-        /* the gaps between segments keep their initial master weights (the CPU left them alone) */
-        size_t touched_gap = 0, k = 0;
-        for (int j = 0; j <= NSEG; j++) {
-            const size_t end = j < NSEG ? off[j] : N;
-            for (; k < end; k++) touched_gap += memcmp(&am[k], &master[k], sizeof(float)) != 0;
-            if (j < NSEG) k = off[j] + len[j];
-        }
-        cr_expect(touched_gap == 0, "adamw multi [%s]: %zu elements between segments changed",
-                  M.name, touched_gap);
-
-        M.g->free(a_master), M.g->free(a_m), M.g->free(a_v), M.g->free(b_master), M.g->free(b_m);
-        M.g->free(b_v), M.g->free(d_grad), M.g->free(a_param), M.g->free(b_param);
-        free(master), free(grad), free(m), free(v), free(param_ref), free(am), free(a1), free(a2);
-        free(bm), free(b1h), free(b2h), free(ap), free(bp), free(cp);
-    }
-}
+/* adamw_update_multi: tests/unit/test_gpu_adamw.c */
 
 /* MT_FORCE_SM80=1 (make test-gpu's sm_80 pass) must really take the sm_80 paths on a Hopper GPU,
  * or that pass would test the Hopper kernels twice. */
