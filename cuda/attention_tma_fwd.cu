@@ -10,7 +10,9 @@
  * "empty" one the consumers release. Warpgroups 0 and 1 own 64 queries each; a consumer releases
  * the stage of tile j-1 once its P·V has retired (one arrival per warp). With the producer doing
  * all the loads the consumers issue no load instructions and meet no block-wide barrier, so one
- * consumer's softmax overlaps the other's MMAs without any explicit schedule.
+ * consumer's softmax overlaps the other's MMAs without any explicit schedule (an explicit one,
+ * FlashAttention-3's ping-pong of named barriers that makes the two take turns to issue, measured
+ * 0.595 ms against 0.589 at B=2 S=4096 32/4×128 on an H100, and was dropped).
  *
  * Grid (B·Hq, query tiles of 128), heaviest first. Every consumer runs every key tile of its block
  * (see attention_wgmma_fwd.cu on why a warpgroup-dependent skip would cost more). */
