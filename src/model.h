@@ -33,6 +33,7 @@ struct moe_route {
     int32_t *exp_src;        /* dev [R_exp]: pair (token) of each expert-side row */
     int32_t *exp_slot;       /* dev [P_recv, k]: expert-side row of each slot, -1 if empty */
     int64_t cap_pairs;       /* pairs the receiver arrays hold (ep > 1) */
+    struct moe_chunk *chunks; /* host [moe_chunks]: each chunk's plan (moe_exchange.c), or NULL */
 };
 
 struct layer_acts {
@@ -111,6 +112,10 @@ struct model {
     /* expert parallelism */
     struct comm *ep_comm;       /* EP group (NULL = ep 1) */
     int ep, ep_rank, n_local_experts, expert0;
+    /* token-once pairs and an all-to-all carry the rows: ep > 1, or MT_MOE_LOOPBACK=1 (an ep = 1
+     * run through the same exchange with itself, to time it on one device) */
+    bool pairs;
+    int moe_chunks;             /* parallel.moe_chunks: > 1 = the overlapped exchange, moe_exchange.c */
 
     /* tensor i's working weight (compute dtype; for an expert tensor the local experts
      * [n_local, d1, d2]) and fp32 gradient; NULL while unbound or not on this stage */
@@ -149,7 +154,7 @@ struct model {
     void *d_logits_r;           /* [T, E] router logits / dlogits in the compute dtype (!router_f32) */
     float *d_topk_w;            /* [T, k] */
     void *d_x_exp, *d_gu, *d_act, *d_y_exp; /* [d_cap_rows, H or 2I or I] expert-side */
-    /* ep > 1: sender-side pair rows (forward and backward), metadata and weight-gradient staging */
+    /* pairs: sender-side pair rows (forward and backward), metadata and weight-gradient staging */
     void *d_x_send;             /* [T * min(k, ep), H] */
     int32_t *meta_idx_send;     /* [T * min(k, ep), k] */
     float *meta_w_send;         /* [T * min(k, ep), k] */
