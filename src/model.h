@@ -259,5 +259,12 @@ int64_t moe_dispatch_for_test(struct model *m, int l, const int32_t *topk_idx_ho
 void moe_combine_for_test(struct model *m, int l, const void *y_exp, void *out);
 void moe_combine_backward_for_test(struct model *m, int l, const void *dout);
 void moe_dispatch_backward_for_test(struct model *m, int l, const void *d_x_exp, void *dx);
+/*  - moe_experts_for_test: the whole expert part of layer l (route plan, dispatch, expert SwiGLU,
+ *    combine; chunked when m->moe_chunks > 1) on a chosen routing (HOST [T, k]) and norm output x
+ *    [T, H] -> out [T, H]; moe_experts_backward_for_test: dL/d out [T, H] -> dx [T, H] (through
+ *    the experts), m->d_topk_w [T, k] (re-sorted order) and the experts' weight gradients (+=). */
+void moe_experts_for_test(struct model *m, int l, const int32_t *topk_idx_host, const float *topk_w_host,
+                          const void *x, void *out);
+void moe_experts_backward_for_test(struct model *m, int l, const void *dout, void *dx);
 
 #endif

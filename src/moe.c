@@ -254,11 +254,49 @@ static void dispatch_rows_backward(struct model *m, struct layer_acts *a)
     be->moe_combine_forward(m->d_t1, d_pairs, r->tok_pair, m->ones, T, K, H);
 }
 
+/* From the layer's top-k (a->topk_idx/topk_w) and norm output (a->m) to the experts' weighted sum
+ * `out`: route plan, dispatch, expert SwiGLU, combine (in chunks when parallel.moe_chunks > 1). */
+static void experts_forward(struct model *m, struct layer_acts *a, int l, void *out)
+{
+    const struct backend *be = m->be;
+    const int H = m->H, I = m->I, nl = m->n_local_experts;
+    struct moe_route *r = &a->route;
+    if (m->moe_chunks > 1) {
+        moe_exchange_forward(m, a, l, out);
+        return;
+    }
+    route_plan(m, a);
+    dispatch_rows(m, a);
+    be->expert_matmul_forward(a->gu, a->x_exp, W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
+    be->swiglu_forward(a->act, a->gu, (int)r->R_exp, I);
+    be->expert_matmul_forward(a->y_exp, a->act, W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H);
+    combine_rows(m, a, out);
+}
+
+/* Its backward: m->d_h (dL/d out) -> m->d_t1 (through the experts), m->d_topk_w and the experts'
+ * weight gradients. */
+static void experts_backward(struct model *m, struct layer_acts *a, int l)
+{
+    const struct backend *be = m->be;
+    const int H = m->H, I = m->I, nl = m->n_local_experts;
+    struct moe_route *r = &a->route;
+    if (m->moe_chunks > 1) {
+        moe_exchange_backward(m, a, l);
+        return;
+    }
+    combine_rows_backward(m, a);
+    be->expert_matmul_backward(m->d_act, G(m, TR_EXP_DOWN, l), m->d_y_exp, a->act,
+                               W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H);
+    be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)r->R_exp, I);
+    be->expert_matmul_backward(m->d_x_exp, G(m, TR_EXP_GATE_UP, l), m->d_gu, a->x_exp,
+                               W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
+    dispatch_rows_backward(m, a);
+}
+
 static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out)
 {
     const struct backend *be = m->be;
-    const int T = m->T, H = m->H, E = m->E, K = m->K, I = m->I, nl = m->n_local_experts;
-    struct moe_route *r = &a->route;
+    const int T = m->T, H = m->H, E = m->E, K = m->K;
     if (m->router_f32) {
         be->router_matmul_forward(a->logits, a->m, W(m, TR_ROUTER, l), T, H, E);
     } else { /* transformers' bf16 router: the logits are rounded to bf16, softmax upcasts them */
@@ -271,35 +309,14 @@ static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out)
     route_replay_apply(m, l, a->topk_idx, a->topk_w, a->probs); /* data.routing_replay, recompute */
     float *st = m->stats + (size_t)l * 2 * E;
     if (!m->recomputing) be->router_stats(st, st + E, a->probs, a->topk_idx, T, E, K);
-    if (m->moe_chunks > 1) {
-        moe_exchange_forward(m, a, l, out);
-        return;
-    }
-    route_plan(m, a);
-
-    dispatch_rows(m, a);
-    be->expert_matmul_forward(a->gu, a->x_exp, W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
-    be->swiglu_forward(a->act, a->gu, (int)r->R_exp, I);
-    be->expert_matmul_forward(a->y_exp, a->act, W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H);
-    combine_rows(m, a, out);
+    experts_forward(m, a, l, out);
 }
 
 static void moe_backward(struct model *m, struct layer_acts *a, int l)
 {
     const struct backend *be = m->be;
-    const int T = m->T, H = m->H, E = m->E, K = m->K, I = m->I, nl = m->n_local_experts;
-    struct moe_route *r = &a->route;
-    if (m->moe_chunks > 1) {
-        moe_exchange_backward(m, a, l);
-    } else {
-        combine_rows_backward(m, a);
-        be->expert_matmul_backward(m->d_act, G(m, TR_EXP_DOWN, l), m->d_y_exp, a->act,
-                                   W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H);
-        be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)r->R_exp, I);
-        be->expert_matmul_backward(m->d_x_exp, G(m, TR_EXP_GATE_UP, l), m->d_gu, a->x_exp,
-                                   W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
-        dispatch_rows_backward(m, a);
-    }
+    const int T = m->T, H = m->H, E = m->E, K = m->K;
+    experts_backward(m, a, l);
     /* model.train_router false, or weights fixed by a routing file: the routing weights were
      * detached before they scaled the expert outputs, so only the aux term reaches the router */
     if (!m->cfg.train_router || route_replay_weights_fixed(m)) be->zero(m->d_topk_w, (size_t)T * K * sizeof(float));
@@ -386,5 +403,25 @@ void moe_dispatch_backward_for_test(struct model *m, int l, const void *d_x_exp,
     struct layer_acts *a = test_layer(m, l);
     copy_in(m, m->d_x_exp, d_x_exp, a->route.R_exp);
     dispatch_rows_backward(m, a);
+    copy_in(m, dx, m->d_t1, m->T);
+}
+
+void moe_experts_for_test(struct model *m, int l, const int32_t *topk_idx_host, const float *topk_w_host,
+                          const void *x, void *out)
+{
+    struct layer_acts *a = test_layer(m, l);
+    const struct backend *be = m->be;
+    const size_t tk = (size_t)m->T * m->K;
+    be->upload(a->topk_idx, topk_idx_host, tk * sizeof(int32_t));
+    be->upload(a->topk_w, topk_w_host, tk * sizeof(float));
+    copy_in(m, a->m, x, m->T);
+    experts_forward(m, a, l, out);
+}
+
+void moe_experts_backward_for_test(struct model *m, int l, const void *dout, void *dx)
+{
+    struct layer_acts *a = test_layer(m, l);
+    copy_in(m, m->d_h, dout, m->T);
+    experts_backward(m, a, l);
     copy_in(m, dx, m->d_t1, m->T);
 }
