@@ -20,6 +20,8 @@
 #                 TRAIN_BF16_TOL = 1e-2 (measured 1.5e-5 over 5 steps)
 #   train fp32, CPU vs 1 GPU: per-step loss within TRAIN_FP32_TOL = 1e-3 (measured 0 at the 8
 #                 digits the metrics file keeps)
+#   train bf16 / fp32 with parallel.moe_chunks (MT_MOE_LOOPBACK=1 on 1 GPU; EP=2 on 2): TRAIN_BF16_TOL
+#                 against 1 chunk, TRAIN_FP32_TOL against the CPU (not yet run on a GPU)
 #   train bf16, the sm_80 path (MT_FORCE_SM80=1) vs the Hopper path on 1 GPU: TRAIN_BF16_TOL (the
 #                 expert GEMMs differ in summation order only; the attention backward is bit-identical)
 set -u
@@ -144,12 +146,25 @@ run_step "train bf16, 1 GPU, bf16 Adam moments" "$LOG/train_1gpu_bf16_m16.log" \
     --set log.metrics="$LOG/train_1gpu_bf16_m16.jsonl"
 compare_losses "losses bf16 vs fp32 Adam moments, bf16 (tol $TRAIN_BF16_TOL)" \
     "$LOG/train_1gpu_bf16_m16.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+# the chunked MoE exchange (parallel.moe_chunks, docs/scaling.md) on one GPU through the loopback
+# (MT_MOE_LOOPBACK=1: the pair path and an all-to-all with itself on the EP comm's side stream)
+run_step "train bf16, 1 GPU, moe_chunks=2, loopback" "$LOG/train_1gpu_bf16_chunks.log" \
+    env MT_MOE_LOOPBACK=1 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+    --set parallel.moe_chunks=2 --set log.metrics="$LOG/train_1gpu_bf16_chunks.jsonl"
+compare_losses "losses moe_chunks=2 loopback vs 1 chunk, bf16 (tol $TRAIN_BF16_TOL)" \
+    "$LOG/train_1gpu_bf16_chunks.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
 if [ "$NGPU" -ge 2 ]; then
     run_step "train bf16, 2 GPUs, EP=2" "$LOG/train_2gpu_ep2_bf16.log" \
         $MPIRUN -np 2 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
         --set parallel.expert_parallel_size=2 --set log.metrics="$LOG/train_2gpu_ep2_bf16.jsonl"
     compare_losses "losses 1 GPU vs 2 GPUs EP=2, bf16 (tol $TRAIN_BF16_TOL)" \
         "$LOG/train_2gpu_ep2_bf16.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+    run_step "train bf16, 2 GPUs, EP=2, moe_chunks=3" "$LOG/train_2gpu_ep2_bf16_chunks.log" \
+        $MPIRUN -np 2 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+        --set parallel.expert_parallel_size=2 --set parallel.moe_chunks=3 \
+        --set log.metrics="$LOG/train_2gpu_ep2_bf16_chunks.jsonl"
+    compare_losses "losses 1 GPU vs 2 GPUs EP=2 moe_chunks=3, bf16 (tol $TRAIN_BF16_TOL)" \
+        "$LOG/train_2gpu_ep2_bf16_chunks.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
     # a pipeline of two stages, one per GPU (NCCL point-to-point between them)
     run_step "train bf16, 2 GPUs, PP=2" "$LOG/train_2gpu_pp2_bf16.log" \
         $MPIRUN -np 2 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
@@ -167,6 +182,11 @@ run_step "train fp32, 1 GPU" "$LOG/train_1gpu_fp32.log" \
     --set log.metrics="$LOG/train_1gpu_fp32.jsonl"
 compare_losses "losses CPU vs 1 GPU, fp32 (tol $TRAIN_FP32_TOL)" \
     "$LOG/train_1gpu_fp32.jsonl" "$LOG/train_cpu_fp32.jsonl" "$TRAIN_FP32_TOL"
+run_step "train fp32, 1 GPU, moe_chunks=3, loopback" "$LOG/train_1gpu_fp32_chunks.log" \
+    env MT_MOE_LOOPBACK=1 "$B/moetrain" $T --backend cuda --set model.precision=fp32 \
+    --set parallel.moe_chunks=3 --set log.metrics="$LOG/train_1gpu_fp32_chunks.jsonl"
+compare_losses "losses CPU vs 1 GPU moe_chunks=3 loopback, fp32 (tol $TRAIN_FP32_TOL)" \
+    "$LOG/train_1gpu_fp32_chunks.jsonl" "$LOG/train_cpu_fp32.jsonl" "$TRAIN_FP32_TOL"
 
 # 5. the router's knobs (docs/router.md), CPU vs 1 GPU in fp32: sigmoid scores, group-limited
 #    top-k, route_scale, detached routing weights, global-batch aux with its pre-pass, and the
