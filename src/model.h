@@ -160,6 +160,11 @@ struct model {
     float *meta_w_send;         /* [T * min(k, ep), k] */
     float *d_w_recv;            /* [d_cap_pairs, k] */
     int64_t d_cap_pairs;
+    /* parallel.moe_chunks > 1 (moe_exchange.c): the received pair rows and the routing-weight
+     * gradients coming home, grown on demand */
+    void *x_recv;               /* [x_recv_cap] compute dtype */
+    float *d_w_home;            /* [d_w_home_cap] */
+    int64_t x_recv_cap, d_w_home_cap;
     float *stats;               /* dev [L, 2, E]: per layer psum then count (the stage's layers) */
     float *stats_h;             /* host copy */
     float *aux_dp;              /* dev [E] */

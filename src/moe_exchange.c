@@ -21,16 +21,7 @@
 static void *W(const struct model *m, enum tensor_role r, int l) { return model_weight(m, tensor_lookup(&m->tt, r, l)); }
 static float *G(const struct model *m, enum tensor_role r, int l) { return model_grad(m, tensor_lookup(&m->tt, r, l)); }
 
-/* Pair rows the exchange receives into: [cap, H] per direction, grown on demand (one per model:
- * a layer's transfers are all finished before it returns). */
-static struct {
-    const struct model *owner;
-    void *rows;     /* forward: the dispatched rows; backward: dL/d(out) of each pair */
-    float *d_w;     /* backward: the routing-weight gradients coming home, [cap_w] */
-    int64_t cap_rows, cap_w;
-} g_x;
-
-static void *grow(const struct model *m, void *p, int64_t *cap, int64_t need, size_t elem)
+static void *grow(struct model *m, void *p, int64_t *cap, int64_t need, size_t elem)
 {
     if (need <= *cap) return p;
     if (p) m->be->free(p);
@@ -41,18 +32,19 @@ static void *grow(const struct model *m, void *p, int64_t *cap, int64_t need, si
     return p;
 }
 
-static void *recv_rows(const struct model *m, int64_t P)
+/* The window the pair rows land in, for P pairs (one per model: a layer's transfers have all
+ * finished when it returns) */
+static void *recv_rows(struct model *m, int64_t P)
 {
-    if (g_x.owner != m) memset(&g_x, 0, sizeof g_x); /* a new model: its own backend's memory */
-    g_x.owner = m;
-    g_x.rows = grow(m, g_x.rows, &g_x.cap_rows, P * m->H, m->be->x_size);
-    return g_x.rows;
+    m->x_recv = grow(m, m->x_recv, &m->x_recv_cap, P * m->H, m->be->x_size);
+    return m->x_recv;
 }
 
-static float *recv_w(const struct model *m, int64_t n)
+/* backward: the routing-weight gradients coming home, n floats */
+static float *recv_w(struct model *m, int64_t n)
 {
-    g_x.d_w = grow(m, g_x.d_w, &g_x.cap_w, n, sizeof(float));
-    return g_x.d_w;
+    m->d_w_home = grow(m, m->d_w_home, &m->d_w_home_cap, n, sizeof(float));
+    return m->d_w_home;
 }
 
 /* The layer's chunk plans (host), allocated once per layer for n chunks. */

@@ -3,8 +3,8 @@
  * (comm_all_to_all_v_start):
  *  - the layer against the one-chunk path on chosen routings (tests/mpi/chunks_check.c): output,
  *    input and routing-weight gradients bit-identical, expert weight gradients to rounding;
- *  - whole training runs: the same losses with 1, 2 or 3 chunks on EP = 1, EP = 2 and
- *    EP = 2 x EP_FSDP = 2, and with the loopback at EP = 1;
+ *  - whole training runs: the same losses with 1, 2 or 3 chunks on EP = 1, EP = 2,
+ *    EP = 2 x EP_FSDP = 2, PP = 2 x EP = 2, with recompute, and with the loopback at EP = 1;
  *  - the timeline's report. */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -171,6 +171,14 @@ Test(moe_chunks, train_ep2_fsdp2_losses_match_one_chunk, .timeout = 300)
 Test(moe_chunks, train_loopback_losses_match_the_direct_path, .timeout = 300)
 {
     chunks_vs_one(1, "", "MT_MOE_LOOPBACK=1", (const int[]){1, 2}, 2, "loop");
+}
+
+/* two pipeline stages of EP = 2: each micro-batch slot keeps its own chunk plans from its forward
+ * to its backward (1F1B runs other slots in between) */
+Test(moe_chunks, train_pp2_ep2_losses_match_one_chunk, .timeout = 300)
+{
+    chunks_vs_one(4, "--set parallel.pipeline_parallel_size=2 --set parallel.expert_parallel_size=2", "",
+                  (const int[]){2}, 1, "pp2");
 }
 
 /* activation checkpointing recomputes the forward (and its chunk plans) inside the backward */
