@@ -7,6 +7,7 @@
 
 #include "common.h"
 #include "env_flag.h"
+#include "moe_timeline.h"
 #include "mem_track.h"
 
 static void *xalloc(const struct model *m, int64_t n) { return m->be->alloc((size_t)n * m->be->x_size); }
@@ -155,6 +156,7 @@ void model_init_stage(struct model *m, const struct backend *be, const struct mo
     m->ep_comm = ep_comm;
     m->ep = ep_comm ? ep_comm->size : 1;
     m->pairs = m->ep > 1 || mt_env_flag("MT_MOE_LOOPBACK");
+    (void)moe_timeline_enabled(); /* a bad MT_MOE_TIMELINE stops the run here, not at its end */
     m->moe_chunks = 1;
     m->ep_rank = ep_comm ? ep_comm->rank : 0;
     m->n_local_experts = m->E > 0 ? m->E / m->ep : 0;

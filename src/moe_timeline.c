@@ -61,11 +61,16 @@ static void clear(struct pass *p)
     p->n = 0;
 }
 
+int moe_timeline_enabled(void)
+{
+    if (g.on < 0) g.on = mt_env_flag("MT_MOE_TIMELINE");
+    return g.on;
+}
+
 void moe_timeline_begin(const struct model *m, int l, const char *pass)
 {
     (void)m;
-    if (g.on < 0) g.on = mt_env_flag("MT_MOE_TIMELINE");
-    if (!g.on) return;
+    if (!moe_timeline_enabled()) return;
     if (g.layer < 0) g.layer = l;
     if (l != g.layer) return;
     struct pass *p = &g.pass[strcmp(pass, "forward") != 0];
@@ -142,6 +147,9 @@ static double overlap(double a0, double a1, double b0, double b1)
 
 void moe_timeline_print(FILE *f)
 {
+    if (moe_timeline_enabled() && !g.pass[0].n && !g.pass[1].n)
+        fprintf(f, "moe timeline: nothing recorded (MT_MOE_TIMELINE covers the chunked exchange: set "
+                "parallel.moe_chunks > 1)\n");
     for (int k = 0; k < 2; k++) {
         struct pass *p = &g.pass[k];
         if (!p->n) continue;

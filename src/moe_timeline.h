@@ -28,6 +28,10 @@ struct moe_timeline_clock {
 };
 void moe_timeline_set_clock(const struct moe_timeline_clock *c);
 
+/* Whether MT_MOE_TIMELINE=1 (read once; any value but unset, empty, 0 or 1 is a user error, which
+ * model_init reports at start-up) */
+int moe_timeline_enabled(void);
+
 /* moe_exchange.c: a pass (forward or backward) of layer l starts / ends; edges of chunk spans */
 void moe_timeline_begin(const struct model *m, int l, const char *pass);
 void moe_timeline_end(const struct model *m);
@@ -37,7 +41,8 @@ void moe_timeline_comm_done(const char *what, int64_t chunk);   /* after its wai
 /* The comm implementations' edges of the named transfer on their own stream (device clocks). */
 void moe_timeline_comm_mark(void *stream, int end);
 
-/* Prints the recorded passes (nothing when none was recorded) and frees them. */
+/* Prints the recorded passes and frees them; when the timeline is enabled but nothing was recorded
+ * (parallel.moe_chunks = 1), one line saying so; nothing when it is off. */
 void moe_timeline_print(FILE *f);
 
 #ifdef __cplusplus

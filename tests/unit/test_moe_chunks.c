@@ -213,3 +213,24 @@ Test(moe_chunks, timeline_lists_every_chunk, .timeout = 200)
     cr_expect_null(strstr(out, "moe timeline"), "%s", out);
     free(out);
 }
+
+/* the switches take 0 or 1; anything else stops the run at start-up with one line naming it; the
+ * timeline with one chunk says it recorded nothing */
+Test(moe_chunks, bad_switch_values_are_refused, .timeout = 120)
+{
+    const char *vars[] = {"MT_MOE_LOOPBACK=yes", "MT_MOE_TIMELINE=2"};
+    for (int i = 0; i < 2; i++) {
+        char cmd[1024], *out = NULL, want[96];
+        snprintf(cmd, sizeof cmd, "%s timeout 60 %s/moetrain train configs/tiny.yaml --backend cpu --set train.steps=1",
+                 vars[i], tu_build());
+        cr_expect_neq(tu_run(cmd, &out), 0, "%s", out);
+        snprintf(want, sizeof want, "environment variable %s: expected 0 or 1", vars[i]);
+        cr_expect(out && strstr(out, want), "no '%s' in:\n%s", want, out ? out : "");
+        cr_expect(out && !strstr(out, "step 1"), "the run went on:\n%s", out ? out : "");
+        free(out);
+    }
+    double l[STEPS], g[STEPS];
+    char *out = train(1, "MT_MOE_TIMELINE=1", "", "tl1", l, g);
+    cr_expect(strstr(out, "moe timeline: nothing recorded"), "%s", out);
+    free(out);
+}
