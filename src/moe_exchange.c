@@ -52,6 +52,7 @@ static struct moe_chunk *chunks_of(struct model *m, struct layer_acts *a)
 {
     struct moe_route *r = &a->route;
     const int n = m->moe_chunks, ep = m->ep, nl = m->n_local_experts;
+    MT_CHECK(n >= 1 && n <= m->T, "moe_chunks %d with %d tokens per micro-batch", n, m->T);
     if (!r->chunks) {
         const size_t per = 2 * (size_t)ep + nl + 1;
         char *block = mt_calloc(1, n * sizeof(struct moe_chunk) + n * per * sizeof(int64_t));
