@@ -90,7 +90,7 @@ compare_losses() {
 
 MAKE_CMD=${MAKE:-make}
 if ! $MAKE_CMD --no-print-directory BUILD="$B" "$B/moetrain" "$B/tests/unit_tests" \
-    "$B/tests/mpi/gpu_comm_check" "$B/tools/make_tokens"; then
+    "$B/tests/mpi/gpu_comm_check" "$B/tests/mpi/chunks_check" "$B/tools/make_tokens"; then
     echo "test-gpu: FAIL: build"
     exit 1
 fi
@@ -103,6 +103,15 @@ MT_REQUIRE_GPU=1 MT_BUILD="$B" run_step "unit tests gpu/* (CUDA ops vs CPU)" "$L
 #    run every collective through NCCL and the side stream; the ring of point-to-point needs two)
 run_step "NCCL vs MPI comm ($NGPU rank(s))" "$LOG/gpu_comm_check.log" \
     $MPIRUN -np "$NGPU" "$B/tests/mpi/gpu_comm_check"
+
+# 2b. the chunked MoE exchange (parallel.moe_chunks) against one chunk, layer by layer, fp32 on the
+#     GPU (tests/mpi/chunks_check.c): through the loopback on one GPU, over NCCL on two
+run_step "chunked MoE exchange vs 1 chunk, 1 GPU loopback (chunks_check)" "$LOG/chunks_check_1.log" \
+    $MPIRUN -np 1 "$B/tests/mpi/chunks_check" skew 3 loopback cuda
+if [ "$NGPU" -ge 2 ]; then
+    run_step "chunked MoE exchange vs 1 chunk, 2 GPUs EP=2 (chunks_check)" "$LOG/chunks_check_2.log" \
+        $MPIRUN -np 2 "$B/tests/mpi/chunks_check" skew 2 cuda
+fi
 
 # 3. the whole model against the transformers reference dumps
 for fx in tests/fixtures/qwen3moe-*/; do
