@@ -18,6 +18,7 @@
 #include "moe_route.cuh"
 #include "swiglu.cuh"
 #include "env_flag.h"
+#include "moe_timeline.h"
 
 #include <string.h>
 
@@ -92,6 +93,28 @@ template <typename T> static struct backend make_table(double peak)
 
 static struct backend table_bf16, table_fp32;
 
+/* MT_MOE_TIMELINE's clock: events on the compute stream (NULL) or the stream given */
+static void *event_record(void *stream)
+{
+    cudaEvent_t ev;
+    CUDA_CHECK(cudaEventCreate(&ev));
+    CUDA_CHECK(cudaEventRecord(ev, stream ? (cudaStream_t)stream : g_cuda.stream));
+    return (void *)ev;
+}
+
+static double event_ms(void *from, void *to)
+{
+    float ms = 0;
+    CUDA_CHECK(cudaEventSynchronize((cudaEvent_t)to));
+    CUDA_CHECK(cudaEventSynchronize((cudaEvent_t)from));
+    CUDA_CHECK(cudaEventElapsedTime(&ms, (cudaEvent_t)from, (cudaEvent_t)to));
+    return ms;
+}
+
+static void event_release(void *ev) { CUDA_CHECK(cudaEventDestroy((cudaEvent_t)ev)); }
+
+static const struct moe_timeline_clock event_clock = {1, event_record, event_ms, event_release};
+
 static void context_init(int local_rank, int count)
 {
     g_cuda.device = local_rank % count;
@@ -111,6 +134,7 @@ static void context_init(int local_rank, int count)
     table_bf16 = make_table<bf16>(peak_flops(false, &prop));
     table_fp32 = make_table<float>(peak_flops(true, &prop));
     table_bf16.mem_bytes = table_fp32.mem_bytes = (double)prop.totalGlobalMem;
+    moe_timeline_set_clock(&event_clock);
     g_cuda.ready = true;
 }
 

@@ -15,6 +15,7 @@
 
 extern "C" {
 #include "comm.h"
+#include "moe_timeline.h"
 #include "watchdog.h"
 }
 #include "comm_ipc.cuh"
@@ -149,8 +150,8 @@ static void nccl_all_reduce_sum(struct comm *c, void *buf, size_t n, enum comm_d
 }
 
 /* counts are elements; blocks packed back to back in rank order on both sides */
-static void exchange(struct comm *c, void *recv, const int64_t *recv_counts, const void *send,
-                     const int64_t *send_counts, size_t fixed, enum comm_dtype t)
+static void exchange_on(struct comm *c, void *recv, const int64_t *recv_counts, const void *send,
+                        const int64_t *send_counts, size_t fixed, enum comm_dtype t, cudaStream_t stream)
 {
     struct nccl_impl *im = impl_of(c);
     const size_t es = comm_dtype_size(t);
@@ -166,15 +167,21 @@ static void exchange(struct comm *c, void *recv, const int64_t *recv_counts, con
             MT_CHECK(sn == rn, "all_to_all_v: rank %d sends %zu elements to itself but expects %zu",
                      p, sn, rn);
             if (sn && sp != rp)
-                CUDA_CHECK(cudaMemcpyAsync(rp, sp, sn * es, cudaMemcpyDeviceToDevice, g_cuda.stream));
+                CUDA_CHECK(cudaMemcpyAsync(rp, sp, sn * es, cudaMemcpyDeviceToDevice, stream));
         } else {
-            if (sn) NCCL_CHECK(ncclSend(sp, sn, nt, p, im->nccl, g_cuda.stream));
-            if (rn) NCCL_CHECK(ncclRecv(rp, rn, nt, p, im->nccl, g_cuda.stream));
+            if (sn) NCCL_CHECK(ncclSend(sp, sn, nt, p, im->nccl, stream));
+            if (rn) NCCL_CHECK(ncclRecv(rp, rn, nt, p, im->nccl, stream));
         }
         so += sn;
         ro += rn;
     }
     NCCL_CHECK(ncclGroupEnd());
+}
+
+static void exchange(struct comm *c, void *recv, const int64_t *recv_counts, const void *send,
+                     const int64_t *send_counts, size_t fixed, enum comm_dtype t)
+{
+    exchange_on(c, recv, recv_counts, send, send_counts, fixed, t, g_cuda.stream);
 }
 
 static size_t total(const int64_t *counts, int n)
@@ -352,6 +359,32 @@ static void nccl_all_gather_start(struct comm *c, void *recv, const void *send, 
     r->state = st;
 }
 
+/* moe_exchange.c's overlapped row exchanges: like all_gather_start. The spans on the side stream
+ * go into the MoE timeline when it is recording (timeline.h). */
+static void nccl_all_to_all_v_start(struct comm *c, void *recv, const int64_t *recv_counts,
+                                    const void *send, const int64_t *send_counts, enum comm_dtype t,
+                                    struct comm_p2p_req *r)
+{
+    struct nccl_impl *im = impl_of(c);
+    r->state = NULL;
+    if (on_host("all_to_all_v", recv, total(recv_counts, c->size), send, total(send_counts, c->size))) {
+        struct comm_p2p_req host = {NULL};
+        im->host->ops->all_to_all_v_start(im->host, recv, recv_counts, send, send_counts, t, &host);
+        if (!host.state) return;   /* it ran to completion */
+        struct nccl_p2p_state *st = (struct nccl_p2p_state *)mt_calloc(1, sizeof *st);
+        st->host = host;
+        r->state = st;
+        return;
+    }
+    struct nccl_p2p_state *st = (struct nccl_p2p_state *)mt_calloc(1, sizeof *st);
+    side_begin(im);
+    moe_timeline_comm_mark(im->side, 0);
+    exchange_on(c, recv, recv_counts, send, send_counts, 0, t, im->side);
+    moe_timeline_comm_mark(im->side, 1);
+    side_end(im, st);
+    r->state = st;
+}
+
 static void nccl_p2p_wait(struct comm *c, struct comm_p2p_req *r)
 {
     struct nccl_impl *im = impl_of(c);
@@ -388,8 +421,8 @@ static void nccl_destroy(struct comm *c)
 
 static const struct comm_ops nccl_ops = {
     nccl_all_gather, nccl_reduce_scatter_sum, nccl_all_reduce_sum, nccl_all_to_all_v,
-    nccl_all_to_all, nccl_all_to_all_inbox, nccl_p2p, nccl_p2p_start, nccl_all_gather_start, nccl_p2p_wait,
-    nccl_destroy,
+    nccl_all_to_all, nccl_all_to_all_inbox, nccl_p2p, nccl_p2p_start, nccl_all_gather_start,
+    nccl_all_to_all_v_start, nccl_p2p_wait, nccl_destroy,
 };
 
 extern "C" struct comm *comm_nccl_create(MPI_Comm mpi)

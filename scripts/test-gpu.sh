@@ -20,6 +20,8 @@
 #                 TRAIN_BF16_TOL = 1e-2 (measured 1.5e-5 over 5 steps)
 #   train fp32, CPU vs 1 GPU: per-step loss within TRAIN_FP32_TOL = 1e-3 (measured 0 at the 8
 #                 digits the metrics file keeps)
+#   train bf16 / fp32 with parallel.moe_chunks (MT_MOE_LOOPBACK=1 on 1 GPU; EP=2 on 2): TRAIN_BF16_TOL
+#                 against 1 chunk, TRAIN_FP32_TOL against the CPU (not yet run on a GPU)
 #   train bf16, the sm_80 path (MT_FORCE_SM80=1) vs the Hopper path on 1 GPU: TRAIN_BF16_TOL (the
 #                 expert GEMMs differ in summation order only; the attention backward is bit-identical)
 set -u
@@ -88,7 +90,7 @@ compare_losses() {
 
 MAKE_CMD=${MAKE:-make}
 if ! $MAKE_CMD --no-print-directory BUILD="$B" "$B/moetrain" "$B/tests/unit_tests" \
-    "$B/tests/mpi/gpu_comm_check" "$B/tools/make_tokens"; then
+    "$B/tests/mpi/gpu_comm_check" "$B/tests/mpi/chunks_check" "$B/tools/make_tokens"; then
     echo "test-gpu: FAIL: build"
     exit 1
 fi
@@ -101,6 +103,15 @@ MT_REQUIRE_GPU=1 MT_BUILD="$B" run_step "unit tests gpu/* (CUDA ops vs CPU)" "$L
 #    run every collective through NCCL and the side stream; the ring of point-to-point needs two)
 run_step "NCCL vs MPI comm ($NGPU rank(s))" "$LOG/gpu_comm_check.log" \
     $MPIRUN -np "$NGPU" "$B/tests/mpi/gpu_comm_check"
+
+# 2b. the chunked MoE exchange (parallel.moe_chunks) against one chunk, layer by layer, fp32 on the
+#     GPU (tests/mpi/chunks_check.c): through the loopback on one GPU, over NCCL on two
+run_step "chunked MoE exchange vs 1 chunk, 1 GPU loopback (chunks_check)" "$LOG/chunks_check_1.log" \
+    $MPIRUN -np 1 "$B/tests/mpi/chunks_check" skew 3 loopback cuda
+if [ "$NGPU" -ge 2 ]; then
+    run_step "chunked MoE exchange vs 1 chunk, 2 GPUs EP=2 (chunks_check)" "$LOG/chunks_check_2.log" \
+        $MPIRUN -np 2 "$B/tests/mpi/chunks_check" skew 2 cuda
+fi
 
 # 3. the whole model against the transformers reference dumps
 for fx in tests/fixtures/qwen3moe-*/; do
@@ -144,12 +155,25 @@ run_step "train bf16, 1 GPU, bf16 Adam moments" "$LOG/train_1gpu_bf16_m16.log" \
     --set log.metrics="$LOG/train_1gpu_bf16_m16.jsonl"
 compare_losses "losses bf16 vs fp32 Adam moments, bf16 (tol $TRAIN_BF16_TOL)" \
     "$LOG/train_1gpu_bf16_m16.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+# the chunked MoE exchange (parallel.moe_chunks, docs/scaling.md) on one GPU through the loopback
+# (MT_MOE_LOOPBACK=1: the pair path and an all-to-all with itself on the EP comm's side stream)
+run_step "train bf16, 1 GPU, moe_chunks=2, loopback" "$LOG/train_1gpu_bf16_chunks.log" \
+    env MT_MOE_LOOPBACK=1 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+    --set parallel.moe_chunks=2 --set log.metrics="$LOG/train_1gpu_bf16_chunks.jsonl"
+compare_losses "losses moe_chunks=2 loopback vs 1 chunk, bf16 (tol $TRAIN_BF16_TOL)" \
+    "$LOG/train_1gpu_bf16_chunks.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
 if [ "$NGPU" -ge 2 ]; then
     run_step "train bf16, 2 GPUs, EP=2" "$LOG/train_2gpu_ep2_bf16.log" \
         $MPIRUN -np 2 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
         --set parallel.expert_parallel_size=2 --set log.metrics="$LOG/train_2gpu_ep2_bf16.jsonl"
     compare_losses "losses 1 GPU vs 2 GPUs EP=2, bf16 (tol $TRAIN_BF16_TOL)" \
         "$LOG/train_2gpu_ep2_bf16.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+    run_step "train bf16, 2 GPUs, EP=2, moe_chunks=3" "$LOG/train_2gpu_ep2_bf16_chunks.log" \
+        $MPIRUN -np 2 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+        --set parallel.expert_parallel_size=2 --set parallel.moe_chunks=3 \
+        --set log.metrics="$LOG/train_2gpu_ep2_bf16_chunks.jsonl"
+    compare_losses "losses 1 GPU vs 2 GPUs EP=2 moe_chunks=3, bf16 (tol $TRAIN_BF16_TOL)" \
+        "$LOG/train_2gpu_ep2_bf16_chunks.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
     # a pipeline of two stages, one per GPU (NCCL point-to-point between them)
     run_step "train bf16, 2 GPUs, PP=2" "$LOG/train_2gpu_pp2_bf16.log" \
         $MPIRUN -np 2 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
@@ -167,6 +191,11 @@ run_step "train fp32, 1 GPU" "$LOG/train_1gpu_fp32.log" \
     --set log.metrics="$LOG/train_1gpu_fp32.jsonl"
 compare_losses "losses CPU vs 1 GPU, fp32 (tol $TRAIN_FP32_TOL)" \
     "$LOG/train_1gpu_fp32.jsonl" "$LOG/train_cpu_fp32.jsonl" "$TRAIN_FP32_TOL"
+run_step "train fp32, 1 GPU, moe_chunks=3, loopback" "$LOG/train_1gpu_fp32_chunks.log" \
+    env MT_MOE_LOOPBACK=1 "$B/moetrain" $T --backend cuda --set model.precision=fp32 \
+    --set parallel.moe_chunks=3 --set log.metrics="$LOG/train_1gpu_fp32_chunks.jsonl"
+compare_losses "losses CPU vs 1 GPU moe_chunks=3 loopback, fp32 (tol $TRAIN_FP32_TOL)" \
+    "$LOG/train_1gpu_fp32_chunks.jsonl" "$LOG/train_cpu_fp32.jsonl" "$TRAIN_FP32_TOL"
 
 # 5. the router's knobs (docs/router.md), CPU vs 1 GPU in fp32: sigmoid scores, group-limited
 #    top-k, route_scale, detached routing weights, global-batch aux with its pre-pass, and the

@@ -72,6 +72,13 @@ struct comm_ops {
      * already queued */
     void (*all_gather_start)(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t,
                              struct comm_p2p_req *r);
+    /* all_to_all_v started now and finished by p2p_wait (moe_exchange.c: one chunk's rows cross
+     * while another chunk's expert GEMMs run): neither buffer may be touched in between; the
+     * counts are read before it returns. MPI: MPI_Ialltoallv; NCCL: on the side stream after the
+     * work already queued on the compute stream (the block to self is a copy there too). Every
+     * rank starts its exchanges on c in the same order. */
+    void (*all_to_all_v_start)(struct comm *c, void *recv, const int64_t *recv_counts, const void *send,
+                               const int64_t *send_counts, enum comm_dtype t, struct comm_p2p_req *r);
     void (*p2p_wait)(struct comm *c, struct comm_p2p_req *r);
     /* optional (NULL for MPI): releases c->impl; comm_free calls it before freeing c */
     void (*destroy)(struct comm *c);
@@ -108,6 +115,10 @@ void comm_p2p_wait(struct comm *c, struct comm_p2p_req *r);
  * group of one runs it at once. */
 void comm_all_gather_start(struct comm *c, void *recv, const void *send, size_t n, enum comm_dtype t,
                            struct comm_p2p_req *r);
+/* The all_to_all_v in two halves (ops->all_to_all_v_start); comm_p2p_wait finishes it. A NULL
+ * comm copies at once. */
+void comm_all_to_all_v_start(struct comm *c, void *recv, const int64_t *recv_counts, const void *send,
+                             const int64_t *send_counts, enum comm_dtype t, struct comm_p2p_req *r);
 /* (for a NULL comm the result is `send` itself) */
 const void *comm_all_to_all_inbox(struct comm *c, const int64_t *recv_counts, const void *send,
                                   const int64_t *send_counts, enum comm_dtype t);

@@ -263,6 +263,39 @@ static void mpi_all_gather_start(struct comm *c, void *recv, const void *send, s
     r->state = st;
 }
 
+/* one MPI_Ialltoallv, completed by mpi_p2p_wait; its int counts and displacements live in the
+ * request's state until then (totals above the int limit run blocking) */
+static void mpi_all_to_all_v_start(struct comm *c, void *recv, const int64_t *recv_counts,
+                                   const void *send, const int64_t *send_counts, enum comm_dtype t,
+                                   struct comm_p2p_req *r)
+{
+    r->state = NULL;
+    const int p = c->size;
+    int64_t so = 0, ro = 0;
+    for (int i = 0; i < p; i++) {
+        so += send_counts[i];
+        ro += recv_counts[i];
+    }
+    if (so > (int64_t)max_count() || ro > (int64_t)max_count()) {
+        mpi_all_to_all_v(c, recv, recv_counts, send, send_counts, t);
+        return;
+    }
+    struct mpi_p2p_state *st = mt_malloc(sizeof *st + sizeof(MPI_Request) + 4 * (size_t)p * sizeof(int));
+    int *sc = (int *)(st->req + 1), *sd = sc + p, *rc = sc + 2 * p, *rd = sc + 3 * p;
+    so = ro = 0;
+    for (int i = 0; i < p; i++) {
+        sc[i] = (int)send_counts[i];
+        rc[i] = (int)recv_counts[i];
+        sd[i] = (int)so;
+        rd[i] = (int)ro;
+        so += send_counts[i];
+        ro += recv_counts[i];
+    }
+    MT_CHECK_MPI(MPI_Ialltoallv(send, sc, sd, mpi_type(t), recv, rc, rd, mpi_type(t), c->mpi, &st->req[0]));
+    st->n = 1;
+    r->state = st;
+}
+
 static void mpi_p2p(struct comm *c, const struct comm_p2p_op *ops, int n)
 {
     struct comm_p2p_req r = {NULL};
@@ -312,6 +345,7 @@ static const struct comm_ops mpi_ops = {
     .p2p = mpi_p2p,
     .p2p_start = mpi_p2p_start,
     .all_gather_start = mpi_all_gather_start,
+    .all_to_all_v_start = mpi_all_to_all_v_start,
     .p2p_wait = mpi_p2p_wait,
     .destroy = mpi_destroy,
 };
@@ -425,6 +459,17 @@ void comm_all_gather_start(struct comm *c, void *recv, const void *send, size_t 
         return;
     }
     TIMED(c->ops->all_gather_start(c, recv, send, n, t, r));
+}
+
+void comm_all_to_all_v_start(struct comm *c, void *recv, const int64_t *recv_counts, const void *send,
+                             const int64_t *send_counts, enum comm_dtype t, struct comm_p2p_req *r)
+{
+    r->state = NULL;
+    if (single(c)) {
+        if (recv != send) memmove(recv, send, (size_t)send_counts[0] * comm_dtype_size(t));
+        return;
+    }
+    TIMED(c->ops->all_to_all_v_start(c, recv, recv_counts, send, send_counts, t, r));
 }
 
 void comm_p2p_wait(struct comm *c, struct comm_p2p_req *r)

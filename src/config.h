@@ -68,6 +68,7 @@ struct parallel_config {
     enum mt_backend_choice backend; /* auto | cpu | cuda */
     bool reshard_after_forward;   /* free a layer's gathered weights after its forward (FSDP) */
     bool prefetch;                /* gather the next layer while this one computes (FSDP) */
+    int moe_chunks;               /* MoE exchange in this many chunks overlapping the expert GEMMs */
 };
 
 struct train_config {

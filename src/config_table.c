@@ -86,6 +86,7 @@ const struct cfg_key cfg_keys[] = {
     ENUM("parallel", "backend", parallel.backend, backend_names),
     BOOL("parallel", "reshard_after_forward", parallel.reshard_after_forward),
     BOOL("parallel", "prefetch", parallel.prefetch),
+    INT("parallel", "moe_chunks", parallel.moe_chunks, POS),
 
     INT("train", "steps", train.steps, POS),
     INT("train", "seq_len", train.seq_len, POS),

@@ -86,6 +86,10 @@ bool cfg_validate(struct loader *L)
            "train.seq_len x train.micro_batch_size = %lld tokens per micro-batch (x top-%d = %lld "
            "routed pairs) is more than the 32-bit indexing holds (%d): lower micro_batch_size",
            (long long)micro_tokens, m->num_experts_per_tok, (long long)pairs, INT_MAX);
+    CHECK2(c->parallel.moe_chunks <= micro_tokens, "parallel", "moe_chunks", "parallel", "moe_chunks",
+           "parallel.moe_chunks (%d) must be <= the tokens of a micro-batch (train.seq_len x "
+           "train.micro_batch_size = %lld): every chunk needs a token", c->parallel.moe_chunks,
+           (long long)micro_tokens);
     CHECK2((int64_t)t->seq_len * t->global_batch_size <= INT64_C(1) << 52, "train", "seq_len", "train",
            "global_batch_size", "train.seq_len x train.global_batch_size = %lld tokens per step is "
            "too many to count exactly", (long long)t->seq_len * t->global_batch_size);

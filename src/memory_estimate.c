@@ -117,7 +117,7 @@ double estimate_activation_bytes(const struct config *c, int layer0, int layer1,
  * temporaries, q/k/v gradients, the router's compute-dtype logits and top-k weight gradients, the
  * expert-side gradient rows (as x_exp, gu, act, y_exp: headroom x T x k rows), and with ep > 1 the
  * sender's pair rows with their metadata and the all-to-all receive window (comm_ipc / NCCL inbox:
- * the rows a rank receives, 25% headroom). */
+ * the rows a rank receives, 25% headroom). MT_MOE_LOOPBACK (a benchmarking switch) is not counted. */
 static double scratch_bytes(const struct config *c)
 {
     const struct model_config *m = &c->model;
@@ -133,6 +133,9 @@ static double scratch_bytes(const struct config *c)
         const double headroom = ep > 1 ? 1.25 : 1.0, pairs = T * (k < ep ? k : ep);
         b += T * E * act_b + T * k * 4 + headroom * T * k * (2 * H + 3 * I) * act_b;
         if (ep > 1) b += pairs * (H * act_b + 8 * k) + 1.25 * pairs * H * act_b + pairs * 1.25 * k * 4;
+        /* parallel.moe_chunks > 1 (moe_exchange.c) receives into its own window instead of the
+         * inbox (the same size) and adds one for the routing-weight gradients coming home */
+        if (ep > 1 && c->parallel.moe_chunks > 1) b += 1.25 * pairs * k * 4;
     }
     return b;
 }

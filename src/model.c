@@ -6,6 +6,8 @@
 #include <string.h>
 
 #include "common.h"
+#include "env_flag.h"
+#include "moe_timeline.h"
 #include "mem_track.h"
 
 static void *xalloc(const struct model *m, int64_t n) { return m->be->alloc((size_t)n * m->be->x_size); }
@@ -86,7 +88,7 @@ static void alloc_layer(struct model *m, struct layer_acts *a, bool moe, bool de
         r->expert_off = mt_calloc((size_t)m->n_local_experts + 1, sizeof(int64_t));
         r->send_counts = mt_calloc((size_t)m->ep, sizeof(int64_t));
         r->recv_counts = mt_calloc((size_t)m->ep, sizeof(int64_t));
-        if (m->ep == 1) {
+        if (!m->pairs) {
             r->exp_src = ialloc(m, T * K);
             r->exp_slot = ialloc(m, T * K);
         } else {
@@ -153,6 +155,9 @@ void model_init_stage(struct model *m, const struct backend *be, const struct mo
              "model stage: layers [%d, %d) of %d, %d slots", st->layer0, st->layer1, m->L, st->n_slots);
     m->ep_comm = ep_comm;
     m->ep = ep_comm ? ep_comm->size : 1;
+    m->pairs = m->ep > 1 || mt_env_flag("MT_MOE_LOOPBACK");
+    (void)moe_timeline_enabled(); /* a bad MT_MOE_TIMELINE stops the run here, not at its end */
+    m->moe_chunks = 1;
     m->ep_rank = ep_comm ? ep_comm->rank : 0;
     m->n_local_experts = m->E > 0 ? m->E / m->ep : 0;
     m->expert0 = m->n_local_experts * m->ep_rank;
@@ -197,7 +202,7 @@ void model_init_stage(struct model *m, const struct backend *be, const struct mo
         m->d_logits_r = xalloc(m, T * m->E);
         m->d_topk_w = falloc(m, T * m->K);
         m->aux_dp = falloc(m, m->E);
-        if (m->ep > 1) {
+        if (m->pairs) {
             const int64_t P = T * MT_MIN(m->K, m->ep);
             m->d_x_send = xalloc(m, P * H);
             m->meta_idx_send = ialloc(m, P * m->K);
@@ -259,10 +264,11 @@ static void free_layer(const struct model *m, struct layer_acts *a)
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(dev[i]);
     struct moe_route *r = &a->route;
-    if (m->ep > 1) { /* with ep = 1 they are the layer's topk_idx/topk_w */
+    if (m->pairs) { /* otherwise they are the layer's topk_idx/topk_w */
         if (r->meta_idx) be->free(r->meta_idx);
         if (r->meta_w) be->free(r->meta_w);
     }
+    free(r->chunks);
     free(r->expert_off);
     free(r->send_counts);
     free(r->recv_counts);
@@ -288,7 +294,7 @@ void model_free(struct model *m)
                    m->d_h, m->d_t1, m->d_t2, m->d_t3, m->d_q, m->d_k, m->d_v, m->d_logits_r,
                    m->d_topk_w, m->d_x_send, m->meta_idx_send, m->meta_w_send, m->d_w_recv,
                    m->aux_dp, m->ones, m->d_gu, m->d_act, m->d_x_exp, m->d_y_exp,
-                   m->stats, m->bias};
+                   m->stats, m->bias, m->x_recv, m->d_w_home};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(dev[i]);
     route_replay_free(m);

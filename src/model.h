@@ -33,6 +33,7 @@ struct moe_route {
     int32_t *exp_src;        /* dev [R_exp]: pair (token) of each expert-side row */
     int32_t *exp_slot;       /* dev [P_recv, k]: expert-side row of each slot, -1 if empty */
     int64_t cap_pairs;       /* pairs the receiver arrays hold (ep > 1) */
+    struct moe_chunk *chunks; /* host [moe_chunks]: each chunk's plan (moe_exchange.c), or NULL */
 };
 
 struct layer_acts {
@@ -111,6 +112,10 @@ struct model {
     /* expert parallelism */
     struct comm *ep_comm;       /* EP group (NULL = ep 1) */
     int ep, ep_rank, n_local_experts, expert0;
+    /* token-once pairs and an all-to-all carry the rows: ep > 1, or MT_MOE_LOOPBACK=1 (an ep = 1
+     * run through the same exchange with itself, to time it on one device) */
+    bool pairs;
+    int moe_chunks;             /* parallel.moe_chunks: > 1 = the overlapped exchange, moe_exchange.c */
 
     /* tensor i's working weight (compute dtype; for an expert tensor the local experts
      * [n_local, d1, d2]) and fp32 gradient; NULL while unbound or not on this stage */
@@ -149,12 +154,17 @@ struct model {
     void *d_logits_r;           /* [T, E] router logits / dlogits in the compute dtype (!router_f32) */
     float *d_topk_w;            /* [T, k] */
     void *d_x_exp, *d_gu, *d_act, *d_y_exp; /* [d_cap_rows, H or 2I or I] expert-side */
-    /* ep > 1: sender-side pair rows (forward and backward), metadata and weight-gradient staging */
+    /* pairs: sender-side pair rows (forward and backward), metadata and weight-gradient staging */
     void *d_x_send;             /* [T * min(k, ep), H] */
     int32_t *meta_idx_send;     /* [T * min(k, ep), k] */
     float *meta_w_send;         /* [T * min(k, ep), k] */
     float *d_w_recv;            /* [d_cap_pairs, k] */
     int64_t d_cap_pairs;
+    /* parallel.moe_chunks > 1 (moe_exchange.c): the received pair rows and the routing-weight
+     * gradients coming home, grown on demand */
+    void *x_recv;               /* [x_recv_cap] compute dtype */
+    float *d_w_home;            /* [d_w_home_cap] */
+    int64_t x_recv_cap, d_w_home_cap;
     float *stats;               /* dev [L, 2, E]: per layer psum then count (the stage's layers) */
     float *stats_h;             /* host copy */
     float *aux_dp;              /* dev [E] */
@@ -254,5 +264,12 @@ int64_t moe_dispatch_for_test(struct model *m, int l, const int32_t *topk_idx_ho
 void moe_combine_for_test(struct model *m, int l, const void *y_exp, void *out);
 void moe_combine_backward_for_test(struct model *m, int l, const void *dout);
 void moe_dispatch_backward_for_test(struct model *m, int l, const void *d_x_exp, void *dx);
+/*  - moe_experts_for_test: the whole expert part of layer l (route plan, dispatch, expert SwiGLU,
+ *    combine; chunked when m->moe_chunks > 1) on a chosen routing (HOST [T, k]) and norm output x
+ *    [T, H] -> out [T, H]; moe_experts_backward_for_test: dL/d out [T, H] -> dx [T, H] (through
+ *    the experts), m->d_topk_w [T, k] (re-sorted order) and the experts' weight gradients (+=). */
+void moe_experts_for_test(struct model *m, int l, const int32_t *topk_idx_host, const float *topk_w_host,
+                          const void *x, void *out);
+void moe_experts_backward_for_test(struct model *m, int l, const void *dout, void *dx);
 
 #endif

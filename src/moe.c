@@ -10,7 +10,10 @@
  * top-8 of 128 experts on 2 ranks that is ~2 rows per token on the wire instead of 8. The backward
  * mirrors it: dL/d(out) once per pair, the routing-weight gradients back as k floats per pair,
  * and the experts' input gradients summed per pair before they cross.
- * With ep = 1 the pairs are the tokens: no pair plan, no copies, the layer's top-k is the meta.
+ * With ep = 1 the pairs are the tokens: no pair plan, no copies, the layer's top-k is the meta
+ * (unless MT_MOE_LOOPBACK=1 sends them through the pair path and an exchange with itself).
+ * parallel.moe_chunks > 1 runs the layer's exchange in chunks that overlap the expert GEMMs
+ * (moe_exchange.c); 1 is the path below.
  * Each token's k choices are re-sorted by ascending expert id before anything uses them, so the
  * combine adds expert outputs in ascending expert order (transformers' eager order; across ranks
  * the per-rank partial sums are added in rank order, so meshes agree to rounding). */
@@ -20,6 +23,7 @@
 #include "common.h"
 #include "mem_track.h"
 #include "model.h"
+#include "moe_exchange.h"
 #include "route_replay.h"
 #include "router_opts.h"
 
@@ -39,7 +43,7 @@ static void grow_expert_rows(const struct model *m, void **x, void **y, void **g
                              int64_t *cap_rows, int64_t R)
 {
     if (R <= *cap_rows) return;
-    const int64_t H = m->H, I = m->I, cap = m->ep == 1 ? R : R + R / 4 + 16;
+    const int64_t H = m->H, I = m->I, cap = !m->pairs ? R : R + R / 4 + 16;
     const size_t xs = m->be->x_size;
     regrow(m, x, cap * H, xs);
     regrow(m, y, cap * H, xs);
@@ -49,7 +53,7 @@ static void grow_expert_rows(const struct model *m, void **x, void **y, void **g
 }
 
 /* Expert-side rows: layer buffers for R rows (and the shared backward scratch too). */
-static void ensure_rows(struct model *m, struct layer_acts *a, int64_t R)
+void moe_ensure_rows(struct model *m, struct layer_acts *a, int64_t R)
 {
     enum mem_cat was = mem_track_set(MEM_ACTS);
     grow_expert_rows(m, &a->x_exp, &a->y_exp, &a->gu, &a->act, &a->cap_rows, R);
@@ -58,8 +62,8 @@ static void ensure_rows(struct model *m, struct layer_acts *a, int64_t R)
     mem_track_set(was);
 }
 
-/* Receiver-side pair arrays for P pairs (ep > 1), and unit weights for P·k slots. */
-static void ensure_pairs(struct model *m, struct layer_acts *a, int64_t P)
+/* Receiver-side pair arrays for P pairs (m->pairs), and unit weights for P·k slots. */
+void moe_ensure_pairs(struct model *m, struct layer_acts *a, int64_t P)
 {
     const int64_t K = m->K;
     struct moe_route *r = &a->route;
@@ -125,7 +129,7 @@ static void route_plan(struct model *m, struct layer_acts *a)
     struct moe_route *r = &a->route;
     const int T = m->T, K = m->K, E = m->E, nl = m->n_local_experts, ep = m->ep;
     int64_t *cnt = mt_malloc((size_t)nl * sizeof(int64_t));
-    if (ep == 1) {
+    if (!m->pairs) {
         r->meta_idx = a->topk_idx;
         r->meta_w = a->topk_w;
         be->moe_route_plan(a->topk_idx, a->topk_w, r->exp_src, r->exp_slot, cnt, T, E, K);
@@ -133,15 +137,13 @@ static void route_plan(struct model *m, struct layer_acts *a)
     } else {
         be->moe_pair_plan(a->topk_idx, a->topk_w, r->pair_tok, r->tok_pair, m->meta_idx_send,
                           m->meta_w_send, r->w_map, r->send_counts, T, ep, nl, K);
-        /* counts are host data: exchange them over MPI whatever backend moves the rows */
-        MT_CHECK_MPI(MPI_Alltoall(r->send_counts, 1, MPI_INT64_T, r->recv_counts, 1, MPI_INT64_T,
-                                  m->ep_comm->mpi));
+        moe_exchange_counts(m, r->recv_counts, r->send_counts);
         r->P_send = r->P_recv = 0;
         for (int s = 0; s < ep; s++) {
             r->P_send += r->send_counts[s];
             r->P_recv += r->recv_counts[s];
         }
-        ensure_pairs(m, a, r->P_recv);
+        moe_ensure_pairs(m, a, r->P_recv);
         exchange(m, r->meta_idx, r->recv_counts, m->meta_idx_send, r->send_counts, K, COMM_I32);
         exchange(m, r->meta_w, r->recv_counts, m->meta_w_send, r->send_counts, K, COMM_F32);
         be->moe_route_plan(r->meta_idx, r->meta_w, r->exp_src, r->exp_slot, cnt, (int)r->P_recv,
@@ -151,7 +153,17 @@ static void route_plan(struct model *m, struct layer_acts *a)
     for (int e = 0; e < nl; e++) r->expert_off[e + 1] = r->expert_off[e] + cnt[e];
     free(cnt);
     r->R_exp = r->expert_off[nl];
-    ensure_rows(m, a, r->R_exp);
+    moe_ensure_rows(m, a, r->R_exp);
+}
+
+/* counts are host data: exchange them over MPI whatever backend moves the rows */
+void moe_exchange_counts(struct model *m, int64_t *recv_counts, const int64_t *send_counts)
+{
+    if (!m->ep_comm) {
+        recv_counts[0] = send_counts[0];
+        return;
+    }
+    MT_CHECK_MPI(MPI_Alltoall(send_counts, 1, MPI_INT64_T, recv_counts, 1, MPI_INT64_T, m->ep_comm->mpi));
 }
 
 static void dense_mlp_forward(struct model *m, struct layer_acts *a, int l, void *out)
@@ -182,7 +194,7 @@ static void dispatch_rows(struct model *m, struct layer_acts *a)
     const int H = m->H;
     struct moe_route *r = &a->route;
     const void *src = a->m;
-    if (m->ep > 1) {
+    if (m->pairs) {
         be->gather_rows(m->d_x_send, a->m, r->pair_tok, (int)r->P_send, H);
         src = exchange_rows(m, r->recv_counts, m->d_x_send, r->send_counts);
     }
@@ -196,7 +208,7 @@ static void combine_rows(struct model *m, struct layer_acts *a, void *out)
     const struct backend *be = m->be;
     const int T = m->T, H = m->H, K = m->K;
     struct moe_route *r = &a->route;
-    if (m->ep == 1) {
+    if (!m->pairs) {
         be->moe_combine_forward(out, a->y_exp, r->exp_slot, r->meta_w, T, K, H);
         return;
     }
@@ -211,7 +223,7 @@ static void combine_rows_backward(struct model *m, struct layer_acts *a)
     const struct backend *be = m->be;
     const int T = m->T, H = m->H, K = m->K;
     struct moe_route *r = &a->route;
-    if (m->ep == 1) {
+    if (!m->pairs) {
         be->moe_combine_backward(m->d_y_exp, m->d_topk_w, m->d_h, a->y_exp, r->exp_slot, r->meta_w,
                                  T, K, H);
         return;
@@ -232,7 +244,7 @@ static void dispatch_rows_backward(struct model *m, struct layer_acts *a)
     const struct backend *be = m->be;
     const int T = m->T, H = m->H, K = m->K;
     struct moe_route *r = &a->route;
-    if (m->ep == 1) {
+    if (!m->pairs) {
         be->moe_combine_forward(m->d_t1, m->d_x_exp, r->exp_slot, m->ones, T, K, H);
         return;
     }
@@ -242,11 +254,49 @@ static void dispatch_rows_backward(struct model *m, struct layer_acts *a)
     be->moe_combine_forward(m->d_t1, d_pairs, r->tok_pair, m->ones, T, K, H);
 }
 
+/* From the layer's top-k (a->topk_idx/topk_w) and norm output (a->m) to the experts' weighted sum
+ * `out`: route plan, dispatch, expert SwiGLU, combine (in chunks when parallel.moe_chunks > 1). */
+static void experts_forward(struct model *m, struct layer_acts *a, int l, void *out)
+{
+    const struct backend *be = m->be;
+    const int H = m->H, I = m->I, nl = m->n_local_experts;
+    struct moe_route *r = &a->route;
+    if (m->moe_chunks > 1) {
+        moe_exchange_forward(m, a, l, out);
+        return;
+    }
+    route_plan(m, a);
+    dispatch_rows(m, a);
+    be->expert_matmul_forward(a->gu, a->x_exp, W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
+    be->swiglu_forward(a->act, a->gu, (int)r->R_exp, I);
+    be->expert_matmul_forward(a->y_exp, a->act, W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H);
+    combine_rows(m, a, out);
+}
+
+/* Its backward: m->d_h (dL/d out) -> m->d_t1 (through the experts), m->d_topk_w and the experts'
+ * weight gradients. */
+static void experts_backward(struct model *m, struct layer_acts *a, int l)
+{
+    const struct backend *be = m->be;
+    const int H = m->H, I = m->I, nl = m->n_local_experts;
+    struct moe_route *r = &a->route;
+    if (m->moe_chunks > 1) {
+        moe_exchange_backward(m, a, l);
+        return;
+    }
+    combine_rows_backward(m, a);
+    be->expert_matmul_backward(m->d_act, G(m, TR_EXP_DOWN, l), m->d_y_exp, a->act,
+                               W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H);
+    be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)r->R_exp, I);
+    be->expert_matmul_backward(m->d_x_exp, G(m, TR_EXP_GATE_UP, l), m->d_gu, a->x_exp,
+                               W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
+    dispatch_rows_backward(m, a);
+}
+
 static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out)
 {
     const struct backend *be = m->be;
-    const int T = m->T, H = m->H, E = m->E, K = m->K, I = m->I, nl = m->n_local_experts;
-    struct moe_route *r = &a->route;
+    const int T = m->T, H = m->H, E = m->E, K = m->K;
     if (m->router_f32) {
         be->router_matmul_forward(a->logits, a->m, W(m, TR_ROUTER, l), T, H, E);
     } else { /* transformers' bf16 router: the logits are rounded to bf16, softmax upcasts them */
@@ -259,27 +309,14 @@ static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out)
     route_replay_apply(m, l, a->topk_idx, a->topk_w, a->probs); /* data.routing_replay, recompute */
     float *st = m->stats + (size_t)l * 2 * E;
     if (!m->recomputing) be->router_stats(st, st + E, a->probs, a->topk_idx, T, E, K);
-    route_plan(m, a);
-
-    dispatch_rows(m, a);
-    be->expert_matmul_forward(a->gu, a->x_exp, W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
-    be->swiglu_forward(a->act, a->gu, (int)r->R_exp, I);
-    be->expert_matmul_forward(a->y_exp, a->act, W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H);
-    combine_rows(m, a, out);
+    experts_forward(m, a, l, out);
 }
 
 static void moe_backward(struct model *m, struct layer_acts *a, int l)
 {
     const struct backend *be = m->be;
-    const int T = m->T, H = m->H, E = m->E, K = m->K, I = m->I, nl = m->n_local_experts;
-    struct moe_route *r = &a->route;
-    combine_rows_backward(m, a);
-    be->expert_matmul_backward(m->d_act, G(m, TR_EXP_DOWN, l), m->d_y_exp, a->act,
-                               W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H);
-    be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)r->R_exp, I);
-    be->expert_matmul_backward(m->d_x_exp, G(m, TR_EXP_GATE_UP, l), m->d_gu, a->x_exp,
-                               W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
-    dispatch_rows_backward(m, a);
+    const int T = m->T, H = m->H, E = m->E, K = m->K;
+    experts_backward(m, a, l);
     /* model.train_router false, or weights fixed by a routing file: the routing weights were
      * detached before they scaled the expert outputs, so only the aux term reaches the router */
     if (!m->cfg.train_router || route_replay_weights_fixed(m)) be->zero(m->d_topk_w, (size_t)T * K * sizeof(float));
@@ -366,5 +403,25 @@ void moe_dispatch_backward_for_test(struct model *m, int l, const void *d_x_exp,
     struct layer_acts *a = test_layer(m, l);
     copy_in(m, m->d_x_exp, d_x_exp, a->route.R_exp);
     dispatch_rows_backward(m, a);
+    copy_in(m, dx, m->d_t1, m->T);
+}
+
+void moe_experts_for_test(struct model *m, int l, const int32_t *topk_idx_host, const float *topk_w_host,
+                          const void *x, void *out)
+{
+    struct layer_acts *a = test_layer(m, l);
+    const struct backend *be = m->be;
+    const size_t tk = (size_t)m->T * m->K;
+    be->upload(a->topk_idx, topk_idx_host, tk * sizeof(int32_t));
+    be->upload(a->topk_w, topk_w_host, tk * sizeof(float));
+    copy_in(m, a->m, x, m->T);
+    experts_forward(m, a, l, out);
+}
+
+void moe_experts_backward_for_test(struct model *m, int l, const void *dout, void *dx)
+{
+    struct layer_acts *a = test_layer(m, l);
+    copy_in(m, m->d_h, dout, m->T);
+    experts_backward(m, a, l);
     copy_in(m, dx, m->d_t1, m->T);
 }

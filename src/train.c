@@ -36,6 +36,7 @@
 #include "mesh.h"
 #include "metrics.h"
 #include "model.h"
+#include "moe_timeline.h"
 #include "params.h"
 #include "plan.h"
 #include "preempt.h"
@@ -266,6 +267,7 @@ int cmd_train(const struct cli *a)
         model_init(&m, be, &c.model, mb, tc->seq_len, ep, tc->activation_checkpointing);
     }
     no_decay_apply(&m.tt, tc->no_decay_modules);
+    m.moe_chunks = c.parallel.moe_chunks;
     const int E = m.E, L = m.L;
     if (tc->load_balance == MT_LB_BIAS && E > 0) {
         m.bias = be->alloc((size_t)L * E * sizeof(float));
@@ -454,6 +456,7 @@ int cmd_train(const struct cli *a)
     struct mem_peak peak;
     mem_report_collect(&mesh, &peak);
     mem_report_print(&c, &mesh, &peak, keep_copy, be->x_size);
+    if (mt_rank() == 0) moe_timeline_print(stdout);
     if (piped) pipe_train_report_idle(&pt, c.log.profile || !strcmp(be->name, "cpu"));
     if (sharding.n_gathers > 0)   /* every rank gathers the same units: rank 0's count speaks for all */
         mt_log0("fsdp: %lld unit gathers per rank, %lld (%.0f%%) prefetched while the unit before them computed\n",

@@ -1,4 +1,5 @@
 /* MT_MPI_MAX_COUNT=K mpirun -np N comm_split_check N_ELEMS
+ * (without MT_MPI_MAX_COUNT the ordinary paths: one MPI call per collective)
  * Runs every collective of the MPI comm on N_ELEMS elements per rank block; with K below N_ELEMS
  * they take the split path that counts above INT_MAX take in a real run. Each result is checked
  * against values written out here; exits non-zero on every rank on any mismatch. */
@@ -94,6 +95,27 @@ int main(int argc, char **argv)
     o = 0;
     for (int r = 0; r < p; r++)
         for (int64_t i = 0; i < rc[r]; i++, o++) EXPECT(rv[o] == val(r, me, (size_t)i), "all_to_all_v [%d][%lld]", r, (long long)i);
+
+    /* all_to_all_v_start/comm_p2p_wait: two in flight, waited in reverse order, the count arrays
+     * overwritten once started (they are read at the start) */
+    int64_t *sc2 = mt_malloc(2 * (size_t)p * sizeof(int64_t)), *rc2 = sc2 + p;
+    for (int d = 0; d < p; d++) sc2[d] = sc[d], rc2[d] = rc[d];
+    double *rv2 = mt_malloc(rtot * sizeof(double));
+    for (size_t i = 0; i < rtot; i++) rv[i] = rv2[i] = -1;
+    struct comm_p2p_req q1, q2;
+    comm_all_to_all_v_start(c, rv, rc2, sv, sc2, COMM_F64, &q1);
+    comm_all_to_all_v_start(c, rv2, rc2, sv, sc2, COMM_F64, &q2);
+    for (int d = 0; d < p; d++) sc2[d] = rc2[d] = -1;
+    comm_p2p_wait(c, &q2);
+    comm_p2p_wait(c, &q1);
+    o = 0;
+    for (int r = 0; r < p; r++)
+        for (int64_t i = 0; i < rc[r]; i++, o++) {
+            EXPECT(rv[o] == val(r, me, (size_t)i), "all_to_all_v_start (first) [%d][%lld]", r, (long long)i);
+            EXPECT(rv2[o] == val(r, me, (size_t)i), "all_to_all_v_start (second) [%d][%lld]", r, (long long)i);
+        }
+    free(sc2);
+    free(rv2);
 
     int all = 0;
     MPI_Allreduce(&problems, &all, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);

@@ -1049,3 +1049,23 @@ Test(config, pipeline_layers_one_entry_per_stage_summing_to_the_layers)
     cr_assert(load(&c, ok, 1, sets2), "%s", errbuf);
     cr_assert_eq(c.parallel.n_pipeline_layers, 0);
 }
+
+Test(config, moe_chunks_must_be_positive_and_at_most_the_micro_batch_tokens)
+{
+    const char *m = fails("parallel:\n  moe_chunks: 0\n");
+    expect(m, "parallel.moe_chunks must be >= 1 (got 0)");
+    expect_at(m, 2, 15);
+    expect(fails("parallel:\n  moe_chunks: -2\n"), "parallel.moe_chunks must be >= 1 (got -2)");
+    const char *few = "train:\n  seq_len: 4\n  micro_batch_size: 2\n  global_batch_size: 2\nparallel:\n  moe_chunks: %d\n";
+    char text[256];
+    snprintf(text, sizeof text, few, 9);
+    m = fails(text);
+    expect(m, "parallel.moe_chunks (9) must be <= the tokens of a micro-batch");
+    expect(m, "= 8)");
+    snprintf(text, sizeof text, few, 8);
+    struct config c;
+    cr_assert(load(&c, put("ok.yaml", text), 0, NULL), "%s", errbuf);
+    cr_expect_eq(c.parallel.moe_chunks, 8);
+    cr_assert(load(&c, put("default.yaml", "train:\n  steps: 1\n"), 0, NULL), "%s", errbuf);
+    cr_expect_eq(c.parallel.moe_chunks, 1);
+}

@@ -1,0 +1,236 @@
+/* The chunked, overlapped MoE exchange (parallel.moe_chunks, src/moe_exchange.c), its loopback
+ * (MT_MOE_LOOPBACK) and timeline (MT_MOE_TIMELINE), and the asynchronous all-to-all under it
+ * (comm_all_to_all_v_start):
+ *  - the layer against the one-chunk path on chosen routings (tests/mpi/chunks_check.c): output,
+ *    input and routing-weight gradients bit-identical, expert weight gradients to rounding;
+ *  - whole training runs: the same losses with 1, 2 or 3 chunks on EP = 1, EP = 2,
+ *    EP = 2 x EP_FSDP = 2, PP = 2 x EP = 2, with recompute, and with the loopback at EP = 1;
+ *  - the timeline's report. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../test_util.h"
+#include "comm.h"
+
+static void expect_chunks_check(int np, const char *args)
+{
+    char cmd[1024], *out = NULL, kase[32];
+    snprintf(cmd, sizeof cmd, "timeout 120 %s -np %d %s/tests/mpi/chunks_check %s", tu_mpirun(), np,
+             tu_build(), args);
+    int rc = tu_run(cmd, &out);
+    cr_expect_eq(rc, 0, "chunks_check %s on %d rank(s) exited %d:\n%s", args, np, rc, out);
+    sscanf(args, "%31s", kase);
+    char want[128];
+    snprintf(want, sizeof want, "chunks_check %s: ok on %d rank(s)", kase, np);
+    cr_expect(out && strstr(out, want), "no '%s' in:\n%s", want, out ? out : "");
+    free(out);
+}
+
+/* hashed top-2: chunks 2 and 3 on 1, 2 and 4 EP ranks (7 + 4·rank tokens: uneven chunks) */
+Test(moe_chunks, layer_spread_matches_one_chunk, .timeout = 400)
+{
+    expect_chunks_check(1, "spread 3");
+    expect_chunks_check(2, "spread 2");
+    expect_chunks_check(4, "spread 3");
+}
+
+/* half of each rank's tokens to the last rank: chunks whose pairs all go to one rank (zero counts
+ * to the others), and in the next round the other half */
+Test(moe_chunks, layer_chunk_to_one_rank_matches_one_chunk, .timeout = 400)
+{
+    expect_chunks_check(2, "skew 2");
+    expect_chunks_check(2, "skew 3");
+    expect_chunks_check(4, "skew 2");
+}
+
+/* every token to every expert: a pair with several experts on its rank */
+Test(moe_chunks, layer_top_k_equals_experts_matches_one_chunk, .timeout = 400)
+{
+    expect_chunks_check(2, "topE 3");
+}
+
+/* MT_MOE_LOOPBACK on one rank: the pair path and an exchange with itself, chunked or not */
+Test(moe_chunks, layer_loopback_matches_the_direct_path, .timeout = 400)
+{
+    expect_chunks_check(1, "skew 1 loopback");
+    expect_chunks_check(1, "spread 3 loopback");
+}
+
+/* the check can fail: one output value of the chunked run moved by one ulp must be reported */
+Test(moe_chunks, an_altered_output_is_reported, .timeout = 200)
+{
+    char cmd[512], *out = NULL;
+    snprintf(cmd, sizeof cmd, "timeout 60 %s -np 2 %s/tests/mpi/chunks_check spread 2 corrupt", tu_mpirun(),
+             tu_build());
+    cr_expect_eq(tu_run(cmd, &out), 1, "%s", out);
+    cr_expect(out && strstr(out, "chunks_check spread: rank 1 of 2: round 0: out["), "%s", out ? out : "");
+    free(out);
+}
+
+/* The MPI comm's all_to_all_v_start: MPI_Ialltoallv, two in flight (comm_split_check, which also
+ * runs every other collective; tests/unit/test_reliability.c runs it on the split path). */
+Test(moe_chunks, mpi_all_to_all_v_start_two_in_flight, .timeout = 200)
+{
+    for (int np = 1; np <= 3; np++) {
+        char cmd[512], *out = NULL;
+        snprintf(cmd, sizeof cmd, "timeout 100 %s -np %d %s/tests/mpi/comm_split_check 20", tu_mpirun(), np,
+                 tu_build());
+        cr_expect_eq(tu_run(cmd, &out), 0, "%s", out);
+        cr_expect(out && strstr(out, "0 problems"), "%s", out ? out : "");
+        free(out);
+    }
+}
+
+/* A NULL comm (a group of one in host memory) copies at once and leaves nothing in flight. */
+Test(moe_chunks, null_comm_all_to_all_v_start_copies_at_once)
+{
+    float send[5] = {1, 2, 3, 4, 5}, recv[5] = {0};
+    int64_t n[1] = {5};
+    struct comm_p2p_req r = {(void *)1};
+    comm_all_to_all_v_start(NULL, recv, n, send, n, COMM_F32, &r);
+    cr_expect_null(r.state);
+    cr_expect_eq(memcmp(recv, send, sizeof send), 0);
+    comm_p2p_wait(NULL, &r);
+}
+
+/* ---- whole runs ---------------------------------------------------------------------------- */
+
+#define STEPS 4
+
+/* Trains tiny.yaml for STEPS steps on np ranks (np 1: no mpirun) with `extra`; fills loss[] and
+ * grad_norm[]; returns the run's output. */
+static char *train(int np, const char *env, const char *extra, const char *tag, double *loss, double *gnorm)
+{
+    char cmd[2048], metrics[256], *out = NULL;
+    snprintf(metrics, sizeof metrics, "/tmp/mt_chunks_%s_%d.jsonl", tag, (int)getpid());
+    unlink(metrics);
+    char launch[256];
+    if (np > 1) snprintf(launch, sizeof launch, "timeout 240 %s -np %d", tu_mpirun(), np);
+    else snprintf(launch, sizeof launch, "timeout 240");
+    snprintf(cmd, sizeof cmd, "%s %s %s/moetrain train configs/tiny.yaml --backend cpu --set train.steps=%d "
+             "--set train.global_batch_size=8 --set train.micro_batch_size=%d --set log.metrics=%s %s",
+             env, launch, tu_build(), STEPS, 8 / np, metrics, extra);
+    int rc = tu_run(cmd, &out);
+    cr_assert_eq(rc, 0, "run %s failed:\n%s", tag, out);
+    cr_assert_eq(tu_read_losses(metrics, loss, STEPS), STEPS, "%s", out);
+    cr_assert_eq(tu_read_metric(metrics, "grad_norm", gnorm, STEPS), STEPS, "%s", out);
+    unlink(metrics);
+    return out;
+}
+
+/* Step 1's loss is the forward of identical weights: identical; later steps follow updates whose
+ * expert gradients were summed chunk by chunk (rounding), so 1e-6 relative. */
+static void expect_same_run(const char *what, const double *a, const double *ga, const double *b, const double *gb)
+{
+    cr_expect_eq(a[0], b[0], "%s: step 1 loss %.9g vs %.9g", what, a[0], b[0]);
+    for (int s = 0; s < STEPS; s++) {
+        cr_expect(fabs(a[s] - b[s]) <= 1e-6 * fabs(b[s]), "%s: step %d loss %.9g vs %.9g", what, s + 1, a[s], b[s]);
+        cr_expect(fabs(ga[s] - gb[s]) <= 1e-5 * fabs(gb[s]), "%s: step %d grad_norm %.9g vs %.9g", what, s + 1,
+                  ga[s], gb[s]);
+    }
+}
+
+static void chunks_vs_one(int np, const char *mesh, const char *env, const int *chunks, int n, const char *tag)
+{
+    double l1[STEPS], g1[STEPS], l[STEPS], g[STEPS];
+    char extra[512], t[64];
+    snprintf(extra, sizeof extra, "%s --set parallel.moe_chunks=1", mesh);
+    snprintf(t, sizeof t, "%s_1", tag);
+    free(train(np, "", extra, t, l1, g1));
+    for (int i = 0; i < n; i++) {
+        snprintf(extra, sizeof extra, "%s --set parallel.moe_chunks=%d", mesh, chunks[i]);
+        snprintf(t, sizeof t, "%s_%d", tag, chunks[i]);
+        free(train(np, env, extra, t, l, g));
+        char what[128];
+        snprintf(what, sizeof what, "%s, %d chunks%s", tag, chunks[i], *env ? " (loopback)" : "");
+        expect_same_run(what, l, g, l1, g1);
+    }
+}
+
+/* 8 sequences of 64 tokens per micro-batch on one rank: 2 and 3 chunks (3 does not divide 512) */
+Test(moe_chunks, train_ep1_losses_match_one_chunk, .timeout = 300)
+{
+    chunks_vs_one(1, "", "", (const int[]){2, 3}, 2, "ep1");
+}
+
+Test(moe_chunks, train_ep2_losses_match_one_chunk, .timeout = 300)
+{
+    chunks_vs_one(2, "--set parallel.expert_parallel_size=2", "", (const int[]){3}, 1, "ep2");
+}
+
+/* EP = 2 x EP_FSDP = 2 on 4 ranks (the experts' rows sharded over the FSDP pair too) */
+Test(moe_chunks, train_ep2_fsdp2_losses_match_one_chunk, .timeout = 300)
+{
+    chunks_vs_one(4, "--set parallel.expert_parallel_size=2", "", (const int[]){2}, 1, "ep2f2");
+}
+
+/* the loopback at EP = 1 (pairs, a self all-to-all), with 1 and 2 chunks, against the plain path */
+Test(moe_chunks, train_loopback_losses_match_the_direct_path, .timeout = 300)
+{
+    chunks_vs_one(1, "", "MT_MOE_LOOPBACK=1", (const int[]){1, 2}, 2, "loop");
+}
+
+/* two pipeline stages of EP = 2: each micro-batch slot keeps its own chunk plans from its forward
+ * to its backward (1F1B runs other slots in between) */
+Test(moe_chunks, train_pp2_ep2_losses_match_one_chunk, .timeout = 300)
+{
+    chunks_vs_one(4, "--set parallel.pipeline_parallel_size=2 --set parallel.expert_parallel_size=2", "",
+                  (const int[]){2}, 1, "pp2");
+}
+
+/* activation checkpointing recomputes the forward (and its chunk plans) inside the backward */
+Test(moe_chunks, train_recompute_losses_match_one_chunk, .timeout = 300)
+{
+    chunks_vs_one(2, "--set parallel.expert_parallel_size=2 --set train.activation_checkpointing=true", "",
+                  (const int[]){2}, 1, "ac");
+}
+
+/* MT_MOE_TIMELINE=1 prints every chunk's GEMMs and transfers of both passes, and the summary */
+Test(moe_chunks, timeline_lists_every_chunk, .timeout = 200)
+{
+    double l[STEPS], g[STEPS];
+    char *out = train(1, "MT_MOE_TIMELINE=1 MT_MOE_LOOPBACK=1", "--set parallel.moe_chunks=3", "tl", l, g);
+    const char *want[] = {"moe timeline: layer 0 forward", "moe timeline: layer 0 backward",
+                          "moe timeline: forward: transfers", "moe timeline: backward: transfers",
+                          "(host clock: a transfer spans its start call to its wait"};
+    for (size_t i = 0; i < sizeof want / sizeof *want; i++)
+        cr_expect(strstr(out, want[i]), "no '%s' in:\n%s", want[i], out);
+    /* each chunk: its GEMMs (forward and backward) and its dispatch and combine both ways */
+    const char *spans[] = {"compute gemms ", "compute gemms_bwd", "comm    dispatch ", "comm    combine ",
+                           "comm    dispatch_bwd", "comm    combine_bwd", "comm    weights_bwd"};
+    for (int c = 0; c < 3; c++)
+        for (size_t i = 0; i < sizeof spans / sizeof *spans; i++) {
+            char line[96];
+            snprintf(line, sizeof line, "moe timeline:   %5d %s", c, spans[i]);
+            cr_expect(strstr(out, line), "no '%s' in:\n%s", line, out);
+        }
+    free(out);
+    /* without it, nothing */
+    out = train(1, "MT_MOE_LOOPBACK=1", "--set parallel.moe_chunks=3", "tl0", l, g);
+    cr_expect_null(strstr(out, "moe timeline"), "%s", out);
+    free(out);
+}
+
+/* the switches take 0 or 1; anything else stops the run at start-up with one line naming it; the
+ * timeline with one chunk says it recorded nothing */
+Test(moe_chunks, bad_switch_values_are_refused, .timeout = 120)
+{
+    const char *vars[] = {"MT_MOE_LOOPBACK=yes", "MT_MOE_TIMELINE=2"};
+    for (int i = 0; i < 2; i++) {
+        char cmd[1024], *out = NULL, want[96];
+        snprintf(cmd, sizeof cmd, "%s timeout 60 %s/moetrain train configs/tiny.yaml --backend cpu --set train.steps=1",
+                 vars[i], tu_build());
+        cr_expect_neq(tu_run(cmd, &out), 0, "%s", out);
+        snprintf(want, sizeof want, "environment variable %s: expected 0 or 1", vars[i]);
+        cr_expect(out && strstr(out, want), "no '%s' in:\n%s", want, out ? out : "");
+        cr_expect(out && !strstr(out, "step 1"), "the run went on:\n%s", out ? out : "");
+        free(out);
+    }
+    double l[STEPS], g[STEPS];
+    char *out = train(1, "MT_MOE_TIMELINE=1", "", "tl1", l, g);
+    cr_expect(strstr(out, "moe timeline: nothing recorded"), "%s", out);
+    free(out);
+}
