@@ -2,7 +2,8 @@
  * backward's dK/dV and dQ passes; attention_wgmma_fwd.cu: the forward): the wgmma shapes they
  * issue, the 128-byte-swizzle descriptors of their [rows][D] bf16 tiles, the swizzled tile load
  * and the register tricks that keep ptxas from serialising the MMAs. The tile layout is described
- * in attention_wgmma.cu's header comment. Device code only, file-local in each including file. */
+ * in attention_wgmma.cu's header comment; the forward kernels' softmax and row store. Device code
+ * only, file-local in each including file. */
 #ifndef MT_CUDA_ATTENTION_WGMMA_CUH
 #define MT_CUDA_ATTENTION_WGMMA_CUH
 
@@ -154,6 +155,93 @@ __device__ __forceinline__ void pack_a64(uint32_t a[4][4], const float c[32])
         a[kk][1] = pack_bf16(c[8 * kk + 2], c[8 * kk + 3]);
         a[kk][2] = pack_bf16(c[8 * kk + 4], c[8 * kk + 5]);
         a[kk][3] = pack_bf16(c[8 * kk + 6], c[8 * kk + 7]);
+    }
+}
+
+/* ---------------------------------------------------------------- the forward kernels' shared steps
+ * (attention_wgmma_fwd.cu, attention_tma_fwd.cu). A warpgroup owns 64 queries; in the accumulator
+ * layout a thread holds rows row0 and row0 + 8 and, of a tile of keys from k0, the columns
+ * k0 + 8·(i/4) + 2t + (i&1) of element i. */
+
+/* The online softmax of one landed score tile s (64 queries × BC keys): the row maxima mr (raw
+ * scores) and this thread's partial row sums lr move on, P is packed to bf16 into pc (the A
+ * operands of P·V) and alpha is the factor by which O must be rescaled. MASKED: keys after the
+ * query or at or past S count as -inf. */
+template <int BC, bool MASKED>
+__device__ __forceinline__ void fwd_softmax_tile(const float (&s)[BC / 2], uint32_t (&pc)[BC / 16][4],
+                                                 float (&alpha)[2], float (&mr)[2], float (&lr)[2],
+                                                 int row0, int k0, int t, int S, float scale_log2)
+{
+    auto score = [&](int i) {
+        if constexpr (!MASKED) return s[i];
+        const int row = row0 + 8 * ((i >> 1) & 1), col = k0 + 8 * (i >> 2) + 2 * t + (i & 1);
+        return col > row || col >= S ? -INFINITY : s[i];
+    };
+    float mx[2] = {-INFINITY, -INFINITY}, base[2], rs[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < BC / 2; i++) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], score(i));
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float mnew = fmaxf(mr[r], mx[r]);
+        base[r] = mnew == -INFINITY ? 0.0f : mnew * scale_log2; /* nothing visible: p = 0 */
+        alpha[r] = ex2(mr[r] * scale_log2 - base[r]);
+        mr[r] = mnew;
+    }
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; kk++) {
+        float p[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            const int i = 8 * kk + e;
+            p[e] = ex2(fmaf(score(i), scale_log2, -base[(i >> 1) & 1]));
+            rs[(i >> 1) & 1] += p[e];
+        }
+        pc[kk][0] = pack_bf16(p[0], p[1]);
+        pc[kk][1] = pack_bf16(p[2], p[3]);
+        pc[kk][2] = pack_bf16(p[4], p[5]);
+        pc[kk][3] = pack_bf16(p[6], p[7]);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) lr[r] = lr[r] * alpha[r] + rs[r];
+}
+
+/* fwd_softmax_tile for the tile of keys k0 .. k0+BC-1 seen by queries wq0 ..: the masked copy only
+ * where the tile crosses the diagonal or S (one copy with a runtime test gets if-converted into
+ * every tile) */
+template <int BC>
+__device__ __forceinline__ void fwd_softmax(const float (&s)[BC / 2], uint32_t (&pc)[BC / 16][4],
+                                            float (&alpha)[2], float (&mr)[2], float (&lr)[2], int row0,
+                                            int wq0, int k0, int t, int S, float scale_log2)
+{
+    if (k0 + BC - 1 > wq0 || k0 + BC > S)
+        fwd_softmax_tile<BC, true>(s, pc, alpha, mr, lr, row0, k0, t, S, scale_log2);
+    else
+        fwd_softmax_tile<BC, false>(s, pc, alpha, mr, lr, row0, k0, t, S, scale_log2);
+}
+
+/* The thread's rows of out (O over the row sum, bf16) and of lse (natural log), rows past S not
+ * written. out/lse point at (batch b, head h): out row r at out + r·Hq·D, lse row r at lse + r. */
+template <int D>
+__device__ __forceinline__ void fwd_store_rows(bf16 *out, float *lse, const float (&o)[D / 2],
+                                               const float (&mr)[2], const float (&lr)[2], int row0,
+                                               int t, int S, int Hq, float scale)
+{
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float ls = lr[r];
+        ls += __shfl_xor_sync(0xffffffffu, ls, 1);
+        ls += __shfl_xor_sync(0xffffffffu, ls, 2);
+        const int row = row0 + 8 * r;
+        if (row >= S) continue;
+        const float inv = 1.0f / ls;
+        bf16 *dst = out + (size_t)row * Hq * D + 2 * t;
+#pragma unroll
+        for (int jd = 0; jd < D / 8; jd++)
+            *reinterpret_cast<__nv_bfloat162 *>(dst + jd * 8) =
+                __floats2bfloat162_rn(o[4 * jd + 2 * r] * inv, o[4 * jd + 2 * r + 1] * inv);
+        if (t == 0) lse[row] = mr[r] * scale + logf(ls);
     }
 }
 

@@ -22,8 +22,6 @@
  * attention_wgmma.cuh for why ptxas needs that to keep the MMAs asynchronous. */
 #include "attention_wgmma.cuh"
 
-#include <type_traits>
-
 namespace {
 
 template <int D, int NWG, int BC> constexpr size_t fwd_wg_smem_bytes()
@@ -102,50 +100,10 @@ tc_fwd_wg_kernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__
         for (int kk = 0; kk < KP; kk++) wgmma_rs_nd<D>(o, pj[kk], desc_mnmajor<BC>(Vt, kk), kk > 0 || j > 0);
         wgmma_commit();
     };
-    /* the online softmax of the landed S_j: new row maxima and sums, P_j packed to bf16 into pc,
-     * the factor alpha by which O must be rescaled */
+    /* the online softmax of the landed S_j (P_j into pc; alpha rescales O) */
     auto softmax = [&](int j, const float (&s)[NS], uint32_t (&pc)[KP][4], float (&alpha)[2]) {
-        const int k0 = j * BC;
-        /* two straight-line copies: with one, the compiler if-converts the mask into every tile */
-        auto run = [&](auto masked) {
-            auto score = [&](int i) { /* s[i], or -inf where the key is after the query or past S */
-                if constexpr (!decltype(masked)::value) return s[i];
-                const int row = row0 + 8 * ((i >> 1) & 1), col = k0 + 8 * (i >> 2) + 2 * t + (i & 1);
-                return col > row || col >= S ? -INFINITY : s[i];
-            };
-            float mx[2] = {-INFINITY, -INFINITY}, base[2], rs[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int i = 0; i < NS; i++) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], score(i));
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                const float mnew = fmaxf(mr[r], mx[r]);
-                base[r] = mnew == -INFINITY ? 0.0f : mnew * scale_log2; /* nothing visible: p = 0 */
-                alpha[r] = ex2(mr[r] * scale_log2 - base[r]);
-                mr[r] = mnew;
-            }
-#pragma unroll
-            for (int kk = 0; kk < KP; kk++) {
-                float p[8];
-#pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    const int i = 8 * kk + e;
-                    p[e] = ex2(fmaf(score(i), scale_log2, -base[(i >> 1) & 1]));
-                    rs[(i >> 1) & 1] += p[e];
-                }
-                pc[kk][0] = pack_bf16(p[0], p[1]);
-                pc[kk][1] = pack_bf16(p[2], p[3]);
-                pc[kk][2] = pack_bf16(p[4], p[5]);
-                pc[kk][3] = pack_bf16(p[6], p[7]);
-            }
-#pragma unroll
-            for (int r = 0; r < 2; r++) lr[r] = lr[r] * alpha[r] + rs[r];
-        };
-        if (k0 + BC - 1 > wq0 || k0 + BC > S) run(std::true_type{});
-        else run(std::false_type{});
+        fwd_softmax<BC>(s, pc, alpha, mr, lr, row0, wq0, j * BC, t, S, scale_log2);
     };
-    /* the warpgroup's last tile: its P·V at once */
     auto finish = [&](int j, const uint32_t (&pj)[KP][4]) {
         wgmma_fence();
         pv(j, pj);
@@ -186,21 +144,8 @@ tc_fwd_wg_kernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__
         if (j + 1 < nkt) step(j + 1, pa0, pa1);
     }
 
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float ls = lr[r];
-        ls += __shfl_xor_sync(0xffffffffu, ls, 1);
-        ls += __shfl_xor_sync(0xffffffffu, ls, 2);
-        const int row = row0 + 8 * r;
-        if (row >= S) continue;
-        const float inv = 1.0f / ls;
-        bf16 *dst = out + ((size_t)b * S + row) * qstride + (size_t)h * D + 2 * t;
-#pragma unroll
-        for (int jd = 0; jd < D / 8; jd++)
-            *reinterpret_cast<__nv_bfloat162 *>(dst + jd * 8) =
-                __floats2bfloat162_rn(o[4 * jd + 2 * r] * inv, o[4 * jd + 2 * r + 1] * inv);
-        if (t == 0) lse[((size_t)b * Hq + h) * S + row] = mr[r] * scale + logf(ls);
-    }
+    fwd_store_rows<D>(out + (size_t)b * S * qstride + (size_t)h * D, lse + ((size_t)b * Hq + h) * S, o, mr,
+                      lr, row0, t, S, Hq, scale);
 #endif
 }
 
