@@ -35,10 +35,6 @@ bool grouped_gemm_wgrad(float *dw /*[n_exp,O,I] fp32*/, const void *dout /*[R,O]
                         const void *in /*[R,I] bf16*/, const int64_t *off /*[n_exp+1]*/, int n_exp,
                         int I, int O);
 
-/* Picks the wgrad kernel (1: ping-pong, the default; 0: cooperative 128x256 tiles), for tests and
- * benchmarks; other values leave it. Returns the previous choice. */
-int grouped_gemm_set_wgrad_variant(int variant);
-
 /* Whether the kernel runs here: the backend is up on a compute capability 9.0 device and
  * MT_FORCE_SM80 is not set (the backend's g_cuda.hopper). When false, every call above declines. */
 bool grouped_gemm_available(void);

@@ -14,9 +14,6 @@
  * bytes for dims 1..; `what` names the caller in the error message. */
 void tma_make_map(CUtensorMap *m, const void *base, int rank, const cuuint64_t *dims,
                   const cuuint64_t *strides, const cuuint32_t *box, const char *what);
-/* the same for fp32 (the wgrad's dw, reduced into by tma_reduce_add_3d) */
-void tma_make_map_f32(CUtensorMap *m, const void *base, int rank, const cuuint64_t *dims,
-                      const cuuint64_t *strides, const cuuint32_t *box, const char *what);
 
 namespace {
 
@@ -83,28 +80,6 @@ __device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap *map, int
                  "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
                  : "memory");
 }
-
-/* global[box at c0, c1, c2] += shared box at src, done by the TMA unit and L2 (fp32 adds rounded
- * to nearest; like atom.add.f32 they flush subnormals); tracked by the bulk groups below */
-__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap *map, uint32_t src, int c0, int c1,
-                                                  int c2)
-{
-    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group"
-                 " [%0, {%2, %3, %4}], [%1];" ::"l"((uint64_t)map),
-                 "r"(src), "r"(c0), "r"(c1), "r"(c2)
-                 : "memory");
-}
-
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-
-/* until at most N of this thread's bulk groups still read their shared-memory source */
-template <int N> __device__ __forceinline__ void bulk_wait_read()
-{
-    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-}
-
-/* until all of this thread's bulk groups are complete (their global writes done) */
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 } /* namespace */
 

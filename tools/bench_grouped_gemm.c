@@ -263,14 +263,6 @@ static void bench(const char *dist, const int *rows, struct gemm *g, int ng, con
         snprintf(io, sizeof io, "%d -> %d", g[i].I, g[i].O);
         printf("%-16s %-11s %9.3f %8.0f %9.3f %8.0f %6.2fx %9.2e\n", g[i].name, io, a,
                flop / a / 1e9, b, flop / b / 1e9, b / a, err);
-        for (int v = 0; v < 4 && g[i].kind == WGRAD; v++) { /* every wgrad kernel */
-            static const char *names[4] = {"  cooperative", "  ping-pong", "  pp TMA reduce", "  coop TMA red."};
-            const int old = grouped_gemm_set_wgrad_variant(v);
-            const float c = time_ms(&g[i], off, 0, reps, t0, t1);
-            grouped_gemm_set_wgrad_variant(old);
-            printf("%-16s %-11s %9.3f %8.0f %9s %8s %6.2fx\n", names[v], io, c, flop / c / 1e9, "", "",
-                   b / c);
-        }
         const int bw = g[i].kind != FWD;
         tot[bw][0] += a, tot[bw][1] += b, flop_tot[bw] += flop;
     }
