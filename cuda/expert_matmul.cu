@@ -124,13 +124,17 @@ void cu_expert_matmul_forward(void *out, const void *in, const void *w, const in
 
 template <typename T>
 void cu_expert_matmul_backward(void *din, float *dw, const void *dout, const void *in,
-                               const void *w, const int64_t *off, int n_exp, int I, int O)
+                               const void *w, const int64_t *off, int n_exp, int I, int O,
+                               bool dw_overwrite)
 {
     check_offsets("expert_matmul backward", off, n_exp);
     if (std::is_same<T, bf16>::value) { /* what the grouped kernel did, the loop below skips */
         if (din && grouped_gemm_dgrad(din, dout, w, off, n_exp, I, O)) din = NULL;
-        if (dw && grouped_gemm_wgrad(dw, dout, in, off, n_exp, I, O)) dw = NULL;
+        if (dw && grouped_gemm_wgrad(dw, dout, in, off, n_exp, I, O, dw_overwrite)) dw = NULL;
     }
+    /* the cuBLAS loop accumulates: overwriting is zeroing first (no saving on this path) */
+    if (dw && dw_overwrite)
+        CUDA_CHECK(cudaMemsetAsync(dw, 0, (size_t)n_exp * O * I * sizeof(float), g_cuda.stream));
     const cudaDataType_t dt = xtype<T>::cuda;
     if (din) {
         g_list.clear();
@@ -159,6 +163,6 @@ template void cu_expert_matmul_forward<float>(void *, const void *, const void *
 template void cu_expert_matmul_forward<bf16>(void *, const void *, const void *, const int64_t *,
                                              int, int, int);
 template void cu_expert_matmul_backward<float>(void *, float *, const void *, const void *,
-                                               const void *, const int64_t *, int, int, int);
+                                               const void *, const int64_t *, int, int, int, bool);
 template void cu_expert_matmul_backward<bf16>(void *, float *, const void *, const void *,
-                                              const void *, const int64_t *, int, int, int);
+                                              const void *, const int64_t *, int, int, int, bool);

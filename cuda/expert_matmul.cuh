@@ -9,6 +9,7 @@ void cu_expert_matmul_forward(void *out, const void *in, const void *w, const in
                               int n_exp, int I, int O);
 template <typename T>
 void cu_expert_matmul_backward(void *din, float *dw, const void *dout, const void *in,
-                               const void *w, const int64_t *off, int n_exp, int I, int O);
+                               const void *w, const int64_t *off, int n_exp, int I, int O,
+                               bool dw_overwrite);
 
 #endif

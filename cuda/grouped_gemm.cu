@@ -50,6 +50,7 @@ struct gg_params {
     CUtensorMap map_a, map_b;
     void *out;          /* bf16 [R, N] (forward, dgrad) or fp32 dw [n_exp, M, N] (wgrad) */
     int M, N, K;        /* wgrad: M = O, N = I; forward/dgrad: N, K (M is the expert's rows) */
+    int overwrite;      /* wgrad: dw = acc (dw not read; experts with no rows get zero tiles) */
     int n_exp, e_base;  /* experts [e_base, e_base + n_exp) in this launch */
     int total_tiles;
     int row_off[MAX_EXPERTS + 1];    /* absolute row offsets */
@@ -105,7 +106,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, u
 struct tile_info {
     int e;     /* expert, relative to the launch's e_base */
     int r0;    /* the expert's first row */
-    int rows;  /* its row count (>= 1) */
+    int rows;  /* its row count (>= 1, or 0 for an overwriting wgrad's zero tiles) */
     int mi, ni; /* tile coordinates. Forward/dgrad: M fastest, so CTAs running together share
                  * a weight slab (measured on H100: 5-25% faster than N fastest, skewed rows
                  * included); wgrad: N fastest (measured only that way) */
@@ -217,7 +218,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
     for (int t = blockIdx.x; t < p.total_tiles; t += gridDim.x) {
         const tile_info ti = decode<KIND>(p, t);
         const int nk = k_blocks<KIND>(p, ti);
-        if (KIND == KIND_WGRAD) {
+        if (KIND == KIND_WGRAD && !p.overwrite) {
             /* pull this tile's dw (128 rows × 1 KB) into L2 now, so that the read half of the
              * epilogue's read-add-write overlaps the MMAs instead of following them */
             const int row = ti.mi * BM + (ctid >> 1), col = ti.ni * BN + (ctid & 1) * (BN / 2);
@@ -262,7 +263,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
             if (++stage == STAGES) stage = 0, phase ^= 1;
         }
         wgmma_wait<0>();
-        if (lane == 0) mbar_arrive(empty_bar(prev));
+        if (lane == 0 && prev >= 0) mbar_arrive(empty_bar(prev)); /* none: a zero tile */
 #pragma unroll
         for (int i = 0; i < 128; i++) fence_operand(acc[i]);
 
@@ -282,9 +283,11 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
 #pragma unroll
                 for (int j = 0; j < JB; j++)
 #pragma unroll
-                    for (int h = 0; h < 2; h++)
-                        if (n0 + 8 * (jb + j) < p.N && m + 8 * h < p.M)
+                    for (int h = 0; h < 2; h++) {
+                        v[j][h] = make_float2(0.0f, 0.0f);
+                        if (n0 + 8 * (jb + j) < p.N && m + 8 * h < p.M && !p.overwrite)
                             v[j][h] = *(const float2 *)(dw + (size_t)(m + 8 * h) * p.N + n0 + 8 * (jb + j));
+                    }
 #pragma unroll
                 for (int j = 0; j < JB; j++)
 #pragma unroll
@@ -334,7 +337,7 @@ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 template <int KIND>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64_t *off, int n_exp,
-            int M, int N, int K)
+            int M, int N, int K, bool overwrite = false)
 {
     static bool attr_set;
     if (!attr_set) {
@@ -348,6 +351,7 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64
     p.map_b = mb;
     p.out = out;
     p.M = M, p.N = N, p.K = K;
+    p.overwrite = overwrite;
     for (int e0 = 0; e0 < n_exp; e0 += MAX_EXPERTS) {
         const int ne = n_exp - e0 < MAX_EXPERTS ? n_exp - e0 : MAX_EXPERTS;
         int64_t total = 0;
@@ -355,7 +359,7 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64
             const int64_t rows = off[e0 + i + 1] - off[e0 + i];
             p.row_off[i] = (int)off[e0 + i];
             p.tile_start[i] = (int)total;
-            if (rows > 0) total += (KIND == KIND_WGRAD ? cdiv(M, BM) : cdiv(rows, BM)) * cdiv(N, BN);
+            if (rows > 0 || overwrite) total += (KIND == KIND_WGRAD ? cdiv(M, BM) : cdiv(rows, BM)) * cdiv(N, BN);
             MT_CHECK(total <= INT32_MAX, "grouped_gemm: too many tiles");
         }
         p.row_off[ne] = (int)off[e0 + ne];
@@ -409,10 +413,14 @@ extern "C" bool grouped_gemm_dgrad(void *din, const void *dout, const void *w, c
 }
 
 extern "C" bool grouped_gemm_wgrad(float *dw, const void *dout, const void *in, const int64_t *off,
-                                   int n_exp, int I, int O)
+                                   int n_exp, int I, int O, bool overwrite)
 {
     if (!supported(I, O, off, n_exp, dw, dout, in)) return false;
-    if (n_exp <= 0 || off[n_exp] == off[0]) return true;
+    if (n_exp <= 0) return true;
+    if (off[n_exp] == off[0]) { /* no rows (and no tensor map of zero rows) */
+        if (overwrite) CUDA_CHECK(cudaMemsetAsync(dw, 0, (size_t)n_exp * O * I * sizeof(float), g_cuda.stream));
+        return true;
+    }
     const cuuint64_t R = (cuuint64_t)off[n_exp];
     CUtensorMap ma, mb;
     const cuuint64_t da[2] = {(cuuint64_t)O, R}, sa[1] = {(cuuint64_t)O * 2};
@@ -420,7 +428,7 @@ extern "C" bool grouped_gemm_wgrad(float *dw, const void *dout, const void *in, 
     tma_make_map(&ma, dout, 2, da, sa, box, "grouped_gemm");
     const cuuint64_t db[2] = {(cuuint64_t)I, R}, sb[1] = {(cuuint64_t)I * 2};
     tma_make_map(&mb, in, 2, db, sb, box, "grouped_gemm");
-    launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0);
+    launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0, overwrite);
     return true;
 }
 

@@ -2,7 +2,8 @@
  * expert, through TMA loads into a 4-stage shared-memory pipeline and wgmma with fp32 accumulation
  * (grouped_gemm.cu says how). Same contract as ops.h's expert_matmul: rows [off[e], off[e+1]) of
  * the row matrices belong to expert e; off is HOST memory and already validated (non-decreasing,
- * off[0] >= 0); experts with no rows are skipped entirely (their dw is not touched).
+ * off[0] >= 0); experts with no rows are skipped entirely (their dw is not touched, except that
+ * an overwriting wgrad zeroes it).
  *
  * Each call returns false, having done nothing, when the shapes or pointers are outside what the
  * kernel handles (I or O not a positive multiple of 8, a pointer not 16-byte aligned, more than
@@ -30,10 +31,11 @@ bool grouped_gemm_dgrad(void *din /*[R,I] bf16*/, const void *dout /*[R,O] bf16*
                         const void *w /*[n_exp,O,I] bf16*/, const int64_t *off /*[n_exp+1]*/,
                         int n_exp, int I, int O);
 
-/* dw[e] += dout[rows of e]ᵀ · in[rows of e] (fp32 accumulate) */
+/* dw[e] += dout[rows of e]ᵀ · in[rows of e] (fp32 accumulate); overwrite: dw[e] = that product,
+ * zeros for experts with no rows (dw is not read: the same bits as zeroing dw first) */
 bool grouped_gemm_wgrad(float *dw /*[n_exp,O,I] fp32*/, const void *dout /*[R,O] bf16*/,
                         const void *in /*[R,I] bf16*/, const int64_t *off /*[n_exp+1]*/, int n_exp,
-                        int I, int O);
+                        int I, int O, bool overwrite);
 
 /* Whether the kernel runs here: the backend is up on a compute capability 9.0 device and
  * MT_FORCE_SM80 is not set (the backend's g_cuda.hopper). When false, every call above declines. */

@@ -143,9 +143,12 @@ static void before_backward(void *ctx, int u)
         if (f->gbuf[k].unit < 0 && (k == 0 || p_tied(f))) gb = &f->gbuf[k];
     MT_CHECK(gb, "fsdp: no free gradient buffer for unit %d", u);
     gb->unit = u;
-    for (int g = 0; g < TG_COUNT; g++)
-        if (f->dyn_g[g])
-            be_of(f)->zero(gb->g[g], (size_t)f->p->g[g].u_work[u] * sizeof(float));
+    for (int g = 0; g < TG_COUNT; g++) {
+        if (!f->dyn_g[g]) continue;
+        const int64_t n = f->p->g[g].u_work[u];
+        if (g == TG_EXPERT && model_skip_expert_grad_zeroing(f->p->m, u, n)) continue; /* overwritten */
+        be_of(f)->zero(gb->g[g], (size_t)n * sizeof(float));
+    }
     bind_weights(f, u, b, gb);
     start_prefetch(f, u - 1);
 }

@@ -164,6 +164,7 @@ void model_init_stage(struct model *m, const struct backend *be, const struct mo
     for (int l = 0; l < m->L; l++) m->n_moe_layers += config_layer_is_moe(cfg, l);
     m->wp = mt_calloc((size_t)m->tt.n, sizeof *m->wp);
     m->gp = mt_calloc((size_t)m->tt.n, sizeof *m->gp);
+    m->exp_dw_fresh = mt_calloc((size_t)MT_MAX(m->L, 1), sizeof *m->exp_dw_fresh);
 
     m->B = B;
     m->S = S;
@@ -301,8 +302,20 @@ void model_free(struct model *m)
     free(m->stats_h);
     free(m->wp);
     free(m->gp);
+    free(m->exp_dw_fresh);
     tensor_table_free(&m->tt);
     memset(m, 0, sizeof *m);
+}
+
+bool model_skip_expert_grad_zeroing(struct model *m, int unit, int64_t work_numel)
+{
+    const int l = unit - 1;
+    if (l < m->st.layer0 || l >= m->st.layer1 || !config_layer_is_moe(&m->cfg, l)) return false;
+    const int gu = tensor_lookup(&m->tt, TR_EXP_GATE_UP, l), down = tensor_lookup(&m->tt, TR_EXP_DOWN, l);
+    if (gu < 0 || down < 0) return false;
+    if (model_work_numel_of(m, gu) + model_work_numel_of(m, down) != work_numel) return false;
+    m->exp_dw_fresh[l] = true;
+    return true;
 }
 
 void model_zero_grad(struct model *m)

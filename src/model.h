@@ -121,6 +121,11 @@ struct model {
      * [n_local, d1, d2]) and fp32 gradient; NULL while unbound or not on this stage */
     void **wp;                  /* [tt.n] */
     float **gp;                 /* [tt.n] */
+    /* [L]: layer l's expert gradients (gate_up and down, as bound) hold nothing yet and were not
+     * zeroed: its next expert backward overwrites them instead of adding (ops.h dw_overwrite),
+     * saving the memset and the first read of ~2.4 GB a 30B-A3B layer. Set by whoever skipped
+     * the zeroing (params_zero_grad, fsdp's before_backward), cleared by that backward. */
+    bool *exp_dw_fresh;
     struct model_unit_hooks hooks;
     /* model_own_weights (tests, verify without params): flat buffers behind wp / gp */
     void *own_w;
@@ -197,6 +202,11 @@ void model_bind(struct model *m, int i, void *w, float *g);
 /* Allocates flat buffers for every tensor of the stage and binds them (tests, tools). */
 void model_own_weights(struct model *m);
 void model_set_hooks(struct model *m, const struct model_unit_hooks *h);
+
+/* Whether gradient buffer unit u (params.h) of group TG_EXPERT is layer u - 1's expert tensors
+ * and nothing else, so that it need not be zeroed if marked fresh; if so, marks the layer fresh
+ * and returns true. work_numel: the unit's working elements. */
+bool model_skip_expert_grad_zeroing(struct model *m, int unit, int64_t work_numel);
 /* The activations of layer l in the current slot: its own, or the shared set holding layer l's
  * input when recomputing. */
 struct layer_acts *model_acts(struct model *m, int l);

@@ -285,11 +285,13 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
         return;
     }
     combine_rows_backward(m, a);
+    const bool fresh = m->exp_dw_fresh[l];
+    m->exp_dw_fresh[l] = false;
     be->expert_matmul_backward(m->d_act, G(m, TR_EXP_DOWN, l), m->d_y_exp, a->act,
-                               W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H);
+                               W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H, fresh);
     be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)r->R_exp, I);
     be->expert_matmul_backward(m->d_x_exp, G(m, TR_EXP_GATE_UP, l), m->d_gu, a->x_exp,
-                               W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
+                               W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I, fresh);
     dispatch_rows_backward(m, a);
 }
 

@@ -172,14 +172,16 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l, const
     const struct backend *be = m->be;
     const int H = m->H, I = m->I, nl = m->n_local_experts;
     moe_timeline_mark("gemms_bwd", x - a->route.chunks, 0);
+    const bool fresh = m->exp_dw_fresh[l]; /* the first chunk overwrites, the others add */
+    m->exp_dw_fresh[l] = false;
     be->expert_matmul_backward(ROW(m, m->d_act, x->row0, I), G(m, TR_EXP_DOWN, l),
                                ROW(m, m->d_y_exp, x->row0, H), ROW(m, a->act, x->row0, I),
-                               W(m, TR_EXP_DOWN, l), x->expert_off, nl, I, H);
+                               W(m, TR_EXP_DOWN, l), x->expert_off, nl, I, H, fresh);
     be->swiglu_backward(ROW(m, m->d_gu, x->row0, 2 * I), ROW(m, m->d_act, x->row0, I),
                         ROW(m, a->gu, x->row0, 2 * I), (int)x->R, I);
     be->expert_matmul_backward(ROW(m, m->d_x_exp, x->row0, H), G(m, TR_EXP_GATE_UP, l),
                                ROW(m, m->d_gu, x->row0, 2 * I), ROW(m, a->x_exp, x->row0, H),
-                               W(m, TR_EXP_GATE_UP, l), x->expert_off, nl, H, 2 * I);
+                               W(m, TR_EXP_GATE_UP, l), x->expert_off, nl, H, 2 * I, fresh);
     moe_timeline_mark("gemms_bwd", x - a->route.chunks, 1);
 }
 

@@ -194,14 +194,16 @@ struct backend {
 
     /* Grouped expert matmul: rows [off[e], off[e+1]) of `in` go through expert e's W[e] ([O,I]).
      * off is a HOST array of n_exp + 1 entries. Backward: din (NULL to skip) overwritten;
-     * dw[e] += dyᵀ x over that expert's rows (experts with no rows get nothing added). */
+     * dw[e] += dyᵀ x over that expert's rows (experts with no rows get nothing added), or with
+     * dw_overwrite dw[e] = dyᵀ x and experts with no rows get zeros: for a dw whose zeroing the
+     * caller skipped (model.h: exp_dw_fresh), which saves the memset and the first read. */
     void (*expert_matmul_forward)(void *out /*[R,O]*/, const void *in /*[R,I]*/,
                                   const void *w /*[n_exp,O,I]*/, const int64_t *off, int n_exp,
                                   int I, int O);
     void (*expert_matmul_backward)(void *din /*[R,I]*/, float *dw /*[n_exp,O,I]*/,
                                    const void *dout /*[R,O]*/, const void *in /*[R,I]*/,
                                    const void *w /*[n_exp,O,I]*/, const int64_t *off, int n_exp,
-                                   int I, int O);
+                                   int I, int O, bool dw_overwrite);
 
     /* SwiGLU on fused [gate | up] rows: out = silu(g) * u. */
     void (*swiglu_forward)(void *out /*[R,I]*/, const void *gu /*[R,2I]*/, int R, int I);

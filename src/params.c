@@ -541,8 +541,17 @@ void params_gather_weights(struct params *p)
 
 void params_zero_grad(struct params *p)
 {
-    for (int k = 0; k < TG_COUNT; k++)
-        p->m->be->zero(p->g[k].grad, (size_t)p->g[k].numel * sizeof(float));
+    p->m->be->zero(p->g[TG_DENSE].grad, (size_t)p->g[TG_DENSE].numel * sizeof(float));
+    /* expert gradients: a unit of the shard that is one layer's expert tensors as the backward
+     * writes them (the group of one, aliased) is left for that backward to overwrite */
+    const struct param_group_shard *ge = &p->g[TG_EXPERT];
+    for (int u = 0; u < p->n_units; u++) {
+        if (ge->u_piece[u] == 0) continue;
+        if (ge->aliased && ge->u_piece[u] == ge->u_work[u] &&
+            model_skip_expert_grad_zeroing(p->m, u, ge->u_work[u]))
+            continue;
+        p->m->be->zero(ge->grad + ge->u_off[u], (size_t)ge->u_piece[u] * sizeof(float));
+    }
 }
 
 double params_grad_sumsq(struct params *p, struct comm *world)

@@ -146,8 +146,8 @@ W(expert_matmul_forward, PROF_EXPERT_GEMM, O,
   (o, i, w, off, n, I, O))
 W(expert_matmul_backward, PROF_EXPERT_GEMM, O,
   (void *di, float *dw, const void *d, const void *i, const void *w, const int64_t *off, int n,
-   int I, int O),
-  (di, dw, d, i, w, off, n, I, O))
+   int I, int O, bool ow),
+  (di, dw, d, i, w, off, n, I, O, ow))
 W(swiglu_forward, PROF_OTHER, I, (void *o, const void *gu, int R, int I), (o, gu, R, I))
 W(swiglu_backward, PROF_OTHER, I, (void *d, const void *o, const void *gu, int R, int I),
   (d, o, gu, R, I))

@@ -109,7 +109,7 @@ static void run_ours(const struct gemm *g, const int64_t *off, void *out)
     bool ok = false;
     if (g->kind == FWD) ok = grouped_gemm_forward(out, g->a, g->b, off, E, g->I, g->O);
     else if (g->kind == DGRAD) ok = grouped_gemm_dgrad(out, g->a, g->b, off, E, g->I, g->O);
-    else ok = grouped_gemm_wgrad(out, g->a, g->b, off, E, g->I, g->O);
+    else ok = grouped_gemm_wgrad(out, g->a, g->b, off, E, g->I, g->O, false);
     if (!ok) mt_fatal("grouped_gemm refused %s (%d -> %d)", g->name, g->I, g->O);
 }
 

@@ -1,5 +1,7 @@
 /* The CPU backend table: thin adapters from the void * compute-dtype interface of ops.h to the
  * float * functions of cpu_ops.h (the compute dtype is fp32 here, so x_size is 4). */
+#include <string.h>
+
 #include "cpu/cpu_ops.h"
 #include "ops.h"
 
@@ -111,8 +113,11 @@ static void b_expert_matmul_forward(void *out, const void *in, const void *w, co
     cpu_expert_matmul_forward(out, in, w, off, n_exp, I, O);
 }
 static void b_expert_matmul_backward(void *din, float *dw, const void *dout, const void *in,
-                                     const void *w, const int64_t *off, int n_exp, int I, int O)
+                                     const void *w, const int64_t *off, int n_exp, int I, int O,
+                                     bool dw_overwrite)
 {
+    /* the same sums as zeroed dw += them (no time to save on the reference backend) */
+    if (dw && dw_overwrite) memset(dw, 0, (size_t)n_exp * O * I * sizeof(float));
     cpu_expert_matmul_backward(din, dw, dout, in, w, off, n_exp, I, O);
 }
 

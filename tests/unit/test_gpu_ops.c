@@ -1419,9 +1419,9 @@ Test(gpu, expert_matmul)
         float *dw0 = hrand(&rng, wn, 1.0), *dw_ref = hdup(dw0, wn);
         float *d_dw = df_from(&M, dw0, wn);
         void *d_din = dx_poisoned(&M, ri);
-        M.g->expert_matmul_backward(d_din, d_dw, d_dout, d_in, d_w, off, NE, I, O);
+        M.g->expert_matmul_backward(d_din, d_dw, d_dout, d_in, d_w, off, NE, I, O, false);
         float *din = hx_of(&M, d_din, ri), *dw = hf_of(&M, d_dw, wn), *din_ref = fnew(ri);
-        M.c->expert_matmul_backward(din_ref, dw_ref, dout, in, w, off, NE, I, O);
+        M.c->expert_matmul_backward(din_ref, dw_ref, dout, in, w, off, NE, I, O, false);
         check_close(&M, "expert_matmul backward din", din, din_ref, ri, M.tol);
         float *add = diff(dw, dw0, wn), *add_ref = diff(dw_ref, dw0, wn);
         check_close(&M, "expert_matmul backward dw (added)", add, add_ref, wn, M.tol);
@@ -1473,9 +1473,9 @@ static void grouped_case(const struct mode *M, mt_rng *rng, const char *tag, int
     float *dw0 = hrand(rng, wn, 1.0), *dw_ref = hdup(dw0, wn);
     float *d_dw = df_from(M, dw0, wn);
     void *d_din = dx_poisoned(M, ri);
-    M->g->expert_matmul_backward(d_din, d_dw, d_dout, d_in, d_w, off, NE, I, O);
+    M->g->expert_matmul_backward(d_din, d_dw, d_dout, d_in, d_w, off, NE, I, O, false);
     float *din = hx_of(M, d_din, ri), *dw = hf_of(M, d_dw, wn), *din_ref = fnew(ri);
-    M->c->expert_matmul_backward(din_ref, dw_ref, dout, in, w, off, NE, I, O);
+    M->c->expert_matmul_backward(din_ref, dw_ref, dout, in, w, off, NE, I, O, false);
     float *add = diff(dw, dw0, wn), *add_ref = diff(dw_ref, dw0, wn);
 
     double e_out = 0.0, e_din = 0.0, e_dw = 0.0;
@@ -1501,13 +1501,27 @@ static void grouped_case(const struct mode *M, mt_rng *rng, const char *tag, int
     cr_expect(empty_kept, "%s [%s]", what, M->name);
 
     /* dw alone (din NULL): a second backward adds the same gradient again */
-    M->g->expert_matmul_backward(NULL, d_dw, d_dout, d_in, d_w, off, NE, I, O);
+    M->g->expert_matmul_backward(NULL, d_dw, d_dout, d_in, d_w, off, NE, I, O, false);
     float *dw2 = hf_of(M, d_dw, wn), *add2 = diff(dw2, dw, wn);
     snprintf(what, sizeof what, "grouped %s: dw += again (din NULL)", tag);
     check_close(M, what, add2, add_ref, wn, TOL_F32_LONG);
     float *din_again = hx_of(M, d_din, ri);
     snprintf(what, sizeof what, "grouped %s: din NULL leaves din", tag);
     check_exact(M, what, din_again, din, ri * sizeof(float));
+
+    /* dw_overwrite into NaN: the same bits as adding onto zeros, zeros for experts with no rows */
+    float *zeros = fnew(wn), *nans = fnew(wn);
+    for (size_t i = 0; i < wn; i++) nans[i] = NAN;
+    float *d_dwz = df_from(M, zeros, wn), *d_dwo = df_from(M, nans, wn);
+    M->g->expert_matmul_backward(NULL, d_dwz, d_dout, d_in, d_w, off, NE, I, O, false);
+    M->g->expert_matmul_backward(NULL, d_dwo, d_dout, d_in, d_w, off, NE, I, O, true);
+    float *dwz = hf_of(M, d_dwz, wn), *dwo = hf_of(M, d_dwo, wn);
+    snprintf(what, sizeof what, "grouped %s: dw overwrite = zeros + add", tag);
+    check_exact(M, what, dwo, dwz, wn * sizeof(float));
+    snprintf(what, sizeof what, "grouped %s: dw overwrite (vs CPU)", tag);
+    check_close(M, what, dwo, add_ref, wn, TOL_F32_LONG);
+    M->g->free(d_dwz), M->g->free(d_dwo);
+    free(zeros), free(nans), free(dwz), free(dwo);
 
 #ifdef MT_HAVE_CUDA
     if (xs == 2) {
@@ -1518,7 +1532,7 @@ static void grouped_case(const struct mode *M, mt_rng *rng, const char *tag, int
         float *d_dw2 = df_from(M, dw0, wn);
         const bool f = grouped_gemm_forward(d_out2, d_in, d_w, off, NE, I, O);
         const bool g = grouped_gemm_dgrad(d_din2, d_dout, d_w, off, NE, I, O);
-        const bool h = grouped_gemm_wgrad(d_dw2, d_dout, d_in, off, NE, I, O);
+        const bool h = grouped_gemm_wgrad(d_dw2, d_dout, d_in, off, NE, I, O, false);
         cr_expect(f == kernel && g == kernel && h == kernel_wgrad,
                   "grouped %s: kernel took fwd %d dgrad %d wgrad %d, expected %d %d %d", tag, f, g,
                   h, kernel, kernel, kernel_wgrad);
@@ -1563,6 +1577,21 @@ Test(gpu, expert_matmul_grouped)
          * two, so the ring's stages and phases carry over from one tile to the next */
         grouped_case(&M, &rng, "many tiles 1032->904", 8, edges, 1032, 904, 0, true, true);
         grouped_case(&M, &rng, "I, O not /8 (fallback)", 3, few, 100, 60, 0, false, false);
+        {
+            /* no rows at all (an EP rank nobody routed to): overwriting still zeroes every dw */
+            enum { NE0 = 3, I0 = 64, O0 = 72 };
+            const int64_t off0[NE0 + 1] = {0, 0, 0, 0};
+            const size_t wn0 = (size_t)NE0 * O0 * I0;
+            float *nans = fnew(wn0), *zeros = fnew(wn0);
+            for (size_t k = 0; k < wn0; k++) nans[k] = NAN;
+            float *d_dw0 = df_from(&M, nans, wn0);
+            void *d_x0 = dx_poisoned(&M, (size_t)O0 * I0);
+            M.g->expert_matmul_backward(NULL, d_dw0, d_x0, d_x0, d_x0, off0, NE0, I0, O0, true);
+            float *dw0 = hf_of(&M, d_dw0, wn0);
+            check_exact(&M, "grouped, no rows: dw overwrite gives zeros", dw0, zeros, wn0 * sizeof(float));
+            M.g->free(d_dw0), M.g->free(d_x0);
+            free(nans), free(zeros), free(dw0);
+        }
         /* wgrad does not read w, so only forward and dgrad fall back */
         grouped_case(&M, &rng, "unaligned w (fallback)", 3, few, 64, 64, 1, false, true);
     }
