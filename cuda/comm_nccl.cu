@@ -295,6 +295,15 @@ struct nccl_p2p_state {
     cudaEvent_t done;          /* recorded on the side stream after the group */
 };
 
+/* A started host-memory twin's request as this comm's (nothing when it ran to completion). */
+static void wrap_host(const struct comm_p2p_req *host, struct comm_p2p_req *r)
+{
+    if (!host->state) return;
+    struct nccl_p2p_state *st = (struct nccl_p2p_state *)mt_calloc(1, sizeof *st);
+    st->host = *host;
+    r->state = st;
+}
+
 /* The group goes on the side stream once the compute stream's queued work (which wrote the send
  * buffers and last read the receive buffers) is done. */
 static void side_begin(struct nccl_impl *im);
@@ -344,10 +353,7 @@ static void nccl_all_gather_start(struct comm *c, void *recv, const void *send, 
     if (on_host("all_gather", recv, n, send, n)) {
         struct comm_p2p_req host = {NULL};
         im->host->ops->all_gather_start(im->host, recv, send, n, t, &host);
-        if (!host.state) return;   /* it ran to completion */
-        struct nccl_p2p_state *st = (struct nccl_p2p_state *)mt_calloc(1, sizeof *st);
-        st->host = host;
-        r->state = st;
+        wrap_host(&host, r);
         return;
     }
     const size_t es = comm_dtype_size(t);
@@ -370,10 +376,7 @@ static void nccl_all_to_all_v_start(struct comm *c, void *recv, const int64_t *r
     if (on_host("all_to_all_v", recv, total(recv_counts, c->size), send, total(send_counts, c->size))) {
         struct comm_p2p_req host = {NULL};
         im->host->ops->all_to_all_v_start(im->host, recv, recv_counts, send, send_counts, t, &host);
-        if (!host.state) return;   /* it ran to completion */
-        struct nccl_p2p_state *st = (struct nccl_p2p_state *)mt_calloc(1, sizeof *st);
-        st->host = host;
-        r->state = st;
+        wrap_host(&host, r);
         return;
     }
     struct nccl_p2p_state *st = (struct nccl_p2p_state *)mt_calloc(1, sizeof *st);
@@ -381,6 +384,26 @@ static void nccl_all_to_all_v_start(struct comm *c, void *recv, const int64_t *r
     moe_timeline_comm_mark(im->side, 0);
     exchange_on(c, recv, recv_counts, send, send_counts, 0, t, im->side);
     moe_timeline_comm_mark(im->side, 1);
+    side_end(im, st);
+    r->state = st;
+}
+
+/* fsdp.c's overlapped gradient reduction: like all_gather_start (in place when
+ * recv == send + rank * n, NCCL's own convention) */
+static void nccl_reduce_scatter_sum_start(struct comm *c, void *recv, const void *send, size_t n,
+                                          enum comm_dtype t, struct comm_p2p_req *r)
+{
+    struct nccl_impl *im = impl_of(c);
+    r->state = NULL;
+    if (on_host("reduce_scatter_sum", recv, n, send, n)) {
+        struct comm_p2p_req host = {NULL};
+        im->host->ops->reduce_scatter_sum_start(im->host, recv, send, n, t, &host);
+        wrap_host(&host, r);
+        return;
+    }
+    struct nccl_p2p_state *st = (struct nccl_p2p_state *)mt_calloc(1, sizeof *st);
+    side_begin(im);
+    NCCL_CHECK(ncclReduceScatter(send, recv, n, nccl_type(t), ncclSum, im->nccl, im->side));
     side_end(im, st);
     r->state = st;
 }
@@ -422,7 +445,7 @@ static void nccl_destroy(struct comm *c)
 static const struct comm_ops nccl_ops = {
     nccl_all_gather, nccl_reduce_scatter_sum, nccl_all_reduce_sum, nccl_all_to_all_v,
     nccl_all_to_all, nccl_all_to_all_inbox, nccl_p2p, nccl_p2p_start, nccl_all_gather_start,
-    nccl_all_to_all_v_start, nccl_p2p_wait, nccl_destroy,
+    nccl_all_to_all_v_start, nccl_reduce_scatter_sum_start, nccl_p2p_wait, nccl_destroy,
 };
 
 extern "C" struct comm *comm_nccl_create(MPI_Comm mpi)

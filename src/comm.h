@@ -79,6 +79,11 @@ struct comm_ops {
      * rank starts its exchanges on c in the same order. */
     void (*all_to_all_v_start)(struct comm *c, void *recv, const int64_t *recv_counts, const void *send,
                                const int64_t *send_counts, enum comm_dtype t, struct comm_p2p_req *r);
+    /* reduce_scatter_sum started now and finished by p2p_wait (fsdp.c: a unit's gradients reduce
+     * while the unit before it runs its backward): neither buffer may be touched in between. MPI:
+     * MPI_Ireduce_scatter_block; NCCL: on the side stream after the work already queued. */
+    void (*reduce_scatter_sum_start)(struct comm *c, void *recv, const void *send, size_t n,
+                                     enum comm_dtype t, struct comm_p2p_req *r);
     void (*p2p_wait)(struct comm *c, struct comm_p2p_req *r);
     /* optional (NULL for MPI): releases c->impl; comm_free calls it before freeing c */
     void (*destroy)(struct comm *c);
@@ -119,6 +124,10 @@ void comm_all_gather_start(struct comm *c, void *recv, const void *send, size_t 
  * comm copies at once. */
 void comm_all_to_all_v_start(struct comm *c, void *recv, const int64_t *recv_counts, const void *send,
                              const int64_t *send_counts, enum comm_dtype t, struct comm_p2p_req *r);
+/* The reduce-scatter in two halves (ops->reduce_scatter_sum_start); comm_p2p_wait finishes it. A
+ * NULL comm runs it at once. */
+void comm_reduce_scatter_sum_start(struct comm *c, void *recv, const void *send, size_t n,
+                                   enum comm_dtype t, struct comm_p2p_req *r);
 /* (for a NULL comm the result is `send` itself) */
 const void *comm_all_to_all_inbox(struct comm *c, const int64_t *recv_counts, const void *send,
                                   const int64_t *send_counts, enum comm_dtype t);

@@ -201,6 +201,11 @@ void comm_mpi_set_p2p_chunk(size_t elements)
 
 struct mpi_p2p_state {
     int n;
+    /* after the requests complete: move_bytes from move_src to move_dst (an in-place
+     * reduce-scatter's result, which MPI leaves at the start of the buffer) */
+    void *move_dst;
+    const void *move_src;
+    size_t move_bytes;
     MPI_Request req[];
 };
 
@@ -217,7 +222,7 @@ static void mpi_p2p_start(struct comm *c, const struct comm_p2p_op *ops, int n, 
         n_req += (ops[i].count + chunk - 1) / chunk;
     }
     MT_CHECK(n_req <= INT_MAX, "p2p: %zu requests", n_req);
-    struct mpi_p2p_state *st = mt_malloc(sizeof *st + MT_MAX(n_req, 1) * sizeof(MPI_Request));
+    struct mpi_p2p_state *st = mt_calloc(1, sizeof *st + MT_MAX(n_req, 1) * sizeof(MPI_Request));
     MPI_Request *req = st->req;
     size_t k = 0;
     for (int i = 0; i < n; i++) {
@@ -242,6 +247,7 @@ static void mpi_p2p_wait(struct comm *c, struct comm_p2p_req *r)
     struct mpi_p2p_state *st = r->state;
     if (!st) return;
     MT_CHECK_MPI(MPI_Waitall(st->n, st->req, MPI_STATUSES_IGNORE));
+    if (st->move_bytes) memmove(st->move_dst, st->move_src, st->move_bytes);
     free(st);
     r->state = NULL;
 }
@@ -256,9 +262,35 @@ static void mpi_all_gather_start(struct comm *c, void *recv, const void *send, s
         return;
     }
     const bool in_place = send == (const char *)recv + (size_t)c->rank * n * comm_dtype_size(t);
-    struct mpi_p2p_state *st = mt_malloc(sizeof *st + sizeof(MPI_Request));
+    struct mpi_p2p_state *st = mt_calloc(1, sizeof *st + sizeof(MPI_Request));
     MT_CHECK_MPI(MPI_Iallgather(in_place ? MPI_IN_PLACE : send, (int)n, mpi_type(t), recv, (int)n, mpi_type(t),
                                 c->mpi, &st->req[0]));
+    st->n = 1;
+    r->state = st;
+}
+
+/* one MPI_Ireduce_scatter_block, completed by mpi_p2p_wait (counts above the int limit run
+ * blocking); in place, the wait moves the result from the buffer's start to recv */
+static void mpi_reduce_scatter_sum_start(struct comm *c, void *recv, const void *send, size_t n,
+                                         enum comm_dtype t, struct comm_p2p_req *r)
+{
+    r->state = NULL;
+    if (n > max_count()) {
+        mpi_reduce_scatter_sum(c, recv, send, n, t);
+        return;
+    }
+    const size_t es = comm_dtype_size(t);
+    const bool in_place = recv == (const char *)send + (size_t)c->rank * n * es;
+    struct mpi_p2p_state *st = mt_calloc(1, sizeof *st + sizeof(MPI_Request));
+    if (in_place) {
+        MT_CHECK_MPI(MPI_Ireduce_scatter_block(MPI_IN_PLACE, (void *)send, (int)n, mpi_type(t), MPI_SUM, c->mpi,
+                                               &st->req[0]));
+        st->move_dst = recv;
+        st->move_src = send;
+        st->move_bytes = recv == send ? 0 : n * es;
+    } else {
+        MT_CHECK_MPI(MPI_Ireduce_scatter_block(send, recv, (int)n, mpi_type(t), MPI_SUM, c->mpi, &st->req[0]));
+    }
     st->n = 1;
     r->state = st;
 }
@@ -280,7 +312,7 @@ static void mpi_all_to_all_v_start(struct comm *c, void *recv, const int64_t *re
         mpi_all_to_all_v(c, recv, recv_counts, send, send_counts, t);
         return;
     }
-    struct mpi_p2p_state *st = mt_malloc(sizeof *st + sizeof(MPI_Request) + 4 * (size_t)p * sizeof(int));
+    struct mpi_p2p_state *st = mt_calloc(1, sizeof *st + sizeof(MPI_Request) + 4 * (size_t)p * sizeof(int));
     int *sc = (int *)(st->req + 1), *sd = sc + p, *rc = sc + 2 * p, *rd = sc + 3 * p;
     so = ro = 0;
     for (int i = 0; i < p; i++) {
@@ -346,6 +378,7 @@ static const struct comm_ops mpi_ops = {
     .p2p_start = mpi_p2p_start,
     .all_gather_start = mpi_all_gather_start,
     .all_to_all_v_start = mpi_all_to_all_v_start,
+    .reduce_scatter_sum_start = mpi_reduce_scatter_sum_start,
     .p2p_wait = mpi_p2p_wait,
     .destroy = mpi_destroy,
 };
@@ -470,6 +503,17 @@ void comm_all_to_all_v_start(struct comm *c, void *recv, const int64_t *recv_cou
         return;
     }
     TIMED(c->ops->all_to_all_v_start(c, recv, recv_counts, send, send_counts, t, r));
+}
+
+void comm_reduce_scatter_sum_start(struct comm *c, void *recv, const void *send, size_t n,
+                                   enum comm_dtype t, struct comm_p2p_req *r)
+{
+    r->state = NULL;
+    if (single(c)) {
+        if (recv != send) memmove(recv, send, n * comm_dtype_size(t));
+        return;
+    }
+    TIMED(c->ops->reduce_scatter_sum_start(c, recv, send, n, t, r));
 }
 
 void comm_p2p_wait(struct comm *c, struct comm_p2p_req *r)

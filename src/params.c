@@ -474,22 +474,44 @@ void params_gather_unit(struct params *p, enum tensor_group g, int u, void *work
 
 /* In place as well: the dense unit's gradient buffer is the reduce-scatter's input, the experts'
  * are reordered into `stage` first; the rank's sum lands at its slot and is added to the shard. */
-void params_reduce_unit(struct params *p, enum tensor_group g, int u, float *work_g, float *stage)
+static float *reduce_input(enum tensor_group g, float *work_g, float *stage)
+{
+    return g == TG_EXPERT ? stage : work_g;
+}
+
+void params_reduce_unit_start(struct params *p, enum tensor_group g, int u, float *work_g, float *stage,
+                              struct comm_p2p_req *r)
 {
     const struct backend *be = p->m->be;
-    struct param_group_shard *gs = &p->g[g];
-    const int64_t n = gs->u_piece[u];
+    const int64_t n = p->g[g].u_piece[u];
+    r->state = NULL;
     if (n == 0) return;
-    float *in = work_g;
+    float *in = reduce_input(g, work_g, stage);
     if (g == TG_EXPERT) {
-        in = stage;
         be->zero(stage, (size_t)n * p->F * sizeof(float));
         expert_blocks_copy(p, u, stage, work_g, sizeof(float), false);
     }
     const int rank = g == TG_DENSE ? p->S_rank : p->F_rank;
-    float *mine = in + (size_t)rank * n;
-    comm_reduce_scatter_sum(g == TG_DENSE ? p->stage : p->fsdp, mine, in, (size_t)n, COMM_F32);
-    be->add_f32(gs->grad + gs->u_off[u], mine, (size_t)n);
+    comm_reduce_scatter_sum_start(g == TG_DENSE ? p->stage : p->fsdp, in + (size_t)rank * n, in, (size_t)n,
+                                  COMM_F32, r);
+}
+
+void params_reduce_unit_finish(struct params *p, enum tensor_group g, int u, float *work_g, float *stage,
+                               struct comm_p2p_req *r)
+{
+    struct param_group_shard *gs = &p->g[g];
+    const int64_t n = gs->u_piece[u];
+    if (n == 0) return;
+    comm_p2p_wait(g == TG_DENSE ? p->stage : p->fsdp, r);
+    const int rank = g == TG_DENSE ? p->S_rank : p->F_rank;
+    p->m->be->add_f32(gs->grad + gs->u_off[u], reduce_input(g, work_g, stage) + (size_t)rank * n, (size_t)n);
+}
+
+void params_reduce_unit(struct params *p, enum tensor_group g, int u, float *work_g, float *stage)
+{
+    struct comm_p2p_req r;
+    params_reduce_unit_start(p, g, u, work_g, stage, &r);
+    params_reduce_unit_finish(p, g, u, work_g, stage, &r);
 }
 
 void params_moment_to_host(const struct params *p, enum tensor_group g, int k, float *host)

@@ -103,6 +103,12 @@ void params_gather_unit_start(struct params *p, enum tensor_group g, int u, void
 void params_gather_unit_finish(struct params *p, enum tensor_group g, int u, void *work, void *stage,
                                struct comm_p2p_req *r);
 void params_reduce_unit(struct params *p, enum tensor_group g, int u, float *work_g, float *stage);
+/* The reduction in two halves, for overlapping it with the next unit's backward: between them
+ * neither `work_g` nor `stage` may be touched; finish adds the rank's sum to the shard. */
+void params_reduce_unit_start(struct params *p, enum tensor_group g, int u, float *work_g, float *stage,
+                              struct comm_p2p_req *r);
+void params_reduce_unit_finish(struct params *p, enum tensor_group g, int u, float *work_g, float *stage,
+                               struct comm_p2p_req *r);
 /* Largest working elements of group g over the decoder layers' units alone. */
 int64_t params_layer_unit_max(const struct params *p, enum tensor_group g);
 /* Group of one with a compute copy: its weights are bound for good. */

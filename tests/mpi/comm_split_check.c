@@ -62,6 +62,25 @@ int main(int argc, char **argv)
         EXPECT(a[me * n + i] == want, "reduce_scatter in place [%zu] = %g, want %g", i, a[me * n + i], want);
     }
 
+    /* reduce_scatter_sum_start/comm_p2p_wait (fsdp.c's overlapped gradient reduction): in place
+     * and separate, both in flight at once, waited in reverse order */
+    double *a2 = mt_malloc((size_t)p * n * sizeof(double));
+    for (int d = 0; d < p; d++)
+        for (size_t i = 0; i < n; i++) a[d * n + i] = a2[d * n + i] = val(me, d, i);
+    for (size_t i = 0; i < n; i++) b[i] = -1;
+    struct comm_p2p_req rs1, rs2;
+    comm_reduce_scatter_sum_start(c, a + (size_t)me * n, a, n, COMM_F64, &rs1);
+    comm_reduce_scatter_sum_start(c, b, a2, n, COMM_F64, &rs2);
+    comm_p2p_wait(c, &rs2);
+    comm_p2p_wait(c, &rs1);
+    for (size_t i = 0; i < n; i++) {
+        double want = 0;
+        for (int r = 0; r < p; r++) want += val(r, me, i);
+        EXPECT(a[me * n + i] == want, "reduce_scatter_start in place [%zu] = %g, want %g", i, a[me * n + i], want);
+        EXPECT(b[i] == want, "reduce_scatter_start [%zu] = %g, want %g", i, b[i], want);
+    }
+    free(a2);
+
     /* all_reduce */
     for (size_t i = 0; i < n; i++) a[i] = val(me, 0, i);
     comm_all_reduce_sum(c, a, n, COMM_F64);

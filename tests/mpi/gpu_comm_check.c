@@ -161,8 +161,19 @@ static void suite(const struct backend *g, struct comm *hc, struct comm *dc, con
             dc->ops->reduce_scatter_sum(dc, dr, ds, n, t);
             void *got = host_of(g, dr, n * es);
             report(tag, "reduce_scatter_sum", t, same(got, ref, n, t, true, why, sizeof why), why);
+            free(got);
+            g->free(dr);
+            /* reduce_scatter_sum_start/p2p_wait (fsdp.c's overlapped gradient reduction): in place
+             * at send + me·n on the side stream, while the compute stream writes another buffer */
+            void *busy = dev_out(g, (size_t)1 << 22);
+            struct comm_p2p_req req;
+            dc->ops->reduce_scatter_sum_start(dc, (char *)ds + (size_t)me * n * es, ds, n, t, &req);
+            g->zero(busy, (size_t)1 << 22);
+            dc->ops->p2p_wait(dc, &req);
+            got = host_of(g, (char *)ds + (size_t)me * n * es, n * es);
+            report(tag, "reduce_scatter_sum_start in place", t, same(got, ref, n, t, true, why, sizeof why), why);
             free(got), free(send), free(ref);
-            g->free(ds), g->free(dr);
+            g->free(ds), g->free(busy);
 
             const size_t m = 100003;
             void *buf = mt_malloc(m * es);
