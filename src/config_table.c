@@ -12,6 +12,7 @@ _Static_assert(sizeof(enum mt_load_balance) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_data_kind) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_backend_choice) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_weight_copy) == sizeof(int), "enum size");
+_Static_assert(sizeof(enum mt_reduce_grads) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_state_dtype) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_scoring) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_aux_scope) == sizeof(int), "enum size");
@@ -22,6 +23,7 @@ static const char *const load_balance_names[] = { "aux", "bias", "none" };
 static const char *const data_kind_names[] = { "synthetic", "tokens" };
 static const char *const backend_names[] = { "auto", "cpu", "cuda" };
 static const char *const weight_copy_names[] = { "auto", "keep", "cast" };
+static const char *const reduce_grads_names[] = { "micro_step", "step" };
 static const char *const state_dtype_names[] = { "fp32", "bf16" };
 static const char *const scoring_names[] = { "softmax", "sigmoid" };
 static const char *const aux_scope_names[] = { "micro_batch", "global_batch" };
@@ -86,6 +88,7 @@ const struct cfg_key cfg_keys[] = {
     ENUM("parallel", "backend", parallel.backend, backend_names),
     BOOL("parallel", "reshard_after_forward", parallel.reshard_after_forward),
     BOOL("parallel", "prefetch", parallel.prefetch),
+    ENUM("parallel", "reduce_grads", parallel.reduce_grads, reduce_grads_names),
     INT("parallel", "moe_chunks", parallel.moe_chunks, POS),
 
     INT("train", "steps", train.steps, POS),

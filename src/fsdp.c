@@ -100,11 +100,73 @@ static struct fsdp_wbuf *weights_of(struct fsdp *f, int u)
     return hit;
 }
 
-static void bind_weights(struct fsdp *f, int u, struct fsdp_wbuf *b, struct fsdp_gbuf *gb)
+/* gb[g]: unit u's working gradient of group g (NULL: leave the binding) */
+static void bind_weights(struct fsdp *f, int u, struct fsdp_wbuf *b, struct fsdp_gbuf *const *gb)
 {
     for (int g = 0; g < TG_COUNT; g++)
         params_bind_unit(f->p, (enum tensor_group)g, u, f->dyn_w[g] ? b->w[g] : NULL,
-                         gb && f->dyn_g[g] ? gb->g[g] : NULL);
+                         gb && gb[g] ? gb[g]->g : NULL);
+}
+
+static void finish_reduce(struct fsdp *f, int g, struct fsdp_gbuf *gb)
+{
+    params_reduce_unit_finish(f->p, (enum tensor_group)g, gb->unit, gb->g, f->stage, &gb->req);
+    gb->reducing = false;
+    gb->unit = -1;
+}
+
+/* A free gradient buffer of group g for unit u: the smallest that fits, finishing the oldest
+ * reduction in flight when none is free. */
+static struct fsdp_gbuf *grad_buf_for(struct fsdp *f, int g, int u)
+{
+    const int64_t need = f->p->g[g].u_work[u];
+    for (;;) {
+        struct fsdp_gbuf *best = NULL, *oldest = NULL;
+        for (int k = 0; k < f->n_gbufs[g]; k++) {
+            struct fsdp_gbuf *b = &f->gbuf[g][k];
+            if (b->reducing && (!oldest || b->started < oldest->started)) oldest = b;
+            if (b->unit < 0 && b->cap >= need && (!best || b->cap < best->cap)) best = b;
+        }
+        if (best) return best;
+        MT_CHECK(oldest, "fsdp: no free gradient buffer for unit %d", u);
+        finish_reduce(f, g, oldest);
+    }
+}
+
+void fsdp_flush(struct fsdp *f)
+{
+    finish_prefetch(f);   /* the experts' reduction below uses the staging */
+    /* reduce_grads=step: every unit bound this step reduces now, the dense ones all in flight at
+     * once (each into its own buffer), the experts' one at a time through the staging */
+    for (int g = 0; g < TG_COUNT; g++) {
+        if (!f->unit_g[g]) continue;
+        for (int u = 0; u < f->p->n_units; u++) {
+            struct fsdp_gbuf *gb = &f->unit_g[g][u];
+            if (gb->unit < 0) continue;
+            params_reduce_unit_start(f->p, (enum tensor_group)g, u, gb->g, f->stage, &gb->req);
+            gb->reducing = true;
+            gb->started = ++f->clock;
+            f->n_reduces++;
+            if (g == TG_EXPERT) finish_reduce(f, g, gb);
+        }
+    }
+    /* then in the order started, so that each shard element adds its sums in a fixed order */
+    for (;;) {
+        struct fsdp_gbuf *oldest = NULL;
+        int og = 0;
+        for (int g = 0; g < TG_COUNT; g++) {
+            const int n = f->unit_g[g] ? f->p->n_units : f->n_gbufs[g];
+            for (int k = 0; k < n; k++) {
+                struct fsdp_gbuf *b = f->unit_g[g] ? &f->unit_g[g][k] : &f->gbuf[g][k];
+                if (b->reducing && (!oldest || b->started < oldest->started)) {
+                    oldest = b;
+                    og = g;
+                }
+            }
+        }
+        if (!oldest) return;
+        finish_reduce(f, og, oldest);
+    }
 }
 
 static void before_forward(void *ctx, int u)
@@ -138,16 +200,19 @@ static void before_backward(void *ctx, int u)
     finish_prefetch(f);
     struct fsdp_wbuf *b = weights_of(f, u);
     b->users++;
-    struct fsdp_gbuf *gb = NULL;
-    for (int k = 0; k < FSDP_GRAD_BUFS && !gb; k++)
-        if (f->gbuf[k].unit < 0 && (k == 0 || p_tied(f))) gb = &f->gbuf[k];
-    MT_CHECK(gb, "fsdp: no free gradient buffer for unit %d", u);
-    gb->unit = u;
+    struct fsdp_gbuf *gb[TG_COUNT] = {NULL};
     for (int g = 0; g < TG_COUNT; g++) {
         if (!f->dyn_g[g]) continue;
+        if (f->unit_g[g]) {   /* reduce_grads=step: the unit's own buffer, zeroed at its first use */
+            gb[g] = &f->unit_g[g][u];
+            if (gb[g]->unit == u) continue;
+        } else {
+            gb[g] = grad_buf_for(f, g, u);
+        }
+        gb[g]->unit = u;
         const int64_t n = f->p->g[g].u_work[u];
         if (g == TG_EXPERT && model_skip_expert_grad_zeroing(f->p->m, u, n)) continue; /* overwritten */
-        be_of(f)->zero(gb->g[g], (size_t)n * sizeof(float));
+        be_of(f)->zero(gb[g]->g, (size_t)n * sizeof(float));
     }
     bind_weights(f, u, b, gb);
     start_prefetch(f, u - 1);
@@ -157,17 +222,23 @@ static void after_backward(void *ctx, int u)
 {
     struct fsdp *f = ctx;
     finish_prefetch(f);   /* before the reduce-scatter reuses the expert staging */
-    struct fsdp_gbuf *gb = NULL;
-    for (int k = 0; k < FSDP_GRAD_BUFS && !gb; k++)
-        if (f->gbuf[k].unit == u) gb = &f->gbuf[k];
-    MT_CHECK(gb, "fsdp: unit %d has no gradient buffer", u);
-    for (int g = 0; g < TG_COUNT; g++)
-        if (f->dyn_g[g]) params_reduce_unit(f->p, (enum tensor_group)g, u, gb->g[g], f->stage);
-    gb->unit = -1;
+    for (int g = 0; g < TG_COUNT; g++) {
+        if (!f->dyn_g[g] || f->unit_g[g]) continue;   /* reduce_grads=step: fsdp_flush reduces */
+        struct fsdp_gbuf *gb = NULL;
+        for (int k = 0; k < f->n_gbufs[g] && !gb; k++)
+            if (f->gbuf[g][k].unit == u && !f->gbuf[g][k].reducing) gb = &f->gbuf[g][k];
+        MT_CHECK(gb, "fsdp: unit %d has no gradient buffer", u);
+        params_reduce_unit_start(f->p, (enum tensor_group)g, u, gb->g, f->stage, &gb->req);
+        gb->reducing = true;
+        gb->started = ++f->clock;
+        f->n_reduces++;
+        if (g == TG_DENSE && f->overlap_reduce) f->n_reduces_overlapped++;
+        else finish_reduce(f, g, gb);   /* the experts' staging is the gathers' too */
+    }
     holding(f, u)->users--;
 }
 
-void fsdp_init(struct fsdp *f, struct params *p, bool reshard, bool prefetch)
+void fsdp_init(struct fsdp *f, struct params *p, bool reshard, bool prefetch, bool reduce_per_step)
 {
     memset(f, 0, sizeof *f);
     f->p = p;
@@ -179,7 +250,8 @@ void fsdp_init(struct fsdp *f, struct params *p, bool reshard, bool prefetch)
         f->dyn_w[g] = !params_static_weights(p, (enum tensor_group)g);
         f->dyn_g[g] = !p->g[g].aliased;
     }
-    for (int k = 0; k < FSDP_GRAD_BUFS; k++) f->gbuf[k].unit = -1;
+    for (int g = 0; g < TG_COUNT; g++)
+        for (int k = 0; k < FSDP_GRAD_BUFS; k++) f->gbuf[g][k].unit = -1;
     if (!any_dynamic(f)) return;
     f->n_bufs = reshard ? 2 : p->n_units;
     f->wbuf = mt_calloc((size_t)f->n_bufs, sizeof *f->wbuf);
@@ -199,9 +271,28 @@ void fsdp_init(struct fsdp *f, struct params *p, bool reshard, bool prefetch)
                 f->wbuf[k].w[g] = be->alloc((size_t)MT_MAX(n, 1) * be->x_size);
             }
         }
-        if (f->dyn_g[g]) {
+        if (f->dyn_g[g] && reduce_per_step) {
             mem_track_set(MEM_GRADS);
-            for (int k = 0; k < n_gbufs; k++) f->gbuf[k].g[g] = be->alloc((size_t)MT_MAX(work, 1) * sizeof(float));
+            f->unit_g[g] = mt_calloc((size_t)p->n_units, sizeof *f->unit_g[g]);
+            for (int u = 0; u < p->n_units; u++) {
+                struct fsdp_gbuf *gb = &f->unit_g[g][u];
+                gb->unit = -1;
+                gb->cap = p->g[g].u_work[u];
+                gb->g = be->alloc((size_t)MT_MAX(gb->cap, 1) * sizeof(float));
+            }
+        } else if (f->dyn_g[g]) {
+            mem_track_set(MEM_GRADS);
+            /* the dense group's extra buffer, for the largest layer: the reduction of one unit
+             * runs while the next is computed into the other buffer (the head's and the
+             * embedding's large units alternate with layers) */
+            const bool extra = g == TG_DENSE && prefetch;
+            f->overlap_reduce |= extra;
+            f->n_gbufs[g] = n_gbufs + extra;
+            for (int k = 0; k < f->n_gbufs[g]; k++) {
+                struct fsdp_gbuf *gb = &f->gbuf[g][k];
+                gb->cap = k < n_gbufs ? work : params_layer_unit_max(p, (enum tensor_group)g);
+                gb->g = be->alloc((size_t)MT_MAX(gb->cap, 1) * sizeof(float));
+            }
         }
         if (g == TG_EXPERT && p->g[g].group_size > 1 && (f->dyn_w[g] || f->dyn_g[g])) {
             mem_track_set(MEM_BUFFERS);
@@ -217,6 +308,7 @@ void fsdp_init(struct fsdp *f, struct params *p, bool reshard, bool prefetch)
 void fsdp_invalidate(struct fsdp *f)
 {
     finish_prefetch(f);
+    fsdp_flush(f);
     for (int k = 0; k < f->n_bufs; k++) {
         MT_CHECK(f->wbuf[k].users == 0, "fsdp: unit %d still in use at the optimizer step", f->wbuf[k].unit);
         f->wbuf[k].unit = -1;
@@ -229,12 +321,15 @@ void fsdp_free(struct fsdp *f)
     if (!f->p) return;
     const struct backend *be = be_of(f);
     finish_prefetch(f);
+    fsdp_flush(f);
     model_set_hooks(f->p->m, NULL);
     for (int g = 0; g < TG_COUNT; g++) {
         for (int k = 0; k < f->n_bufs; k++)
             if (f->wbuf[k].w[g]) be->free(f->wbuf[k].w[g]);
         for (int k = 0; k < FSDP_GRAD_BUFS; k++)
-            if (f->gbuf[k].g[g]) be->free(f->gbuf[k].g[g]);
+            if (f->gbuf[g][k].g) be->free(f->gbuf[g][k].g);
+        for (int u = 0; f->unit_g[g] && u < f->p->n_units; u++) be->free(f->unit_g[g][u].g);
+        free(f->unit_g[g]);
     }
     if (f->stage) be->free(f->stage);
     free(f->wbuf);

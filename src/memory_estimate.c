@@ -201,9 +201,13 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
     /* fsdp.c: one buffer for the largest unit, one for the largest layer; collectives in place */
     if (dyn_wd) work_w += (reshard ? (double)(max_wd + lay_wd) : (double)all_wd) * x;
     if (dyn_we) work_w += (reshard ? (double)(max_we + lay_we) : (double)all_we) * x;
-    if (d->S > 1) work_g += n_gbufs * (double)max_wd * 4;
+    /* with prefetch, one more dense buffer of the largest layer for the overlapped reduce-scatter;
+     * reduce_grads=step: every unit's own buffer instead */
+    const bool per_step = c->parallel.reduce_grads == MT_REDUCE_STEP;
+    if (d->S > 1)
+        work_g += (per_step ? (double)all_wd : n_gbufs * (double)max_wd + (c->parallel.prefetch ? (double)lay_wd : 0)) * 4;
     if (d->ep_fsdp > 1) {
-        work_g += n_gbufs * (double)max_we * 4;
+        work_g += (per_step ? (double)all_we : n_gbufs * (double)max_we) * 4;
         staging += (double)d->ep_fsdp * max_pe * 4;
     }
     e->param_bytes = (copy ? held * x : 0) + work_w;

@@ -308,14 +308,19 @@ void plan_print_opts(FILE *f, const struct config *c, const struct mesh_dims *d,
     fprintf(f, "legend: experts = experts held [a,b); gate_up/down shard = experts x dim-1 rows held x dim 2 "
             "(dim 1 split across ep_fsdp); non-expert = elements of the non-expert shard (each layer's "
             "non-expert tensors cut in equal chunks across the stage)\n");
+    const char *work_g = c->parallel.reduce_grads == MT_REDUCE_STEP
+                             ? "every unit's working gradient (parallel.reduce_grads: step)"
+                         : c->parallel.prefetch ? "one unit's working gradient and one layer's for the overlapped reduce-scatter"
+                                                : "one unit's working gradient";
     fprintf(f, "  params = %s working weights: %s, plus layer buffers where a unit is gathered (or cast) per "
-            "use (one of the largest unit, one of the largest layer); grads = the fp32 gradient of the shard "
-            "plus one unit's working gradient where the group has several ranks; master = fp32 master "
-            "weights of the shard; adam = the two moments of the shard (%s)\n",
+            "use (%s); grads = the fp32 gradient of the shard plus %s where the group has several ranks; "
+            "master = fp32 master weights of the shard; adam = the two moments of the shard (%s)\n",
             fp32 ? "fp32" : "bf16",
             estimate_keep_copy(c, d, PLAN_DEVICE_BYTES) ? "the shard's kept compute copy (train.weight_copy)"
                                                         : "no kept copy (train.weight_copy: cast)",
-            c->train.optimizer_state_dtype == MT_STATE_BF16 ? "bf16" : "fp32");
+            c->parallel.reshard_after_forward ? "one of the largest unit, one of the largest layer"
+                                              : "every unit's, parallel.reshard_after_forward: false",
+            work_g, c->train.optimizer_state_dtype == MT_STATE_BF16 ? "bf16" : "fp32");
     fprintf(f, "  acts = activations saved for backward by the stage's layers for the micro-batches in flight "
             "(%d x %d tokens each; 1F1B keeps min(pp - stage, micro-steps)), plus logits on the last stage\n",
             c->train.micro_batch_size, c->train.seq_len);

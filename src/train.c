@@ -298,7 +298,8 @@ int cmd_train(const struct cli *a)
         params_init_random(&p, tc->seed);
     }
     struct fsdp sharding;
-    fsdp_init(&sharding, &p, c.parallel.reshard_after_forward, c.parallel.prefetch);
+    fsdp_init(&sharding, &p, c.parallel.reshard_after_forward, c.parallel.prefetch,
+              c.parallel.reduce_grads == MT_REDUCE_STEP);
     if (*c.data.routing_replay &&
         !route_replay_open(&m, c.data.routing_replay, (int64_t)tc->steps * tc->global_batch_size, err, sizeof err))
         mt_user_error("data.routing_replay: %s", err);
@@ -381,6 +382,7 @@ int cmd_train(const struct cli *a)
             model_backward(&m, (float)(1.0 / n_valid_global), use_aux ? aux_dp : NULL);
         }
         watchdog_phase(step, "gradient norm");
+        fsdp_flush(&sharding);
         double gsq = piped ? pipe_grad_sumsq(&p, &mesh, ends, world) : params_grad_sumsq(&p, world);
         double gnorm = sqrt(gsq);
         double scale = tc->grad_clip > 0 && gnorm > tc->grad_clip ? tc->grad_clip / gnorm : 1.0;
@@ -462,6 +464,10 @@ int cmd_train(const struct cli *a)
         mt_log0("fsdp: %lld unit gathers per rank, %lld (%.0f%%) prefetched while the unit before them computed\n",
                 (long long)sharding.n_gathers, (long long)sharding.n_prefetched,
                 100.0 * (double)sharding.n_prefetched / (double)sharding.n_gathers);
+    if (sharding.n_reduces > 0)
+        mt_log0("fsdp: %lld gradient reduce-scatters per rank, %lld (%.0f%%) left running behind the next unit's backward\n",
+                (long long)sharding.n_reduces, (long long)sharding.n_reduces_overlapped,
+                100.0 * (double)sharding.n_reduces_overlapped / (double)sharding.n_reduces);
     if (*c.checkpoint.export_hf) {
         watchdog_phase(tc->steps, "export");
         if (!export_params_hf(&p, &mesh, &c, m.bias ? bias_h : NULL, a->force, c.checkpoint.export_hf, err,

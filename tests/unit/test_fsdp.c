@@ -20,6 +20,7 @@ struct run {
     double peak;        /* measured peak bytes, max over ranks */
     double plan_pct;    /* (measured - plan) / plan, percent */
     long gathers, prefetched; /* the "fsdp:" line's counts (-1: no line) */
+    long reduces, overlapped; /* the "fsdp: ... reduce-scatters" line's (-1: no line) */
 };
 
 /* Trains on np ranks (EP = ep, micro-batch 4 / np) in a fresh directory; fills r. */
@@ -47,6 +48,11 @@ static void train(int np, int ep, const char *extra, struct run *r)
     r->gathers = r->prefetched = -1;
     const char *fl = strstr(out, "fsdp: ");
     if (fl) cr_assert_eq(sscanf(fl, "fsdp: %ld unit gathers per rank, %ld", &r->gathers, &r->prefetched), 2, "%s", fl);
+    r->reduces = r->overlapped = -1;
+    const char *rl = fl ? strstr(fl + 1, "fsdp: ") : NULL;
+    if (rl)
+        cr_assert_eq(sscanf(rl, "fsdp: %ld gradient reduce-scatters per rank, %ld", &r->reduces, &r->overlapped), 2,
+                     "%s", rl);
     free(out);
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     tu_run(cmd, NULL);
@@ -90,6 +96,45 @@ Test(fsdp, the_next_layer_is_gathered_while_this_one_computes, .timeout = 600)
     expect_same_training(&off, &on, "prefetch on vs off");
     train(1, 1, "", &one);
     cr_expect(one.gathers == -1, "one rank printed an fsdp line (%ld gathers)", one.gathers);
+}
+
+/* The non-expert reduce-scatter is left in flight behind the next unit's backward with prefetch
+ * (every one of them on EP=4, where the experts are not sharded; half on EP=2 x EP_FSDP=2, whose
+ * expert reductions stay blocking) and blocks without it; reduce_grads=step keeps each unit's
+ * gradients over the step's two micro-steps and reduces them once (half the reductions), also
+ * with every layer kept gathered (reshard_after_forward=false). The same training each time. */
+Test(fsdp, reduce_scatters_overlap_or_run_once_per_step, .timeout = 900)
+{
+    struct run ref, on, off, step, kept;
+    const char *b8 = "--set train.global_batch_size=8 ";
+    char opt[256];
+    train(1, 1, b8, &ref);
+    snprintf(opt, sizeof opt, "%s", b8);
+    train(4, 4, opt, &on);
+    cr_expect(on.reduces > 0 && on.overlapped == on.reduces, "EP=4: %ld of %ld overlapped", on.overlapped, on.reduces);
+    expect_same_training(&ref, &on, "ep4, overlapped reduce-scatters");
+    train(4, 2, opt, &on);
+    cr_expect(on.reduces > 0 && 2 * on.overlapped == on.reduces, "EP=2: %ld of %ld overlapped", on.overlapped,
+              on.reduces);
+    snprintf(opt, sizeof opt, "%s --set parallel.prefetch=false", b8);
+    train(4, 2, opt, &off);
+    cr_expect(off.reduces == on.reduces && off.overlapped == 0, "prefetch off: %ld of %ld overlapped", off.overlapped,
+              off.reduces);
+    snprintf(opt, sizeof opt, "%s --set parallel.reduce_grads=step", b8);
+    train(4, 2, opt, &step);
+    cr_expect(2 * step.reduces == on.reduces, "reduce_grads=step: %ld reductions, %ld per micro-step", step.reduces,
+              on.reduces);
+    snprintf(opt, sizeof opt, "%s --set parallel.reduce_grads=step --set parallel.reshard_after_forward=false", b8);
+    train(4, 2, opt, &kept);
+    cr_expect(kept.gathers < step.gathers, "gathers kept %ld vs resharded %ld", kept.gathers, step.gathers);
+    const struct run *all[] = {&on, &off, &step, &kept};
+    const char *what[] = {"overlapped", "prefetch off", "reduce_grads=step", "step, no reshard"};
+    for (int k = 0; k < 4; k++) {
+        expect_same_training(&ref, all[k], what[k]);
+        cr_expect(fabs(all[k]->plan_pct) <= 10.0, "%s: measured peak %+.1f%% from the plan", what[k], all[k]->plan_pct);
+    }
+    cr_expect(step.peak > on.peak, "reduce_grads=step holds every unit's gradients: %.0f vs %.0f bytes", step.peak,
+              on.peak);
 }
 
 /* `plan` (the same breakdown) within 10% of the measured peak on CPU meshes. */
