@@ -56,6 +56,7 @@ void config_defaults(struct config *c)
     c->parallel.n_pipeline_layers = 0;
     c->parallel.reshard_after_forward = true;
     c->parallel.prefetch = true;
+    c->parallel.reduce_grads = MT_REDUCE_AUTO;
     c->parallel.moe_chunks = 1;
     c->parallel.backend = MT_BACKEND_AUTO;
 

@@ -16,8 +16,9 @@ enum mt_load_balance { MT_LB_AUX = 0, MT_LB_BIAS = 1, MT_LB_NONE = 2 };
 enum mt_data_kind { MT_DATA_SYNTHETIC = 0, MT_DATA_TOKENS = 1 };
 enum mt_backend_choice { MT_BACKEND_AUTO = 0, MT_BACKEND_CPU = 1, MT_BACKEND_CUDA = 2 };
 /* parallel.reduce_grads: reduce-scatter a sharded unit's gradients after every micro-step's
- * backward (one unit's fp32 buffer), or accumulate them unsharded over the step and reduce once */
-enum mt_reduce_grads { MT_REDUCE_MICRO_STEP = 0, MT_REDUCE_STEP = 1 };
+ * backward (one unit's fp32 buffer), or accumulate them unsharded over the step and reduce once;
+ * auto: once a step where the plan with it fits the device (memory_estimate.h) */
+enum mt_reduce_grads { MT_REDUCE_MICRO_STEP = 0, MT_REDUCE_STEP = 1, MT_REDUCE_AUTO = 2 };
 /* train.weight_copy: keep a compute-dtype copy of the shard, or cast the master at every gather */
 enum mt_weight_copy { MT_COPY_AUTO = 0, MT_COPY_KEEP = 1, MT_COPY_CAST = 2 };
 enum mt_state_dtype { MT_STATE_FP32 = 0, MT_STATE_BF16 = 1 };
@@ -71,7 +72,7 @@ struct parallel_config {
     enum mt_backend_choice backend; /* auto | cpu | cuda */
     bool reshard_after_forward;   /* free a layer's gathered weights after its forward (FSDP) */
     bool prefetch;                /* gather the next layer while this one computes (FSDP) */
-    enum mt_reduce_grads reduce_grads; /* micro_step | step (FSDP) */
+    enum mt_reduce_grads reduce_grads; /* micro_step | step | auto (FSDP) */
     int moe_chunks;               /* MoE exchange in this many chunks overlapping the expert GEMMs */
 };
 

@@ -249,6 +249,19 @@ double estimate_peak_bytes(const struct config *c, const struct mesh_dims *d, bo
     return peak;
 }
 
+enum mt_reduce_grads estimate_reduce_grads(const struct config *c, const struct mesh_dims *d, bool keep_copy,
+                                           double device_bytes)
+{
+    if (c->parallel.reduce_grads != MT_REDUCE_AUTO) return c->parallel.reduce_grads;
+    if (device_bytes <= 0) return MT_REDUCE_MICRO_STEP;
+    struct config *t = mt_malloc(sizeof *t);
+    *t = *c;
+    t->parallel.reduce_grads = MT_REDUCE_STEP;
+    const bool fits = estimate_peak_bytes(t, d, keep_copy) <= 0.80 * device_bytes;
+    free(t);
+    return fits ? MT_REDUCE_STEP : MT_REDUCE_MICRO_STEP;
+}
+
 bool estimate_keep_copy(const struct config *c, const struct mesh_dims *d, double device_bytes)
 {
     if (c->train.weight_copy != MT_COPY_AUTO) return c->train.weight_copy == MT_COPY_KEEP;

@@ -54,6 +54,10 @@ double estimate_peak_bytes(const struct config *c, const struct mesh_dims *d, bo
  * 80% of device_bytes, leaving room for the CUDA context, NCCL and fragmentation (<= 0: unknown,
  * keep). */
 bool estimate_keep_copy(const struct config *c, const struct mesh_dims *d, double device_bytes);
+/* parallel.reduce_grads resolved: step or micro_step as set; auto is step when the peak with it
+ * (and keep_copy) is at most 80% of device_bytes, micro_step off a device (device_bytes 0). */
+enum mt_reduce_grads estimate_reduce_grads(const struct config *c, const struct mesh_dims *d, bool keep_copy,
+                                           double device_bytes);
 
 /* Activation bytes saved for backward by layers [layer0, layer1) for one micro-batch of
  * micro_batch_size x seq_len tokens, plus the embedding input on the first stage and the final norm

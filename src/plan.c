@@ -262,9 +262,14 @@ void plan_print(FILE *f, const struct config *c, const struct mesh_dims *d, cons
     plan_print_opts(f, c, d, node_of_rank, false);
 }
 
-void plan_print_opts(FILE *f, const struct config *c, const struct mesh_dims *d, const int *node_of_rank,
+void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims *d, const int *node_of_rank,
                      bool fold)
 {
+    /* the layout as it would run on PLAN_DEVICE_BYTES: parallel.reduce_grads auto resolved */
+    struct config *c = mt_malloc(sizeof *c);
+    *c = *c_in;
+    c->parallel.reduce_grads =
+        estimate_reduce_grads(c_in, d, estimate_keep_copy(c_in, d, PLAN_DEVICE_BYTES), PLAN_DEVICE_BYTES);
     struct tensor_table tt;
     tensor_table_build(&tt, &c->model);
     int n_nodes = 0;
@@ -332,6 +337,7 @@ void plan_print_opts(FILE *f, const struct config *c, const struct mesh_dims *d,
 
     free(first_moe);
     free(st);
+    free(c);
     tensor_table_free(&tt);
     if (fflush(f) != 0 || ferror(f)) mt_fatal("writing the layout table: %s", strerror(errno));
 }

@@ -107,7 +107,7 @@ void balance_bias_update(float *bias, const double *counts, const struct model_c
 
 static void print_startup(const struct config *c, const struct mesh *mesh, const struct backend *be,
                           const struct data_source *data, int n_micro, const struct model *m,
-                          const char *init)
+                          const char *init, bool keep_copy)
 {
     if (mt_rank() != 0) return;
     const struct model_config *mc = &c->model;
@@ -124,6 +124,14 @@ static void print_startup(const struct config *c, const struct mesh *mesh, const
     printf("  mesh        %d ranks = pp %d x ep %d x ep_fsdp %d%s on %d node(s)\n", mesh->d.world,
            mesh->d.pp, mesh->d.ep, mesh->d.ep_fsdp, mesh->d.ep_outside ? " (ep_outside)" : "",
            mesh->n_nodes);
+    if (mesh->d.S > 1)   /* what the FSDP options (and their auto settings) came to */
+        printf("  sharding    non-expert weights over %d ranks%s; %s; layers %s; gradients reduce-scattered %s\n",
+               mesh->d.S, mesh->d.ep_fsdp > 1 ? ", experts over ep_fsdp" : "",
+               be->x_size == 4 ? "fp32 compute from the master"
+               : keep_copy     ? "bf16 copy of the shard kept"
+                               : "gathers cast from the fp32 master",
+               c->parallel.reshard_after_forward ? "gathered per use" : "kept gathered over the step",
+               c->parallel.reduce_grads == MT_REDUCE_STEP ? "once a step" : "every micro-step");
     printf("  batch       %d sequences x %d tokens per step = %d micro-steps x %d ranks x %d\n",
            c->train.global_batch_size, c->train.seq_len, n_micro, mesh->d.S,
            c->train.micro_batch_size);
@@ -276,6 +284,10 @@ int cmd_train(const struct cli *a)
     float *bias_h = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(float));
     struct params p;
     const bool keep_copy = train_keep_weight_copy(&c, &mesh.d, be);
+    /* every rank must take the same path (the reductions are collectives): the smallest device */
+    double device_bytes = be->mem_bytes;
+    MT_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &device_bytes, 1, MPI_DOUBLE, MPI_MIN, mesh.world_comm));
+    c.parallel.reduce_grads = estimate_reduce_grads(&c, &mesh.d, keep_copy, device_bytes);
     params_init_opts(&p, &m, stage, fsdp, keep_copy, tc->optimizer_state_dtype == MT_STATE_BF16);
     int start_step = 0;
     if (resuming) {
@@ -308,7 +320,7 @@ int cmd_train(const struct cli *a)
     if (resuming) snprintf(init, sizeof init, "resumed from %s (step %d)", resume_dir, start_step);
     else if (*c.model.init_from) snprintf(init, sizeof init, "weights from %s", c.model.init_from);
     else snprintf(init, sizeof init, "random (seed %llu)", (unsigned long long)tc->seed);
-    print_startup(&c, &mesh, be, data, n_micro, &m, init);
+    print_startup(&c, &mesh, be, data, n_micro, &m, init, keep_copy);
     struct validation *val = validation_open(&c, n_micro, mesh.me.local, dp);
     if (val) mt_log0("  validation  %s\n", validation_describe(val));
     metrics_print_config(&c, c.log.metrics);

@@ -170,6 +170,43 @@ Test(plan, shard_and_optimizer_bytes_by_hand)
     tensor_table_free(&tt);
 }
 
+/* The gradient buffers of parallel.prefetch and parallel.reduce_grads, by hand on the hand model
+ * (stage 0 of PP=2 x EP=2 x EP_FSDP=2: the embedding unit gathers 1616 non-expert elements, each
+ * layer 680 and 480 of experts), and what reduce_grads: auto resolves to. */
+Test(plan, gradient_buffers_of_the_reduce_options)
+{
+    struct config c;
+    hand_config(&c, 2, 2);
+    struct mesh_dims d;
+    dims(&c, 8, &d);
+    struct tensor_table tt;
+    tensor_table_build(&tt, &c.model);
+    struct stage_estimate base, pf, step;
+    estimate_stage(&c, &tt, &d, 0, true, &base);
+    /* prefetch: one more non-expert buffer of the largest layer, for the overlapped reduce-scatter */
+    c.parallel.prefetch = true;
+    estimate_stage(&c, &tt, &d, 0, true, &pf);
+    cr_assert_float_eq(pf.grad_bytes - base.grad_bytes, 4.0 * 680, 1e-9);
+    /* step: every unit's own buffer instead of one of the largest unit per group (1616 + 480) */
+    c.parallel.reduce_grads = MT_REDUCE_STEP;
+    estimate_stage(&c, &tt, &d, 0, true, &step);
+    cr_assert_float_eq(step.grad_bytes - base.grad_bytes, 4.0 * ((1616 + 2 * 680 + 2 * 480) - (1616 + 480)), 1e-9);
+    cr_assert_float_eq(step.param_bytes, pf.param_bytes, 1e-9);
+
+    /* auto: step exactly when the peak with it is at most 80% of the device */
+    const double with_step = estimate_peak_bytes(&c, &d, true);
+    c.parallel.reduce_grads = MT_REDUCE_AUTO;
+    cr_assert_gt(with_step, estimate_peak_bytes(&c, &d, true));
+    cr_assert_eq(estimate_reduce_grads(&c, &d, true, with_step / 0.80 * 1.001), MT_REDUCE_STEP);
+    cr_assert_eq(estimate_reduce_grads(&c, &d, true, with_step / 0.80 * 0.999), MT_REDUCE_MICRO_STEP);
+    cr_assert_eq(estimate_reduce_grads(&c, &d, true, 0), MT_REDUCE_MICRO_STEP, "no device: per micro-step");
+    c.parallel.reduce_grads = MT_REDUCE_MICRO_STEP;
+    cr_assert_eq(estimate_reduce_grads(&c, &d, true, 1e15), MT_REDUCE_MICRO_STEP, "set by hand: kept");
+    c.parallel.reduce_grads = MT_REDUCE_STEP;
+    cr_assert_eq(estimate_reduce_grads(&c, &d, true, 1), MT_REDUCE_STEP, "set by hand: kept");
+    tensor_table_free(&tt);
+}
+
 Test(plan, tied_embedding_copy_on_last_stage)
 {
     struct config c;
