@@ -56,7 +56,9 @@ NVFLAGS   += -std=c++17 $(CUDA_ARCH) -Isrc -Icuda -Xcompiler -Wall,-Wno-unused-p
 endif
 
 UNIT_SRCS ?= $(wildcard tests/unit/test_*.c)
-UNIT_OBJS := $(UNIT_SRCS:%.c=$(BUILD)/%.o)
+# helpers shared by several test files (tests/unit/*_util.c), linked whatever UNIT_SRCS holds
+UNIT_UTIL_SRCS := $(wildcard tests/unit/*_util.c)
+UNIT_OBJS := $(UNIT_SRCS:%.c=$(BUILD)/%.o) $(UNIT_UTIL_SRCS:%.c=$(BUILD)/%.o)
 MPI_TEST_SRCS := $(wildcard tests/mpi/*.c)
 MPI_TEST_BINS := $(MPI_TEST_SRCS:tests/mpi/%.c=$(BUILD)/tests/mpi/%)
 TOOL_SRCS := $(wildcard tools/*.c)
