@@ -87,6 +87,7 @@ enum cuda_scratch_slot {
     SCRATCH_SORT_TEMP,  /* scatter: CUB temporary storage */
     SCRATCH_ATTN,       /* attention backward: rowsum(dO ⊙ O) */
     SCRATCH_HIST,       /* router_stats: integer counts */
+    SCRATCH_CHUNK_HIST, /* moe route/pair plans: per-chunk counts [chunks, n + 1] */
     SCRATCH_ROUTER_PARTS, /* router_matmul_backward: dlogits as three bf16 parts [T, 3E] */
     SCRATCH_ROUTER_W3,    /* router_matmul_backward: the router weight stacked three times */
     SCRATCH_ADAMW,        /* adamw_update_multi: the segment table */

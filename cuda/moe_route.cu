@@ -8,8 +8,11 @@
  *     into a shared-memory histogram, added into the global counts with integer atomics (exact,
  *     so the order does not matter); MT_NO_EXPERT slots are skipped (slot_row -1), other ids
  *     outside [0, E) are counted in counts[E] for the host.
- * (2) one block per expert walks the tokens in order; a block-wide prefix count of the tokens that
- *     chose expert e gives each its row, off[e] + rank, i.e. rows sorted by (expert, token).
+ *     Each block also keeps its own histogram (chunk_hist: one row per ROUTE_THREADS tokens).
+ * (2) one block per (expert, chunk of ROUTE_THREADS tokens): its chunk's tokens that chose expert e
+ *     get rows off[e] + (the earlier chunks' count for e) + rank in the chunk, i.e. rows sorted by
+ *     (expert, token); every block is independent, so a few experts (or EP ranks) still fill the
+ *     GPU.
  * Pair plan: the same two passes with the EP rank (expert / n_local) in place of the expert and
  * each token counted once per rank it uses. */
 #include "moe_route.cuh"
@@ -34,8 +37,17 @@ __device__ void sort_token(int32_t *topk_idx, float *topk_w, int t, int k, int32
     }
 }
 
+/* the block's histogram into counts and into its row of chunk_hist ([gridDim.x, n + 1]) */
+__device__ void publish_hist(const int *hist, int n, int *counts, int *chunk_hist)
+{
+    for (int i = threadIdx.x; i <= n; i += blockDim.x) {
+        chunk_hist[(size_t)blockIdx.x * (n + 1) + i] = hist[i];
+        if (hist[i]) atomicAdd(&counts[i], hist[i]);
+    }
+}
+
 __global__ void route_sort_count_kernel(int32_t *topk_idx, float *topk_w, int32_t *slot_row,
-                                        int *counts, int T, int E, int k)
+                                        int *counts, int *chunk_hist, int T, int E, int k)
 {
     extern __shared__ int hist[]; /* [E + 1] */
     for (int e = threadIdx.x; e <= E; e += blockDim.x) hist[e] = 0;
@@ -54,17 +66,17 @@ __global__ void route_sort_count_kernel(int32_t *topk_idx, float *topk_w, int32_
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e <= E; e += blockDim.x)
-        if (hist[e]) atomicAdd(&counts[e], hist[e]);
+    publish_hist(hist, E, counts, chunk_hist);
 }
 
-/* Σ counts[i < n] for every thread of the block (warp_tot: the block's ROUTE_THREADS/32 ints) */
-__device__ int block_count_before(const int *counts, int n, int *warp_tot)
+/* Σ a[i * stride] over i < n, for every thread of the block (warp_tot: the block's
+ * ROUTE_THREADS/32 ints) */
+__device__ int block_sum(const int *a, int n, int stride, int *warp_tot)
 {
     __shared__ int sum_sh;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int part = 0;
-    for (int i = threadIdx.x; i < n; i += ROUTE_THREADS) part += counts[i];
+    for (int i = threadIdx.x; i < n; i += ROUTE_THREADS) part += a[(size_t)i * stride];
     for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
     if (lane == 0) warp_tot[warp] = part;
     __syncthreads();
@@ -78,48 +90,64 @@ __device__ int block_count_before(const int *counts, int n, int *warp_tot)
 }
 
 /* Over one chunk of ROUTE_THREADS items (one a thread, in thread order): the number of flagged
- * items before this thread's, and in *total the chunk's flagged items. Every thread calls it. */
-__device__ int block_rank_in_chunk(bool flag, int *warp_tot, int *total)
+ * items before this thread's. Every thread calls it. */
+__device__ int block_rank_in_chunk(bool flag, int *warp_tot)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const unsigned ballot = __ballot_sync(0xffffffffu, flag);
-    __syncthreads(); /* warp_tot of the previous chunk is consumed */
+    __syncthreads(); /* warp_tot's earlier use (block_sum) is over */
     if (lane == 0) warp_tot[warp] = __popc(ballot);
     __syncthreads();
-    int before = 0, sum = 0;
-    for (int w = 0; w < ROUTE_THREADS / 32; w++) {
-        before += w < warp ? warp_tot[w] : 0;
-        sum += warp_tot[w];
-    }
-    *total = sum;
+    int before = 0;
+    for (int w = 0; w < warp; w++) before += warp_tot[w];
     return before + __popc(ballot & ((1u << lane) - 1u));
 }
 
+/* The first row of chunk blockIdx.y's items for bucket b (expert or rank) of n buckets:
+ * off[b] plus the earlier chunks' count for b. */
+__device__ int chunk_base(const int *counts, const int *chunk_hist, int b, int n, int *warp_tot)
+{
+    const int off = block_sum(counts, b, 1, warp_tot);
+    return off + block_sum(chunk_hist + b, (int)blockIdx.y, n + 1, warp_tot);
+}
+
+/* grid (E, chunks): expert e's rows for the tokens of chunk blockIdx.y */
 __global__ void __launch_bounds__(ROUTE_THREADS)
-route_rows_kernel(const int32_t *topk_idx, const int *counts, int32_t *src_row, int32_t *slot_row,
-                  int T, int k)
+route_rows_kernel(const int32_t *topk_idx, const int *counts, const int *chunk_hist, int32_t *src_row,
+                  int32_t *slot_row, int T, int E, int k)
 {
     __shared__ int warp_tot[ROUTE_THREADS / 32];
     const int e = blockIdx.x;
-    int base = block_count_before(counts, e, warp_tot); /* off[e] */
-    for (int t0 = 0; t0 < T; t0 += ROUTE_THREADS) {
-        const int t = t0 + threadIdx.x;
-        int jj = -1;
-        if (t < T)
-            for (int j = 0; j < k; j++) {
-                const int32_t x = topk_idx[(size_t)t * k + j];
-                if (x == e) jj = j;
-                if (x >= e) break; /* sorted ascending */
-            }
-        int total;
-        const int rank = block_rank_in_chunk(jj >= 0, warp_tot, &total);
-        if (jj >= 0) {
-            const int row = base + rank;
-            src_row[row] = t;
-            slot_row[(size_t)t * k + jj] = row;
+    const int base = chunk_base(counts, chunk_hist, e, E, warp_tot);
+    const int t = (int)blockIdx.y * ROUTE_THREADS + threadIdx.x;
+    int jj = -1;
+    if (t < T)
+        for (int j = 0; j < k; j++) {
+            const int32_t x = topk_idx[(size_t)t * k + j];
+            if (x == e) jj = j;
+            if (x >= e) break; /* sorted ascending */
         }
-        base += total;
+    const int rank = block_rank_in_chunk(jj >= 0, warp_tot);
+    if (jj >= 0) {
+        const int row = base + rank;
+        src_row[row] = t;
+        slot_row[(size_t)t * k + jj] = row;
     }
+}
+
+/* the grid of the rows kernels: n buckets x chunks of ROUTE_THREADS tokens */
+static dim3 rows_grid(int n, int T)
+{
+    const int chunks = (T + ROUTE_THREADS - 1) / ROUTE_THREADS;
+    MT_CHECK(chunks <= 65535, "moe route plan: %d tokens are more than %d chunks", T, 65535);
+    return dim3((unsigned)n, (unsigned)chunks);
+}
+
+/* per-chunk histograms of n + 1 buckets for T tokens (scratch) */
+static int *chunk_hist_for(int n, int T)
+{
+    const size_t chunks = (size_t)(T + ROUTE_THREADS - 1) / ROUTE_THREADS;
+    return (int *)cuda_scratch(SCRATCH_CHUNK_HIST, MT_MAX(chunks, 1) * (size_t)(n + 1) * sizeof(int));
 }
 
 /* n zeroed device counters (scratch), in stream order */
@@ -150,16 +178,17 @@ void cu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32
     MT_CHECK((int64_t)T * k <= INT32_MAX, "moe_route_plan: %lld rows overflow int32",
              (long long)T * k);
     int *counts = counts_zeroed(E + 1);
+    int *chunk_hist = chunk_hist_for(E, T);
     if (T > 0) {
         route_sort_count_kernel<<<(T + ROUTE_THREADS - 1) / ROUTE_THREADS, ROUTE_THREADS,
                                   (size_t)(E + 1) * sizeof(int), g_cuda.stream>>>(
-            topk_idx, topk_w, slot_row, counts, T, E, k);
+            topk_idx, topk_w, slot_row, counts, chunk_hist, T, E, k);
         CUDA_LAUNCH_CHECK("moe route sort/count");
     }
     const int *h = counts_to_host(counts, E + 1);
     if (T > 0) {
-        route_rows_kernel<<<E, ROUTE_THREADS, 0, g_cuda.stream>>>(topk_idx, counts, src_row,
-                                                                  slot_row, T, k);
+        route_rows_kernel<<<rows_grid(E, T), ROUTE_THREADS, 0, g_cuda.stream>>>(
+            topk_idx, counts, chunk_hist, src_row, slot_row, T, E, k);
         CUDA_LAUNCH_CHECK("moe route rows");
     }
     CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
@@ -169,8 +198,8 @@ void cu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32
 
 /* ---------------------------------------------------------------- pair plan */
 
-__global__ void pair_sort_count_kernel(int32_t *topk_idx, float *topk_w, int *counts, int T,
-                                       int ep, int n_local, int k)
+__global__ void pair_sort_count_kernel(int32_t *topk_idx, float *topk_w, int *counts, int *chunk_hist,
+                                       int T, int ep, int n_local, int k)
 {
     extern __shared__ int hist[]; /* [ep + 1] */
     for (int d = threadIdx.x; d <= ep; d += blockDim.x) hist[d] = 0;
@@ -188,49 +217,45 @@ __global__ void pair_sort_count_kernel(int32_t *topk_idx, float *topk_w, int *co
         }
     }
     __syncthreads();
-    for (int d = threadIdx.x; d <= ep; d += blockDim.x)
-        if (hist[d]) atomicAdd(&counts[d], hist[d]);
+    publish_hist(hist, ep, counts, chunk_hist);
 }
 
-/* one block per rank d: the tokens using d, in order, get pairs base[d] + rank */
+/* grid (ep, chunks): the tokens of chunk blockIdx.y using rank d, in order, get pairs
+ * base[d] + (the earlier chunks' count) + rank */
 __global__ void __launch_bounds__(ROUTE_THREADS)
-pair_rows_kernel(const int32_t *topk_idx, const float *topk_w, const int *counts, int32_t *pair_tok,
-                 int32_t *tok_pair, int32_t *meta_idx, float *meta_w, int32_t *w_map, int T,
-                 int n_local, int k)
+pair_rows_kernel(const int32_t *topk_idx, const float *topk_w, const int *counts, const int *chunk_hist,
+                 int32_t *pair_tok, int32_t *tok_pair, int32_t *meta_idx, float *meta_w, int32_t *w_map,
+                 int T, int ep, int n_local, int k)
 {
     __shared__ int warp_tot[ROUTE_THREADS / 32];
     const int d = blockIdx.x;
-    int base = block_count_before(counts, d, warp_tot);
-    for (int t0 = 0; t0 < T; t0 += ROUTE_THREADS) {
-        const int t = t0 + threadIdx.x;
-        int j0 = k, j1 = k;
-        if (t < T) {
-            const int32_t *idx = topk_idx + (size_t)t * k;
-            for (int j = 0; j < k; j++) {
-                const int r = idx[j] / n_local;
-                if (r == d && j0 == k) j0 = j;
-                if (r > d) { j1 = j; break; }
-            }
-            if (j0 == k) j1 = k;
+    const int base = chunk_base(counts, chunk_hist, d, ep, warp_tot);
+    const int t = (int)blockIdx.y * ROUTE_THREADS + threadIdx.x;
+    int j0 = k, j1 = k;
+    if (t < T) {
+        const int32_t *idx = topk_idx + (size_t)t * k;
+        for (int j = 0; j < k; j++) {
+            const int r = idx[j] / n_local;
+            if (r == d && j0 == k) j0 = j;
+            if (r > d) { j1 = j; break; }
         }
-        const bool has = j0 < k;
-        int total;
-        const int rank = block_rank_in_chunk(has, warp_tot, &total);
-        if (has) {
-            const int p = base + rank;
-            pair_tok[p] = t;
-            for (int s = 0; s < k; s++) {
-                const bool used = s < j1 - j0;
-                meta_idx[(size_t)p * k + s] = used ? topk_idx[(size_t)t * k + j0 + s] - d * n_local
-                                                   : MT_NO_EXPERT;
-                meta_w[(size_t)p * k + s] = used ? topk_w[(size_t)t * k + j0 + s] : 0.0f;
-            }
-            for (int j = j0; j < j1; j++) {
-                tok_pair[(size_t)t * k + j] = j == j0 ? p : -1;
-                w_map[(size_t)t * k + j] = p * k + (j - j0);
-            }
+        if (j0 == k) j1 = k;
+    }
+    const bool has = j0 < k;
+    const int rank = block_rank_in_chunk(has, warp_tot);
+    if (has) {
+        const int p = base + rank;
+        pair_tok[p] = t;
+        for (int s = 0; s < k; s++) {
+            const bool used = s < j1 - j0;
+            meta_idx[(size_t)p * k + s] = used ? topk_idx[(size_t)t * k + j0 + s] - d * n_local
+                                               : MT_NO_EXPERT;
+            meta_w[(size_t)p * k + s] = used ? topk_w[(size_t)t * k + j0 + s] : 0.0f;
         }
-        base += total;
+        for (int j = j0; j < j1; j++) {
+            tok_pair[(size_t)t * k + j] = j == j0 ? p : -1;
+            w_map[(size_t)t * k + j] = p * k + (j - j0);
+        }
     }
 }
 
@@ -243,16 +268,18 @@ void cu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int32
     MT_CHECK((int64_t)T * k * k <= INT32_MAX, "moe_pair_plan: %lld slots overflow int32",
              (long long)T * k * k);
     int *counts = counts_zeroed(ep + 1);
+    int *chunk_hist = chunk_hist_for(ep, T);
     if (T > 0) {
         pair_sort_count_kernel<<<(T + ROUTE_THREADS - 1) / ROUTE_THREADS, ROUTE_THREADS,
                                  (size_t)(ep + 1) * sizeof(int), g_cuda.stream>>>(
-            topk_idx, topk_w, counts, T, ep, n_local, k);
+            topk_idx, topk_w, counts, chunk_hist, T, ep, n_local, k);
         CUDA_LAUNCH_CHECK("moe pair sort/count");
     }
     const int *h = counts_to_host(counts, ep + 1);
     if (T > 0) {
-        pair_rows_kernel<<<ep, ROUTE_THREADS, 0, g_cuda.stream>>>(
-            topk_idx, topk_w, counts, pair_tok, tok_pair, meta_idx, meta_w, w_map, T, n_local, k);
+        pair_rows_kernel<<<rows_grid(ep, T), ROUTE_THREADS, 0, g_cuda.stream>>>(
+            topk_idx, topk_w, counts, chunk_hist, pair_tok, tok_pair, meta_idx, meta_w, w_map, T, ep,
+            n_local, k);
         CUDA_LAUNCH_CHECK("moe pair rows");
     }
     CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
