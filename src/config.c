@@ -54,7 +54,7 @@ void config_defaults(struct config *c)
     c->parallel.expert_parallel_size = 1;
     c->parallel.ep_outside = false;
     c->parallel.n_pipeline_layers = 0;
-    c->parallel.reshard_after_forward = true;
+    c->parallel.reshard_after_forward = MT_TRI_AUTO;
     c->parallel.prefetch = true;
     c->parallel.reduce_grads = MT_REDUCE_AUTO;
     c->parallel.moe_chunks = 1;

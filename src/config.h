@@ -15,6 +15,8 @@ enum mt_precision { MT_PREC_BF16 = 0, MT_PREC_FP32 = 1 };
 enum mt_load_balance { MT_LB_AUX = 0, MT_LB_BIAS = 1, MT_LB_NONE = 2 };
 enum mt_data_kind { MT_DATA_SYNTHETIC = 0, MT_DATA_TOKENS = 1 };
 enum mt_backend_choice { MT_BACKEND_AUTO = 0, MT_BACKEND_CPU = 1, MT_BACKEND_CUDA = 2 };
+/* A boolean setting that may also be left to the program (`auto`). */
+enum mt_tri { MT_TRI_FALSE = 0, MT_TRI_TRUE = 1, MT_TRI_AUTO = 2 };
 /* parallel.reduce_grads: reduce-scatter a sharded unit's gradients after every micro-step's
  * backward (one unit's fp32 buffer), or accumulate them unsharded over the step and reduce once;
  * auto: once a step where the plan with it fits the device (memory_estimate.h) */
@@ -70,7 +72,8 @@ struct parallel_config {
     int n_pipeline_layers;        /* 0 = split the layers evenly over the stages */
     int pipeline_layers[MT_MAX_LAYERS]; /* layers of each stage, in order; sums to num_hidden_layers */
     enum mt_backend_choice backend; /* auto | cpu | cuda */
-    bool reshard_after_forward;   /* free a layer's gathered weights after its forward (FSDP) */
+    enum mt_tri reshard_after_forward; /* free a layer's gathered weights after its forward (FSDP);
+                                        * auto: false where the plan without it fits */
     bool prefetch;                /* gather the next layer while this one computes (FSDP) */
     enum mt_reduce_grads reduce_grads; /* micro_step | step | auto (FSDP) */
     int moe_chunks;               /* MoE exchange in this many chunks overlapping the expert GEMMs */

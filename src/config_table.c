@@ -13,6 +13,7 @@ _Static_assert(sizeof(enum mt_data_kind) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_backend_choice) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_weight_copy) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_reduce_grads) == sizeof(int), "enum size");
+_Static_assert(sizeof(enum mt_tri) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_state_dtype) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_scoring) == sizeof(int), "enum size");
 _Static_assert(sizeof(enum mt_aux_scope) == sizeof(int), "enum size");
@@ -35,6 +36,7 @@ static const char *const nonfinite_names[] = { "skip", "stop" };
 #define DBL(sec, name, f, ...) { sec, name, CFG_DOUBLE, FIELD(f), 0, __VA_ARGS__, NULL, 0, false }
 #define U64(sec, name, f) { sec, name, CFG_U64, FIELD(f), 0, 0, 0, 0, NULL, 0, false }
 #define BOOL(sec, name, f) { sec, name, CFG_BOOL, FIELD(f), 0, 0, 0, 0, NULL, 0, false }
+#define TRI(sec, name, f) { sec, name, CFG_TRI, FIELD(f), 0, 0, 0, 0, NULL, 0, false }
 #define STR(sec, name, f) { sec, name, CFG_STRING, FIELD(f), 0, 0, 0, 0, NULL, 0, false }
 #define ENUM(sec, name, f, names) \
     { sec, name, CFG_ENUM, FIELD(f), 0, 0, 0, 0, names, (int)(sizeof names / sizeof names[0]), false }
@@ -86,7 +88,7 @@ const struct cfg_key cfg_keys[] = {
       offsetof(struct config, parallel.n_pipeline_layers), CFG_LO | CFG_HI, 1, MT_MAX_LAYERS,
       NULL, 0, false },
     ENUM("parallel", "backend", parallel.backend, backend_names),
-    BOOL("parallel", "reshard_after_forward", parallel.reshard_after_forward),
+    TRI("parallel", "reshard_after_forward", parallel.reshard_after_forward),
     BOOL("parallel", "prefetch", parallel.prefetch),
     ENUM("parallel", "reduce_grads", parallel.reduce_grads, reduce_grads_names),
     INT("parallel", "moe_chunks", parallel.moe_chunks, POS),
@@ -239,6 +241,7 @@ const char *cfg_type_desc(const struct cfg_key *k, char *buf, size_t cap)
     case CFG_U64: return "an unsigned 64-bit integer";
     case CFG_DOUBLE: return "a number";
     case CFG_BOOL: return "a boolean (true/false/yes/no/on/off)";
+    case CFG_TRI: return "a boolean (true/false/yes/no/on/off) or auto";
     case CFG_STRING: return "a string";
     case CFG_INT_LIST: return "a list of integers";
     case CFG_ENUM: {

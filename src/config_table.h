@@ -9,7 +9,8 @@
 
 #include "config.h"
 
-enum cfg_type { CFG_INT, CFG_U64, CFG_DOUBLE, CFG_BOOL, CFG_STRING, CFG_ENUM, CFG_INT_LIST };
+/* CFG_TRI: a boolean or `auto` in an enum mt_tri field */
+enum cfg_type { CFG_INT, CFG_U64, CFG_DOUBLE, CFG_BOOL, CFG_TRI, CFG_STRING, CFG_ENUM, CFG_INT_LIST };
 
 /* bound flags */
 #define CFG_LO      1u   /* value >= lo (or > lo with CFG_LO_OPEN) */

@@ -245,6 +245,19 @@ bool cfg_parse_scalar(const struct cfg_key *k, struct config *c, const char *tex
             ok = false;
         }
         break;
+    case CFG_TRI: {
+        bool b;
+        if (!is_null && strcasecmp(t, "auto") == 0) {
+            *(int *)field = MT_TRI_AUTO;
+        } else if (!is_null && parse_bool(t, &b)) {
+            *(int *)field = b ? MT_TRI_TRUE : MT_TRI_FALSE;
+        } else {
+            snprintf(msg, cap, "%s.%s expects a boolean (true/false/yes/no/on/off) or auto, got '%s'",
+                     k->section, k->key, shown(t, sb, sizeof sb));
+            ok = false;
+        }
+        break;
+    }
     case CFG_ENUM: {
         int found = -1;
         for (int i = 0; i < k->n_names; i++)
@@ -286,6 +299,14 @@ bool cfg_check_bounds(const struct cfg_key *k, const struct config *c, char *msg
             int e = ((const int *)field)[i];
             snprintf(v, sizeof v, "%d", e);
             if (!in_bounds(k, e)) return bounds_error(k, v, msg, cap);
+        }
+        return true;
+    }
+    case CFG_TRI: {
+        int e = *(const int *)field;
+        if (e < MT_TRI_FALSE || e > MT_TRI_AUTO) {
+            snprintf(msg, cap, "%s.%s holds an invalid value %d", k->section, k->key, e);
+            return false;
         }
         return true;
     }
@@ -358,6 +379,10 @@ int cfg_format_value(const struct cfg_key *k, const struct config *c, char *buf,
         return snprintf(buf, cap, "%s", d);
     case CFG_BOOL:
         return snprintf(buf, cap, "%s", *(const bool *)field ? "true" : "false");
+    case CFG_TRI: {
+        int e = *(const int *)field;
+        return snprintf(buf, cap, "%s", e == MT_TRI_AUTO ? "auto" : e == MT_TRI_TRUE ? "true" : "false");
+    }
     case CFG_STRING:
         return format_string(field, buf, cap);
     case CFG_ENUM: {

@@ -194,7 +194,7 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
     const double x = fp32 ? 4 : 2;
     const double held = (double)(e->dense_numel + e->expert_numel);
     const bool copy = keep_copy && !fp32;   /* a kept fp32 copy is the master itself */
-    const bool reshard = c->parallel.reshard_after_forward;
+    const bool reshard = c->parallel.reshard_after_forward != MT_TRI_FALSE; /* auto: until resolved */
     const bool dyn_wd = !(d->S == 1 && keep_copy), dyn_we = !(d->ep_fsdp == 1 && keep_copy);
     const int n_gbufs = tied ? 2 : 1;
     double work_w = 0, work_g = 0, staging = 0;
@@ -260,6 +260,18 @@ enum mt_reduce_grads estimate_reduce_grads(const struct config *c, const struct 
     const bool fits = estimate_peak_bytes(t, d, keep_copy) <= 0.80 * device_bytes;
     free(t);
     return fits ? MT_REDUCE_STEP : MT_REDUCE_MICRO_STEP;
+}
+
+bool estimate_reshard(const struct config *c, const struct mesh_dims *d, bool keep_copy, double device_bytes)
+{
+    if (c->parallel.reshard_after_forward != MT_TRI_AUTO) return c->parallel.reshard_after_forward == MT_TRI_TRUE;
+    if (device_bytes <= 0) return true;
+    struct config *t = mt_malloc(sizeof *t);
+    *t = *c;
+    t->parallel.reshard_after_forward = MT_TRI_FALSE;
+    const bool fits = estimate_peak_bytes(t, d, keep_copy) <= 0.80 * device_bytes;
+    free(t);
+    return !fits;
 }
 
 bool estimate_keep_copy(const struct config *c, const struct mesh_dims *d, double device_bytes)

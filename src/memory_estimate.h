@@ -58,6 +58,10 @@ bool estimate_keep_copy(const struct config *c, const struct mesh_dims *d, doubl
  * (and keep_copy) is at most 80% of device_bytes, micro_step off a device (device_bytes 0). */
 enum mt_reduce_grads estimate_reduce_grads(const struct config *c, const struct mesh_dims *d, bool keep_copy,
                                            double device_bytes);
+/* parallel.reshard_after_forward resolved: as set, or (auto) false when the peak with every layer
+ * kept gathered (given keep_copy and c's resolved reduce_grads) is at most 80% of device_bytes;
+ * true off a device. */
+bool estimate_reshard(const struct config *c, const struct mesh_dims *d, bool keep_copy, double device_bytes);
 
 /* Activation bytes saved for backward by layers [layer0, layer1) for one micro-batch of
  * micro_batch_size x seq_len tokens, plus the embedding input on the first stage and the final norm

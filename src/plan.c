@@ -265,11 +265,12 @@ void plan_print(FILE *f, const struct config *c, const struct mesh_dims *d, cons
 void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims *d, const int *node_of_rank,
                      bool fold)
 {
-    /* the layout as it would run on PLAN_DEVICE_BYTES: parallel.reduce_grads auto resolved */
+    /* the layout as it would run on PLAN_DEVICE_BYTES: the auto FSDP settings resolved */
     struct config *c = mt_malloc(sizeof *c);
     *c = *c_in;
-    c->parallel.reduce_grads =
-        estimate_reduce_grads(c_in, d, estimate_keep_copy(c_in, d, PLAN_DEVICE_BYTES), PLAN_DEVICE_BYTES);
+    const bool keep = estimate_keep_copy(c_in, d, PLAN_DEVICE_BYTES);
+    c->parallel.reduce_grads = estimate_reduce_grads(c_in, d, keep, PLAN_DEVICE_BYTES);
+    c->parallel.reshard_after_forward = estimate_reshard(c, d, keep, PLAN_DEVICE_BYTES) ? MT_TRI_TRUE : MT_TRI_FALSE;
     struct tensor_table tt;
     tensor_table_build(&tt, &c->model);
     int n_nodes = 0;
@@ -323,7 +324,7 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
             fp32 ? "fp32" : "bf16",
             estimate_keep_copy(c, d, PLAN_DEVICE_BYTES) ? "the shard's kept compute copy (train.weight_copy)"
                                                         : "no kept copy (train.weight_copy: cast)",
-            c->parallel.reshard_after_forward ? "one of the largest unit, one of the largest layer"
+            c->parallel.reshard_after_forward != MT_TRI_FALSE ? "one of the largest unit, one of the largest layer"
                                               : "every unit's, parallel.reshard_after_forward: false",
             work_g, c->train.optimizer_state_dtype == MT_STATE_BF16 ? "bf16" : "fp32");
     fprintf(f, "  acts = activations saved for backward by the stage's layers for the micro-batches in flight "

@@ -130,7 +130,7 @@ static void print_startup(const struct config *c, const struct mesh *mesh, const
                be->x_size == 4 ? "fp32 compute from the master"
                : keep_copy     ? "bf16 copy of the shard kept"
                                : "gathers cast from the fp32 master",
-               c->parallel.reshard_after_forward ? "gathered per use" : "kept gathered over the step",
+               c->parallel.reshard_after_forward != MT_TRI_FALSE ? "gathered per use" : "kept gathered over the step",
                c->parallel.reduce_grads == MT_REDUCE_STEP ? "once a step" : "every micro-step");
     printf("  batch       %d sequences x %d tokens per step = %d micro-steps x %d ranks x %d\n",
            c->train.global_batch_size, c->train.seq_len, n_micro, mesh->d.S,
@@ -288,6 +288,7 @@ int cmd_train(const struct cli *a)
     double device_bytes = be->mem_bytes;
     MT_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &device_bytes, 1, MPI_DOUBLE, MPI_MIN, mesh.world_comm));
     c.parallel.reduce_grads = estimate_reduce_grads(&c, &mesh.d, keep_copy, device_bytes);
+    c.parallel.reshard_after_forward = estimate_reshard(&c, &mesh.d, keep_copy, device_bytes) ? MT_TRI_TRUE : MT_TRI_FALSE;
     params_init_opts(&p, &m, stage, fsdp, keep_copy, tc->optimizer_state_dtype == MT_STATE_BF16);
     int start_step = 0;
     if (resuming) {
@@ -310,7 +311,7 @@ int cmd_train(const struct cli *a)
         params_init_random(&p, tc->seed);
     }
     struct fsdp sharding;
-    fsdp_init(&sharding, &p, c.parallel.reshard_after_forward, c.parallel.prefetch,
+    fsdp_init(&sharding, &p, c.parallel.reshard_after_forward != MT_TRI_FALSE, c.parallel.prefetch,
               c.parallel.reduce_grads == MT_REDUCE_STEP);
     if (*c.data.routing_replay &&
         !route_replay_open(&m, c.data.routing_replay, (int64_t)tc->steps * tc->global_batch_size, err, sizeof err))

@@ -275,6 +275,27 @@ Test(config, bool_spellings)
     }
 }
 
+/* A boolean-or-auto key (parallel.reshard_after_forward): auto by default, every boolean spelling,
+ * and anything else refused with a message that says what it takes. */
+Test(config, tri_state_boolean_or_auto)
+{
+    struct config c;
+    cr_assert(load(&c, put("b.yaml", "train:\n  steps: 3\n"), 0, NULL), "%s", errbuf);
+    cr_assert_eq(c.parallel.reshard_after_forward, MT_TRI_AUTO);
+    const char *v[] = { "auto", "AUTO", "true", "yes", "on", "false", "no", "off" };
+    const enum mt_tri want[] = { MT_TRI_AUTO, MT_TRI_AUTO, MT_TRI_TRUE, MT_TRI_TRUE, MT_TRI_TRUE,
+                                 MT_TRI_FALSE, MT_TRI_FALSE, MT_TRI_FALSE };
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) {
+        char text[128];
+        snprintf(text, sizeof text, "parallel:\n  reshard_after_forward: %s\n", v[i]);
+        cr_assert(load(&c, put("b.yaml", text), 0, NULL), "%s: %s", v[i], errbuf);
+        cr_assert_eq(c.parallel.reshard_after_forward, want[i], "%s", v[i]);
+    }
+    cr_assert_not(load(&c, put("b.yaml", "parallel:\n  reshard_after_forward: sometimes\n"), 0, NULL));
+    cr_assert(strstr(errbuf, "reshard_after_forward expects a boolean (true/false/yes/no/on/off) or auto, got 'sometimes'"),
+              "%s", errbuf);
+}
+
 Test(config, lists_enums_strings_and_aliases_from_yaml)
 {
     struct config c;

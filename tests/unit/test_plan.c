@@ -33,7 +33,7 @@ static void hand_config(struct config *c, int pp, int ep)
     m->decoder_sparse_step = 1;
     c->parallel.pipeline_parallel_size = pp;
     c->parallel.expert_parallel_size = ep;
-    c->parallel.reshard_after_forward = true;
+    c->parallel.reshard_after_forward = MT_TRI_TRUE;
     c->train.seq_len = 8;
     c->train.micro_batch_size = 2;
     c->train.global_batch_size = 16;
@@ -204,6 +204,22 @@ Test(plan, gradient_buffers_of_the_reduce_options)
     cr_assert_eq(estimate_reduce_grads(&c, &d, true, 1e15), MT_REDUCE_MICRO_STEP, "set by hand: kept");
     c.parallel.reduce_grads = MT_REDUCE_STEP;
     cr_assert_eq(estimate_reduce_grads(&c, &d, true, 1), MT_REDUCE_STEP, "set by hand: kept");
+
+    /* reshard_after_forward: auto keeps every unit gathered exactly when the peak with that (and
+     * the resolved reduce_grads) is at most 80% of the device; the working weights are then every
+     * unit's (stage 0: 1616 + 2 x 680 non-expert, 2 x 480 expert elements, bf16) */
+    c.parallel.reshard_after_forward = MT_TRI_FALSE;
+    struct stage_estimate kept;
+    estimate_stage(&c, &tt, &d, 0, true, &kept);
+    cr_assert_float_eq(kept.param_bytes - step.param_bytes,
+                       2.0 * ((1616 + 2 * 680 + 2 * 480) - (1616 + 680 + 2 * 480)), 1e-9);
+    const double with_kept = estimate_peak_bytes(&c, &d, true);
+    c.parallel.reshard_after_forward = MT_TRI_AUTO;
+    cr_assert_not(estimate_reshard(&c, &d, true, with_kept / 0.80 * 1.001), "room: kept gathered");
+    cr_assert(estimate_reshard(&c, &d, true, with_kept / 0.80 * 0.999), "no room: resharded");
+    cr_assert(estimate_reshard(&c, &d, true, 0), "no device: resharded");
+    c.parallel.reshard_after_forward = MT_TRI_TRUE;
+    cr_assert(estimate_reshard(&c, &d, true, 1e15), "set by hand: kept");
     tensor_table_free(&tt);
 }
 
