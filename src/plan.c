@@ -265,12 +265,14 @@ void plan_print(FILE *f, const struct config *c, const struct mesh_dims *d, cons
 void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims *d, const int *node_of_rank,
                      bool fold)
 {
-    /* the layout as it would run on PLAN_DEVICE_BYTES: the auto FSDP settings resolved */
+    /* the layout as it would run on GPUs of PLAN_DEVICE_BYTES (on the CPU backend: no device), the
+     * auto FSDP settings resolved as train resolves them (train --dry-run passes them resolved) */
     struct config *c = mt_malloc(sizeof *c);
     *c = *c_in;
+    const double device = c_in->parallel.backend == MT_BACKEND_CPU ? 0 : PLAN_DEVICE_BYTES;
     const bool keep = estimate_keep_copy(c_in, d, PLAN_DEVICE_BYTES);
-    c->parallel.reduce_grads = estimate_reduce_grads(c_in, d, keep, PLAN_DEVICE_BYTES);
-    c->parallel.reshard_after_forward = estimate_reshard(c, d, keep, PLAN_DEVICE_BYTES) ? MT_TRI_TRUE : MT_TRI_FALSE;
+    c->parallel.reduce_grads = estimate_reduce_grads(c_in, d, keep, device);
+    c->parallel.reshard_after_forward = estimate_reshard(c, d, keep, device) ? MT_TRI_TRUE : MT_TRI_FALSE;
     struct tensor_table tt;
     tensor_table_build(&tt, &c->model);
     int n_nodes = 0;

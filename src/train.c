@@ -225,6 +225,18 @@ static struct comm *comm_for_backend(const struct backend *be, MPI_Comm c)
     return comm_mpi_create(c);
 }
 
+/* The auto FSDP settings (parallel.reduce_grads, reshard_after_forward) as this job runs them: on
+ * the smallest device of the job, so that every rank takes the same collectives. */
+static void resolve_fsdp_auto(struct config *c, const struct mesh *mesh, const struct backend *be)
+{
+    const bool keep_copy = train_keep_weight_copy(c, &mesh->d, be);
+    double device_bytes = be->mem_bytes;
+    MT_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &device_bytes, 1, MPI_DOUBLE, MPI_MIN, mesh->world_comm));
+    c->parallel.reduce_grads = estimate_reduce_grads(c, &mesh->d, keep_copy, device_bytes);
+    c->parallel.reshard_after_forward =
+        estimate_reshard(c, &mesh->d, keep_copy, device_bytes) ? MT_TRI_TRUE : MT_TRI_FALSE;
+}
+
 int cmd_train(const struct cli *a)
 {
     MT_CHECK_MPI(MPI_Init(NULL, NULL));
@@ -234,7 +246,8 @@ int cmd_train(const struct cli *a)
     struct mesh mesh;
     mesh_build(&mesh, &c, MPI_COMM_WORLD);
     const int n_micro = train_check_or_exit(&c, &mesh.d);
-    if (a->dry_run) {
+    if (a->dry_run) {   /* the layout the training would print: the same backend decides the autos */
+        resolve_fsdp_auto(&c, &mesh, backend_select(c.parallel.backend, c.model.precision, mesh.local_rank));
         plan_print_mesh(stdout, &c, &mesh);
         run_note_dry_run(&c);
         fflush(stdout);
@@ -284,11 +297,7 @@ int cmd_train(const struct cli *a)
     float *bias_h = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(float));
     struct params p;
     const bool keep_copy = train_keep_weight_copy(&c, &mesh.d, be);
-    /* every rank must take the same path (the reductions are collectives): the smallest device */
-    double device_bytes = be->mem_bytes;
-    MT_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &device_bytes, 1, MPI_DOUBLE, MPI_MIN, mesh.world_comm));
-    c.parallel.reduce_grads = estimate_reduce_grads(&c, &mesh.d, keep_copy, device_bytes);
-    c.parallel.reshard_after_forward = estimate_reshard(&c, &mesh.d, keep_copy, device_bytes) ? MT_TRI_TRUE : MT_TRI_FALSE;
+    resolve_fsdp_auto(&c, &mesh, be);
     params_init_opts(&p, &m, stage, fsdp, keep_copy, tc->optimizer_state_dtype == MT_STATE_BF16);
     int start_step = 0;
     if (resuming) {
