@@ -16,8 +16,6 @@
 #include "memory_estimate.h"
 #include "tensors.h"
 
-/* The device memory `plan` assumes for train.weight_copy: auto (an 80 GB GPU) */
-#define PLAN_DEVICE_BYTES (80.0 * 1024 * 1024 * 1024)
 
 /* Largest --world plan accepts: it keeps one int per rank. */
 #define PLAN_MAX_WORLD (1 << 22)

@@ -9,6 +9,10 @@
 #include "config.h"
 #include "mesh.h"
 
+/* The device memory `plan` assumes for the auto settings (train.weight_copy, the FSDP ones): an
+ * 80 GB GPU. */
+#define PLAN_DEVICE_BYTES (80.0 * 1024 * 1024 * 1024)
+
 /* Ranks above which the per-rank table shows only its first and last PLAN_EDGE_ROWS rows. */
 #define PLAN_FULL_TABLE_MAX 256
 #define PLAN_EDGE_ROWS 64

@@ -226,15 +226,29 @@ static struct comm *comm_for_backend(const struct backend *be, MPI_Comm c)
 }
 
 /* The auto FSDP settings (parallel.reduce_grads, reshard_after_forward) as this job runs them: on
- * the smallest device of the job, so that every rank takes the same collectives. */
-static void resolve_fsdp_auto(struct config *c, const struct mesh *mesh, const struct backend *be)
+ * the smallest device of the job (0: the CPU backend), so that every rank takes the same
+ * collectives. */
+static void resolve_fsdp_auto(struct config *c, const struct mesh *mesh, bool keep_copy, double device_bytes)
 {
-    const bool keep_copy = train_keep_weight_copy(c, &mesh->d, be);
-    double device_bytes = be->mem_bytes;
     MT_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &device_bytes, 1, MPI_DOUBLE, MPI_MIN, mesh->world_comm));
     c->parallel.reduce_grads = estimate_reduce_grads(c, &mesh->d, keep_copy, device_bytes);
     c->parallel.reshard_after_forward =
         estimate_reshard(c, &mesh->d, keep_copy, device_bytes) ? MT_TRI_TRUE : MT_TRI_FALSE;
+}
+
+/* What the dry run decides the auto settings on: the GPU the training would use here, or none
+ * (the CPU backend); with parallel.backend: cuda and no GPU here (a login node previewing a GPU
+ * job) the GPU `plan` assumes. */
+static void resolve_fsdp_auto_dry(struct config *c, const struct mesh *mesh)
+{
+    double device_bytes = 0;
+    if (c->parallel.backend != MT_BACKEND_CPU) {
+        const struct backend *cuda = backend_cuda(c->model.precision == MT_PREC_FP32, mesh->local_rank);
+        device_bytes = cuda ? cuda->mem_bytes : c->parallel.backend == MT_BACKEND_CUDA ? PLAN_DEVICE_BYTES : 0;
+    }
+    const bool keep_copy = device_bytes <= 0 && c->train.weight_copy == MT_COPY_AUTO
+                               ? true : estimate_keep_copy(c, &mesh->d, device_bytes);
+    resolve_fsdp_auto(c, mesh, keep_copy, device_bytes);
 }
 
 int cmd_train(const struct cli *a)
@@ -247,7 +261,7 @@ int cmd_train(const struct cli *a)
     mesh_build(&mesh, &c, MPI_COMM_WORLD);
     const int n_micro = train_check_or_exit(&c, &mesh.d);
     if (a->dry_run) {   /* the layout the training would print: the same backend decides the autos */
-        resolve_fsdp_auto(&c, &mesh, backend_select(c.parallel.backend, c.model.precision, mesh.local_rank));
+        resolve_fsdp_auto_dry(&c, &mesh);
         plan_print_mesh(stdout, &c, &mesh);
         run_note_dry_run(&c);
         fflush(stdout);
@@ -297,7 +311,7 @@ int cmd_train(const struct cli *a)
     float *bias_h = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(float));
     struct params p;
     const bool keep_copy = train_keep_weight_copy(&c, &mesh.d, be);
-    resolve_fsdp_auto(&c, &mesh, be);
+    resolve_fsdp_auto(&c, &mesh, keep_copy, be->mem_bytes);
     params_init_opts(&p, &m, stage, fsdp, keep_copy, tc->optimizer_state_dtype == MT_STATE_BF16);
     int start_step = 0;
     if (resuming) {
