@@ -158,6 +158,22 @@ void cu_expert_matmul_backward(void *din, float *dw, const void *dout, const voi
     }
 }
 
+/* Two row sets' weight gradients at once: the grouped kernel reads and writes dw once for both;
+ * elsewhere the two are added one after the other (the same sums, rounded in another order). */
+template <typename T>
+void cu_expert_matmul_wgrad2(float *dw, const void *dout_a, const void *in_a, const int64_t *off_a,
+                             const void *dout_b, const void *in_b, const int64_t *off_b, int n_exp,
+                             int I, int O, bool dw_overwrite)
+{
+    check_offsets("expert_matmul wgrad2", off_a, n_exp);
+    check_offsets("expert_matmul wgrad2", off_b, n_exp);
+    if (std::is_same<T, bf16>::value &&
+        grouped_gemm_wgrad2(dw, dout_a, in_a, off_a, dout_b, in_b, off_b, n_exp, I, O, dw_overwrite))
+        return;
+    cu_expert_matmul_backward<T>(NULL, dw, dout_a, in_a, NULL, off_a, n_exp, I, O, dw_overwrite);
+    cu_expert_matmul_backward<T>(NULL, dw, dout_b, in_b, NULL, off_b, n_exp, I, O, false);
+}
+
 template void cu_expert_matmul_forward<float>(void *, const void *, const void *, const int64_t *,
                                               int, int, int);
 template void cu_expert_matmul_forward<bf16>(void *, const void *, const void *, const int64_t *,
@@ -166,3 +182,9 @@ template void cu_expert_matmul_backward<float>(void *, float *, const void *, co
                                                const void *, const int64_t *, int, int, int, bool);
 template void cu_expert_matmul_backward<bf16>(void *, float *, const void *, const void *,
                                               const void *, const int64_t *, int, int, int, bool);
+template void cu_expert_matmul_wgrad2<float>(float *, const void *, const void *, const int64_t *,
+                                             const void *, const void *, const int64_t *, int, int,
+                                             int, bool);
+template void cu_expert_matmul_wgrad2<bf16>(float *, const void *, const void *, const int64_t *,
+                                            const void *, const void *, const int64_t *, int, int,
+                                            int, bool);

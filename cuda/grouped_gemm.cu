@@ -48,14 +48,19 @@ enum { KIND_FWD, KIND_DGRAD, KIND_WGRAD };
 
 struct gg_params {
     CUtensorMap map_a, map_b;
+    CUtensorMap map_a2, map_b2; /* wgrad: the second row set (= map_a/map_b when there is none) */
     void *out;          /* bf16 [R, N] (forward, dgrad) or fp32 dw [n_exp, M, N] (wgrad) */
     int M, N, K;        /* wgrad: M = O, N = I; forward/dgrad: N, K (M is the expert's rows) */
     int overwrite;      /* wgrad: dw = acc (dw not read; experts with no rows get zero tiles) */
     int n_exp, e_base;  /* experts [e_base, e_base + n_exp) in this launch */
     int total_tiles;
     int row_off[MAX_EXPERTS + 1];    /* absolute row offsets */
+    int row_off2[MAX_EXPERTS + 1];   /* wgrad: the second row set's (all 0 when there is none) */
     int tile_start[MAX_EXPERTS + 1]; /* prefix sums of tiles per expert */
 };
+
+/* kernel parameters live in the 4 KB constant bank of a launch */
+static_assert(sizeof(gg_params) <= 4096, "gg_params exceeds the kernel parameter space");
 
 /* ---------------------------------------------------------------- PTX wrappers: wgmma.cuh, tma.cuh */
 
@@ -107,6 +112,7 @@ struct tile_info {
     int e;     /* expert, relative to the launch's e_base */
     int r0;    /* the expert's first row */
     int rows;  /* its row count (>= 1, or 0 for an overwriting wgrad's zero tiles) */
+    int r0b, rows_b; /* wgrad: the expert's rows in the second set (K walks set 1, then set 2) */
     int mi, ni; /* tile coordinates. Forward/dgrad: M fastest, so CTAs running together share
                  * a weight slab (measured on H100: 5-25% faster than N fastest, skewed rows
                  * included); wgrad: N fastest (measured only that way) */
@@ -126,6 +132,8 @@ template <int KIND> __device__ __forceinline__ tile_info decode(const gg_params 
     ti.e = lo;
     ti.r0 = p.row_off[lo];
     ti.rows = p.row_off[lo + 1] - ti.r0;
+    ti.r0b = p.row_off2[lo];
+    ti.rows_b = p.row_off2[lo + 1] - ti.r0b;
     const int local = t - p.tile_start[lo];
     if (KIND == KIND_WGRAD) {
         const int nt = (p.N + BN - 1) / BN;
@@ -141,7 +149,8 @@ template <int KIND> __device__ __forceinline__ tile_info decode(const gg_params 
 
 template <int KIND> __device__ __forceinline__ int k_blocks(const gg_params &p, const tile_info &ti)
 {
-    return KIND == KIND_WGRAD ? (ti.rows + BK - 1) / BK : (p.K + BK - 1) / BK;
+    return KIND == KIND_WGRAD ? (ti.rows + BK - 1) / BK + (ti.rows_b + BK - 1) / BK
+                              : (p.K + BK - 1) / BK;
 }
 
 /* ---------------------------------------------------------------- the kernel */
@@ -193,12 +202,16 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                     tma_2d(sa, &p.map_a, kb * BK, ti.r0 + ti.mi * BM, fb);
                     for (int j = 0; j < BN / 64; j++)
                         tma_3d(sb + j * BOX_BYTES, &p.map_b, ti.ni * BN + 64 * j, kb * BK, e, fb);
-                } else {
-                    const int k0 = ti.r0 + kb * BK;
+                } else { /* K blocks of the first row set, then of the second */
+                    const int nka = (ti.rows + BK - 1) / BK;
+                    const bool second = kb >= nka;
+                    const int k0 = second ? ti.r0b + (kb - nka) * BK : ti.r0 + kb * BK;
+                    const CUtensorMap *ma = second ? &p.map_a2 : &p.map_a;
+                    const CUtensorMap *mb = second ? &p.map_b2 : &p.map_b;
                     for (int j = 0; j < BM / 64; j++)
-                        tma_2d(sa + j * BOX_BYTES, &p.map_a, ti.mi * BM + 64 * j, k0, fb);
+                        tma_2d(sa + j * BOX_BYTES, ma, ti.mi * BM + 64 * j, k0, fb);
                     for (int j = 0; j < BN / 64; j++)
-                        tma_2d(sb + j * BOX_BYTES, &p.map_b, ti.ni * BN + 64 * j, k0, fb);
+                        tma_2d(sb + j * BOX_BYTES, mb, ti.ni * BN + 64 * j, k0, fb);
                 }
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
@@ -236,12 +249,13 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
         for (int kb = 0; kb < nk; kb++) {
             const uint32_t sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES;
             mbar_wait(full_bar(stage), phase);
-            if (KIND == KIND_WGRAD && ti.rows - kb * BK < BK) {
-                /* K rows past the expert's end (the next expert's rows): zero them in all six
-                 * 8 KB boxes of the stage (A's 2 then B's 4, contiguous). Swizzling permutes
-                 * 16-byte chunks within a 128-byte K row, so whole rows stay whole. */
-                const int valid = ti.rows - kb * BK;
-                const int per_box = (BK - valid) * 8; /* 16-byte chunks */
+            const int nka = KIND == KIND_WGRAD ? (ti.rows + BK - 1) / BK : nk;
+            const int valid = kb < nka ? ti.rows - kb * BK : ti.rows_b - (kb - nka) * BK;
+            if (KIND == KIND_WGRAD && valid < BK) {
+                /* K rows past the expert's end in its row set (the next expert's rows): zero them
+                 * in all six 8 KB boxes of the stage (A's 2 then B's 4, contiguous). Swizzling
+                 * permutes 16-byte chunks within a 128-byte K row, so whole rows stay whole. */
+                const int per_box = (BK - valid) * 8; /* 16-byte chunks, >= 8 */
                 for (int i = ctid; i < 6 * per_box; i += 256) {
                     const int box = i / per_box, c = i - box * per_box;
                     const uint32_t a = sa + box * BOX_BYTES + valid * 128 + c * 16;
@@ -335,9 +349,11 @@ bool supported(int I, int O, const int64_t *off, int n_exp, const void *a, const
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+/* off2 (wgrad only, or NULL): the second row set's offsets, read through ma2/mb2 */
 template <int KIND>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64_t *off, int n_exp,
-            int M, int N, int K, bool overwrite = false)
+            int M, int N, int K, bool overwrite = false, const int64_t *off2 = NULL,
+            const CUtensorMap *ma2 = NULL, const CUtensorMap *mb2 = NULL)
 {
     static bool attr_set;
     if (!attr_set) {
@@ -349,6 +365,8 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64
     memset(&p, 0, sizeof p);
     p.map_a = ma;
     p.map_b = mb;
+    p.map_a2 = ma2 ? *ma2 : ma;
+    p.map_b2 = mb2 ? *mb2 : mb;
     p.out = out;
     p.M = M, p.N = N, p.K = K;
     p.overwrite = overwrite;
@@ -357,12 +375,16 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64
         int64_t total = 0;
         for (int i = 0; i < ne; i++) {
             const int64_t rows = off[e0 + i + 1] - off[e0 + i];
+            const int64_t rows2 = off2 ? off2[e0 + i + 1] - off2[e0 + i] : 0;
             p.row_off[i] = (int)off[e0 + i];
+            p.row_off2[i] = off2 ? (int)off2[e0 + i] : 0;
             p.tile_start[i] = (int)total;
-            if (rows > 0 || overwrite) total += (KIND == KIND_WGRAD ? cdiv(M, BM) : cdiv(rows, BM)) * cdiv(N, BN);
+            if (rows > 0 || rows2 > 0 || overwrite)
+                total += (KIND == KIND_WGRAD ? cdiv(M, BM) : cdiv(rows, BM)) * cdiv(N, BN);
             MT_CHECK(total <= INT32_MAX, "grouped_gemm: too many tiles");
         }
         p.row_off[ne] = (int)off[e0 + ne];
+        p.row_off2[ne] = off2 ? (int)off2[e0 + ne] : 0;
         p.tile_start[ne] = (int)total;
         if (total == 0) continue;
         p.n_exp = ne;
@@ -412,23 +434,44 @@ extern "C" bool grouped_gemm_dgrad(void *din, const void *dout, const void *w, c
     return true;
 }
 
+/* The row matrices of one wgrad row set as TMA maps: dY [R, O] and X [R, I], 64×64 boxes. */
+static void wgrad_maps(CUtensorMap *ma, CUtensorMap *mb, const void *dout, const void *in, int64_t R,
+                       int I, int O)
+{
+    const cuuint64_t da[2] = {(cuuint64_t)O, (cuuint64_t)R}, sa[1] = {(cuuint64_t)O * 2};
+    const cuuint32_t box[2] = {64, 64};
+    tma_make_map(ma, dout, 2, da, sa, box, "grouped_gemm");
+    const cuuint64_t db[2] = {(cuuint64_t)I, (cuuint64_t)R}, sb[1] = {(cuuint64_t)I * 2};
+    tma_make_map(mb, in, 2, db, sb, box, "grouped_gemm");
+}
+
 extern "C" bool grouped_gemm_wgrad(float *dw, const void *dout, const void *in, const int64_t *off,
                                    int n_exp, int I, int O, bool overwrite)
 {
+    return grouped_gemm_wgrad2(dw, dout, in, off, NULL, NULL, NULL, n_exp, I, O, overwrite);
+}
+
+extern "C" bool grouped_gemm_wgrad2(float *dw, const void *dout, const void *in, const int64_t *off,
+                                    const void *dout2, const void *in2, const int64_t *off2,
+                                    int n_exp, int I, int O, bool overwrite)
+{
     if (!supported(I, O, off, n_exp, dw, dout, in)) return false;
+    if (off2 && (!supported(I, O, off2, n_exp, dw, dout2, in2))) return false;
     if (n_exp <= 0) return true;
-    if (off[n_exp] == off[0]) { /* no rows (and no tensor map of zero rows) */
+    const int64_t R = off[n_exp] - off[0], R2 = off2 ? off2[n_exp] - off2[0] : 0;
+    if (R == 0 && R2 == 0) { /* no rows (and no tensor map of zero rows) */
         if (overwrite) CUDA_CHECK(cudaMemsetAsync(dw, 0, (size_t)n_exp * O * I * sizeof(float), g_cuda.stream));
         return true;
     }
-    const cuuint64_t R = (cuuint64_t)off[n_exp];
-    CUtensorMap ma, mb;
-    const cuuint64_t da[2] = {(cuuint64_t)O, R}, sa[1] = {(cuuint64_t)O * 2};
-    const cuuint32_t box[2] = {64, 64};
-    tma_make_map(&ma, dout, 2, da, sa, box, "grouped_gemm");
-    const cuuint64_t db[2] = {(cuuint64_t)I, R}, sb[1] = {(cuuint64_t)I * 2};
-    tma_make_map(&mb, in, 2, db, sb, box, "grouped_gemm");
-    launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0, overwrite);
+    if (R == 0) return grouped_gemm_wgrad2(dw, dout2, in2, off2, NULL, NULL, NULL, n_exp, I, O, overwrite);
+    CUtensorMap ma, mb, ma2, mb2;
+    wgrad_maps(&ma, &mb, dout, in, off[n_exp], I, O);
+    if (R2 == 0) {
+        launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0, overwrite);
+        return true;
+    }
+    wgrad_maps(&ma2, &mb2, dout2, in2, off2[n_exp], I, O);
+    launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0, overwrite, off2, &ma2, &mb2);
     return true;
 }
 

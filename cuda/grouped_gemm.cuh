@@ -37,6 +37,16 @@ bool grouped_gemm_wgrad(float *dw /*[n_exp,O,I] fp32*/, const void *dout /*[R,O]
                         const void *in /*[R,I] bf16*/, const int64_t *off /*[n_exp+1]*/, int n_exp,
                         int I, int O, bool overwrite);
 
+/* The same over two row sets in one pass: dw[e] (+)= dout[rows of e]ᵀ · in[rows of e] +
+ * dout2[rows2 of e]ᵀ · in2[rows2 of e], one fp32 accumulation per dw element (K walks the first
+ * set's rows, then the second's), so dw is read and written once for both. off2 = NULL: no
+ * second set (grouped_gemm_wgrad). */
+bool grouped_gemm_wgrad2(float *dw /*[n_exp,O,I] fp32*/, const void *dout /*[R,O] bf16*/,
+                         const void *in /*[R,I] bf16*/, const int64_t *off /*[n_exp+1]*/,
+                         const void *dout2 /*[R2,O] bf16*/, const void *in2 /*[R2,I] bf16*/,
+                         const int64_t *off2 /*[n_exp+1]*/, int n_exp, int I, int O,
+                         bool overwrite);
+
 /* Whether the kernel runs here: the backend is up on a compute capability 9.0 device and
  * MT_FORCE_SM80 is not set (the backend's g_cuda.hopper). When false, every call above declines. */
 bool grouped_gemm_available(void);

@@ -204,6 +204,14 @@ struct backend {
                                    const void *dout /*[R,O]*/, const void *in /*[R,I]*/,
                                    const void *w /*[n_exp,O,I]*/, const int64_t *off, int n_exp,
                                    int I, int O, bool dw_overwrite);
+    /* The weight-gradient half of expert_matmul_backward over two row sets a and b (two
+     * micro-steps' rows, model.h: expert wgrad pairs): dw[e] += dy_aᵀ x_a + dy_bᵀ x_b over expert
+     * e's rows of each set (off_a, off_b: host, n_exp + 1 entries each); dw_overwrite as above.
+     * One pass over dw for both sets, where the backward would make two. */
+    void (*expert_matmul_wgrad2)(float *dw /*[n_exp,O,I]*/, const void *dout_a /*[Ra,O]*/,
+                                 const void *in_a /*[Ra,I]*/, const int64_t *off_a,
+                                 const void *dout_b /*[Rb,O]*/, const void *in_b /*[Rb,I]*/,
+                                 const int64_t *off_b, int n_exp, int I, int O, bool dw_overwrite);
 
     /* SwiGLU on fused [gate | up] rows: out = silu(g) * u. */
     void (*swiglu_forward)(void *out /*[R,I]*/, const void *gu /*[R,2I]*/, int R, int I);

@@ -274,6 +274,52 @@ static void bench(const char *dist, const int *rows, struct gemm *g, int ng, con
     CUDA_CALL(cudaEventDestroy(t1));
 }
 
+/* parallel.expert_wgrad_pairs: two micro-steps' weight gradients of one GEMM, as two wgrad calls
+ * (one per micro-step) and as one wgrad2 over both row sets (the second set is the same rows
+ * again: the traffic is what counts); median ms of `reps` after WARM, TFLOPS of both micro-steps */
+static void bench_pairs(const char *label, const int *rows, const struct gemm *g, int n, int reps)
+{
+    int64_t off[E + 1];
+    off[0] = 0;
+    for (int e = 0; e < E; e++) off[e + 1] = off[e] + rows[e];
+    cudaEvent_t t0, t1;
+    CUDA_CALL(cudaEventCreate(&t0));
+    CUDA_CALL(cudaEventCreate(&t1));
+    printf("\n%s, two micro-steps' wgrad (parallel.expert_wgrad_pairs)\n", label);
+    printf("%-16s %-11s %9s %8s %9s %8s %7s\n", "GEMM", "I -> O", "2 calls", "TFLOPS", "wgrad2", "TFLOPS", "speedup");
+    for (int i = 0; i < n; i++) {
+        if (g[i].kind != WGRAD) continue;
+        float ms[2];
+        for (int v = 0; v < 2; v++) {
+            float *t = mt_malloc((size_t)reps * sizeof *t);
+            for (int r = 0; r < WARM + reps; r++) {
+                CUDA_CALL(cudaEventRecord(t0, stream));
+                bool ok;
+                if (v == 0)
+                    ok = grouped_gemm_wgrad(g[i].out[0], g[i].a, g[i].b, off, E, g[i].I, g[i].O, false) &&
+                         grouped_gemm_wgrad(g[i].out[0], g[i].a, g[i].b, off, E, g[i].I, g[i].O, false);
+                else
+                    ok = grouped_gemm_wgrad2(g[i].out[0], g[i].a, g[i].b, off, g[i].a, g[i].b, off, E, g[i].I,
+                                             g[i].O, false);
+                if (!ok) mt_fatal("grouped_gemm refused %s", g[i].name);
+                CUDA_CALL(cudaEventRecord(t1, stream));
+                CUDA_CALL(cudaEventSynchronize(t1));
+                if (r >= WARM) CUDA_CALL(cudaEventElapsedTime(&t[r - WARM], t0, t1));
+            }
+            bench_sort_floats(t, reps);
+            ms[v] = t[reps / 2];
+            free(t);
+        }
+        const double flop = 2.0 * 2.0 * (double)R * g[i].I * g[i].O;
+        char io[32];
+        snprintf(io, sizeof io, "%d -> %d", g[i].I, g[i].O);
+        printf("%-16s %-11s %9.3f %8.0f %9.3f %8.0f %6.2fx\n", g[i].name, io, ms[0], flop / ms[0] / 1e9, ms[1],
+               flop / ms[1] / 1e9, ms[0] / ms[1]);
+    }
+    CUDA_CALL(cudaEventDestroy(t0));
+    CUDA_CALL(cudaEventDestroy(t1));
+}
+
 static int run_bench(int reps)
 {
     const struct backend *be = backend_cuda(false, 0);
@@ -316,6 +362,7 @@ static int run_bench(int reps)
     skew[0] += R - s;
     bench("balanced", bal, g, 6, dw0, reps);
     bench("skewed (Zipf-like)", skew, g, 6, dw0, reps);
+    bench_pairs("balanced", bal, g, 6, reps);
 
     for (int i = 0; i < 6; i++)
         for (int j = 0; j < 2; j++) CUDA_CALL(cudaFree(g[i].out[j]));

@@ -121,6 +121,15 @@ static void b_expert_matmul_backward(void *din, float *dw, const void *dout, con
     cpu_expert_matmul_backward(din, dw, dout, in, w, off, n_exp, I, O);
 }
 
+static void b_expert_matmul_wgrad2(float *dw, const void *dout_a, const void *in_a,
+                                   const int64_t *off_a, const void *dout_b, const void *in_b,
+                                   const int64_t *off_b, int n_exp, int I, int O, bool dw_overwrite)
+{
+    if (dw_overwrite) memset(dw, 0, (size_t)n_exp * O * I * sizeof(float));
+    cpu_expert_matmul_backward(NULL, dw, dout_a, in_a, NULL, off_a, n_exp, I, O);
+    cpu_expert_matmul_backward(NULL, dw, dout_b, in_b, NULL, off_b, n_exp, I, O);
+}
+
 static void b_swiglu_forward(void *out, const void *gu, int R, int I)
 {
     cpu_swiglu_forward(out, gu, R, I);
@@ -198,6 +207,7 @@ static const struct backend cpu_backend = {
     .moe_combine_backward = b_moe_combine_backward,
     .expert_matmul_forward = b_expert_matmul_forward,
     .expert_matmul_backward = b_expert_matmul_backward,
+    .expert_matmul_wgrad2 = b_expert_matmul_wgrad2,
     .swiglu_forward = b_swiglu_forward,
     .swiglu_backward = b_swiglu_backward,
     .cross_entropy_forward = b_cross_entropy_forward,
