@@ -22,6 +22,8 @@
 #                 digits the metrics file keeps)
 #   train bf16 / fp32 with parallel.moe_chunks (MT_MOE_LOOPBACK=1 on 1 GPU; EP=2 on 2): TRAIN_BF16_TOL
 #                 against 1 chunk, TRAIN_FP32_TOL against the CPU (not yet run on a GPU)
+#   train bf16 with parallel.expert_wgrad_pairs (auto: on) vs off on 1 GPU: TRAIN_BF16_TOL; fp32 with
+#                 it on vs the CPU: TRAIN_FP32_TOL
 #   train bf16, the sm_80 path (MT_FORCE_SM80=1) vs the Hopper path on 1 GPU: TRAIN_BF16_TOL (the
 #                 expert GEMMs differ in summation order only; the attention backward is bit-identical)
 set -u
@@ -155,6 +157,18 @@ run_step "train bf16, 1 GPU, bf16 Adam moments" "$LOG/train_1gpu_bf16_m16.log" \
     --set log.metrics="$LOG/train_1gpu_bf16_m16.jsonl"
 compare_losses "losses bf16 vs fp32 Adam moments, bf16 (tol $TRAIN_BF16_TOL)" \
     "$LOG/train_1gpu_bf16_m16.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+# parallel.expert_wgrad_pairs (auto: on for this bf16 run, as its start-up line must say): two
+# micro-steps' expert weight gradients in one grouped GEMM; off, each micro-step's alone
+if grep -q "weight gradients of two micro-steps in one GEMM" "$LOG/train_1gpu_bf16.log"; then
+    record "expert_wgrad_pairs auto is on in the bf16 run" PASS
+else
+    record "expert_wgrad_pairs auto is on in the bf16 run" "FAIL (no experts line in train_1gpu_bf16.log)"
+fi
+run_step "train bf16, 1 GPU, expert_wgrad_pairs=false" "$LOG/train_1gpu_bf16_nopairs.log" \
+    "$B/moetrain" $T --backend cuda --set model.precision=bf16 --set parallel.expert_wgrad_pairs=false \
+    --set log.metrics="$LOG/train_1gpu_bf16_nopairs.jsonl"
+compare_losses "losses expert_wgrad_pairs on vs off, bf16 (tol $TRAIN_BF16_TOL)" \
+    "$LOG/train_1gpu_bf16.jsonl" "$LOG/train_1gpu_bf16_nopairs.jsonl" "$TRAIN_BF16_TOL"
 # the chunked MoE exchange (parallel.moe_chunks, docs/scaling.md) on one GPU through the loopback
 # (MT_MOE_LOOPBACK=1: the pair path and an all-to-all with itself on the EP comm's side stream)
 run_step "train bf16, 1 GPU, moe_chunks=2, loopback" "$LOG/train_1gpu_bf16_chunks.log" \
@@ -200,6 +214,11 @@ run_step "train fp32, 1 GPU" "$LOG/train_1gpu_fp32.log" \
     --set log.metrics="$LOG/train_1gpu_fp32.jsonl"
 compare_losses "losses CPU vs 1 GPU, fp32 (tol $TRAIN_FP32_TOL)" \
     "$LOG/train_1gpu_fp32.jsonl" "$LOG/train_cpu_fp32.jsonl" "$TRAIN_FP32_TOL"
+run_step "train fp32, 1 GPU, expert_wgrad_pairs=true" "$LOG/train_1gpu_fp32_pairs.log" \
+    "$B/moetrain" $T --backend cuda --set model.precision=fp32 --set parallel.expert_wgrad_pairs=true \
+    --set log.metrics="$LOG/train_1gpu_fp32_pairs.jsonl"
+compare_losses "losses CPU vs 1 GPU expert_wgrad_pairs=true, fp32 (tol $TRAIN_FP32_TOL)" \
+    "$LOG/train_1gpu_fp32_pairs.jsonl" "$LOG/train_cpu_fp32.jsonl" "$TRAIN_FP32_TOL"
 run_step "train fp32, 1 GPU, moe_chunks=3, loopback" "$LOG/train_1gpu_fp32_chunks.log" \
     env MT_MOE_LOOPBACK=1 "$B/moetrain" $T --backend cuda --set model.precision=fp32 \
     --set parallel.moe_chunks=3 --set log.metrics="$LOG/train_1gpu_fp32_chunks.jsonl"

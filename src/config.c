@@ -55,6 +55,8 @@ void config_defaults(struct config *c)
     c->parallel.ep_outside = false;
     c->parallel.n_pipeline_layers = 0;
     c->parallel.reshard_after_forward = MT_TRI_AUTO;
+    c->parallel.expert_wgrad_pairs = MT_TRI_AUTO;
+    c->parallel.wgrad_pair_layers = MT_MAX_LAYERS;
     c->parallel.prefetch = true;
     c->parallel.reduce_grads = MT_REDUCE_AUTO;
     c->parallel.moe_chunks = 1;

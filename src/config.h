@@ -77,6 +77,11 @@ struct parallel_config {
     bool prefetch;                /* gather the next layer while this one computes (FSDP) */
     enum mt_reduce_grads reduce_grads; /* micro_step | step | auto (FSDP) */
     int moe_chunks;               /* MoE exchange in this many chunks overlapping the expert GEMMs */
+    enum mt_tri expert_wgrad_pairs; /* two micro-steps' expert weight gradients in one GEMM (model.h
+                                     * struct expert_wgrad_stash); auto: on a GPU where it fits */
+    int wgrad_pair_layers;        /* not a key: with expert_wgrad_pairs true, how many of each stage's
+                                   * MoE layers (its first ones) pair; auto resolves it to what fits
+                                   * (MT_MAX_LAYERS = all, the default) */
 };
 
 struct train_config {

@@ -90,6 +90,10 @@ bool cfg_validate(struct loader *L)
            "parallel.moe_chunks (%d) must be <= the tokens of a micro-batch (train.seq_len x "
            "train.micro_batch_size = %lld): every chunk needs a token", c->parallel.moe_chunks,
            (long long)micro_tokens);
+    CHECK2(c->parallel.expert_wgrad_pairs != MT_TRI_TRUE || c->parallel.moe_chunks == 1, "parallel",
+           "expert_wgrad_pairs", "parallel", "moe_chunks",
+           "parallel.expert_wgrad_pairs: true needs parallel.moe_chunks: 1 (the chunked exchange runs "
+           "its own expert backward)");
     CHECK2((int64_t)t->seq_len * t->global_batch_size <= INT64_C(1) << 52, "train", "seq_len", "train",
            "global_batch_size", "train.seq_len x train.global_batch_size = %lld tokens per step is "
            "too many to count exactly", (long long)t->seq_len * t->global_batch_size);

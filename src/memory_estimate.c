@@ -140,6 +140,24 @@ static double scratch_bytes(const struct config *c)
     return b;
 }
 
+/* parallel.expert_wgrad_pairs (model.h struct expert_wgrad_stash): one MoE layer's parked expert
+ * rows of a micro-step: inputs (x_exp H, act I) and output gradients (d_gu 2I, d_y_exp H), with the
+ * expert rows' headroom at ep > 1 */
+static double wgrad_stash_bytes(const struct config *c)
+{
+    const struct model_config *m = &c->model;
+    const double T = (double)c->train.micro_batch_size * (double)c->train.seq_len;
+    const double act_b = m->precision == MT_PREC_FP32 ? 4 : 2;
+    const double headroom = c->parallel.expert_parallel_size > 1 ? 1.25 : 1.0;
+    return headroom * T * m->num_experts_per_tok * (2.0 * m->hidden_size + 3.0 * m->moe_intermediate_size) * act_b;
+}
+
+static int micro_steps(const struct config *c, const struct mesh_dims *d)
+{
+    const int dp_micro = d->S * c->train.micro_batch_size;
+    return dp_micro > 0 ? MT_MAX(1, c->train.global_batch_size / dp_micro) : 1;
+}
+
 void estimate_stage(const struct config *c, const struct tensor_table *tt, const struct mesh_dims *d,
                     int stage, bool keep_copy, struct stage_estimate *e)
 {
@@ -217,8 +235,7 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
     /* 1F1B (pipeline.c): stage s keeps min(pp - s, micro-steps) micro-batches in flight, each with
      * its layers' saved activations (the recompute's shared layer and the head once), its input
      * and output rows and, between stages, its transfer buffers for dL/dh in and out */
-    const int dp_micro = d->S * c->train.micro_batch_size;
-    const int n_micro = dp_micro > 0 ? MT_MAX(1, c->train.global_batch_size / dp_micro) : 1;
+    const int n_micro = micro_steps(c, d);
     e->slots = d->pp > 1 ? MT_MIN(d->pp - stage, n_micro) : 1;
     const double T = (double)c->train.micro_batch_size * (double)c->train.seq_len;
     const double once = estimate_activation_bytes(c, e->layer0, e->layer0, e->has_embed, e->has_head);
@@ -227,6 +244,9 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
     const double rows = (e->has_head ? 0 : T * m->hidden_size * x) + T * 12;  /* h_out; ids, labels, positions */
     e->act_bytes = once + e->slots * (per_slot + rows) +
                    (c->train.activation_checkpointing ? largest_layer_bytes(c, e->layer0, e->layer1) : 0);
+    /* parallel.expert_wgrad_pairs (auto counts as off until resolved) */
+    if (c->parallel.expert_wgrad_pairs == MT_TRI_TRUE && n_micro > 1)
+        e->act_bytes += MT_MIN(e->n_moe_layers, c->parallel.wgrad_pair_layers) * wgrad_stash_bytes(c);
     const double transfer = d->pp > 1 ? (double)e->slots * ((e->has_head ? 0 : 1) + (e->has_embed ? 0 : 1)) * T *
                                             m->hidden_size * x : 0;
     e->buffer_bytes = staging + scratch_bytes(c) + transfer;
@@ -279,4 +299,39 @@ bool estimate_keep_copy(const struct config *c, const struct mesh_dims *d, doubl
     if (c->train.weight_copy != MT_COPY_AUTO) return c->train.weight_copy == MT_COPY_KEEP;
     if (c->model.precision == MT_PREC_FP32 || device_bytes <= 0) return true;
     return estimate_peak_bytes(c, d, true) <= 0.80 * device_bytes;
+}
+
+int estimate_expert_wgrad_pair_layers(const struct config *c, const struct mesh_dims *d, bool keep_copy,
+                                      double device_bytes)
+{
+    if (c->parallel.expert_wgrad_pairs != MT_TRI_AUTO)
+        return c->parallel.expert_wgrad_pairs == MT_TRI_TRUE ? c->parallel.wgrad_pair_layers : 0;
+    if (device_bytes <= 0 || c->model.precision == MT_PREC_FP32 || c->model.num_experts == 0 ||
+        c->parallel.moe_chunks > 1 || micro_steps(c, d) < 2 || !estimate_expert_grads_kept(c, d))
+        return 0;
+    struct config *t = mt_malloc(sizeof *t);
+    *t = *c;
+    t->parallel.expert_wgrad_pairs = MT_TRI_TRUE;
+    /* one more layer at a time: each adds the same stash to every stage that has it */
+    int n = 0;
+    for (int k = 1; k <= c->model.num_hidden_layers; k++) {
+        t->parallel.wgrad_pair_layers = k;
+        if (estimate_peak_bytes(t, d, keep_copy) > 0.80 * device_bytes) break;
+        n = k;
+    }
+    free(t);
+    return n == c->model.num_hidden_layers ? MT_MAX_LAYERS : n;
+}
+
+void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dims *d, bool keep_copy,
+                                         double device_bytes)
+{
+    const int n = estimate_expert_wgrad_pair_layers(c, d, keep_copy, device_bytes);
+    c->parallel.expert_wgrad_pairs = n > 0 ? MT_TRI_TRUE : MT_TRI_FALSE;
+    c->parallel.wgrad_pair_layers = n > 0 ? n : MT_MAX_LAYERS;
+}
+
+bool estimate_expert_grads_kept(const struct config *c, const struct mesh_dims *d)
+{
+    return d->ep_fsdp == 1 || c->parallel.reduce_grads == MT_REDUCE_STEP;
 }

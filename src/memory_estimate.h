@@ -63,6 +63,19 @@ enum mt_reduce_grads estimate_reduce_grads(const struct config *c, const struct 
  * true off a device. */
 bool estimate_reshard(const struct config *c, const struct mesh_dims *d, bool keep_copy, double device_bytes);
 
+/* parallel.expert_wgrad_pairs resolved to the number of each stage's MoE layers that pair (0: off;
+ * MT_MAX_LAYERS: all): as set (true: c's wgrad_pair_layers), or (auto) where it helps (a GPU, bf16,
+ * more than one micro-step, moe_chunks 1, expert gradients kept over the step) as many layers as
+ * keep the peak with their stashes (given c's other resolved settings) at most 80% of
+ * device_bytes. resolve writes it into c (expert_wgrad_pairs true or false, wgrad_pair_layers). */
+int estimate_expert_wgrad_pair_layers(const struct config *c, const struct mesh_dims *d, bool keep_copy,
+                                      double device_bytes);
+void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dims *d, bool keep_copy,
+                                         double device_bytes);
+/* Whether a layer's expert gradients stay where its backward wrote them until the step's end (no
+ * expert reduce-scatter between micro-steps): EP_FSDP 1, or parallel.reduce_grads step. */
+bool estimate_expert_grads_kept(const struct config *c, const struct mesh_dims *d);
+
 /* Activation bytes saved for backward by layers [layer0, layer1) for one micro-batch of
  * micro_batch_size x seq_len tokens, plus the embedding input on the first stage and the final norm
  * and logits on the last stage. Formula in the .c file. */

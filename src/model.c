@@ -302,6 +302,7 @@ void model_free(struct model *m)
     free(m->stats_h);
     free(m->wp);
     free(m->gp);
+    model_free_expert_wgrad_pairs(m);
     free(m->exp_dw_fresh);
     tensor_table_free(&m->tt);
     memset(m, 0, sizeof *m);
@@ -471,6 +472,10 @@ void model_stage_backward(struct model *m, int slot, float ce_scale, const float
         be->embedding_backward(model_grad(m, emb), m->d_h, m->ids, T, H);
         hook(m, HOOK_AFTER_BWD, 0);
     }
+    /* the step's last backward must have added every waiting expert weight gradient */
+    MT_CHECK(m->more_backwards || !model_expert_wgrad_pending(m),
+             "expert weight gradients left waiting after the step's last backward");
+    m->more_backwards = false;
 }
 
 void model_forward(struct model *m, const int32_t *ids_host, const int32_t *labels_host,

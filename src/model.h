@@ -65,6 +65,21 @@ struct layer_acts {
     int64_t cap_rows;  /* rows x_exp/gu/act/y_exp can hold */
 };
 
+/* parallel.expert_wgrad_pairs: one MoE layer's expert rows of a micro-step whose weight gradients
+ * wait for the next micro-step's backward, where one grouped GEMM per weight takes both row sets
+ * (ops.h expert_matmul_wgrad2: dw is read and written once for two micro-steps). The buffers are
+ * swapped with the layer's and the backward scratch, never copied (moe.c). */
+struct expert_wgrad_stash {
+    void *x_exp;        /* [cap_rows, H]  gate_up input rows, expert-major */
+    void *act;          /* [cap_rows, I]  down input rows (sized as layer_acts.act) */
+    void *d_gu;         /* [d_cap_rows, 2I] gate_up output gradient (sized as model.d_gu) */
+    void *d_y_exp;      /* [d_cap_rows, H]  down output gradient */
+    int64_t cap_rows, d_cap_rows;
+    int64_t *off;       /* host [n_local + 1]: each local expert's rows in the above; NULL: the
+                         * layer does not pair */
+    bool pending;       /* holds a micro-step whose weight gradients are not in dw yet */
+};
+
 /* One micro-batch in flight: a pipeline stage keeps several (1F1B), a stage of one keeps one. */
 struct model_slot {
     int32_t *ids;               /* dev [T] */
@@ -126,6 +141,12 @@ struct model {
      * saving the memset and the first read of ~2.4 GB a 30B-A3B layer. Set by whoever skipped
      * the zeroing (params_zero_grad, fsdp's before_backward), cleared by that backward. */
     bool *exp_dw_fresh;
+    /* [L], or NULL when parallel.expert_wgrad_pairs is off (model_enable_expert_wgrad_pairs); a
+     * layer whose off is NULL does not pair */
+    struct expert_wgrad_stash *wstash;
+    /* set by the caller of a backward: another backward of the same optimizer step follows on this
+     * stage, so expert weight gradients may wait for it; cleared by every backward */
+    bool more_backwards;
     struct model_unit_hooks hooks;
     /* model_own_weights (tests, verify without params): flat buffers behind wp / gp */
     void *own_w;
@@ -207,6 +228,13 @@ void model_set_hooks(struct model *m, const struct model_unit_hooks *h);
  * and nothing else, so that it need not be zeroed if marked fresh; if so, marks the layer fresh
  * and returns true. work_numel: the unit's working elements. */
 bool model_skip_expert_grad_zeroing(struct model *m, int unit, int64_t work_numel);
+/* parallel.expert_wgrad_pairs (struct expert_wgrad_stash): enable makes the stage's first n_layers
+ * MoE layers pair (stash records; their buffers grow at first use; needs moe_chunks 1); pending: a
+ * stash still holds a micro-step whose expert weight gradients are not in dw (an error at a step's
+ * end). */
+void model_enable_expert_wgrad_pairs(struct model *m, int n_layers);
+void model_free_expert_wgrad_pairs(struct model *m);
+bool model_expert_wgrad_pending(const struct model *m);
 /* The activations of layer l in the current slot: its own, or the shared set holding layer l's
  * input when recomputing. */
 struct layer_acts *model_acts(struct model *m, int l);

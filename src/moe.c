@@ -52,6 +52,76 @@ static void grow_expert_rows(const struct model *m, void **x, void **y, void **g
     *cap_rows = cap;
 }
 
+/* ---- parallel.expert_wgrad_pairs (model.h struct expert_wgrad_stash) */
+
+static void swap_ptr(void **a, void **b)
+{
+    void *t = *a;
+    *a = *b;
+    *b = t;
+}
+
+/* Parks layer l's expert rows of this micro-step (inputs from the layer's activations, output
+ * gradients from the backward scratch) in its stash, by swapping buffers: the layer and the scratch
+ * get the stash's, grown first to at least their capacities, sized by grow_expert_rows' rules. */
+static void stash_expert_rows(struct model *m, struct layer_acts *a, struct expert_wgrad_stash *s)
+{
+    const int64_t H = m->H, I = m->I, T = m->T, Id = m->Id;
+    const size_t xs = m->be->x_size;
+    enum mem_cat was = mem_track_set(MEM_ACTS);
+    if (s->cap_rows < a->cap_rows) {
+        regrow(m, &s->x_exp, a->cap_rows * H, xs);
+        regrow(m, &s->act, MT_MAX(a->cap_rows * I, T * Id), xs);
+    }
+    if (s->d_cap_rows < m->d_cap_rows) {
+        regrow(m, &s->d_gu, MT_MAX(m->d_cap_rows * 2 * I, T * 2 * Id), xs);
+        regrow(m, &s->d_y_exp, m->d_cap_rows * H, xs);
+    }
+    mem_track_set(was);
+    swap_ptr(&s->x_exp, &a->x_exp);
+    swap_ptr(&s->act, &a->act);
+    swap_ptr(&s->d_gu, &m->d_gu);
+    swap_ptr(&s->d_y_exp, &m->d_y_exp);
+    s->cap_rows = a->cap_rows;
+    s->d_cap_rows = m->d_cap_rows;
+    memcpy(s->off, a->route.expert_off, (size_t)(m->n_local_experts + 1) * sizeof(int64_t));
+    s->pending = true;
+}
+
+void model_enable_expert_wgrad_pairs(struct model *m, int n_layers)
+{
+    MT_CHECK(m->moe_chunks == 1, "parallel.expert_wgrad_pairs needs parallel.moe_chunks 1");
+    if (m->wstash) return;
+    m->wstash = mt_calloc((size_t)MT_MAX(m->L, 1), sizeof *m->wstash);
+    /* the stage's first n_layers MoE layers; a layer without off[] does not pair */
+    for (int l = m->st.layer0, n = 0; l < m->st.layer1 && n < n_layers; l++)
+        if (config_layer_is_moe(&m->cfg, l)) {
+            m->wstash[l].off = mt_calloc((size_t)m->n_local_experts + 1, sizeof(int64_t));
+            n++;
+        }
+}
+
+void model_free_expert_wgrad_pairs(struct model *m)
+{
+    if (!m->wstash) return;
+    for (int l = 0; l < m->L; l++) {
+        struct expert_wgrad_stash *s = &m->wstash[l];
+        void *bufs[] = {s->x_exp, s->act, s->d_gu, s->d_y_exp};
+        for (int i = 0; i < 4; i++)
+            if (bufs[i]) m->be->free(bufs[i]);
+        free(s->off);
+    }
+    free(m->wstash);
+    m->wstash = NULL;
+}
+
+bool model_expert_wgrad_pending(const struct model *m)
+{
+    for (int l = 0; m->wstash && l < m->L; l++)
+        if (m->wstash[l].pending) return true;
+    return false;
+}
+
 /* Expert-side rows: layer buffers for R rows (and the shared backward scratch too). */
 void moe_ensure_rows(struct model *m, struct layer_acts *a, int64_t R)
 {
@@ -285,13 +355,29 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
         return;
     }
     combine_rows_backward(m, a);
+    float *dw_down = G(m, TR_EXP_DOWN, l), *dw_gu = G(m, TR_EXP_GATE_UP, l);
+    /* parallel.expert_wgrad_pairs: this micro-step's weight gradients wait for the next one's
+     * (stashed), or the stashed ones join this micro-step's in one pass over dw (paired) */
+    struct expert_wgrad_stash *s = m->wstash && m->wstash[l].off ? &m->wstash[l] : NULL;
+    const bool paired = s && s->pending;
+    const bool stashed = s && !paired && m->more_backwards && dw_down && dw_gu;
+    const bool now = !paired && !stashed;
     const bool fresh = m->exp_dw_fresh[l];
-    m->exp_dw_fresh[l] = false;
-    be->expert_matmul_backward(m->d_act, G(m, TR_EXP_DOWN, l), m->d_y_exp, a->act,
+    if (!stashed) m->exp_dw_fresh[l] = false;
+    be->expert_matmul_backward(m->d_act, now ? dw_down : NULL, m->d_y_exp, a->act,
                                W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H, fresh);
+    if (paired)
+        be->expert_matmul_wgrad2(dw_down, s->d_y_exp, s->act, s->off, m->d_y_exp, a->act,
+                                 r->expert_off, nl, I, H, fresh);
     be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)r->R_exp, I);
-    be->expert_matmul_backward(m->d_x_exp, G(m, TR_EXP_GATE_UP, l), m->d_gu, a->x_exp,
+    be->expert_matmul_backward(m->d_x_exp, now ? dw_gu : NULL, m->d_gu, a->x_exp,
                                W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I, fresh);
+    if (paired) {
+        be->expert_matmul_wgrad2(dw_gu, s->d_gu, s->x_exp, s->off, m->d_gu, a->x_exp,
+                                 r->expert_off, nl, H, 2 * I, fresh);
+        s->pending = false;
+    }
+    if (stashed) stash_expert_rows(m, a, s);
     dispatch_rows_backward(m, a);
 }
 

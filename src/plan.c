@@ -271,6 +271,9 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
     const bool keep = estimate_keep_copy(c_in, d, PLAN_DEVICE_BYTES);
     c->parallel.reduce_grads = estimate_reduce_grads(c_in, d, keep, device);
     c->parallel.reshard_after_forward = estimate_reshard(c, d, keep, device) ? MT_TRI_TRUE : MT_TRI_FALSE;
+    /* kept as auto (counted as off) where train would refuse it: its error comes from train */
+    if (c->parallel.expert_wgrad_pairs != MT_TRI_TRUE || estimate_expert_grads_kept(c, d))
+        estimate_resolve_expert_wgrad_pairs(c, d, keep, device);
     struct tensor_table tt;
     tensor_table_build(&tt, &c->model);
     int n_nodes = 0;
@@ -328,8 +331,12 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
                                               : "every unit's, parallel.reshard_after_forward: false",
             work_g, c->train.optimizer_state_dtype == MT_STATE_BF16 ? "bf16" : "fp32");
     fprintf(f, "  acts = activations saved for backward by the stage's layers for the micro-batches in flight "
-            "(%d x %d tokens each; 1F1B keeps min(pp - stage, micro-steps)), plus logits on the last stage\n",
-            c->train.micro_batch_size, c->train.seq_len);
+            "(%d x %d tokens each; 1F1B keeps min(pp - stage, micro-steps)), plus logits on the last stage%s\n",
+            c->train.micro_batch_size, c->train.seq_len,
+            c->parallel.expert_wgrad_pairs != MT_TRI_TRUE ? ""
+            : c->parallel.wgrad_pair_layers >= c->model.num_hidden_layers
+                ? ", plus one micro-step's expert rows per MoE layer (parallel.expert_wgrad_pairs)"
+                : ", plus one micro-step's expert rows in each stage's first MoE layers (parallel.expert_wgrad_pairs, as many as fit)");
     fprintf(f, "  buffers = expert all-gather / reduce-scatter staging, the backward's scratch, pipeline "
             "transfer buffers\n");
 

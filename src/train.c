@@ -132,6 +132,16 @@ static void print_startup(const struct config *c, const struct mesh *mesh, const
                                : "gathers cast from the fp32 master",
                c->parallel.reshard_after_forward != MT_TRI_FALSE ? "gathered per use" : "kept gathered over the step",
                c->parallel.reduce_grads == MT_REDUCE_STEP ? "once a step" : "every micro-step");
+    int stage_moe = 0;
+    for (int l = m->st.layer0; l < m->st.layer1; l++) stage_moe += config_layer_is_moe(mc, l);
+    if (c->parallel.expert_wgrad_pairs == MT_TRI_TRUE && n_micro > 1 && stage_moe > 0) {
+        const int n = MT_MIN(c->parallel.wgrad_pair_layers, stage_moe);
+        if (n < stage_moe)   /* auto within the memory: each stage's first n MoE layers */
+            printf("  experts     weight gradients of two micro-steps in one GEMM in the first %d MoE layers of each stage "
+                   "(parallel.expert_wgrad_pairs; what fits)\n", n);
+        else
+            printf("  experts     weight gradients of two micro-steps in one GEMM (parallel.expert_wgrad_pairs)\n");
+    }
     printf("  batch       %d sequences x %d tokens per step = %d micro-steps x %d ranks x %d\n",
            c->train.global_batch_size, c->train.seq_len, n_micro, mesh->d.S,
            c->train.micro_batch_size);
@@ -225,15 +235,20 @@ static struct comm *comm_for_backend(const struct backend *be, MPI_Comm c)
     return comm_mpi_create(c);
 }
 
-/* The auto FSDP settings (parallel.reduce_grads, reshard_after_forward) as this job runs them: on
- * the smallest device of the job (0: the CPU backend), so that every rank takes the same
- * collectives. */
+/* The auto memory-for-speed settings (parallel.reduce_grads, reshard_after_forward,
+ * expert_wgrad_pairs) as this job runs them: on the smallest device of the job (0: the CPU
+ * backend), so that every rank takes the same collectives. */
 static void resolve_fsdp_auto(struct config *c, const struct mesh *mesh, bool keep_copy, double device_bytes)
 {
     MT_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &device_bytes, 1, MPI_DOUBLE, MPI_MIN, mesh->world_comm));
     c->parallel.reduce_grads = estimate_reduce_grads(c, &mesh->d, keep_copy, device_bytes);
     c->parallel.reshard_after_forward =
         estimate_reshard(c, &mesh->d, keep_copy, device_bytes) ? MT_TRI_TRUE : MT_TRI_FALSE;
+    estimate_resolve_expert_wgrad_pairs(c, &mesh->d, keep_copy, device_bytes);
+    if (c->parallel.expert_wgrad_pairs == MT_TRI_TRUE && !estimate_expert_grads_kept(c, &mesh->d))
+        mt_user_error("%s: parallel.expert_wgrad_pairs: true needs the expert gradients kept over the "
+                      "step; with ep_fsdp %d they are reduce-scattered every micro-step: set "
+                      "parallel.reduce_grads: step", c->path, mesh->d.ep_fsdp);
 }
 
 /* What the dry run decides the auto settings on: the GPU the training would use here, or none
@@ -336,6 +351,8 @@ int cmd_train(const struct cli *a)
     struct fsdp sharding;
     fsdp_init(&sharding, &p, c.parallel.reshard_after_forward != MT_TRI_FALSE, c.parallel.prefetch,
               c.parallel.reduce_grads == MT_REDUCE_STEP);
+    if (c.parallel.expert_wgrad_pairs == MT_TRI_TRUE && E > 0)
+        model_enable_expert_wgrad_pairs(&m, c.parallel.wgrad_pair_layers);
     if (*c.data.routing_replay &&
         !route_replay_open(&m, c.data.routing_replay, (int64_t)tc->steps * tc->global_batch_size, err, sizeof err))
         mt_user_error("data.routing_replay: %s", err);
@@ -415,6 +432,7 @@ int cmd_train(const struct cli *a)
                         layer_counts[(size_t)l * E + e] += m.stats_h[(size_t)l * 2 * E + E + e];
             }
             watchdog_phase(step, "backward");
+            m.more_backwards = micro + 1 < n_micro;
             model_backward(&m, (float)(1.0 / n_valid_global), use_aux ? aux_dp : NULL);
         }
         watchdog_phase(step, "gradient norm");

@@ -128,7 +128,6 @@ static void stage_forward(void *ctx, int slot, int micro)
 
 static void stage_backward(void *ctx, int slot, int micro)
 {
-    (void)micro;
     struct pipe_train *t = ctx;
     struct model *m = t->m;
     const int E = m->E;
@@ -139,6 +138,7 @@ static void stage_backward(void *ctx, int slot, int micro)
     }
     const size_t bytes = (size_t)m->T * m->H * m->be->x_size;
     if (!m->st.last) m->be->copy(m->d_h, t->grad_in[slot], bytes);
+    m->more_backwards = micro + 1 < t->n_micro;   /* 1F1B runs the backwards in micro-batch order */
     model_stage_backward(m, slot, (float)(1.0 / t->n_valid_global), t->use_aux ? t->aux_host[slot] : NULL);
     if (!m->st.first) m->be->copy(t->grad_out[slot], m->d_h, bytes);
 }

@@ -1090,3 +1090,18 @@ Test(config, moe_chunks_must_be_positive_and_at_most_the_micro_batch_tokens)
     cr_assert(load(&c, put("default.yaml", "train:\n  steps: 1\n"), 0, NULL), "%s", errbuf);
     cr_expect_eq(c.parallel.moe_chunks, 1);
 }
+
+/* parallel.expert_wgrad_pairs: auto by default; true with the chunked exchange (which runs its own
+ * expert backward) is refused, naming both keys; auto or false with it load. */
+Test(config, expert_wgrad_pairs_needs_one_moe_chunk)
+{
+    struct config c;
+    cr_assert(load(&c, put("default.yaml", "train:\n  steps: 1\n"), 0, NULL), "%s", errbuf);
+    cr_expect_eq(c.parallel.expert_wgrad_pairs, MT_TRI_AUTO);
+    const char *m = fails("parallel:\n  expert_wgrad_pairs: true\n  moe_chunks: 2\n");
+    expect(m, "parallel.expert_wgrad_pairs: true needs parallel.moe_chunks: 1");
+    expect(m, "expert_wgrad_pairs");
+    cr_assert(load(&c, put("a.yaml", "parallel:\n  expert_wgrad_pairs: auto\n  moe_chunks: 2\n"), 0, NULL), "%s", errbuf);
+    cr_assert(load(&c, put("f.yaml", "parallel:\n  expert_wgrad_pairs: false\n  moe_chunks: 2\n"), 0, NULL), "%s", errbuf);
+    cr_expect_eq(c.parallel.expert_wgrad_pairs, MT_TRI_FALSE);
+}

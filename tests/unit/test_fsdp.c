@@ -137,6 +137,61 @@ Test(fsdp, reduce_scatters_overlap_or_run_once_per_step, .timeout = 900)
               on.peak);
 }
 
+static void expect_identical_training(const struct run *a, const struct run *b, const char *what)
+{
+    for (int s = 0; s < 5; s++)
+        cr_expect(a->loss[s] == b->loss[s] && a->gnorm[s] == b->gnorm[s],
+                  "%s step %d: loss %.10g vs %.10g, grad norm %.10g vs %.10g", what, s + 1, b->loss[s], a->loss[s],
+                  b->gnorm[s], a->gnorm[s]);
+}
+
+/* parallel.expert_wgrad_pairs: a micro-step's expert weight gradients wait for the next one's and
+ * both are added in one call. On the CPU backend that call is the two adds in the same order, so
+ * the training is bit-identical (a stash that lost, repeated or mixed up rows would show), with
+ * 3 micro-steps (a pair and one alone), on 4 ranks with reduce_grads=step, through a 2-stage
+ * pipeline and with activation checkpointing. The stash is real memory: the peak grows and `plan`
+ * counts it. With experts reduce-scattered every micro-step (ep_fsdp 2, reduce_grads micro_step)
+ * the option is refused in one line. */
+Test(fsdp, expert_wgrad_pairs_change_nothing, .timeout = 900)
+{
+    const char *b12 = "--set train.global_batch_size=12 ";
+    const char *on = " --set parallel.expert_wgrad_pairs=true";
+    char opt[512];
+    struct run ref, got;
+    train(1, 1, b12, &ref);
+    snprintf(opt, sizeof opt, "%s%s", b12, on);
+    train(1, 1, opt, &got);
+    expect_identical_training(&ref, &got, "1 rank, 3 micro-steps");
+    cr_expect(got.peak > ref.peak, "the stash holds no memory: peak %.0f vs %.0f bytes", got.peak, ref.peak);
+    cr_expect(fabs(got.plan_pct) <= 10.0, "pairs: measured peak %+.1f%% from the plan", got.plan_pct);
+    snprintf(opt, sizeof opt, "%s --set train.activation_checkpointing=true", b12);
+    train(1, 1, opt, &ref);
+    snprintf(opt, sizeof opt, "%s --set train.activation_checkpointing=true%s", b12, on);
+    train(1, 1, opt, &got);
+    expect_identical_training(&ref, &got, "activation checkpointing");
+
+    const char *b8 = "--set train.global_batch_size=8 --set parallel.reduce_grads=step";
+    train(4, 2, b8, &ref);
+    snprintf(opt, sizeof opt, "%s%s", b8, on);
+    train(4, 2, opt, &got);
+    expect_identical_training(&ref, &got, "ep2 x ep_fsdp2, reduce_grads=step");
+
+    const char *pp = "--set train.global_batch_size=8 --set parallel.pipeline_parallel_size=2";
+    train(2, 1, pp, &ref);
+    snprintf(opt, sizeof opt, "%s%s", pp, on);
+    train(2, 1, opt, &got);
+    expect_identical_training(&ref, &got, "pp 2");
+
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd, "timeout 120 %s -np 4 %s/moetrain train configs/tiny.yaml --backend cpu " SMALL
+             " --set parallel.expert_parallel_size=2 --set train.micro_batch_size=1 --set train.global_batch_size=8"
+             " --set parallel.reduce_grads=micro_step%s", tu_mpirun(), tu_build(), on);
+    const int rc = tu_run(cmd, &out);
+    cr_expect(rc != 0 && strstr(out, "parallel.expert_wgrad_pairs: true needs the expert gradients kept"),
+              "rc %d:\n%s", rc, out);
+    free(out);
+}
+
 /* `plan` (the same breakdown) within 10% of the measured peak on CPU meshes. */
 Test(fsdp, plan_matches_measured_peak_on_cpu_meshes, .timeout = 900)
 {

@@ -525,3 +525,66 @@ Test(plan, folded_table_has_one_row_per_stage)
     free(folded);
     free(nodes);
 }
+
+/* parallel.expert_wgrad_pairs: each pairing MoE layer parks one micro-step's expert rows, by hand
+ * on the hand model (T = 16 tokens x top-2 = 32 rows of x_exp 16 + act 5 + d_gu 10 + d_y_exp 16
+ * bf16 elements), and auto pairs as many of the stage's MoE layers as keep the peak within 80% of
+ * the device, none where it cannot help. */
+Test(plan, expert_wgrad_pairs_stash_and_auto_layers)
+{
+    struct config c;
+    hand_config(&c, 1, 1);
+    c.parallel.moe_chunks = 1;
+    c.parallel.wgrad_pair_layers = MT_MAX_LAYERS;
+    struct mesh_dims d;
+    dims(&c, 1, &d);
+    struct tensor_table tt;
+    tensor_table_build(&tt, &c.model);
+    struct stage_estimate off, all, two;
+    c.parallel.expert_wgrad_pairs = MT_TRI_FALSE;
+    estimate_stage(&c, &tt, &d, 0, true, &off);
+    c.parallel.expert_wgrad_pairs = MT_TRI_TRUE;
+    estimate_stage(&c, &tt, &d, 0, true, &all);
+    const double stash = 32.0 * (16 + 5 + 10 + 16) * 2;
+    cr_assert_float_eq(all.act_bytes - off.act_bytes, 3 * stash, 1e-9);
+    c.parallel.wgrad_pair_layers = 2;
+    estimate_stage(&c, &tt, &d, 0, true, &two);
+    cr_assert_float_eq(two.act_bytes - off.act_bytes, 2 * stash, 1e-9);
+    tensor_table_free(&tt);
+
+    c.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
+    c.parallel.wgrad_pair_layers = MT_MAX_LAYERS;
+    const double base = estimate_peak_bytes(&c, &d, true); /* auto counts as off */
+    cr_assert_float_eq(base, off.total_bytes, 1e-6);
+    cr_assert_eq(estimate_expert_wgrad_pair_layers(&c, &d, true, (base + 2.5 * stash) / 0.80), 2);
+    cr_assert_eq(estimate_expert_wgrad_pair_layers(&c, &d, true, (base + 0.5 * stash) / 0.80), 0);
+    cr_assert_eq(estimate_expert_wgrad_pair_layers(&c, &d, true, 1e15), MT_MAX_LAYERS, "every layer fits");
+    cr_assert_eq(estimate_expert_wgrad_pair_layers(&c, &d, true, 0), 0, "no device (CPU backend)");
+    estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 1.5 * stash) / 0.80);
+    cr_assert(c.parallel.expert_wgrad_pairs == MT_TRI_TRUE && c.parallel.wgrad_pair_layers == 1);
+    c.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
+    estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 0.5 * stash) / 0.80);
+    cr_assert(c.parallel.expert_wgrad_pairs == MT_TRI_FALSE);
+
+    /* where it cannot help or cannot run: off whatever the memory */
+    struct config t = c;
+    t.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
+    t.model.precision = MT_PREC_FP32;
+    cr_assert_eq(estimate_expert_wgrad_pair_layers(&t, &d, true, 1e15), 0, "fp32");
+    t = c, t.parallel.expert_wgrad_pairs = MT_TRI_AUTO, t.parallel.moe_chunks = 2;
+    cr_assert_eq(estimate_expert_wgrad_pair_layers(&t, &d, true, 1e15), 0, "moe_chunks 2");
+    t = c, t.parallel.expert_wgrad_pairs = MT_TRI_AUTO, t.train.global_batch_size = 2;
+    cr_assert_eq(estimate_expert_wgrad_pair_layers(&t, &d, true, 1e15), 0, "one micro-step");
+    t = c, t.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
+    struct mesh_dims d2;
+    dims(&t, 2, &d2); /* ep 1 x ep_fsdp 2: the experts are reduce-scattered every micro-step */
+    t.parallel.reduce_grads = MT_REDUCE_MICRO_STEP;
+    cr_assert_eq(estimate_expert_wgrad_pair_layers(&t, &d2, true, 1e15), 0, "ep_fsdp 2, micro_step");
+    t.parallel.reduce_grads = MT_REDUCE_STEP;
+    cr_assert_eq(estimate_expert_wgrad_pair_layers(&t, &d2, true, 1e15), MT_MAX_LAYERS, "ep_fsdp 2, step");
+    /* set by hand: as set */
+    t.parallel.expert_wgrad_pairs = MT_TRI_FALSE;
+    cr_assert_eq(estimate_expert_wgrad_pair_layers(&t, &d2, true, 1e15), 0);
+    t.parallel.expert_wgrad_pairs = MT_TRI_TRUE;
+    cr_assert_eq(estimate_expert_wgrad_pair_layers(&t, &d2, true, 1), MT_MAX_LAYERS);
+}
