@@ -171,7 +171,9 @@ void cpu_expert_matmul_backward(float *din, float *dw, const float *dout, const 
     for (int e = 0; e < n_exp; e++) {
         const int64_t r0 = off[e], n = off[e + 1] - off[e];
         if (n == 0) continue;
+        /* in is read only for dw, w only for din (either may be NULL when not) */
         cpu_matmul_backward(din ? din + r0 * I : NULL, dw ? dw + (size_t)e * O * I : NULL,
-                            dout + r0 * O, in + r0 * I, w + (size_t)e * O * I, (int)n, I, O, false);
+                            dout + r0 * O, in ? in + r0 * I : NULL, w ? w + (size_t)e * O * I : NULL,
+                            (int)n, I, O, false);
     }
 }
