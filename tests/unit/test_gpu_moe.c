@@ -627,6 +627,90 @@ Test(gpu, expert_matmul_wgrad2)
     }
 }
 
+/* expert_swiglu_forward / expert_swiglu_dgrad (SwiGLU fused into the grouped GEMM's epilogue on
+ * Hopper in bf16; the GEMM and the elementwise kernel elsewhere) against the CPU's composition
+ * (M.tol: one bf16 rounding more or less than the fp32 CPU), and in bf16 on Hopper against the
+ * GPU's own unfused ops bit for bit (the epilogue rounds where the unfused kernels store: gu, the
+ * SiLU, d_act). I = 200 is not a multiple of 128: the fused forward declines and the op falls
+ * back. Row counts with tile edges and empty experts. */
+static void swiglu_fused_case(const struct mode *M, mt_rng *rng, const char *tag, int NE, const int *rows, int H,
+                              int I)
+{
+    char what[160];
+    int64_t *off = mt_calloc((size_t)NE + 1, sizeof *off);
+    for (int e = 0; e < NE; e++) off[e + 1] = off[e] + rows[e];
+    const size_t R = (size_t)off[NE], rh = R * H, rgu = R * 2 * I, ri = R * I;
+    float *in = hrand(rng, rh, 1.0), *wgu = hrand(rng, (size_t)NE * 2 * I * H, 0.05);
+    float *wd = hrand(rng, (size_t)NE * H * I, 0.05), *dout = hrand(rng, rh, 1.0);
+    void *d_in = dx_from(M, in, rh), *d_wgu = dx_from(M, wgu, (size_t)NE * 2 * I * H);
+    void *d_wd = dx_from(M, wd, (size_t)NE * H * I), *d_dout = dx_from(M, dout, rh);
+
+    /* forward */
+    void *d_gu = dx_poisoned(M, rgu), *d_act = dx_poisoned(M, ri);
+    M->g->expert_swiglu_forward(d_gu, d_act, d_in, d_wgu, off, NE, H, I);
+    float *gu = hx_of(M, d_gu, rgu), *act = hx_of(M, d_act, ri);
+    float *gu_ref = fnew(rgu), *act_ref = fnew(ri);
+    M->c->expert_swiglu_forward(gu_ref, act_ref, in, wgu, off, NE, H, I);
+    snprintf(what, sizeof what, "expert_swiglu_forward %s gu", tag);
+    check_close(M, what, gu, gu_ref, rgu, M->tol);
+    snprintf(what, sizeof what, "expert_swiglu_forward %s act", tag);
+    check_close(M, what, act, act_ref, ri, M->tol);
+
+    /* backward through the GPU's own gu (so both sides start from the same gate|up values) */
+    void *d_dgu = dx_poisoned(M, rgu), *d_scr = dx_poisoned(M, ri);
+    M->g->expert_swiglu_dgrad(d_dgu, d_scr, d_gu, d_dout, d_wd, off, NE, I, H);
+    float *dgu = hx_of(M, d_dgu, rgu), *dgu_ref = fnew(rgu), *scr = fnew(ri);
+    M->c->expert_swiglu_dgrad(dgu_ref, scr, gu, dout, wd, off, NE, I, H);
+    snprintf(what, sizeof what, "expert_swiglu_dgrad %s dgu", tag);
+    check_close(M, what, dgu, dgu_ref, rgu, M->tol);
+
+#ifdef MT_HAVE_CUDA
+    if (M->g->x_size == 2 && grouped_gemm_available()) {
+        /* the unfused ops on the GPU: the same bits */
+        void *u_gu = dx_poisoned(M, rgu), *u_act = dx_poisoned(M, ri), *u_dact = dx_poisoned(M, ri);
+        void *u_dgu = dx_poisoned(M, rgu);
+        M->g->expert_matmul_forward(u_gu, d_in, d_wgu, off, NE, H, 2 * I);
+        M->g->swiglu_forward(u_act, u_gu, (int)R, I);
+        M->g->expert_matmul_backward(u_dact, NULL, d_dout, NULL, d_wd, off, NE, I, H, false);
+        M->g->swiglu_backward(u_dgu, u_dact, d_gu, (int)R, I);
+        float *ugu = hx_of(M, u_gu, rgu), *uact = hx_of(M, u_act, ri), *udgu = hx_of(M, u_dgu, rgu);
+        snprintf(what, sizeof what, "expert_swiglu_forward %s gu = unfused", tag);
+        check_exact(M, what, gu, ugu, rgu * sizeof(float));
+        snprintf(what, sizeof what, "expert_swiglu_forward %s act = unfused", tag);
+        check_exact(M, what, act, uact, ri * sizeof(float));
+        snprintf(what, sizeof what, "expert_swiglu_dgrad %s dgu = unfused", tag);
+        check_exact(M, what, dgu, udgu, rgu * sizeof(float));
+        /* the fused kernels take exactly the shapes they say they do */
+        void *f_gu = dx_poisoned(M, rgu), *f_act = dx_poisoned(M, ri), *f_dgu = dx_poisoned(M, rgu);
+        const bool fwd = grouped_gemm_forward_swiglu(f_gu, f_act, d_in, d_wgu, off, NE, H, I);
+        const bool bwd = grouped_gemm_dgrad_swiglu(f_dgu, d_gu, d_dout, d_wd, off, NE, I, H);
+        cr_expect(fwd == (I % 128 == 0) && bwd, "%s: fused forward took it %d (I %% 128 = %d), dgrad %d", tag, fwd,
+                  I % 128, bwd);
+        M->g->free(u_gu), M->g->free(u_act), M->g->free(u_dact), M->g->free(u_dgu);
+        M->g->free(f_gu), M->g->free(f_act), M->g->free(f_dgu);
+        free(ugu), free(uact), free(udgu);
+    }
+#endif
+    M->g->free(d_in), M->g->free(d_wgu), M->g->free(d_wd), M->g->free(d_dout), M->g->free(d_gu);
+    M->g->free(d_act), M->g->free(d_dgu), M->g->free(d_scr);
+    free(off), free(in), free(wgu), free(wd), free(dout), free(gu), free(act), free(gu_ref), free(act_ref);
+    free(dgu), free(dgu_ref), free(scr);
+}
+
+Test(gpu, expert_swiglu_fused)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 141);
+    const int edges[] = {0, 1, 127, 129, 300, 0, 64, 65};
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        swiglu_fused_case(&M, &rng, "256 -> 2x256", 8, edges, 256, 256);
+        swiglu_fused_case(&M, &rng, "200 -> 2x384", 8, edges, 200, 384);
+        swiglu_fused_case(&M, &rng, "I 200 (forward unfused)", 8, edges, 256, 200);
+    }
+}
+
 /* MT_FORCE_SM80=1 (make test-gpu's sm_80 pass) must really take the sm_80 paths on a Hopper GPU,
  * or that pass would test the Hopper kernels twice. */
 Test(gpu, force_sm80_declines_the_hopper_kernels)
