@@ -82,8 +82,6 @@ template <typename T> static struct backend make_table(double peak)
     b.expert_matmul_forward = cu_expert_matmul_forward<T>;
     b.expert_matmul_backward = cu_expert_matmul_backward<T>;
     b.expert_matmul_wgrad2 = cu_expert_matmul_wgrad2<T>;
-    b.expert_swiglu_forward = cu_expert_swiglu_forward<T>;
-    b.expert_swiglu_dgrad = cu_expert_swiglu_dgrad<T>;
     b.swiglu_forward = cu_swiglu_forward<T>;
     b.swiglu_backward = cu_swiglu_backward<T>;
     b.cross_entropy_forward = cu_cross_entropy_forward<T>;
@@ -127,7 +125,6 @@ static void context_init(int local_rank, int count)
     g_cuda.num_sms = prop.multiProcessorCount;
     /* the build holds sm_90a machine code for the Hopper kernels, which runs on 9.0 only */
     g_cuda.hopper = prop.major == 9 && prop.minor == 0 && !mt_env_flag("MT_FORCE_SM80");
-    g_cuda.unfused_swiglu = mt_env_flag("MT_UNFUSED_SWIGLU");
     CUDA_CHECK(cudaStreamCreateWithFlags(&g_cuda.stream, cudaStreamNonBlocking));
     CUBLAS_CHECK(cublasCreate(&g_cuda.blas));
     CUBLAS_CHECK(cublasSetStream(g_cuda.blas, g_cuda.stream));

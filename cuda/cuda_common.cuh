@@ -69,9 +69,6 @@ struct cuda_ctx {
     /* take the Hopper kernels (wgmma, TMA): compute capability 9.0 and MT_FORCE_SM80 unset.
      * Otherwise every op takes its sm_80 path (mma.sync attention, cuBLAS expert GEMMs). */
     bool hopper;
-    /* MT_UNFUSED_SWIGLU=1 (a benchmarking switch): the expert SwiGLU runs as its own kernels
-     * instead of in the grouped GEMM's epilogues (expert_matmul.cu) */
-    bool unfused_swiglu;
     cudaStream_t stream;
     cublasHandle_t blas;
     cublasLtHandle_t lt;

@@ -9,7 +9,6 @@
 #include "expert_matmul.cuh"
 #include "grouped_gemm.cuh"
 #include "matmul.cuh"
-#include "swiglu.cuh"
 
 #include <type_traits>
 #include <vector>
@@ -175,34 +174,6 @@ void cu_expert_matmul_wgrad2(float *dw, const void *dout_a, const void *in_a, co
     cu_expert_matmul_backward<T>(NULL, dw, dout_b, in_b, NULL, off_b, n_exp, I, O, false);
 }
 
-/* SwiGLU fused with the expert GEMM beside it where the grouped kernel takes the shapes; else the
- * GEMM and the elementwise kernel (d_act: their scratch for the backward) */
-template <typename T>
-void cu_expert_swiglu_forward(void *gu, void *act, const void *in, const void *w, const int64_t *off, int n_exp,
-                              int H, int I)
-{
-    check_offsets("expert_swiglu_forward", off, n_exp);
-    if (std::is_same<T, bf16>::value && !g_cuda.unfused_swiglu &&
-        grouped_gemm_forward_swiglu(gu, act, in, w, off, n_exp, H, I))
-        return;
-    cu_expert_matmul_forward<T>(gu, in, w, off, n_exp, H, 2 * I);
-    const int64_t r0 = n_exp > 0 ? off[0] : 0, R = n_exp > 0 ? off[n_exp] - r0 : 0;
-    cu_swiglu_forward<T>((T *)act + r0 * I, (const T *)gu + r0 * 2 * I, (int)R, I);
-}
-
-template <typename T>
-void cu_expert_swiglu_dgrad(void *dgu, void *d_act, const void *gu, const void *dout, const void *w,
-                            const int64_t *off, int n_exp, int I, int H)
-{
-    check_offsets("expert_swiglu_dgrad", off, n_exp);
-    if (std::is_same<T, bf16>::value && !g_cuda.unfused_swiglu &&
-        grouped_gemm_dgrad_swiglu(dgu, gu, dout, w, off, n_exp, I, H))
-        return;
-    cu_expert_matmul_backward<T>(d_act, NULL, dout, NULL, w, off, n_exp, I, H, false);
-    const int64_t r0 = n_exp > 0 ? off[0] : 0, R = n_exp > 0 ? off[n_exp] - r0 : 0;
-    cu_swiglu_backward<T>((T *)dgu + r0 * 2 * I, (const T *)d_act + r0 * I, (const T *)gu + r0 * 2 * I, (int)R, I);
-}
-
 template void cu_expert_matmul_forward<float>(void *, const void *, const void *, const int64_t *,
                                               int, int, int);
 template void cu_expert_matmul_forward<bf16>(void *, const void *, const void *, const int64_t *,
@@ -217,11 +188,3 @@ template void cu_expert_matmul_wgrad2<float>(float *, const void *, const void *
 template void cu_expert_matmul_wgrad2<bf16>(float *, const void *, const void *, const int64_t *,
                                             const void *, const void *, const int64_t *, int, int,
                                             int, bool);
-template void cu_expert_swiglu_forward<float>(void *, void *, const void *, const void *, const int64_t *, int,
-                                              int, int);
-template void cu_expert_swiglu_forward<bf16>(void *, void *, const void *, const void *, const int64_t *, int,
-                                             int, int);
-template void cu_expert_swiglu_dgrad<float>(void *, void *, const void *, const void *, const void *,
-                                            const int64_t *, int, int, int);
-template void cu_expert_swiglu_dgrad<bf16>(void *, void *, const void *, const void *, const void *,
-                                           const int64_t *, int, int, int);

@@ -15,11 +15,5 @@ template <typename T>
 void cu_expert_matmul_wgrad2(float *dw, const void *dout_a, const void *in_a, const int64_t *off_a,
                              const void *dout_b, const void *in_b, const int64_t *off_b, int n_exp,
                              int I, int O, bool dw_overwrite);
-template <typename T>
-void cu_expert_swiglu_forward(void *gu, void *act, const void *in, const void *w, const int64_t *off, int n_exp,
-                              int H, int I);
-template <typename T>
-void cu_expert_swiglu_dgrad(void *dgu, void *d_act, const void *gu, const void *dout, const void *w,
-                            const int64_t *off, int n_exp, int I, int H);
 
 #endif

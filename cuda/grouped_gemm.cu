@@ -28,7 +28,6 @@
 #include "grouped_gemm.cuh"
 
 #include "cuda_common.cuh"
-#include "swiglu.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -45,9 +44,7 @@ constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024 /* alignment slack */ + 2 * STAGES * 8;
 constexpr int MAX_EXPERTS = 256;             /* per launch (the schedule is a kernel parameter) */
 
-/* the _SWIGLU kinds fuse SwiGLU into the epilogue (see the host functions at the end): the gate_up
- * forward also writes silu(gate)·up, the down projection's dgrad writes the gate_up gradient */
-enum { KIND_FWD, KIND_DGRAD, KIND_WGRAD, KIND_FWD_SWIGLU, KIND_DGRAD_SWIGLU };
+enum { KIND_FWD, KIND_DGRAD, KIND_WGRAD };
 
 struct gg_params {
     CUtensorMap map_a, map_b;
@@ -55,9 +52,6 @@ struct gg_params {
     void *out;          /* bf16 [R, N] (forward, dgrad) or fp32 dw [n_exp, M, N] (wgrad) */
     int M, N, K;        /* wgrad: M = O, N = I; forward/dgrad: N, K (M is the expert's rows) */
     int overwrite;      /* wgrad: dw = acc (dw not read; experts with no rows get zero tiles) */
-    void *act;          /* FWD_SWIGLU: bf16 [R, half], silu(gate)·up */
-    const void *gu;     /* DGRAD_SWIGLU: bf16 [R, 2N], the forward's gate|up */
-    int half;           /* FWD_SWIGLU: I, where the up rows of W start (gate rows [0, I)) */
     int n_exp, e_base;  /* experts [e_base, e_base + n_exp) in this launch */
     int total_tiles;
     int row_off[MAX_EXPERTS + 1];    /* absolute row offsets */
@@ -167,9 +161,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
 #ifdef MT_NO_HOPPER_CODE
     __trap();
 #else
-    constexpr bool FWD = KIND == KIND_FWD || KIND == KIND_FWD_SWIGLU;
     constexpr int TA = KIND == KIND_WGRAD ? 1 : 0; /* A MN-major */
-    constexpr int TB = FWD ? 0 : 1;                /* B MN-major */
+    constexpr int TB = KIND == KIND_FWD ? 0 : 1;   /* B MN-major */
     constexpr uint32_t A_KSTEP = TA ? 16 * 128 : 32, B_KSTEP = TB ? 16 * 128 : 32;
     constexpr uint32_t A_LBO = TA ? BOX_BYTES : 16, B_LBO = TB ? BOX_BYTES : 16;
 
@@ -205,13 +198,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                 if (KIND == KIND_FWD) {
                     tma_2d(sa, &p.map_a, kb * BK, ti.r0 + ti.mi * BM, fb);
                     tma_3d(sb, &p.map_b, kb * BK, ti.ni * BN, e, fb);
-                } else if (KIND == KIND_FWD_SWIGLU) {
-                    /* the tile's 256 columns: 128 gate rows of W, then the same 128 features' up
-                     * rows (K-major rows are contiguous, so two 128-row boxes make the 256-row tile) */
-                    tma_2d(sa, &p.map_a, kb * BK, ti.r0 + ti.mi * BM, fb);
-                    tma_3d(sb, &p.map_b, kb * BK, ti.ni * (BN / 2), e, fb);
-                    tma_3d(sb + (BN / 2) * 128, &p.map_b, kb * BK, p.half + ti.ni * (BN / 2), e, fb);
-                } else if (KIND == KIND_DGRAD || KIND == KIND_DGRAD_SWIGLU) {
+                } else if (KIND == KIND_DGRAD) {
                     tma_2d(sa, &p.map_a, kb * BK, ti.r0 + ti.mi * BM, fb);
                     for (int j = 0; j < BN / 64; j++)
                         tma_3d(sb + j * BOX_BYTES, &p.map_b, ti.ni * BN + 64 * j, kb * BK, e, fb);
@@ -325,56 +312,6 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                             *(float2 *)(dw + (size_t)(m + 8 * h) * p.N + n0 + 8 * (jb + j)) = v[j][h];
                         }
             }
-        } else if (KIND == KIND_FWD_SWIGLU) {
-            /* accumulator column groups j < 16 are gate features ti.ni·128 + 8j + .., j + 16 the
-             * same features' up: both in this thread's registers */
-            bf16 *gu = (bf16 *)p.out, *act = (bf16 *)p.act;
-            const int I = p.half, valid_m = ti.rows - ti.mi * BM;
-            const size_t r = (size_t)ti.r0 + (size_t)ti.mi * BM + row_in_tile;
-            const int c0 = ti.ni * (BN / 2) + col_in_tile;
-#pragma unroll
-            for (int j = 0; j < BN / 16; j++) {
-                const int n = c0 + 8 * j;
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    if (row_in_tile + 8 * h >= valid_m) continue;
-                    const size_t rr = r + 8 * h;
-                    const __nv_bfloat162 g2 = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-                    const __nv_bfloat162 u2 =
-                        __floats2bfloat162_rn(acc[4 * (j + 16) + 2 * h], acc[4 * (j + 16) + 2 * h + 1]);
-                    *(__nv_bfloat162 *)(gu + rr * 2 * I + n) = g2;
-                    *(__nv_bfloat162 *)(gu + rr * 2 * I + I + n) = u2;
-                    const float2 g = __bfloat1622float2(g2), u = __bfloat1622float2(u2);
-                    *(__nv_bfloat162 *)(act + rr * I + n) =
-                        __floats2bfloat162_rn(swiglu_pair<bf16>(g.x, u.x), swiglu_pair<bf16>(g.y, u.y));
-                }
-            }
-        } else if (KIND == KIND_DGRAD_SWIGLU) {
-            /* d_act (rounded to bf16, as the unfused path stores it) straight into the gate|up
-             * gradient, reading the forward's gate|up at the same features */
-            bf16 *dgu = (bf16 *)p.out;
-            const bf16 *gu = (const bf16 *)p.gu;
-            const int I = p.N, valid_m = ti.rows - ti.mi * BM;
-            const size_t r = (size_t)ti.r0 + (size_t)ti.mi * BM + row_in_tile;
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                const int n = n0 + 8 * j;
-                if (n >= I) continue;
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    if (row_in_tile + 8 * h >= valid_m) continue;
-                    const size_t rr = r + 8 * h;
-                    const float2 d = __bfloat1622float2(
-                        __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
-                    const float2 g = __bfloat1622float2(*(const __nv_bfloat162 *)(gu + rr * 2 * I + n));
-                    const float2 u = __bfloat1622float2(*(const __nv_bfloat162 *)(gu + rr * 2 * I + I + n));
-                    float dg0, du0, dg1, du1;
-                    swiglu_pair_grad<bf16>(g.x, u.x, d.x, dg0, du0);
-                    swiglu_pair_grad<bf16>(g.y, u.y, d.y, dg1, du1);
-                    *(__nv_bfloat162 *)(dgu + rr * 2 * I + n) = __floats2bfloat162_rn(dg0, dg1);
-                    *(__nv_bfloat162 *)(dgu + rr * 2 * I + I + n) = __floats2bfloat162_rn(du0, du1);
-                }
-            }
         } else {
             bf16 *out = (bf16 *)p.out;
             const int valid_m = ti.rows - ti.mi * BM;
@@ -397,6 +334,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
 
 /* ---------------------------------------------------------------- host side */
 
+bool aligned16(const void *q) { return ((uintptr_t)q & 15u) == 0; }
+
 /* What the kernel handles: TMA wants 16-byte aligned bases and row strides (I, O multiples of 8),
  * coordinates are int32. */
 bool supported(int I, int O, const int64_t *off, int n_exp, const void *a, const void *b,
@@ -410,18 +349,11 @@ bool supported(int I, int O, const int64_t *off, int n_exp, const void *a, const
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* what the fused epilogues read or write besides out (gg_params) */
-struct swiglu_args {
-    void *act;
-    const void *gu;
-    int half;
-};
-
 /* off2 (wgrad only, or NULL): the second row set's offsets, read through ma2/mb2 */
 template <int KIND>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64_t *off, int n_exp,
             int M, int N, int K, bool overwrite = false, const int64_t *off2 = NULL,
-            const CUtensorMap *ma2 = NULL, const CUtensorMap *mb2 = NULL, swiglu_args sw = {NULL, NULL, 0})
+            const CUtensorMap *ma2 = NULL, const CUtensorMap *mb2 = NULL)
 {
     static bool attr_set;
     if (!attr_set) {
@@ -438,9 +370,6 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64
     p.out = out;
     p.M = M, p.N = N, p.K = K;
     p.overwrite = overwrite;
-    p.act = sw.act;
-    p.gu = sw.gu;
-    p.half = sw.half;
     for (int e0 = 0; e0 < n_exp; e0 += MAX_EXPERTS) {
         const int ne = n_exp - e0 < MAX_EXPERTS ? n_exp - e0 : MAX_EXPERTS;
         int64_t total = 0;
@@ -469,20 +398,6 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64
 
 } // namespace
 
-/* The dgrad maps (dout [R, O], w [n_exp, O, I] as 64x64 MN-major boxes), shared by
- * the plain and the SwiGLU-fused dgrad. */
-static void dgrad_maps(CUtensorMap *ma, CUtensorMap *mb, const void *dout, const void *w, int64_t R,
-                       int n_exp, int I, int O)
-{
-    const cuuint64_t da[2] = {(cuuint64_t)O, (cuuint64_t)R}, sa[1] = {(cuuint64_t)O * 2};
-    const cuuint32_t ba[2] = {64, BM};
-    tma_make_map(ma, dout, 2, da, sa, ba, "grouped_gemm");
-    const cuuint64_t db[3] = {(cuuint64_t)I, (cuuint64_t)O, (cuuint64_t)n_exp};
-    const cuuint64_t sb[2] = {(cuuint64_t)I * 2, (cuuint64_t)O * I * 2};
-    const cuuint32_t bb[3] = {64, 64, 1};
-    tma_make_map(mb, w, 3, db, sb, bb, "grouped_gemm");
-}
-
 extern "C" bool grouped_gemm_forward(void *out, const void *in, const void *w, const int64_t *off,
                                      int n_exp, int I, int O)
 {
@@ -506,8 +421,15 @@ extern "C" bool grouped_gemm_dgrad(void *din, const void *dout, const void *w, c
 {
     if (!supported(I, O, off, n_exp, din, dout, w)) return false;
     if (n_exp <= 0 || off[n_exp] == off[0]) return true;
+    const cuuint64_t R = (cuuint64_t)off[n_exp];
     CUtensorMap ma, mb;
-    dgrad_maps(&ma, &mb, dout, w, off[n_exp], n_exp, I, O);
+    const cuuint64_t da[2] = {(cuuint64_t)O, R}, sa[1] = {(cuuint64_t)O * 2};
+    const cuuint32_t ba[2] = {64, BM};
+    tma_make_map(&ma, dout, 2, da, sa, ba, "grouped_gemm");
+    const cuuint64_t db[3] = {(cuuint64_t)I, (cuuint64_t)O, (cuuint64_t)n_exp};
+    const cuuint64_t sb[2] = {(cuuint64_t)I * 2, (cuuint64_t)O * I * 2};
+    const cuuint32_t bb[3] = {64, 64, 1};
+    tma_make_map(&mb, w, 3, db, sb, bb, "grouped_gemm");
     launch<KIND_DGRAD>(ma, mb, din, off, n_exp, 0, I, O);
     return true;
 }
@@ -550,36 +472,6 @@ extern "C" bool grouped_gemm_wgrad2(float *dw, const void *dout, const void *in,
     }
     wgrad_maps(&ma2, &mb2, dout2, in2, off2[n_exp], I, O);
     launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0, overwrite, off2, &ma2, &mb2);
-    return true;
-}
-
-extern "C" bool grouped_gemm_forward_swiglu(void *gu, void *act, const void *in, const void *w,
-                                            const int64_t *off, int n_exp, int H, int I)
-{
-    /* a tile's gate half must not reach the up rows: I a multiple of 128 */
-    if (I <= 0 || I % (BN / 2) || !aligned16(act) || !supported(H, 2 * I, off, n_exp, gu, in, w)) return false;
-    if (n_exp <= 0 || off[n_exp] == off[0]) return true;
-    const cuuint64_t R = (cuuint64_t)off[n_exp];
-    CUtensorMap ma, mb;
-    const cuuint64_t da[2] = {(cuuint64_t)H, R}, sa[1] = {(cuuint64_t)H * 2};
-    const cuuint32_t ba[2] = {64, BM};
-    tma_make_map(&ma, in, 2, da, sa, ba, "grouped_gemm");
-    const cuuint64_t db[3] = {(cuuint64_t)H, (cuuint64_t)(2 * I), (cuuint64_t)n_exp};
-    const cuuint64_t sb[2] = {(cuuint64_t)H * 2, (cuuint64_t)2 * I * H * 2};
-    const cuuint32_t bb[3] = {64, BN / 2, 1};
-    tma_make_map(&mb, w, 3, db, sb, bb, "grouped_gemm");
-    launch<KIND_FWD_SWIGLU>(ma, mb, gu, off, n_exp, 0, 2 * I, H, false, NULL, NULL, NULL, {act, NULL, I});
-    return true;
-}
-
-extern "C" bool grouped_gemm_dgrad_swiglu(void *dgu, const void *gu, const void *dout, const void *w,
-                                          const int64_t *off, int n_exp, int I, int H)
-{
-    if (!aligned16(gu) || !supported(I, H, off, n_exp, dgu, dout, w)) return false;
-    if (n_exp <= 0 || off[n_exp] == off[0]) return true;
-    CUtensorMap ma, mb;
-    dgrad_maps(&ma, &mb, dout, w, off[n_exp], n_exp, I, H);
-    launch<KIND_DGRAD_SWIGLU>(ma, mb, dgu, off, n_exp, 0, I, H, false, NULL, NULL, NULL, {NULL, gu, 0});
     return true;
 }
 

@@ -47,19 +47,6 @@ bool grouped_gemm_wgrad2(float *dw /*[n_exp,O,I] fp32*/, const void *dout /*[R,O
                          const int64_t *off2 /*[n_exp+1]*/, int n_exp, int I, int O,
                          bool overwrite);
 
-/* SwiGLU fused into the epilogues (I = expert width, a multiple of 128 for the forward):
- * forward_swiglu: gu[r] = in[r] · W[e]ᵀ (W [n_exp, 2I, H]: gate rows then up rows) and
- * act[r] = silu(gate)·up of those bf16 values, as swiglu_forward computes it;
- * dgrad_swiglu: d_act[r] = dout[r] · W[e] (the down projection, W [n_exp, H, I]) rounded to bf16
- * and at once through swiglu_backward into dgu [R, 2I] with the forward's gu; d_act is not
- * written. The same bits as the unfused kernels. */
-bool grouped_gemm_forward_swiglu(void *gu /*[R,2I] bf16*/, void *act /*[R,I] bf16*/, const void *in /*[R,H]*/,
-                                 const void *w /*[n_exp,2I,H] bf16*/, const int64_t *off, int n_exp, int H,
-                                 int I);
-bool grouped_gemm_dgrad_swiglu(void *dgu /*[R,2I] bf16*/, const void *gu /*[R,2I] bf16*/,
-                               const void *dout /*[R,H] bf16*/, const void *w /*[n_exp,H,I] bf16*/,
-                               const int64_t *off, int n_exp, int I, int H);
-
 /* Whether the kernel runs here: the backend is up on a compute capability 9.0 device and
  * MT_FORCE_SM80 is not set (the backend's g_cuda.hopper). When false, every call above declines. */
 bool grouped_gemm_available(void);

@@ -15,7 +15,7 @@ template <typename T> __global__ void swiglu_fwd_kernel(T *out, const T *gu, int
          i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / I, c = i - r * I;
         const float g = to_f(gu[r * 2 * I + c]), u = to_f(gu[r * 2 * I + I + c]);
-        out[i] = from_f<T>(swiglu_pair<T>(g, u));
+        out[i] = from_f<T>(round_x<T>(g / (1.0f + expf(-g))) * u);
     }
 }
 
@@ -26,10 +26,11 @@ template <typename T> __global__ void swiglu_bwd_kernel(T *dgu, const T *dout, c
          i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / I, c = i - r * I;
         const size_t ig = r * 2 * I + c, iu = ig + I;
-        float dg, du;
-        swiglu_pair_grad<T>(to_f(gu[ig]), to_f(gu[iu]), to_f(dout[i]), dg, du);
-        dgu[ig] = from_f<T>(dg);
-        dgu[iu] = from_f<T>(du);
+        const float g = to_f(gu[ig]), u = to_f(gu[iu]), d = to_f(dout[i]);
+        const float den = 1.0f + expf(-g);
+        const float sig = 1.0f / den;
+        dgu[ig] = from_f<T>(d * u * sig * (1.0f + g * (1.0f - sig)));
+        dgu[iu] = from_f<T>(d * round_x<T>(g / den));
     }
 }
 
@@ -45,7 +46,7 @@ template <typename T> __global__ void swiglu_fwd_vec_kernel(T *out, const T *gu,
         load8f(row + c, g);
         load8f(row + I + c, u);
 #pragma unroll
-        for (int e = 0; e < 8; e++) y[e] = swiglu_pair<T>(g[e], u[e]);
+        for (int e = 0; e < 8; e++) y[e] = round_x<T>(g[e] / (1.0f + expf(-g[e]))) * u[e];
         store8f(out + r * I + c, y);
     }
 }
@@ -63,7 +64,12 @@ __global__ void swiglu_bwd_vec_kernel(T *dgu, const T *dout, const T *gu, int R,
         load8f(gu + iu, u);
         load8f(dout + r * I + c, d);
 #pragma unroll
-        for (int e = 0; e < 8; e++) swiglu_pair_grad<T>(g[e], u[e], d[e], dg[e], du[e]);
+        for (int e = 0; e < 8; e++) {
+            const float den = 1.0f + expf(-g[e]);
+            const float sig = 1.0f / den;
+            dg[e] = d[e] * u[e] * sig * (1.0f + g[e] * (1.0f - sig));
+            du[e] = d[e] * round_x<T>(g[e] / den);
+        }
         store8f(dgu + ig, dg);
         store8f(dgu + iu, du);
     }

@@ -337,7 +337,8 @@ static void experts_forward(struct model *m, struct layer_acts *a, int l, void *
     }
     route_plan(m, a);
     dispatch_rows(m, a);
-    be->expert_swiglu_forward(a->gu, a->act, a->x_exp, W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, I);
+    be->expert_matmul_forward(a->gu, a->x_exp, W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
+    be->swiglu_forward(a->act, a->gu, (int)r->R_exp, I);
     be->expert_matmul_forward(a->y_exp, a->act, W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H);
     combine_rows(m, a, out);
 }
@@ -363,15 +364,12 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
     const bool now = !paired && !stashed;
     const bool fresh = m->exp_dw_fresh[l];
     if (!stashed) m->exp_dw_fresh[l] = false;
-    /* the down projection's input gradient goes through the SwiGLU backward at once (d_act is
-     * the unfused path's scratch), then its weight gradient */
-    be->expert_swiglu_dgrad(m->d_gu, m->d_act, a->gu, m->d_y_exp, W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H);
-    if (now)
-        be->expert_matmul_backward(NULL, dw_down, m->d_y_exp, a->act, W(m, TR_EXP_DOWN, l), r->expert_off,
-                                   nl, I, H, fresh);
+    be->expert_matmul_backward(m->d_act, now ? dw_down : NULL, m->d_y_exp, a->act,
+                               W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H, fresh);
     if (paired)
         be->expert_matmul_wgrad2(dw_down, s->d_y_exp, s->act, s->off, m->d_y_exp, a->act,
                                  r->expert_off, nl, I, H, fresh);
+    be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)r->R_exp, I);
     be->expert_matmul_backward(m->d_x_exp, now ? dw_gu : NULL, m->d_gu, a->x_exp,
                                W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I, fresh);
     if (paired) {

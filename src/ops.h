@@ -213,19 +213,6 @@ struct backend {
                                  const void *dout_b /*[Rb,O]*/, const void *in_b /*[Rb,I]*/,
                                  const int64_t *off_b, int n_exp, int I, int O, bool dw_overwrite);
 
-    /* An expert gate_up projection and the SwiGLU after it: gu = expert_matmul_forward of in
-     * (w [n_exp, 2I, H], gate rows then up rows), act = swiglu_forward(gu); a backend may fuse
-     * them into one pass. And the down projection's input gradient with the SwiGLU backward
-     * after it: d_act = dout · W[e] (w [n_exp, H, I]), dgu = swiglu_backward(d_act, gu); d_act
-     * [R, I] is scratch (a fused backend never writes it). */
-    void (*expert_swiglu_forward)(void *gu /*[R,2I]*/, void *act /*[R,I]*/, const void *in /*[R,H]*/,
-                                  const void *w /*[n_exp,2I,H]*/, const int64_t *off, int n_exp, int H,
-                                  int I);
-    void (*expert_swiglu_dgrad)(void *dgu /*[R,2I]*/, void *d_act /*[R,I] scratch*/,
-                                const void *gu /*[R,2I]*/, const void *dout /*[R,H]*/,
-                                const void *w /*[n_exp,H,I]*/, const int64_t *off, int n_exp, int I,
-                                int H);
-
     /* SwiGLU on fused [gate | up] rows: out = silu(g) * u. */
     void (*swiglu_forward)(void *out /*[R,I]*/, const void *gu /*[R,2I]*/, int R, int I);
     void (*swiglu_backward)(void *dgu /*[R,2I]*/, const void *dout /*[R,I]*/, const void *gu,

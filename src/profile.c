@@ -152,12 +152,6 @@ W(expert_matmul_wgrad2, PROF_EXPERT_GEMM, O,
   (float *dw, const void *da, const void *ia, const int64_t *oa, const void *db, const void *ib,
    const int64_t *ob, int n, int I, int O, bool ow),
   (dw, da, ia, oa, db, ib, ob, n, I, O, ow))
-W(expert_swiglu_forward, PROF_EXPERT_GEMM, I,
-  (void *gu, void *act, const void *in, const void *w, const int64_t *off, int n, int H, int I),
-  (gu, act, in, w, off, n, H, I))
-W(expert_swiglu_dgrad, PROF_EXPERT_GEMM, I,
-  (void *dgu, void *da, const void *gu, const void *d, const void *w, const int64_t *off, int n, int I, int H),
-  (dgu, da, gu, d, w, off, n, I, H))
 W(swiglu_forward, PROF_OTHER, I, (void *o, const void *gu, int R, int I), (o, gu, R, I))
 W(swiglu_backward, PROF_OTHER, I, (void *d, const void *o, const void *gu, int R, int I),
   (d, o, gu, R, I))
@@ -201,7 +195,6 @@ const struct backend *profile_wrap(const struct backend *be)
     SET(router_stats);
     SET(moe_route_plan); SET(moe_pair_plan); SET(gather_f32); SET(gather_rows); SET(gather_rows_backward); SET(moe_combine_forward);
     SET(moe_combine_backward); SET(expert_matmul_forward); SET(expert_matmul_backward); SET(expert_matmul_wgrad2);
-    SET(expert_swiglu_forward); SET(expert_swiglu_dgrad);
     SET(swiglu_forward); SET(swiglu_backward); SET(cross_entropy_forward);
     SET(cross_entropy_backward); SET(adamw_update); SET(adamw_update_m16);
     SET(adamw_update_multi);

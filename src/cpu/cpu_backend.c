@@ -130,22 +130,6 @@ static void b_expert_matmul_wgrad2(float *dw, const void *dout_a, const void *in
     cpu_expert_matmul_backward(NULL, dw, dout_b, in_b, NULL, off_b, n_exp, I, O);
 }
 
-static void b_expert_swiglu_forward(void *gu, void *act, const void *in, const void *w, const int64_t *off,
-                                    int n_exp, int H, int I)
-{
-    cpu_expert_matmul_forward(gu, in, w, off, n_exp, H, 2 * I);
-    const int64_t r0 = n_exp > 0 ? off[0] : 0, R = n_exp > 0 ? off[n_exp] - r0 : 0;
-    cpu_swiglu_forward((float *)act + r0 * I, (const float *)gu + r0 * 2 * I, (int)R, I);
-}
-static void b_expert_swiglu_dgrad(void *dgu, void *d_act, const void *gu, const void *dout, const void *w,
-                                  const int64_t *off, int n_exp, int I, int H)
-{
-    cpu_expert_matmul_backward(d_act, NULL, dout, NULL, w, off, n_exp, I, H);
-    const int64_t r0 = n_exp > 0 ? off[0] : 0, R = n_exp > 0 ? off[n_exp] - r0 : 0;
-    cpu_swiglu_backward((float *)dgu + r0 * 2 * I, (const float *)d_act + r0 * I, (const float *)gu + r0 * 2 * I,
-                        (int)R, I);
-}
-
 static void b_swiglu_forward(void *out, const void *gu, int R, int I)
 {
     cpu_swiglu_forward(out, gu, R, I);
@@ -224,8 +208,6 @@ static const struct backend cpu_backend = {
     .expert_matmul_forward = b_expert_matmul_forward,
     .expert_matmul_backward = b_expert_matmul_backward,
     .expert_matmul_wgrad2 = b_expert_matmul_wgrad2,
-    .expert_swiglu_forward = b_expert_swiglu_forward,
-    .expert_swiglu_dgrad = b_expert_swiglu_dgrad,
     .swiglu_forward = b_swiglu_forward,
     .swiglu_backward = b_swiglu_backward,
     .cross_entropy_forward = b_cross_entropy_forward,
