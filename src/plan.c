@@ -330,13 +330,18 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
             c->parallel.reshard_after_forward != MT_TRI_FALSE ? "one of the largest unit, one of the largest layer"
                                               : "every unit's, parallel.reshard_after_forward: false",
             work_g, c->train.optimizer_state_dtype == MT_STATE_BF16 ? "bf16" : "fp32");
+    int stage_moe = 0; /* the most MoE layers of a stage */
+    for (int s = 0; s < d->pp; s++) stage_moe = MT_MAX(stage_moe, st[s].n_moe_layers);
+    const int paired = c->parallel.expert_wgrad_pairs == MT_TRI_TRUE ? MT_MIN(c->parallel.wgrad_pair_layers, stage_moe) : 0;
+    char pairs[160] = "";
+    if (paired >= stage_moe && paired > 0)
+        snprintf(pairs, sizeof pairs, ", plus one micro-step's expert rows per MoE layer (parallel.expert_wgrad_pairs)");
+    else if (paired > 0)
+        snprintf(pairs, sizeof pairs, ", plus one micro-step's expert rows in the first %d MoE layers of each stage "
+                 "(parallel.expert_wgrad_pairs: what fits)", paired);
     fprintf(f, "  acts = activations saved for backward by the stage's layers for the micro-batches in flight "
             "(%d x %d tokens each; 1F1B keeps min(pp - stage, micro-steps)), plus logits on the last stage%s\n",
-            c->train.micro_batch_size, c->train.seq_len,
-            c->parallel.expert_wgrad_pairs != MT_TRI_TRUE ? ""
-            : c->parallel.wgrad_pair_layers >= c->model.num_hidden_layers
-                ? ", plus one micro-step's expert rows per MoE layer (parallel.expert_wgrad_pairs)"
-                : ", plus one micro-step's expert rows in each stage's first MoE layers (parallel.expert_wgrad_pairs, as many as fit)");
+            c->train.micro_batch_size, c->train.seq_len, pairs);
     fprintf(f, "  buffers = expert all-gather / reduce-scatter staging, the backward's scratch, pipeline "
             "transfer buffers\n");
 
