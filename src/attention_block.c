@@ -1,5 +1,6 @@
 /* The attention half of a decoder layer: pre-norm, q/k/v projections, per-head q_norm/k_norm,
  * RoPE, causal GQA attention (within documents when m->seg is set), o_proj and the residual add. */
+#include "layer.h"
 #include "model.h"
 
 static void *W(const struct model *m, enum tensor_role r, int l) { return model_weight(m, tensor_lookup(&m->tt, r, l)); }

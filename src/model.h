@@ -200,11 +200,6 @@ struct model {
     struct route_replay *replay; /* saved (recompute) or pre-loaded routing, route_replay.h; NULL = none */
 };
 
-struct model_step_out {
-    double ce_sum;       /* Σ over this rank's labelled tokens of the token cross-entropy */
-    int64_t n_valid;     /* this rank's labelled tokens */
-};
-
 /* Builds the model of one pipeline stage (st = NULL: the whole model, one slot) and allocates its
  * activations for micro-batches of B sequences x S tokens. No weights: model_bind (or
  * model_own_weights) provides them. ep_comm: the EP group (NULL for ep = 1).
@@ -247,42 +242,16 @@ void *model_weight(const struct model *m, int i);
 float *model_grad(const struct model *m, int i);
 int64_t model_work_numel_of(const struct model *m, int i);   /* numel in working layout */
 
-/* ids, labels: HOST [B, S] of this rank's micro-batch (labels NULL = the ids). As in transformers,
- * position t is trained to predict labels[t + 1] of the same sequence; the last position and labels
- * equal to MT_IGNORE_INDEX count for nothing.
- * model_stage_forward runs the stage on micro-batch `slot`: the first stage embeds ids, another
- * stage reads its input from model_stage_input (received before the call); the last stage runs the
- * head and the loss (out: CE sum and labelled tokens; zeros elsewhere), another leaves its output in
- * model_stage_output. Router statistics of the stage's layers: m->stats_h after return (per layer
- * psum[E] then count[E]; other stages' rows are zero). */
-void model_stage_forward(struct model *m, int slot, const int32_t *ids_host, const int32_t *labels_host,
-                         struct model_step_out *out);
-/* Backward of ce_scale · Σ CE + Σ_e aux_dp[e] · Σ_rows P[row, e] (aux_dp: HOST [E], NULL = none)
- * for micro-batch `slot`. A non-last stage reads dL/d(output) from m->d_h; a non-first stage leaves
- * dL/d(input) in m->d_h. Gradients accumulate. */
-void model_stage_backward(struct model *m, int slot, float ce_scale, const float *aux_dp_host);
+/* A stage's input rows of micro-batch `slot` (received before its forward) and output rows
+ * (model_step.h) */
 void *model_stage_input(struct model *m, int slot);    /* [T, H]; NULL on the first stage */
 void *model_stage_output(struct model *m, int slot);   /* [T, H] */
-/* The whole model (a single stage, slot 0). */
-void model_forward(struct model *m, const int32_t *ids_host, const int32_t *labels_host,
-                   struct model_step_out *out);
-void model_backward(struct model *m, float ce_scale, const float *aux_dp_host);
 /* Document masking for micro-batch `slot` (model_documents.c), kept until set again: pos_host,
  * seg_host HOST [B, S] per-token RoPE positions and document ids (attention stays inside a
  * document). Both NULL restores positions t mod S and attention over the whole sequence. */
 void model_set_documents(struct model *m, int slot, const int32_t *pos_host, const int32_t *seg_host);
 /* Zeroes every bound gradient. */
 void model_zero_grad(struct model *m);
-
-/* Layer blocks (attention_block.c, mlp_block.c) */
-/* attention: h_mid = h_in + Attn(norm(h_in)). Backward: m->d_h holds dL/dh_mid on entry and
- * dL/dh_in on return. */
-void attention_forward(struct model *m, int l);
-void attention_backward(struct model *m, int l);
-/* MLP (MoE or dense by layer): out = h_mid + MLP(norm(h_mid)). Backward: m->d_h holds dL/dout on
- * entry and dL/dh_mid on return. */
-void mlp_forward(struct model *m, int l, void *out);
-void mlp_backward(struct model *m, int l);
 
 /* Compute-dtype pointer arithmetic. */
 #define MT_XP(m, p, i) ((void *)((char *)(p) + (size_t)(i) * (m)->be->x_size))

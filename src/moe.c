@@ -22,6 +22,7 @@
 
 #include "common.h"
 #include "mem_track.h"
+#include "layer.h"
 #include "model.h"
 #include "moe_exchange.h"
 #include "route_replay.h"

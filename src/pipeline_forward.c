@@ -5,6 +5,7 @@
 
 #include "common.h"
 #include "data.h"
+#include "model_step.h"
 #include "pipeline.h"
 #include "route_replay.h"
 

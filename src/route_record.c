@@ -13,7 +13,7 @@
 #include "common.h"
 #include "config.h"
 #include "data.h"
-#include "model.h"
+#include "model_step.h"
 #include "params.h"
 #include "route_replay.h"
 

@@ -35,7 +35,7 @@
 #include "memory_estimate.h"
 #include "mesh.h"
 #include "metrics.h"
-#include "model.h"
+#include "model_step.h"
 #include "moe_timeline.h"
 #include "params.h"
 #include "plan.h"

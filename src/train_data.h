@@ -9,7 +9,7 @@
 #include "comm.h"
 #include "config.h"
 #include "data.h"
-#include "model.h"
+#include "model_step.h"
 
 /* This rank's share of one step: n_micro micro-batches of mb sequences of S tokens. */
 struct step_batch {

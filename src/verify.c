@@ -17,7 +17,7 @@
 #include "common.h"
 #include "config.h"
 #include "hf_load.h"
-#include "model.h"
+#include "model_step.h"
 #include "params.h"
 #include "safetensors.h"
 #include "train.h"

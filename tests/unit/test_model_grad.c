@@ -30,7 +30,7 @@
 
 #include "common.h"
 #include "config.h"
-#include "model.h"
+#include "model_step.h"
 #include "ops.h"
 #include "params.h"
 #include "train.h"

@@ -12,7 +12,7 @@
 #include "config.h"
 #include "cpu/cpu_ops.h"
 #include "expert_watch.h"
-#include "model.h"
+#include "model_step.h"
 #include "params.h"
 #include "router_opts.h"
 #include "../test_util.h"

@@ -9,7 +9,7 @@
 
 #include "common.h"
 #include "config.h"
-#include "model.h"
+#include "model_step.h"
 #include "ops.h"
 #include "params.h"
 #include "small_model.h"
