@@ -298,7 +298,10 @@ bool estimate_keep_copy(const struct config *c, const struct mesh_dims *d, doubl
 {
     if (c->train.weight_copy != MT_COPY_AUTO) return c->train.weight_copy == MT_COPY_KEEP;
     if (c->model.precision == MT_PREC_FP32 || device_bytes <= 0) return true;
-    return estimate_peak_bytes(c, d, true) <= 0.80 * device_bytes;
+    /* a group of one computes from the kept copy in place, while casting needs working buffers of
+     * the largest unit and layer: with a huge embedding the copy can be the smaller of the two */
+    const double keep = estimate_peak_bytes(c, d, true);
+    return keep <= 0.80 * device_bytes || keep <= estimate_peak_bytes(c, d, false);
 }
 
 int estimate_expert_wgrad_pair_layers(const struct config *c, const struct mesh_dims *d, bool keep_copy,

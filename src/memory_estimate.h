@@ -52,7 +52,7 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
 double estimate_peak_bytes(const struct config *c, const struct mesh_dims *d, bool keep_copy);
 /* train.weight_copy resolved: keep / cast as set; auto keeps the copy when the plan with it fits in
  * 80% of device_bytes, leaving room for the CUDA context, NCCL and fragmentation (<= 0: unknown,
- * keep). */
+ * keep), or when it needs no more memory than casting. */
 bool estimate_keep_copy(const struct config *c, const struct mesh_dims *d, double device_bytes);
 /* parallel.reduce_grads resolved: step or micro_step as set; auto is step when the peak with it
  * (and keep_copy) is at most 80% of device_bytes, micro_step off a device (device_bytes 0). */

@@ -588,3 +588,30 @@ Test(plan, expert_wgrad_pairs_stash_and_auto_layers)
     t.parallel.expert_wgrad_pairs = MT_TRI_TRUE;
     cr_assert_eq(estimate_expert_wgrad_pair_layers(&t, &d2, true, 1), MT_MAX_LAYERS);
 }
+
+/* train.weight_copy: auto keeps the bf16 copy within 80% of the device, and beyond it when the copy
+ * needs no more memory than casting: a one-rank group computes from the copy in place, while casting
+ * builds working buffers of the largest unit and the largest layer, which for a one-layer model
+ * are both the whole layer (the bench sweep's one-layer 235B-A22B shape: 66.3 GiB kept, 69.6 cast). */
+Test(plan, weight_copy_auto_keeps_the_copy_when_it_is_the_smaller)
+{
+    for (int layers = 1; layers <= 3; layers += 2) {
+        struct config c;
+        hand_config(&c, 1, 1);
+        c.model.num_hidden_layers = layers;
+        c.model.num_experts = 16; /* expert weights outweigh the embedding and the head */
+        c.model.moe_intermediate_size = 64;
+        c.train.weight_copy = MT_COPY_AUTO;
+        struct mesh_dims d;
+        dims(&c, 1, &d);
+        const double keep = estimate_peak_bytes(&c, &d, true), cast = estimate_peak_bytes(&c, &d, false);
+        /* the premise of each case */
+        if (layers == 1) cr_assert_leq(keep, cast, "1 layer: kept %.0f, cast %.0f bytes", keep, cast);
+        else cr_assert_gt(keep, cast, "3 layers: kept %.0f, cast %.0f bytes", keep, cast);
+        cr_expect(estimate_keep_copy(&c, &d, keep / 0.80 * 1.001), "%d layers: fits in 80%%: kept", layers);
+        cr_expect_eq(estimate_keep_copy(&c, &d, keep / 0.80 * 0.999), layers == 1,
+                     "%d layers over 80%%: kept only when no larger than casting", layers);
+        c.train.weight_copy = MT_COPY_CAST;
+        cr_expect(!estimate_keep_copy(&c, &d, 1e15), "set by hand: cast");
+    }
+}
