@@ -39,16 +39,19 @@ void *attention_tc_stream(void);
 
 /* Selects the forward kernel for tests and benchmarks: mma.sync tilings 0 = 32 query rows per
  * warp × 4 warps, 1 = 16 × 4, 2 = 16 × 8; wgmma (Hopper only, else 0 runs) 3, 4, 5, 6 = warpgroups
- * × keys per tile 2 × 128, 2 × 64, 1 × 64, 3 × 64; 7, 8 = TMA producer + two wgmma warpgroups,
- * 4 or 6 stages; -1 (the default) = 7 (D = 128) or 5 (D = 64) on Hopper, 0 elsewhere. Out-of-range
- * values change nothing. Returns the previous one. Not thread-safe: call it between ops. */
+ * × keys per tile 2 × 128, 2 × 64, 1 × 64, 3 × 64; TMA producer + two wgmma warpgroups 7, 8 = a
+ * producer warp, 64-key tiles, 4 or 6 stages; 9, 10 = a producer warpgroup, 128-key tiles, 2 or 3
+ * stages; 11 = a producer warpgroup, 64-key tiles, 4 stages; -1 (the default) = 10 on Hopper, 0
+ * elsewhere. Out-of-range values change nothing. Returns the previous one.
+ * Not thread-safe: call it between ops. */
 int attention_tc_set_variant(int fwd);
 
-/* Selects the backward kernels for tests and benchmarks: variant = dkdv + 4·dq, each 0 = the
- * mma.sync kernel, 1..3 = wgmma with (warpgroups per block, stages) (2, 3), (1, 2), (2, 2); the
- * default is 1 + 4·1. On a GPU other than sm_90, or with MT_FORCE_SM80=1, the mma.sync kernels run
- * whatever is selected.
+/* Selects the backward kernels for tests and benchmarks: variant = dkdv + ATTN_BWD_KINDS·dq, each
+ * 0 = the mma.sync kernel, 1..3 = wgmma with (warpgroups per block, stages) (2, 3), (1, 2), (2, 2),
+ * 4 = warp-specialised (TMA producer warpgroup, two wgmma warpgroups); the default is 4 + 5·4. On
+ * a GPU other than sm_90, or with MT_FORCE_SM80=1, the mma.sync kernels run whatever is selected.
  * Out-of-range values change nothing. Returns the previous one. Not thread-safe. */
+enum { ATTN_BWD_KINDS = 5 };
 int attention_tc_set_bwd_variant(int variant);
 
 #ifdef __cplusplus

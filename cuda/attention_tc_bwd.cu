@@ -251,16 +251,18 @@ tc_bwd_dq_kernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dout, const bf1
 }
 
 /* Backward kernels: 0 = mma.sync (tc_bwd_dkdv_kernel / tc_bwd_dq_kernel), 1..3 = wgmma with
- * (warpgroups per block, stages) = (2, 3), (1, 2), (2, 2); chosen separately for the dK/dV and
+ * (warpgroups per block, stages) = (2, 3), (1, 2), (2, 2), 4 = warp-specialised
+ * (attention_tma_bwd.cu); chosen separately for the dK/dV and
  * the dQ pass (attention_tc_set_bwd_variant). The wgmma kernels need compute capability 9.0
  * (g_cuda.hopper; MT_FORCE_SM80=1 takes variant 0 on a Hopper GPU too).
- * H100, B=2 S=4096 Hq=32 Hkv=4, whole backward in ms (tools/bench_attention):
- *   D = 128: dkdv/dq 0/0 3.59, 1/0 2.69, 0/1 2.87, 1/1 1.98, 1/2 2.06, 1/3 2.03, 3/1 2.23, 2/1 2.46
- *   D = 64:  0/0 1.96, 1/1 1.34, 1/2 1.31, 1/3 1.36
- * Two warpgroups sharing the streamed tiles beat one warpgroup per block at two blocks per SM
- * (same registers and shared memory per SM, half the tile loads), and three stages beat two (the
- * last products of a tile overlap the next tile's barrier and first products). */
-int g_bwd_dkdv = 1, g_bwd_dq = 1;
+ * H100, B=2 S=4096 Hq=32 Hkv=4, whole backward in ms (tools/bench_attention, tenth session):
+ *   D = 128: dkdv/dq 0/0 3.40, 1/1 1.84, 4/1 1.71, 1/4 1.67, 4/4 1.54
+ *   D = 64:  0/0 1.98, 1/1 1.31, 4/1 1.18, 1/4 1.17, 4/4 1.04
+ * (second session, before the TMA kernels: 1/1 1.98, 1/2 2.06, 1/3 2.03, 3/1 2.23, 2/1 2.46).
+ * All give the same bits. The warp-specialised kernels win: the consumers issue no loads and meet
+ * no block-wide barrier. Among the cp.async ones, two warpgroups sharing the streamed tiles beat
+ * one warpgroup per block at two blocks per SM, and three stages beat two. */
+int g_bwd_dkdv = 4, g_bwd_dq = 4;
 
 template <int D, bool DOCS> void dkdv_mma_launch(const attn_bwd_args &a)
 {
@@ -289,6 +291,7 @@ template <int D> void dkdv_launch(const attn_bwd_args &a, int variant)
 {
     if (a.seg) dkdv_mma_launch<D, true>(a);
     else if (variant >= 1 && variant <= 3) attn_wgmma_dkdv(a, D, variant);
+    else if (variant == 4) attn_tma_dkdv(a, D);
     else dkdv_mma_launch<D, false>(a);
 }
 
@@ -296,6 +299,7 @@ template <int D> void dq_launch(const attn_bwd_args &a, int variant)
 {
     if (a.seg) dq_mma_launch<D, true>(a);
     else if (variant >= 1 && variant <= 3) attn_wgmma_dq(a, D, variant);
+    else if (variant == 4) attn_tma_dq(a, D);
     else dq_mma_launch<D, false>(a);
 }
 
@@ -338,7 +342,8 @@ bool tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q, 
 
 extern "C" int attention_tc_set_bwd_variant(int variant)
 {
-    const int old = g_bwd_dkdv + 4 * g_bwd_dq;
-    if (variant >= 0 && variant < 16) g_bwd_dkdv = variant % 4, g_bwd_dq = variant / 4;
+    const int old = g_bwd_dkdv + ATTN_BWD_KINDS * g_bwd_dq;
+    if (variant >= 0 && variant < ATTN_BWD_KINDS * ATTN_BWD_KINDS)
+        g_bwd_dkdv = variant % ATTN_BWD_KINDS, g_bwd_dq = variant / ATTN_BWD_KINDS;
     return old;
 }

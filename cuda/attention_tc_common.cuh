@@ -7,6 +7,7 @@
 #define MT_CUDA_ATTENTION_TC_COMMON_CUH
 
 #include "cuda_common.cuh"
+#include "tma.cuh"   /* CUtensorMap */
 #include "wgmma.cuh" /* smem_u32 */
 
 /* What the backward passes take (scratch from the prep kernel: delta, lse·log2 e). */
@@ -28,9 +29,17 @@ void attn_wgmma_dq(const attn_bwd_args &a, int D, int variant);
 void attn_wgmma_forward(void *out, float *lse, const void *q, const void *k, const void *v, int B,
                         int S, int Hq, int Hkv, int D, float scale, int variant);
 /* The warp-specialised forward (TMA producer + two wgmma consumers, sm_90a, no document masks),
- * D = 64 or 128, 64 keys per tile, variant 1..2 = 4 or 6 stages. */
+ * D = 64 or 128, variant 1..5 = (keys per tile, stages, producer) (64, 4, warp), (64, 6, warp),
+ * (128, 2, warpgroup), (128, 3, warpgroup), (64, 4, warpgroup). */
 void attn_tma_forward(void *out, float *lse, const void *q, const void *k, const void *v, int B,
                       int S, int Hq, int Hkv, int D, float scale, int variant);
+/* The warp-specialised backward passes (attention_tma_bwd.cu, sm_90a, causal only): a TMA
+ * producer warpgroup and two wgmma consumer warpgroups per block. */
+void attn_tma_dkdv(const attn_bwd_args &a, int D);
+void attn_tma_dq(const attn_bwd_args &a, int D);
+/* [B][S][H·D] bf16 as a 3-D tensor map with boxes of 64 columns × `rows` rows (the layout of
+ * wgmma's 128-byte-swizzle tiles); `what` names the kernel in the error message */
+void attn_head_map(CUtensorMap *m, const void *x, int B, int S, int H, int D, int rows, const char *what);
 
 namespace {
 

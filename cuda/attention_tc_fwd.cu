@@ -156,15 +156,17 @@ void tc_fwd_launch_cfg(void *out, float *lse, const void *q, const void *k, cons
 
 /* Forward kernels: mma.sync tilings (query rows per warp × warps) 0 = 32 × 4, 1 = 16 × 4,
  * 2 = 16 × 8; on sm_90a the wgmma kernels 3, 4, 5, 6 (attention_wgmma_fwd.cu: warpgroups × keys
- * per tile 2 × 128, 2 × 64, 1 × 64, 3 × 64) and 7, 8 (attention_tma_fwd.cu: TMA producer warp,
- * two consumer warpgroups, 64-key tiles in 4 or 6 stages). -1, the default, takes 7 for D = 128
- * and 5 for D = 64 where the wgmma kernels may run (a Hopper GPU without MT_FORCE_SM80), and 0
- * elsewhere. At B=2 S=4096 Hq=32/4 on an H100 (ms): D=128 7: 0.584 (471 TFLOPS), 8: 0.604,
- * 5: 0.659, 3: 0.690, 4: 0.724, 6: 0.754, mma.sync 0: 0.867; D=64 5: 0.406, 8: 0.433, 7: 0.439,
- * 0: 0.456. Among the mma.sync tilings 0 wins because each K/V fragment read from shared memory
- * feeds two mma (0.89 ms against 1.17 and 1.11), at the price of a few spilled softmax
- * statistics (ptxas: 52 B). All are tested; attention_tc_set_variant picks one for benchmarking.
- * Documents always take tiling 0. */
+ * per tile 2 × 128, 2 × 64, 1 × 64, 3 × 64) and 7 .. 11 (attention_tma_fwd.cu: TMA producer, two
+ * consumer warpgroups; 7, 8 = a producer warp, 64-key tiles, 4 or 6 stages; 9, 10 = a producer
+ * warpgroup that hands its registers to the consumers, 128-key tiles, 2 or 3 stages; 11 = the
+ * same with 64-key tiles, 4 stages). -1, the default, takes 10 where the wgmma kernels may run (a
+ * Hopper GPU without MT_FORCE_SM80) and 0 elsewhere. At B=2 S=4096 Hq=32/4 on an H100 (ms, tenth
+ * session): D=128 10: 0.474 (580 TFLOPS), 11: 0.550, 7: 0.555, 8: 0.557, 5: 0.662, 3: 0.677,
+ * 9: 0.729 (two stages: the next tile's load waits for the previous P·V), mma.sync 0: 0.848;
+ * D=64 10: 0.338, 7: 0.389, 11: 0.390, 5: 0.399, 0: 0.448. Among the mma.sync tilings 0 wins
+ * because each K/V fragment read from shared memory feeds two mma, at the price of a few spilled
+ * softmax statistics (ptxas: 52 B). All are tested; attention_tc_set_variant picks one for
+ * benchmarking. Documents always take tiling 0. */
 int g_fwd_variant = -1;
 
 template <int D>
@@ -175,7 +177,7 @@ void tc_fwd_launch(void *out, float *lse, const void *q, const void *k, const vo
         tc_fwd_launch_cfg<D, 2, 4, 2, true>(out, lse, q, k, v, B, S, Hq, Hkv, seg);
         return;
     }
-    int variant = g_fwd_variant < 0 ? (g_cuda.hopper ? (D == 128 ? 7 : 5) : 0) : g_fwd_variant;
+    int variant = g_fwd_variant < 0 ? (g_cuda.hopper ? 10 : 0) : g_fwd_variant;
     if (variant >= 3 && !g_cuda.hopper) variant = 0;
     switch (variant) {
     case 1: tc_fwd_launch_cfg<D, 1, 4, 2, false>(out, lse, q, k, v, B, S, Hq, Hkv, nullptr); break;
@@ -183,7 +185,9 @@ void tc_fwd_launch(void *out, float *lse, const void *q, const void *k, const vo
     case 3: case 4: case 5: case 6:
         attn_wgmma_forward(out, lse, q, k, v, B, S, Hq, Hkv, D, tc_scale(D), variant - 2);
         break;
-    case 7: case 8: attn_tma_forward(out, lse, q, k, v, B, S, Hq, Hkv, D, tc_scale(D), variant - 6); break;
+    case 7: case 8: case 9: case 10: case 11:
+        attn_tma_forward(out, lse, q, k, v, B, S, Hq, Hkv, D, tc_scale(D), variant - 6);
+        break;
     default: tc_fwd_launch_cfg<D, 2, 4, 2, false>(out, lse, q, k, v, B, S, Hq, Hkv, nullptr); break;
     }
 }
@@ -206,6 +210,6 @@ bool tc_forward(void *out, float *lse, const void *q, const void *k, const void 
 extern "C" int attention_tc_set_variant(int fwd)
 {
     const int old = g_fwd_variant;
-    if (fwd >= -1 && fwd <= 8) g_fwd_variant = fwd;
+    if (fwd >= -1 && fwd <= 11) g_fwd_variant = fwd;
     return old;
 }

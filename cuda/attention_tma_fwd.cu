@@ -2,10 +2,13 @@
  * software pipeline as attention_wgmma_fwd.cu (S_j and P_{j-1}·V_{j-1} issued together, the softmax
  * of S_j while P·V runs), but the tiles arrive by TMA and no warpgroup waits for another.
  *
- * CTA: two consumer warpgroups and one producer warp (288 threads). Key tiles are 64 keys: with
- * 128, S, O and two P tiles need ~200 registers a thread, over the 168 that ptxas allows three
- * warps of a scheduler (setmaxnreg did not change its allocation). One producer thread loads the
- * block's Q tile once and then every key tile's K and V (BC keys × D, 128-byte swizzle, rows past S zero-filled by the TMA)
+ * CTA: two consumer warpgroups and a producer: one warp (288 threads, 64-key tiles) or, with PWG,
+ * a whole warpgroup (384 threads) that gives back its registers (setmaxnreg 24) so that each
+ * consumer thread may hold 240. A consumer's S, O and two P tiles of 128 keys need ~200; without
+ * setmaxnreg ptxas allows three warps of a scheduler 168 and spilled. (ptxas ignores a setmaxnreg
+ * budget in code that can trap, hence the mbarrier wait's timeout in tma.cuh is no trap.) One
+ * producer thread loads the block's Q tile once and then every key tile's K and V (BC keys × D,
+ * 128-byte swizzle, rows past S zero-filled by the TMA)
  * into a ring of STAGES buffers, each guarded by a "full" mbarrier the TMA completes and an
  * "empty" one the consumers release. Warpgroups 0 and 1 own 64 queries each; a consumer releases
  * the stage of tile j-1 once its P·V has retired (one arrival per warp). With the producer doing
@@ -36,8 +39,13 @@ template <int D, int BC, int STAGES> constexpr size_t fwd_tma_smem_bytes()
     return 1024 + (size_t)TMA_BQ * D * 2 + (size_t)STAGES * 2 * BC * D * 2 + (2 * STAGES + 1) * 8;
 }
 
-template <int D, int BC, int STAGES>
-__global__ void __launch_bounds__(288, 1) tc_fwd_tma_kernel(const __grid_constant__ fwd_tma_params p)
+/* PWG: the producer is a whole warpgroup (384 threads) that gives its registers to the consumers
+ * (setmaxnreg 24 / 240), which is what lets a consumer hold 128-key tiles; else one warp (288). */
+template <bool PWG> constexpr int fwd_tma_threads() { return PWG ? 384 : 288; }
+
+template <int D, int BC, int STAGES, bool PWG>
+__global__ void __launch_bounds__(fwd_tma_threads<PWG>(), 1)
+tc_fwd_tma_kernel(const __grid_constant__ fwd_tma_params p)
 {
 #ifdef MT_NO_HOPPER_CODE
     __trap();
@@ -69,9 +77,11 @@ __global__ void __launch_bounds__(288, 1) tc_fwd_tma_kernel(const __grid_constan
     }
     __syncthreads();
 
-    const int wg = threadIdx.x >> 7;
+    /* warp-uniform by construction (shuffled from lane 0), which ptxas needs to honour setmaxnreg */
+    const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
     if (wg == 2) {
         /* ------------------------------------------------ producer */
+        if constexpr (PWG) setmaxnreg_dec<24>();
         if (threadIdx.x != 256) return;
         mbar_expect_tx(q_bar, Q_BYTES);
         for (int c = 0; c < D / 64; c++)
@@ -90,6 +100,7 @@ __global__ void __launch_bounds__(288, 1) tc_fwd_tma_kernel(const __grid_constan
     }
 
     /* ---------------------------------------------------- consumers */
+    if constexpr (PWG) setmaxnreg_inc<240>();
     const int w = wg, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int wq0 = q0 + 64 * w;          /* the warpgroup's first query */
@@ -169,32 +180,23 @@ __global__ void __launch_bounds__(288, 1) tc_fwd_tma_kernel(const __grid_constan
 #endif
 }
 
-/* [B][S][H·D] bf16 as a 3-D tensor map with boxes of 64 columns × `rows` rows */
-void head_map(CUtensorMap *m, const void *x, int B, int S, int H, int D, int rows)
-{
-    const cuuint64_t dims[3] = {(cuuint64_t)H * D, (cuuint64_t)S, (cuuint64_t)B};
-    const cuuint64_t strides[2] = {(cuuint64_t)H * D * 2, (cuuint64_t)S * H * D * 2};
-    const cuuint32_t box[3] = {64, (cuuint32_t)rows, 1};
-    tma_make_map(m, x, 3, dims, strides, box, "attention forward (TMA)");
-}
-
-template <int D, int BC, int STAGES>
+template <int D, int BC, int STAGES, bool PWG>
 void fwd_tma_launch(void *out, float *lse, const void *q, const void *k, const void *v, int B, int S,
                     int Hq, int Hkv, float scale)
 {
     fwd_tma_params p;
-    head_map(&p.map_q, q, B, S, Hq, D, TMA_BQ);
-    head_map(&p.map_k, k, B, S, Hkv, D, BC);
-    head_map(&p.map_v, v, B, S, Hkv, D, BC);
+    attn_head_map(&p.map_q, q, B, S, Hq, D, TMA_BQ, "attention forward (TMA)");
+    attn_head_map(&p.map_k, k, B, S, Hkv, D, BC, "attention forward (TMA)");
+    attn_head_map(&p.map_v, v, B, S, Hkv, D, BC, "attention forward (TMA)");
     p.out = (bf16 *)out;
     p.lse = lse;
     p.S = S, p.Hq = Hq, p.Hkv = Hkv;
     p.scale = scale, p.scale_log2 = scale * LOG2E;
     constexpr size_t smem = fwd_tma_smem_bytes<D, BC, STAGES>();
     static bool opted;
-    smem_opt_in(tc_fwd_tma_kernel<D, BC, STAGES>, smem, &opted);
+    smem_opt_in(tc_fwd_tma_kernel<D, BC, STAGES, PWG>, smem, &opted);
     const dim3 grid((unsigned)(B * Hq), (unsigned)((S + TMA_BQ - 1) / TMA_BQ));
-    tc_fwd_tma_kernel<D, BC, STAGES><<<grid, 288, smem, g_cuda.stream>>>(p);
+    tc_fwd_tma_kernel<D, BC, STAGES, PWG><<<grid, fwd_tma_threads<PWG>(), smem, g_cuda.stream>>>(p);
     CUDA_LAUNCH_CHECK("attention tc forward (TMA)");
 }
 
@@ -204,10 +206,24 @@ void attn_tma_forward(void *out, float *lse, const void *q, const void *k, const
                       int S, int Hq, int Hkv, int D, float scale, int variant)
 {
     if (D == 128) {
-        if (variant == 2) fwd_tma_launch<128, 64, 6>(out, lse, q, k, v, B, S, Hq, Hkv, scale);
-        else fwd_tma_launch<128, 64, 4>(out, lse, q, k, v, B, S, Hq, Hkv, scale);
+        if (variant == 2) fwd_tma_launch<128, 64, 6, false>(out, lse, q, k, v, B, S, Hq, Hkv, scale);
+        else if (variant == 3) fwd_tma_launch<128, 128, 2, true>(out, lse, q, k, v, B, S, Hq, Hkv, scale);
+        else if (variant == 4) fwd_tma_launch<128, 128, 3, true>(out, lse, q, k, v, B, S, Hq, Hkv, scale);
+        else if (variant == 5) fwd_tma_launch<128, 64, 4, true>(out, lse, q, k, v, B, S, Hq, Hkv, scale);
+        else fwd_tma_launch<128, 64, 4, false>(out, lse, q, k, v, B, S, Hq, Hkv, scale);
     } else {
-        if (variant == 2) fwd_tma_launch<64, 64, 6>(out, lse, q, k, v, B, S, Hq, Hkv, scale);
-        else fwd_tma_launch<64, 64, 4>(out, lse, q, k, v, B, S, Hq, Hkv, scale);
+        if (variant == 2) fwd_tma_launch<64, 64, 6, false>(out, lse, q, k, v, B, S, Hq, Hkv, scale);
+        else if (variant == 3) fwd_tma_launch<64, 128, 2, true>(out, lse, q, k, v, B, S, Hq, Hkv, scale);
+        else if (variant == 4) fwd_tma_launch<64, 128, 3, true>(out, lse, q, k, v, B, S, Hq, Hkv, scale);
+        else if (variant == 5) fwd_tma_launch<64, 64, 4, true>(out, lse, q, k, v, B, S, Hq, Hkv, scale);
+        else fwd_tma_launch<64, 64, 4, false>(out, lse, q, k, v, B, S, Hq, Hkv, scale);
     }
+}
+
+void attn_head_map(CUtensorMap *m, const void *x, int B, int S, int H, int D, int rows, const char *what)
+{
+    const cuuint64_t dims[3] = {(cuuint64_t)H * D, (cuuint64_t)S, (cuuint64_t)B};
+    const cuuint64_t strides[2] = {(cuuint64_t)H * D * 2, (cuuint64_t)S * H * D * 2};
+    const cuuint32_t box[3] = {64, (cuuint32_t)rows, 1};
+    tma_make_map(m, x, 3, dims, strides, box, what);
 }

@@ -53,14 +53,17 @@ __device__ __forceinline__ uint64_t global_ns()
     return t;
 }
 
-/* A wait that never returns is a bug in this file (a miscounted barrier); trap after 10 s so it
- * surfaces as a launch failure instead of a hung process. */
+/* A wait that never returns is a bug in this file (a miscounted barrier); after 10 s it stores to
+ * address 0, so it surfaces as a launch failure (illegal address) instead of a hung process. Not
+ * a trap: ptxas ignores a warpgroup's setmaxnreg budget in a region that holds a trap, and the
+ * attention kernels' consumers need that budget (attention_tma_fwd.cu). */
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity)
 {
     if (mbar_try_wait(bar, parity)) return;
     const uint64_t t0 = global_ns();
     for (uint32_t n = 1; !mbar_try_wait(bar, parity); n++)
-        if ((n & 0xffffu) == 0 && global_ns() - t0 > 10000000000ull) __trap();
+        if ((n & 0xffffu) == 0 && global_ns() - t0 > 10000000000ull)
+            asm volatile("st.global.u32 [%0], 1;" ::"l"(0ull) : "memory");
 }
 
 __device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1,

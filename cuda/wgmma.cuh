@@ -41,10 +41,25 @@ template <int N> __device__ __forceinline__ void wgmma_wait()
 {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
+/* Moves registers between the warpgroups of a warp-specialised CTA: every warp of a warpgroup
+ * executes the same one. ptxas sizes a kernel for its launch bound (65536 / threads), e.g. 168 a
+ * thread at 384 threads; a producer warpgroup that gives back to 24 lets the two consumer
+ * warpgroups grow to 240 (128·24 + 256·240 <= 65536), and ptxas allocates the code after the
+ * increase with that budget. */
+template <int N> __device__ __forceinline__ void setmaxnreg_inc()
+{
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N) : "memory");
+}
+template <int N> __device__ __forceinline__ void setmaxnreg_dec()
+{
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N) : "memory");
+}
 #else
 __device__ __forceinline__ void wgmma_fence() {}
 __device__ __forceinline__ void wgmma_commit() {}
 template <int N> __device__ __forceinline__ void wgmma_wait() {}
+template <int N> __device__ __forceinline__ void setmaxnreg_inc() {}
+template <int N> __device__ __forceinline__ void setmaxnreg_dec() {}
 #endif
 
 /* wgmma shared-memory descriptor, 128-byte swizzle (layout type 1 in bits 62-63): start address,

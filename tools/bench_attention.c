@@ -29,7 +29,7 @@
 
 #include "../cuda/attention_tc.cuh"
 
-enum { N_FWD = 9 }; /* forward kernels: attention_tc_set_variant 0..8 */
+enum { N_FWD = 12 }; /* forward kernels: attention_tc_set_variant 0..11 */
 
 static int B = 2, S = 4096, Hq = 32, Hkv = 4, D = 128;
 static cudaStream_t stream;
@@ -223,9 +223,9 @@ static void bwd_variants(int reps, double bwd_flop)
     run_op(OP_FWD_TC);
     run_op(OP_BWD_TC);
     float *ref[3] = {host_bf16(dq, nq), host_bf16(dk, nk), host_bf16(dv, nk)};
-    printf("\n%-24s %8s %8s %9s %9s %9s  %-16s\n", "bwd variant (dkdv+4*dq)", "ms", "TFLOPS",
+    printf("\n%-24s %8s %8s %9s %9s %9s  %-16s\n", "bwd variant (dkdv+5*dq)", "ms", "TFLOPS",
            "dq err", "dk err", "dv err", "hash");
-    for (int var = 0; var < 16; var++) {
+    for (int var = 0; var < ATTN_BWD_KINDS * ATTN_BWD_KINDS; var++) {
         attention_tc_set_bwd_variant(var);
         for (int i = 0; i < 3; i++) poison(bufs[i], n[i] * 2);
         run_op(OP_BWD_TC);
@@ -241,7 +241,8 @@ static void bwd_variants(int reps, double bwd_flop)
         const uint64_t h2 = grads_hash();
         const double ms = time_op(OP_BWD_TC, 3, reps);
         char name[32];
-        snprintf(name, sizeof name, "%d (%d + 4*%d)%s", var, var % 4, var / 4, var == dflt ? " dflt" : "");
+        snprintf(name, sizeof name, "%d (%d + %d*%d)%s", var, var % ATTN_BWD_KINDS, ATTN_BWD_KINDS,
+                 var / ATTN_BWD_KINDS, var == dflt ? " dflt" : "");
         printf("%-24s %8.3f %8.1f %9.2e %9.2e %9.2e  %016llx%s\n", name, ms,
                bwd_flop / (ms * 1e-3) / 1e12, err[0], err[1], err[2], (unsigned long long)h1,
                h1 == h2 ? "" : " RERUN DIFFERS");

@@ -260,9 +260,10 @@ static void tc_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int
 
 /* S not a multiple of any tile (100, 257, 300), exact tiles (64, 128), S = 1; grouped (8/2, 6/3)
  * and ungrouped heads; D 128 and 64; each forward kernel: the three mma.sync tilings, the four
- * wgmma ones (3..6) and the two warp-specialised TMA ones (7, 8); on a GPU other than Hopper, or
- * with MT_FORCE_SM80, 3..8 run tiling 0. S = 300 and 257 give the wgmma kernels 3 to 5 key tiles
- * (the pipelined steps and both P buffers; with 4 stages the TMA ring wraps), S = 100 with 64-key
+ * wgmma ones (3..6) and the five warp-specialised TMA ones (7..11: a producer warp or warpgroup,
+ * 64- or 128-key tiles); on a GPU other than Hopper, or with MT_FORCE_SM80, 3..11 run tiling 0.
+ * S = 300 and 257 give the wgmma kernels 3 to 5 key tiles (the pipelined steps and both P
+ * buffers; the TMA rings of 2 to 4 stages wrap), S = 100 with 64-key
  * tiles a key tile wholly after the first warpgroup's queries (fully masked), S = 1 a Q box that
  * is mostly out of bounds. */
 Test(gpu, attention_tc_vs_cpu)
@@ -271,7 +272,7 @@ Test(gpu, attention_tc_vs_cpu)
     mt_rng_seed(&rng, 108);
     struct mode M;
     mode_get(1, &M);
-    for (int variant = 0; variant < 9; variant++) {
+    for (int variant = 0; variant < 12; variant++) {
         tc_case(&M, &rng, 2, 100, 8, 2, 128, variant);
         tc_case(&M, &rng, 2, 257, 8, 2, 64, variant);
         tc_case(&M, &rng, 1, 257, 4, 4, 128, variant);
@@ -283,8 +284,8 @@ Test(gpu, attention_tc_vs_cpu)
     tc_case(&M, &rng, 1, 64, 4, 1, 128, 1);
 }
 
-/* Every backward kernel choice (attention_tc_set_bwd_variant: mma.sync or one of three wgmma
- * tilings for each of the dK/dV and dQ passes) against the CPU, rerun bit for bit (tc_case):
+/* Every backward kernel choice (attention_tc_set_bwd_variant: mma.sync, one of three wgmma
+ * tilings or the warp-specialised kernel for each of the dK/dV and dQ passes) against the CPU, rerun bit for bit (tc_case):
  * ragged S against both the 64- and 128-row tiles, grouped and ungrouped heads, D 128 and 64;
  * the pairs of the same kind also on S = 1, exact tiles and a longer S. */
 Test(gpu, attention_tc_bwd_variants)
@@ -294,12 +295,13 @@ Test(gpu, attention_tc_bwd_variants)
     struct mode M;
     mode_get(1, &M);
     const int old = attention_tc_set_bwd_variant(0);
-    for (int var = 0; var < 16; var++) {
-        fprintf(stderr, "gpu attention tc backward variant %d (dkdv %d, dq %d)\n", var, var % 4, var / 4);
+    for (int var = 0; var < ATTN_BWD_KINDS * ATTN_BWD_KINDS; var++) {
+        fprintf(stderr, "gpu attention tc backward variant %d (dkdv %d, dq %d)\n", var,
+                var % ATTN_BWD_KINDS, var / ATTN_BWD_KINDS);
         attention_tc_set_bwd_variant(var);
         tc_case(&M, &rng, 1, 300, 4, 2, 128, 0);
         tc_case(&M, &rng, 2, 193, 4, 4, 64, 0);
-        if (var % 5 == 0) {
+        if (var % (ATTN_BWD_KINDS + 1) == 0) {
             tc_case(&M, &rng, 1, 1, 2, 1, 128, 0);
             tc_case(&M, &rng, 2, 128, 6, 3, 128, 0);
             tc_case(&M, &rng, 1, 64, 4, 1, 64, 0);
@@ -307,6 +309,57 @@ Test(gpu, attention_tc_bwd_variants)
         }
     }
     attention_tc_set_bwd_variant(old);
+}
+
+/* The warp-specialised backward (attention_tc_set_bwd_variant 4 + 5·4) issues the same products
+ * on the same operands in the same order as the wgmma kernels (1 + 5·1), so its gradients must be
+ * the same bits: ragged S (TMA zero-fills rows past S where cp.async did), grouped heads, both
+ * head dims, and S long enough for the 4-stage rings to wrap several times. (Off Hopper both run
+ * the mma.sync kernels.) */
+static void tma_bwd_bits_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int Hkv, int D)
+{
+    char what[112];
+    const size_t nq = (size_t)B * S * Hq * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * Hq * S;
+    const size_t xs = M->g->x_size, nb[3] = {nq * xs, nk * xs, nk * xs};
+    float *q = hrand(rng, nq, 1.0), *k = hrand(rng, nk, 1.0), *v = hrand(rng, nk, 1.0);
+    float *dout = hrand(rng, nq, 1.0);
+    void *d_q = dx_from(M, q, nq), *d_k = dx_from(M, k, nk), *d_v = dx_from(M, v, nk);
+    void *d_dout = dx_from(M, dout, nq), *d_out = dx_poisoned(M, nq);
+    float *d_lse = df_poisoned(M, nl);
+    cr_assert(attention_tc_forward(d_out, d_lse, d_q, d_k, d_v, B, S, Hq, Hkv, D));
+    void *d_g[3] = {dx_poisoned(M, nq), dx_poisoned(M, nk), dx_poisoned(M, nk)};
+    void *got[2][3];
+    const int variants[2] = {1 + ATTN_BWD_KINDS * 1, 4 + ATTN_BWD_KINDS * 4};
+    for (int r = 0; r < 2; r++) {
+        const int old = attention_tc_set_bwd_variant(variants[r]);
+        for (int i = 0; i < 3; i++) poison(M, d_g[i], nb[i]);
+        cr_assert(attention_tc_backward(d_g[0], d_g[1], d_g[2], d_dout, d_q, d_k, d_v, d_out, d_lse,
+                                        B, S, Hq, Hkv, D));
+        attention_tc_set_bwd_variant(old);
+        for (int i = 0; i < 3; i++) got[r][i] = hraw_of(M, d_g[i], nb[i]);
+    }
+    for (int i = 0; i < 3; i++) {
+        snprintf(what, sizeof what, "tma bwd d%c vs wgmma B%d S%d H%d/%d D%d", "qkv"[i], B, S, Hq, Hkv, D);
+        check_exact(M, what, got[1][i], got[0][i], nb[i]);
+        free(got[0][i]), free(got[1][i]);
+        M->g->free(d_g[i]);
+    }
+    M->g->free(d_q), M->g->free(d_k), M->g->free(d_v), M->g->free(d_dout), M->g->free(d_out);
+    M->g->free(d_lse);
+    free(q), free(k), free(v), free(dout);
+}
+
+Test(gpu, attention_tma_bwd_same_bits_as_wgmma)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 113);
+    struct mode M;
+    mode_get(1, &M);
+    tma_bwd_bits_case(&M, &rng, 1, 300, 8, 2, 128);
+    tma_bwd_bits_case(&M, &rng, 2, 257, 4, 4, 64);
+    tma_bwd_bits_case(&M, &rng, 1, 1, 2, 1, 128);
+    tma_bwd_bits_case(&M, &rng, 1, 1111, 8, 1, 128);
+    tma_bwd_bits_case(&M, &rng, 2, 512, 4, 2, 64);
 }
 
 /* Cases the tensor-core kernels leave to attention.cu: they must decline without touching

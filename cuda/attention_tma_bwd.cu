@@ -1,0 +1,436 @@
+/* The attention backward's two passes on Hopper, warp-specialised (sm_90a): the maths and the
+ * per-warpgroup MMA order of attention_wgmma.cu (whose header comment describes the tile layout and
+ * the products), but the operand tiles arrive by TMA and the consumers meet no block-wide barrier.
+ *
+ * CTA: warpgroup 2 is the producer (384 threads). It gives back its registers (setmaxnreg 24) so
+ * that the two consumer warpgroups can hold 240 a thread: dK and dV of 64 keys × 128 columns are
+ * 128 accumulators a thread before the scores, which at 168 (what ptxas allows three warpgroups
+ * without setmaxnreg) spilled and serialised the MMAs. Producer warp 0, one thread, issues the TMA
+ * loads into a ring of STAGES buffers, each guarded by a "full" mbarrier and an "empty" one that
+ * every consumer warp releases once the products that read the buffer have retired.
+ *
+ * dK/dV: grid (B·Hkv, key tiles of 128), heaviest first; consumer warpgroup w owns keys 64w ..; the
+ * block's K and V tiles are loaded once; each ring stage holds one query tile (64 rows of one head
+ * of the kv group) of Q and dO, and its 64 lse·log2 e and delta values, which producer warp 1 copies
+ * (32 threads, plain loads: rows past S read as 0, which TMA's 16-byte-aligned rows could not do
+ * for an odd S). The full barrier counts the TMA thread's expect_tx arrival and those 32.
+ * dQ: grid (B·Hq, query tiles of 128), heaviest first; consumer warpgroup w owns queries 64w ..;
+ * the block's Q and dO tiles are loaded once, the K and V tiles of 64 keys stream through the ring.
+ *
+ * Every product is the one attention_wgmma.cu issues, on the same operands in the same order, so
+ * the gradients are bit-identical to its kernels' (tests/unit/test_gpu_attention.c checks it). */
+#include "attention_wgmma.cuh"
+
+#include <type_traits>
+
+namespace {
+
+struct bwd_tma_params {
+    CUtensorMap map_q, map_do, map_k, map_v; /* [B][S][H·D] bf16, boxes of 64 columns × rows */
+    bf16 *dq, *dk, *dv;
+    const float *lse2, *delta;
+    int S, Hq, Hkv;
+    float scale, scale_log2;
+};
+
+constexpr int TMA_BWD_THREADS = 384;
+constexpr int DKDV_BK = 128, DKDV_BQ = 64; /* keys per block, queries per streamed tile */
+constexpr int DQ_BQ = 128, DQ_BC = 64;     /* queries per block, keys per streamed tile */
+
+template <int D, int STAGES> constexpr size_t dkdv_tma_smem_bytes()
+{
+    return 1024 + (size_t)2 * DKDV_BK * D * 2 + (size_t)STAGES * 2 * DKDV_BQ * D * 2 +
+           (size_t)STAGES * 2 * DKDV_BQ * sizeof(float) + (2 * STAGES + 1) * 8;
+}
+template <int D, int STAGES> constexpr size_t dq_tma_smem_bytes()
+{
+    return 1024 + (size_t)2 * DQ_BQ * D * 2 + (size_t)STAGES * 2 * DQ_BC * D * 2 + (2 * STAGES + 1) * 8;
+}
+
+/* a warp's reads of a ring stage are over (the empty barrier counts the 8 consumer warps) */
+__device__ __forceinline__ void release_stage(uint32_t empty_bar, int lane)
+{
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty_bar);
+}
+
+__device__ __forceinline__ void init_ring(uint32_t bars, int stages, uint32_t full_count)
+{
+    for (int s = 0; s < stages; s++) {
+        mbar_init(bars + 8u * s, full_count);
+        mbar_init(bars + 8u * (stages + s), 8);
+    }
+    mbar_init(bars + 16u * stages, 1); /* the block's fixed tiles */
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+template <int D, int STAGES>
+__global__ void __launch_bounds__(TMA_BWD_THREADS, 1)
+tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
+{
+#ifdef MT_NO_HOPPER_CODE
+    __trap();
+#else
+    constexpr int BK = DKDV_BK, BQ = DKDV_BQ, NA = D / 2;
+    constexpr uint32_t KV_BYTES = BK * D * 2, T_BYTES = BQ * D * 2;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t Ks = (raw + 1023u) & ~1023u, Vs = Ks + KV_BYTES;
+    const uint32_t ring = Vs + KV_BYTES; /* stage s: Q at ring + 2s·T_BYTES, dO after it */
+    float *ls = reinterpret_cast<float *>(smem_raw + (ring + STAGES * 2 * T_BYTES - raw)); /* [STAGES][BQ] */
+    float *dls = ls + STAGES * BQ;
+    const uint32_t bars = smem_u32(dls + STAGES * BQ);
+    auto full_bar = [&](int s) { return bars + 8u * s; };
+    auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
+    const uint32_t kv_bar = bars + 16u * STAGES;
+
+    const int S = p.S, Hq = p.Hq, Hkv = p.Hkv;
+    const int kt = blockIdx.y, bhk = blockIdx.x;
+    const int b = bhk / Hkv, hk = bhk - b * Hkv, group = Hq / Hkv;
+    const int k0 = kt * BK;
+    const int qt0 = k0 / BQ, nqt = (S + BQ - 1) / BQ, nper = nqt - qt0, n_it = group * nper;
+
+    if (threadIdx.x == 0) init_ring(bars, STAGES, 1 + 32);
+    __syncthreads();
+
+    const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0); /* warp-uniform for setmaxnreg */
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    if (wg == 2) {
+        /* ------------------------------------------------ producer */
+        setmaxnreg_dec<24>();
+        if (warp == 0 && lane == 0) {
+            mbar_expect_tx(kv_bar, 2 * KV_BYTES);
+            for (int c = 0; c < D / 64; c++) {
+                tma_3d(Ks + c * (BK * 128), &p.map_k, hk * D + 64 * c, k0, b, kv_bar);
+                tma_3d(Vs + c * (BK * 128), &p.map_v, hk * D + 64 * c, k0, b, kv_bar);
+            }
+            for (int it = 0; it < n_it; it++) {
+                const int st = it % STAGES, gi = it / nper, qt = qt0 + it - gi * nper, h = hk * group + gi;
+                const uint32_t Qt = ring + st * 2 * T_BYTES, dOt = Qt + T_BYTES, fb = full_bar(st);
+                mbar_wait(empty_bar(st), ((it / STAGES) & 1) ^ 1);
+                mbar_expect_tx(fb, 2 * T_BYTES);
+                for (int c = 0; c < D / 64; c++) {
+                    tma_3d(Qt + c * (BQ * 128), &p.map_q, h * D + 64 * c, qt * BQ, b, fb);
+                    tma_3d(dOt + c * (BQ * 128), &p.map_do, h * D + 64 * c, qt * BQ, b, fb);
+                }
+            }
+        } else if (warp == 1) {
+            for (int it = 0; it < n_it; it++) {
+                const int st = it % STAGES, gi = it / nper, qt = qt0 + it - gi * nper, h = hk * group + gi;
+                const size_t loff = ((size_t)b * Hq + h) * S;
+                mbar_wait(empty_bar(st), ((it / STAGES) & 1) ^ 1);
+                for (int r = lane; r < BQ; r += 32) {
+                    const int row = qt * BQ + r;
+                    ls[st * BQ + r] = row < S ? p.lse2[loff + row] : 0.0f;
+                    dls[st * BQ + r] = row < S ? p.delta[loff + row] : 0.0f;
+                }
+                mbar_arrive(full_bar(st)); /* release: the stores above are seen by the waiters */
+            }
+        }
+        return;
+    }
+
+    /* ---------------------------------------------------- consumers */
+    setmaxnreg_inc<240>();
+    const int g = lane >> 2, t = lane & 3;
+    const int wk0 = k0 + 64 * wg;         /* the warpgroup's first key */
+    const int key0 = wk0 + 16 * warp + g; /* the thread's keys: key0, key0 + 8 */
+    const float scale_log2 = p.scale_log2;
+
+    /* the warpgroup's first active tile starts dK and dV (there is one for every key < S) */
+    float dka[NA], dva[NA];
+    undef_regs(dka);
+    undef_regs(dva);
+    int started = 0, pend = -1; /* pend: the tile whose products may still read its stage */
+
+    mbar_wait(kv_bar, 0);
+    for (int it = 0; it < n_it; it++) {
+        const int st = it % STAGES;
+        mbar_wait(full_bar(st), (it / STAGES) & 1);
+        const int gi = it / nper, q0 = (qt0 + it - gi * nper) * BQ;
+        if (q0 + BQ - 1 >= wk0 && wk0 < S) { /* else no query of the tile sees a key of the group */
+            const uint32_t Qt = ring + st * 2 * T_BYTES, dOt = Qt + T_BYTES;
+            const float *lt = ls + st * BQ, *dt = dls + st * BQ;
+            float s[32], dp[32], pt[32];
+            undef_regs(s);
+            undef_regs(dp);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++)
+                wgmma_ss_n64(s, desc_kmajor<BK>(Ks, 64 * wg, kk), desc_kmajor<BQ>(Qt, 0, kk), kk > 0);
+            wgmma_commit(); /* Sᵀ = K·Qᵀ */
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++)
+                wgmma_ss_n64(dp, desc_kmajor<BK>(Vs, 64 * wg, kk), desc_kmajor<BQ>(dOt, 0, kk), kk > 0);
+            wgmma_commit(); /* dPᵀ = V·dOᵀ */
+            wgmma_wait<1>(); /* Sᵀ has landed: every product of the tiles before has retired */
+            fence_regs(s);
+            if (pend >= 0) release_stage(empty_bar(pend % STAGES), lane);
+
+            auto probs = [&](auto masked) { /* two straight-line copies, as in attention_wgmma.cu */
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const float2 l2 = *reinterpret_cast<const float2 *>(lt + 8 * j + 2 * t);
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        float pr = ex2(fmaf(s[4 * j + e], scale_log2, (e & 1) ? -l2.y : -l2.x));
+                        if constexpr (decltype(masked)::value) {
+                            const int key = key0 + ((e >> 1) << 3), qi = q0 + 8 * j + 2 * t + (e & 1);
+                            if (qi < key || qi >= S) pr = 0.0f;
+                        }
+                        pt[4 * j + e] = pr;
+                    }
+                }
+            };
+            if (q0 < wk0 + 63 || q0 + BQ > S) probs(std::true_type{});
+            else probs(std::false_type{});
+            uint32_t pa[4][4];
+            pack_a64(pa, pt);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++)
+                wgmma_rs_nd<D>(dva, pa[kk], desc_mnmajor<BQ>(dOt, kk), kk > 0 || started);
+            wgmma_commit(); /* dV += Pᵀ·dO */
+            /* dV retires before dS is formed (attention_wgmma.cu lets it run on): with P's
+             * registers still held by the MMA, dS needs more than 240 and ptxas serialises every
+             * MMA of the kernel; the other consumer warpgroup keeps the tensor cores busy */
+            wgmma_wait<0>();
+            fence_regs(dp);
+
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const float2 d2 = *reinterpret_cast<const float2 *>(dt + 8 * j + 2 * t);
+#pragma unroll
+                for (int e = 0; e < 4; e++) pt[4 * j + e] *= dp[4 * j + e] - ((e & 1) ? d2.y : d2.x);
+            }
+            uint32_t sa[4][4];
+            pack_a64(sa, pt);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++)
+                wgmma_rs_nd<D>(dka, sa[kk], desc_mnmajor<BQ>(Qt, kk), kk > 0 || started);
+            wgmma_commit(); /* dK += dSᵀ·Q */
+            started = 1;
+            pend = it;
+        } else {
+            wgmma_wait<0>();
+            if (pend >= 0) release_stage(empty_bar(pend % STAGES), lane);
+            release_stage(empty_bar(st), lane);
+            pend = -1;
+        }
+    }
+    wgmma_wait<0>();
+    fence_regs(dka);
+    fence_regs(dva);
+
+    const size_t kstride = (size_t)Hkv * D;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int key = key0 + 8 * r;
+        if (key >= S) continue;
+        const size_t at = ((size_t)b * S + key) * kstride + (size_t)hk * D + 2 * t;
+#pragma unroll
+        for (int j = 0; j < D / 8; j++) {
+            *reinterpret_cast<__nv_bfloat162 *>(p.dk + at + j * 8) =
+                __floats2bfloat162_rn(dka[4 * j + 2 * r] * p.scale, dka[4 * j + 2 * r + 1] * p.scale);
+            *reinterpret_cast<__nv_bfloat162 *>(p.dv + at + j * 8) =
+                __floats2bfloat162_rn(dva[4 * j + 2 * r], dva[4 * j + 2 * r + 1]);
+        }
+    }
+#endif
+}
+
+template <int D, int STAGES>
+__global__ void __launch_bounds__(TMA_BWD_THREADS, 1)
+tc_bwd_dq_tma_kernel(const __grid_constant__ bwd_tma_params p)
+{
+#ifdef MT_NO_HOPPER_CODE
+    __trap();
+#else
+    constexpr int BQ = DQ_BQ, BC = DQ_BC, NA = D / 2;
+    constexpr uint32_t QT_BYTES = BQ * D * 2, T_BYTES = BC * D * 2;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const uint32_t Qs = (smem_u32(smem_raw) + 1023u) & ~1023u, dOs = Qs + QT_BYTES;
+    const uint32_t ring = dOs + QT_BYTES; /* stage s: K at ring + 2s·T_BYTES, V after it */
+    const uint32_t bars = ring + STAGES * 2 * T_BYTES;
+    auto full_bar = [&](int s) { return bars + 8u * s; };
+    auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
+    const uint32_t q_bar = bars + 16u * STAGES;
+
+    const int S = p.S, Hq = p.Hq;
+    const int nqt = (S + BQ - 1) / BQ;
+    const int qt = nqt - 1 - (int)blockIdx.y;
+    const int bh = blockIdx.x, b = bh / Hq, h = bh - b * Hq, hk = h / (Hq / p.Hkv);
+    const int q0 = qt * BQ;
+    const int nkt = (min(q0 + BQ, S) - 1) / BC + 1;
+
+    if (threadIdx.x == 0) init_ring(bars, STAGES, 1);
+    __syncthreads();
+
+    const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
+    if (wg == 2) {
+        /* ------------------------------------------------ producer */
+        setmaxnreg_dec<24>();
+        if (threadIdx.x != 256) return;
+        mbar_expect_tx(q_bar, 2 * QT_BYTES);
+        for (int c = 0; c < D / 64; c++) {
+            tma_3d(Qs + c * (BQ * 128), &p.map_q, h * D + 64 * c, q0, b, q_bar);
+            tma_3d(dOs + c * (BQ * 128), &p.map_do, h * D + 64 * c, q0, b, q_bar);
+        }
+        for (int j = 0; j < nkt; j++) {
+            const int st = j % STAGES;
+            const uint32_t Kt = ring + st * 2 * T_BYTES, Vt = Kt + T_BYTES, fb = full_bar(st);
+            mbar_wait(empty_bar(st), ((j / STAGES) & 1) ^ 1);
+            mbar_expect_tx(fb, 2 * T_BYTES);
+            for (int c = 0; c < D / 64; c++) {
+                tma_3d(Kt + c * (BC * 128), &p.map_k, hk * D + 64 * c, j * BC, b, fb);
+                tma_3d(Vt + c * (BC * 128), &p.map_v, hk * D + 64 * c, j * BC, b, fb);
+            }
+        }
+        return;
+    }
+
+    /* ---------------------------------------------------- consumers */
+    setmaxnreg_inc<240>();
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int wq0 = q0 + 64 * wg;         /* the warpgroup's first query */
+    const int row0 = wq0 + 16 * warp + g; /* the thread's rows: row0, row0 + 8 */
+    const float scale_log2 = p.scale_log2;
+
+    float lr[2], dr[2]; /* lse·log2(e) and delta of the thread's rows */
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = row0 + 8 * r;
+        const size_t at = ((size_t)b * Hq + h) * S + row;
+        lr[r] = row < S ? p.lse2[at] : 0.0f;
+        dr[r] = row < S ? p.delta[at] : 0.0f;
+    }
+    float acc[NA]; /* started by the first key tile, which every row < S sees */
+    undef_regs(acc);
+    int pend = -1;
+
+    mbar_wait(q_bar, 0);
+    for (int j = 0; j < nkt; j++) {
+        const int st = j % STAGES;
+        mbar_wait(full_bar(st), (j / STAGES) & 1);
+        const int k0 = j * BC;
+        if (k0 <= wq0 + 63 && wq0 < S) { /* else every key of the tile is after every query */
+            const uint32_t Kt = ring + st * 2 * T_BYTES, Vt = Kt + T_BYTES;
+            float s[32], dp[32], ds[32];
+            undef_regs(s);
+            undef_regs(dp);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++)
+                wgmma_ss_n64(s, desc_kmajor<BQ>(Qs, 64 * wg, kk), desc_kmajor<BC>(Kt, 0, kk), kk > 0);
+            wgmma_commit(); /* S = Q·Kᵀ */
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++)
+                wgmma_ss_n64(dp, desc_kmajor<BQ>(dOs, 64 * wg, kk), desc_kmajor<BC>(Vt, 0, kk), kk > 0);
+            wgmma_commit(); /* dP = dO·Vᵀ */
+            wgmma_wait<1>(); /* S has landed: the previous tile's dQ product has retired */
+            fence_regs(s);
+            if (pend >= 0) release_stage(empty_bar(pend % STAGES), lane);
+
+            auto probs = [&](auto masked) {
+#pragma unroll
+                for (int jb = 0; jb < 8; jb++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int r = e >> 1;
+                        float pr = ex2(fmaf(s[4 * jb + e], scale_log2, -lr[r]));
+                        if constexpr (decltype(masked)::value) {
+                            const int row = row0 + 8 * r, col = k0 + 8 * jb + 2 * t + (e & 1);
+                            if (col > row || col >= S) pr = 0.0f;
+                        }
+                        ds[4 * jb + e] = pr;
+                    }
+            };
+            if (k0 + BC - 1 > wq0 || k0 + BC > S) probs(std::true_type{});
+            else probs(std::false_type{});
+            wgmma_wait<0>();
+            fence_regs(dp);
+#pragma unroll
+            for (int i = 0; i < 32; i++) ds[i] *= dp[i] - dr[(i >> 1) & 1];
+            uint32_t sa[4][4];
+            pack_a64(sa, ds);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++)
+                wgmma_rs_nd<D>(acc, sa[kk], desc_mnmajor<BC>(Kt, kk), kk > 0 || j > 0);
+            wgmma_commit(); /* dQ += dS·K */
+            pend = j;
+        } else {
+            wgmma_wait<0>();
+            if (pend >= 0) release_stage(empty_bar(pend % STAGES), lane);
+            release_stage(empty_bar(st), lane);
+            pend = -1;
+        }
+    }
+    wgmma_wait<0>();
+    fence_regs(acc);
+
+    const size_t qstride = (size_t)Hq * D;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = row0 + 8 * r;
+        if (row >= S) continue;
+        bf16 *dst = p.dq + ((size_t)b * S + row) * qstride + (size_t)h * D + 2 * t;
+#pragma unroll
+        for (int jb = 0; jb < D / 8; jb++)
+            *reinterpret_cast<__nv_bfloat162 *>(dst + jb * 8) =
+                __floats2bfloat162_rn(acc[4 * jb + 2 * r] * p.scale, acc[4 * jb + 2 * r + 1] * p.scale);
+    }
+#endif
+}
+
+bwd_tma_params tma_params(const attn_bwd_args &a, int D, int q_rows, int kv_rows, const char *what)
+{
+    bwd_tma_params p;
+    attn_head_map(&p.map_q, a.q, a.B, a.S, a.Hq, D, q_rows, what);
+    attn_head_map(&p.map_do, a.dout, a.B, a.S, a.Hq, D, q_rows, what);
+    attn_head_map(&p.map_k, a.k, a.B, a.S, a.Hkv, D, kv_rows, what);
+    attn_head_map(&p.map_v, a.v, a.B, a.S, a.Hkv, D, kv_rows, what);
+    p.dq = a.dq, p.dk = a.dk, p.dv = a.dv;
+    p.lse2 = a.lse2, p.delta = a.delta;
+    p.S = a.S, p.Hq = a.Hq, p.Hkv = a.Hkv;
+    p.scale = a.scale, p.scale_log2 = a.scale_log2;
+    return p;
+}
+
+template <int D, int STAGES> void dkdv_tma_launch(const attn_bwd_args &a)
+{
+    const bwd_tma_params p = tma_params(a, D, DKDV_BQ, DKDV_BK, "attention backward dk dv (TMA)");
+    constexpr size_t smem = dkdv_tma_smem_bytes<D, STAGES>();
+    static bool opted;
+    smem_opt_in(tc_bwd_dkdv_tma_kernel<D, STAGES>, smem, &opted);
+    const dim3 grid((unsigned)(a.B * a.Hkv), (unsigned)((a.S + DKDV_BK - 1) / DKDV_BK));
+    tc_bwd_dkdv_tma_kernel<D, STAGES><<<grid, TMA_BWD_THREADS, smem, g_cuda.stream>>>(p);
+    CUDA_LAUNCH_CHECK("attention tc backward dk dv (TMA)");
+}
+
+template <int D, int STAGES> void dq_tma_launch(const attn_bwd_args &a)
+{
+    const bwd_tma_params p = tma_params(a, D, DQ_BQ, DQ_BC, "attention backward dq (TMA)");
+    constexpr size_t smem = dq_tma_smem_bytes<D, STAGES>();
+    static bool opted;
+    smem_opt_in(tc_bwd_dq_tma_kernel<D, STAGES>, smem, &opted);
+    const dim3 grid((unsigned)(a.B * a.Hq), (unsigned)((a.S + DQ_BQ - 1) / DQ_BQ));
+    tc_bwd_dq_tma_kernel<D, STAGES><<<grid, TMA_BWD_THREADS, smem, g_cuda.stream>>>(p);
+    CUDA_LAUNCH_CHECK("attention tc backward dq (TMA)");
+}
+
+} /* namespace */
+
+void attn_tma_dkdv(const attn_bwd_args &a, int D)
+{
+    if (D == 128) dkdv_tma_launch<128, 4>(a);
+    else dkdv_tma_launch<64, 4>(a);
+}
+
+void attn_tma_dq(const attn_bwd_args &a, int D)
+{
+    if (D == 128) dq_tma_launch<128, 4>(a);
+    else dq_tma_launch<64, 4>(a);
+}
