@@ -35,20 +35,30 @@
 
 namespace {
 
-constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
+constexpr int BM = 128, BN = 256, BK = 64;
 constexpr int THREADS = 384;                 /* producer warpgroup + 2 consumer warpgroups */
 constexpr int A_BYTES = BM * BK * 2;         /* 16 KB */
 constexpr int B_BYTES = BN * BK * 2;         /* 32 KB */
 constexpr int BOX_BYTES = 64 * BK * 2;       /* one 64×64 MN-major box, 8 KB */
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024 /* alignment slack */ + 2 * STAGES * 8;
+constexpr int OUT_BYTES = BM * BN * 2;       /* forward/dgrad: the bf16 output tile, 64 KB */
 constexpr int MAX_EXPERTS = 256;             /* per launch (the schedule is a kernel parameter) */
 
 enum { KIND_FWD, KIND_DGRAD, KIND_WGRAD };
 
+/* Forward and dgrad stage their output tile in shared memory for a TMA store, which leaves room
+ * for 3 operand stages; wgrad's fp32 read-add-write goes from registers, with 4. */
+template <int KIND> __host__ __device__ constexpr int stages_of() { return KIND == KIND_WGRAD ? 4 : 3; }
+template <int KIND> constexpr int smem_bytes_of()
+{
+    return stages_of<KIND>() * STAGE_BYTES + (KIND == KIND_WGRAD ? 0 : OUT_BYTES) +
+           1024 /* alignment slack */ + 2 * stages_of<KIND>() * 8;
+}
+
 struct gg_params {
     CUtensorMap map_a, map_b;
     CUtensorMap map_a2, map_b2; /* wgrad: the second row set (= map_a/map_b when there is none) */
+    CUtensorMap map_out;        /* forward/dgrad: out [R, N], boxes of 64 columns × BM rows */
     void *out;          /* bf16 [R, N] (forward, dgrad) or fp32 dw [n_exp, M, N] (wgrad) */
     int M, N, K;        /* wgrad: M = O, N = I; forward/dgrad: N, K (M is the expert's rows) */
     int overwrite;      /* wgrad: dw = acc (dw not read; experts with no rows get zero tiles) */
@@ -165,10 +175,12 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
     constexpr int TB = KIND == KIND_FWD ? 0 : 1;   /* B MN-major */
     constexpr uint32_t A_KSTEP = TA ? 16 * 128 : 32, B_KSTEP = TB ? 16 * 128 : 32;
     constexpr uint32_t A_LBO = TA ? BOX_BYTES : 16, B_LBO = TB ? BOX_BYTES : 16;
+    constexpr int STAGES = stages_of<KIND>();
 
     extern __shared__ uint8_t smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u; /* SW128 atoms: 1024-aligned */
-    const uint32_t bars = base + STAGES * STAGE_BYTES;
+    const uint32_t staging = base + STAGES * STAGE_BYTES; /* forward/dgrad: the output tile */
+    const uint32_t bars = staging + (KIND == KIND_WGRAD ? 0 : OUT_BYTES);
     auto full_bar = [&](int s) { return bars + 8u * s; };
     auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
 
@@ -313,22 +325,50 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                         }
             }
         } else {
-            bf16 *out = (bf16 *)p.out;
-            const int valid_m = ti.rows - ti.mi * BM;
-            const size_t r = (size_t)ti.r0 + (size_t)ti.mi * BM + row_in_tile;
+            /* Through shared memory: the tile is written (bf16, in the 128-byte-swizzled layout of
+             * four 64-column boxes) and stored by TMA, which runs on while the consumers start the
+             * next tile's MMAs; from registers, each warp's 4-byte stores covered 16 bytes of 8
+             * rows and the epilogue took as long as ~8 K blocks of MMAs. A tile whose last rows
+             * belong to the next expert (valid_m < BM) is copied out row by row instead, 16
+             * bytes a thread, as TMA would write the whole box. */
+            if (ctid == 0) bulk_wait_read(); /* the previous tile's store has left the buffer */
+            asm volatile("bar.sync 2, 256;" ::: "memory");
 #pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                const int n = n0 + 8 * j;
-                if (n >= p.N) continue;
+            for (int j = 0; j < BN / 8; j++)
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
-                    if (row_in_tile + 8 * h >= valid_m) continue;
-                    *(__nv_bfloat162 *)(out + (r + 8 * h) * p.N + n) =
-                        __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                    const int row = row_in_tile + 8 * h;
+                    const uint32_t a = staging + (j >> 3) * (BM * 128) + row * 128 +
+                                       (((j & 7) ^ (row & 7)) << 4) + 2 * col_in_tile;
+                    __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(*(uint32_t *)&v) : "memory");
+                }
+            fence_proxy_async(); /* for the TMA's reads */
+            asm volatile("bar.sync 2, 256;" ::: "memory");
+            const int valid_m = ti.rows - ti.mi * BM;
+            const int row0 = ti.r0 + ti.mi * BM;
+            if (valid_m >= BM) {
+                if (ctid == 0) {
+                    for (int b = 0; b < BN / 64 && ti.ni * BN + 64 * b < p.N; b++)
+                        tma_store_2d(&p.map_out, staging + b * (BM * 128), ti.ni * BN + 64 * b, row0);
+                    bulk_commit();
+                }
+            } else {
+                bf16 *out = (bf16 *)p.out;
+                for (int i = ctid; i < valid_m * (BN / 8); i += 256) {
+                    const int row = i / (BN / 8), c = i - row * (BN / 8), n = ti.ni * BN + 8 * c;
+                    if (n >= p.N) continue; /* N % 8 == 0: a chunk is in or out whole */
+                    const uint32_t a = staging + (c >> 3) * (BM * 128) + row * 128 + (((c & 7) ^ (row & 7)) << 4);
+                    uint4 v;
+                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                                 : "r"(a));
+                    *(uint4 *)(out + (size_t)(row0 + row) * p.N + n) = v;
                 }
             }
         }
     }
+    if (KIND != KIND_WGRAD && ctid == 0) bulk_wait_all(); /* the buffer lives as long as the CTA */
 #endif
 }
 
@@ -352,13 +392,13 @@ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 /* off2 (wgrad only, or NULL): the second row set's offsets, read through ma2/mb2 */
 template <int KIND>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64_t *off, int n_exp,
-            int M, int N, int K, bool overwrite = false, const int64_t *off2 = NULL,
-            const CUtensorMap *ma2 = NULL, const CUtensorMap *mb2 = NULL)
+            int M, int N, int K, const CUtensorMap *mout, bool overwrite = false,
+            const int64_t *off2 = NULL, const CUtensorMap *ma2 = NULL, const CUtensorMap *mb2 = NULL)
 {
     static bool attr_set;
     if (!attr_set) {
         CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<KIND>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes_of<KIND>()));
         attr_set = true;
     }
     static gg_params p; /* 2.4 KB: kept off the stack; the launch copies it */
@@ -367,6 +407,7 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64
     p.map_b = mb;
     p.map_a2 = ma2 ? *ma2 : ma;
     p.map_b2 = mb2 ? *mb2 : mb;
+    if (mout) p.map_out = *mout;
     p.out = out;
     p.M = M, p.N = N, p.K = K;
     p.overwrite = overwrite;
@@ -391,7 +432,7 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64
         p.e_base = e0;
         p.total_tiles = (int)total;
         const int grid = total < g_cuda.num_sms ? (int)total : g_cuda.num_sms;
-        grouped_gemm_kernel<KIND><<<grid, THREADS, SMEM_BYTES, g_cuda.stream>>>(p);
+        grouped_gemm_kernel<KIND><<<grid, THREADS, smem_bytes_of<KIND>(), g_cuda.stream>>>(p);
         CUDA_LAUNCH_CHECK("grouped_gemm_kernel");
     }
 }
@@ -412,7 +453,10 @@ extern "C" bool grouped_gemm_forward(void *out, const void *in, const void *w, c
     const cuuint64_t sb[2] = {(cuuint64_t)I * 2, (cuuint64_t)O * I * 2};
     const cuuint32_t bb[3] = {64, BN, 1};
     tma_make_map(&mb, w, 3, db, sb, bb, "grouped_gemm");
-    launch<KIND_FWD>(ma, mb, out, off, n_exp, 0, O, I);
+    CUtensorMap mo;
+    const cuuint64_t dout[2] = {(cuuint64_t)O, R}, so[1] = {(cuuint64_t)O * 2};
+    tma_make_map(&mo, out, 2, dout, so, ba, "grouped_gemm");
+    launch<KIND_FWD>(ma, mb, out, off, n_exp, 0, O, I, &mo);
     return true;
 }
 
@@ -430,7 +474,10 @@ extern "C" bool grouped_gemm_dgrad(void *din, const void *dout, const void *w, c
     const cuuint64_t sb[2] = {(cuuint64_t)I * 2, (cuuint64_t)O * I * 2};
     const cuuint32_t bb[3] = {64, 64, 1};
     tma_make_map(&mb, w, 3, db, sb, bb, "grouped_gemm");
-    launch<KIND_DGRAD>(ma, mb, din, off, n_exp, 0, I, O);
+    CUtensorMap mo;
+    const cuuint64_t dd[2] = {(cuuint64_t)I, R}, sd[1] = {(cuuint64_t)I * 2};
+    tma_make_map(&mo, din, 2, dd, sd, ba, "grouped_gemm");
+    launch<KIND_DGRAD>(ma, mb, din, off, n_exp, 0, I, O, &mo);
     return true;
 }
 
@@ -467,11 +514,11 @@ extern "C" bool grouped_gemm_wgrad2(float *dw, const void *dout, const void *in,
     CUtensorMap ma, mb, ma2, mb2;
     wgrad_maps(&ma, &mb, dout, in, off[n_exp], I, O);
     if (R2 == 0) {
-        launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0, overwrite);
+        launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0, NULL, overwrite);
         return true;
     }
     wgrad_maps(&ma2, &mb2, dout2, in2, off2[n_exp], I, O);
-    launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0, overwrite, off2, &ma2, &mb2);
+    launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0, NULL, overwrite, off2, &ma2, &mb2);
     return true;
 }
 
