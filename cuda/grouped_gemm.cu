@@ -14,12 +14,13 @@
  *  - wgrad (rows = K): the last K block may hold the next expert's rows, which would be summed in;
  *    the consumers zero those rows of both operands in shared memory before the MMA.
  *
- * CTA: 3 warpgroups. Warpgroup 0 is the producer (one thread issues the TMA loads into a 4-stage
- * ring, each stage guarded by a "full" mbarrier the TMA completes and an "empty" one the consumers
- * release); warpgroups 1 and 2 each compute 64 rows × 256 columns of the tile with
- * wgmma.m64n256k16 (128 fp32 accumulators a thread) and store straight from registers: bf16 rows
- * for forward/dgrad, fp32 read-add-write of dw for wgrad (each dw element belongs to exactly one
- * tile, so the += needs no atomics and is deterministic).
+ * CTA: 3 warpgroups. Warpgroup 0 is the producer (one thread issues the TMA loads into a ring of
+ * 3 (forward, dgrad) or 4 (wgrad) stages, each guarded by a "full" mbarrier the TMA completes and
+ * an "empty" one the consumers release); warpgroups 1 and 2 each compute 64 rows × 256 columns of
+ * the tile with wgmma.m64n256k16 (128 fp32 accumulators a thread). Forward/dgrad write the bf16
+ * tile into a shared-memory staging buffer that one thread stores with TMA while the next tile's
+ * MMAs run; wgrad does the fp32 read-add-write of dw from registers (each dw element belongs to
+ * exactly one tile, so the += needs no atomics and is deterministic).
  *
  * Shared-memory layouts are the TMA's 128-byte swizzle, which is what wgmma's SW128 descriptors
  * read: a K-major operand tile is rows of 64 K-elements (128 B), 8-row groups 1024 B apart; an
