@@ -1,7 +1,7 @@
 /* Causal GQA flash attention on the tensor cores: bf16 operands, fp32 accumulation, FlashAttention-2
  * structure written for mma.sync.m16n8k16 (sm_80+); the forward and the backward's two passes also
  * exist on the Hopper warpgroup MMA (wgmma), which is what runs by default on sm_90
- * (attention_wgmma_fwd.cu, attention_wgmma.cu).
+ * (attention_tma_fwd.cu, attention_wgmma_fwd.cu, attention_tma_bwd.cu).
  *
  * Layout. q/out [B,S,Hq,D], k/v [B,S,Hkv,D] bf16 row-major; one head's rows are D contiguous
  * elements, H·D apart. Tiles are copied global -> shared with 16-byte cp.async (rows past S are
@@ -41,10 +41,11 @@
  * rows (forward, dQ: the last query tiles; dK/dV: the first key tiles) to the shortest.
  *
  * Files: this one holds the entry points (attention_tc.cuh) and the bf16-or-fp32 choice;
- * attention_tc_fwd.cu the mma.sync forward kernel and the choice of forward; attention_wgmma_fwd.cu
- * the wgmma forward; attention_tc_bwd.cu the backward's prep,
- * dK/dV and dQ kernels and their launch; attention_tc_common.cuh the device helpers (tile loads,
- * ldmatrix/mma fragments) they share with attention_wgmma.cu; attention_tc_launch.cuh the host-side
+ * attention_tc_fwd.cu the mma.sync forward kernel and the choice of forward; attention_tma_fwd.cu
+ * and attention_wgmma_fwd.cu the wgmma forwards; attention_tc_bwd.cu the backward's prep, the
+ * mma.sync dK/dV and dQ kernels and the launch; attention_tma_bwd.cu the wgmma backward;
+ * attention_tc_common.cuh the device helpers (tile loads, ldmatrix/mma fragments) they share;
+ * attention_wgmma.cuh the wgmma ones; attention_tc_launch.cuh the host-side
  * checks and the two launchers' declarations. */
 #include "attention.cuh"
 #include "attention_tc.cuh"

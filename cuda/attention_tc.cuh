@@ -47,11 +47,11 @@ void *attention_tc_stream(void);
 int attention_tc_set_variant(int fwd);
 
 /* Selects the backward kernels for tests and benchmarks: variant = dkdv + ATTN_BWD_KINDS·dq, each
- * 0 = the mma.sync kernel, 1..3 = wgmma with (warpgroups per block, stages) (2, 3), (1, 2), (2, 2),
- * 4 = warp-specialised (TMA producer warpgroup, two wgmma warpgroups); the default is 4 + 5·4. On
- * a GPU other than sm_90, or with MT_FORCE_SM80=1, the mma.sync kernels run whatever is selected.
+ * 0 = the mma.sync kernel, 1 = warp-specialised wgmma (TMA producer warpgroup, two wgmma
+ * warpgroups); the default is 1 + 2·1. On a GPU other than sm_90, or with MT_FORCE_SM80=1, the
+ * mma.sync kernels run whatever is selected. All give the same bits.
  * Out-of-range values change nothing. Returns the previous one. Not thread-safe. */
-enum { ATTN_BWD_KINDS = 5 };
+enum { ATTN_BWD_KINDS = 2 };
 int attention_tc_set_bwd_variant(int variant);
 
 #ifdef __cplusplus

@@ -1,5 +1,5 @@
 /* The tensor-core attention's backward: the prep kernel (delta, lse·log2 e), the mma.sync dK/dV and
- * dQ kernels, the choice between them and the wgmma passes of attention_wgmma.cu, tc_backward (what
+ * dQ kernels, the choice between them and the wgmma passes of attention_tma_bwd.cu, tc_backward (what
  * attention_tc.cu's entry points call) and attention_tc_set_bwd_variant. How the kernels work:
  * attention_tc.cu's header comment. */
 #include "attention_tc.cuh"
@@ -250,19 +250,15 @@ tc_bwd_dq_kernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dout, const bf1
     }
 }
 
-/* Backward kernels: 0 = mma.sync (tc_bwd_dkdv_kernel / tc_bwd_dq_kernel), 1..3 = wgmma with
- * (warpgroups per block, stages) = (2, 3), (1, 2), (2, 2), 4 = warp-specialised
- * (attention_tma_bwd.cu); chosen separately for the dK/dV and
- * the dQ pass (attention_tc_set_bwd_variant). The wgmma kernels need compute capability 9.0
- * (g_cuda.hopper; MT_FORCE_SM80=1 takes variant 0 on a Hopper GPU too).
+/* Backward kernels: 0 = mma.sync (tc_bwd_dkdv_kernel / tc_bwd_dq_kernel), 1 = warp-specialised
+ * wgmma (attention_tma_bwd.cu); chosen separately for the dK/dV and the dQ pass
+ * (attention_tc_set_bwd_variant). The wgmma kernels need compute capability 9.0 (g_cuda.hopper;
+ * MT_FORCE_SM80=1 takes variant 0 on a Hopper GPU too). All give the same bits.
  * H100, B=2 S=4096 Hq=32 Hkv=4, whole backward in ms (tools/bench_attention, tenth session):
- *   D = 128: dkdv/dq 0/0 3.40, 1/1 1.84, 4/1 1.71, 1/4 1.67, 4/4 1.54
- *   D = 64:  0/0 1.98, 1/1 1.31, 4/1 1.18, 1/4 1.17, 4/4 1.04
- * (second session, before the TMA kernels: 1/1 1.98, 1/2 2.06, 1/3 2.03, 3/1 2.23, 2/1 2.46).
- * All give the same bits. The warp-specialised kernels win: the consumers issue no loads and meet
- * no block-wide barrier. Among the cp.async ones, two warpgroups sharing the streamed tiles beat
- * one warpgroup per block at two blocks per SM, and three stages beat two. */
-int g_bwd_dkdv = 4, g_bwd_dq = 4;
+ *   D = 128: dkdv/dq mma.sync 3.40, warp-specialised 1.54 (the cp.async wgmma kernels they
+ *            replaced: 1.84, with one warp-specialised pass 1.71 / 1.67)
+ *   D = 64:  mma.sync 1.98, warp-specialised 1.04 (cp.async wgmma 1.31) */
+int g_bwd_dkdv = 1, g_bwd_dq = 1;
 
 template <int D, bool DOCS> void dkdv_mma_launch(const attn_bwd_args &a)
 {
@@ -290,16 +286,14 @@ template <int D, bool DOCS> void dq_mma_launch(const attn_bwd_args &a)
 template <int D> void dkdv_launch(const attn_bwd_args &a, int variant)
 {
     if (a.seg) dkdv_mma_launch<D, true>(a);
-    else if (variant >= 1 && variant <= 3) attn_wgmma_dkdv(a, D, variant);
-    else if (variant == 4) attn_tma_dkdv(a, D);
+    else if (variant == 1) attn_tma_dkdv(a, D);
     else dkdv_mma_launch<D, false>(a);
 }
 
 template <int D> void dq_launch(const attn_bwd_args &a, int variant)
 {
     if (a.seg) dq_mma_launch<D, true>(a);
-    else if (variant >= 1 && variant <= 3) attn_wgmma_dq(a, D, variant);
-    else if (variant == 4) attn_tma_dq(a, D);
+    else if (variant == 1) attn_tma_dq(a, D);
     else dq_mma_launch<D, false>(a);
 }
 

@@ -1,5 +1,5 @@
 /* Internal to the tensor-core attention (cuda/attention_tc_fwd.cu: forward; attention_tc_bwd.cu:
- * mma.sync backward; attention_wgmma.cu: the backward on wgmma): tile constants, PTX wrappers, tile
+ * mma.sync backward; attention_tma_bwd.cu: the backward on wgmma): tile constants, PTX wrappers, tile
  * loads and the mma.sync fragment helpers they use, and the backward's arguments. attention_tc.cu's
  * header comment says how the kernels work. Everything but attn_bwd_args and the two wgmma entry
  * points is file-local (an unnamed namespace) in each including file. */
@@ -20,10 +20,6 @@ struct attn_bwd_args {
     const int32_t *seg;   /* [B,S] document ids or nullptr; only the mma.sync kernels read it */
 };
 
-/* The wgmma backward passes (sm_90a), D = 64 or 128, variant 1..3 = (warpgroups per block,
- * stages) (2, 3), (1, 2), (2, 2). */
-void attn_wgmma_dkdv(const attn_bwd_args &a, int D, int variant);
-void attn_wgmma_dq(const attn_bwd_args &a, int D, int variant);
 /* The forward on wgmma (sm_90a, no document masks), D = 64 or 128, variant 1..4 = (warpgroups per
  * block, keys per tile) (2, 128), (2, 64), (1, 64), (3, 64). */
 void attn_wgmma_forward(void *out, float *lse, const void *q, const void *k, const void *v, int B,

@@ -1,24 +1,31 @@
-/* The attention backward's two passes on Hopper, warp-specialised (sm_90a): the maths and the
- * per-warpgroup MMA order of attention_wgmma.cu (whose header comment describes the tile layout and
- * the products), but the operand tiles arrive by TMA and the consumers meet no block-wide barrier.
+/* The attention backward's two passes on Hopper, warp-specialised (sm_90a; the tile layout and
+ * the MMA shapes: attention_wgmma.cuh). Off sm_90, and with document masks, the mma.sync kernels
+ * of attention_tc_bwd.cu run, which give the same bits.
  *
  * CTA: warpgroup 2 is the producer (384 threads). It gives back its registers (setmaxnreg 24) so
  * that the two consumer warpgroups can hold 240 a thread: dK and dV of 64 keys × 128 columns are
  * 128 accumulators a thread before the scores, which at 168 (what ptxas allows three warpgroups
  * without setmaxnreg) spilled and serialised the MMAs. Producer warp 0, one thread, issues the TMA
  * loads into a ring of STAGES buffers, each guarded by a "full" mbarrier and an "empty" one that
- * every consumer warp releases once the products that read the buffer have retired.
+ * every consumer warp releases once the products that read the buffer have retired (the wait for
+ * the next tile's first product retires them). The consumers issue no loads and meet no
+ * block-wide barrier.
  *
  * dK/dV: grid (B·Hkv, key tiles of 128), heaviest first; consumer warpgroup w owns keys 64w ..; the
  * block's K and V tiles are loaded once; each ring stage holds one query tile (64 rows of one head
  * of the kv group) of Q and dO, and its 64 lse·log2 e and delta values, which producer warp 1 copies
  * (32 threads, plain loads: rows past S read as 0, which TMA's 16-byte-aligned rows could not do
- * for an odd S). The full barrier counts the TMA thread's expect_tx arrival and those 32.
+ * for an odd S). The full barrier counts the TMA thread's expect_tx arrival and those 32. Per tile:
+ * Sᵀ and dPᵀ issued together, Pᵀ from Sᵀ while dPᵀ runs, dV += Pᵀ·dO, dSᵀ = Pᵀ ⊙ (dPᵀ - delta) once
+ * dV has retired (with it still holding Pᵀ's registers dSᵀ needs more than 240 and ptxas serialises
+ * every MMA), dK += dSᵀ·Q.
  * dQ: grid (B·Hq, query tiles of 128), heaviest first; consumer warpgroup w owns queries 64w ..;
  * the block's Q and dO tiles are loaded once, the K and V tiles of 64 keys stream through the ring.
+ * Per tile: S and dP, P, dS, dQ += dS·K.
  *
- * Every product is the one attention_wgmma.cu issues, on the same operands in the same order, so
- * the gradients are bit-identical to its kernels' (tests/unit/test_gpu_attention.c checks it). */
+ * Each pass recomputes P from q, k and lse: 7 products against FlashAttention-2's 5, whose dQ is
+ * summed with atomics across key tiles; here every output element is accumulated by one thread in
+ * a fixed order, so the gradients are the same bits run to run (and as the mma.sync kernels'). */
 #include "attention_wgmma.cuh"
 
 #include <type_traits>
@@ -52,6 +59,16 @@ __device__ __forceinline__ void release_stage(uint32_t empty_bar, int lane)
 {
     __syncwarp();
     if (lane == 0) mbar_arrive(empty_bar);
+}
+
+/* a tile this warpgroup skips: every earlier product retires, so the pending tile's stage and this
+ * one are released at once */
+__device__ __forceinline__ void skip_tile(uint32_t empty_bar0, int stages, int st, int &pend, int lane)
+{
+    wgmma_wait<0>();
+    if (pend >= 0) release_stage(empty_bar0 + 8u * (pend % stages), lane);
+    release_stage(empty_bar0 + 8u * st, lane);
+    pend = -1;
 }
 
 __device__ __forceinline__ void init_ring(uint32_t bars, int stages, uint32_t full_count)
@@ -148,95 +165,56 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
         const int st = it % STAGES;
         mbar_wait(full_bar(st), (it / STAGES) & 1);
         const int gi = it / nper, q0 = (qt0 + it - gi * nper) * BQ;
-        if (q0 + BQ - 1 >= wk0 && wk0 < S) { /* else no query of the tile sees a key of the group */
-            const uint32_t Qt = ring + st * 2 * T_BYTES, dOt = Qt + T_BYTES;
-            const float *lt = ls + st * BQ, *dt = dls + st * BQ;
-            float s[32], dp[32], pt[32];
-            undef_regs(s);
-            undef_regs(dp);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++)
-                wgmma_ss_n64(s, desc_kmajor<BK>(Ks, 64 * wg, kk), desc_kmajor<BQ>(Qt, 0, kk), kk > 0);
-            wgmma_commit(); /* Sᵀ = K·Qᵀ */
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++)
-                wgmma_ss_n64(dp, desc_kmajor<BK>(Vs, 64 * wg, kk), desc_kmajor<BQ>(dOt, 0, kk), kk > 0);
-            wgmma_commit(); /* dPᵀ = V·dOᵀ */
-            wgmma_wait<1>(); /* Sᵀ has landed: every product of the tiles before has retired */
-            fence_regs(s);
-            if (pend >= 0) release_stage(empty_bar(pend % STAGES), lane);
+        if (q0 + BQ - 1 < wk0 || wk0 >= S) { /* no query of the tile sees a key of the group */
+            skip_tile(empty_bar(0), STAGES, st, pend, lane);
+            continue;
+        }
+        const uint32_t Qt = ring + st * 2 * T_BYTES, dOt = Qt + T_BYTES;
+        const float *lt = ls + st * BQ, *dt = dls + st * BQ;
+        float s[32], dp[32], pt[32];
+        bwd_scores<D, BK, BQ>(s, Ks, 64 * wg, Qt);  /* Sᵀ = K·Qᵀ */
+        bwd_scores<D, BK, BQ>(dp, Vs, 64 * wg, dOt); /* dPᵀ = V·dOᵀ */
+        wgmma_wait<1>(); /* Sᵀ has landed: every product of the tiles before has retired */
+        fence_regs(s);
+        if (pend >= 0) release_stage(empty_bar(pend % STAGES), lane);
 
-            auto probs = [&](auto masked) { /* two straight-line copies, as in attention_wgmma.cu */
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    const float2 l2 = *reinterpret_cast<const float2 *>(lt + 8 * j + 2 * t);
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        float pr = ex2(fmaf(s[4 * j + e], scale_log2, (e & 1) ? -l2.y : -l2.x));
-                        if constexpr (decltype(masked)::value) {
-                            const int key = key0 + ((e >> 1) << 3), qi = q0 + 8 * j + 2 * t + (e & 1);
-                            if (qi < key || qi >= S) pr = 0.0f;
-                        }
-                        pt[4 * j + e] = pr;
-                    }
-                }
-            };
-            if (q0 < wk0 + 63 || q0 + BQ > S) probs(std::true_type{});
-            else probs(std::false_type{});
-            uint32_t pa[4][4];
-            pack_a64(pa, pt);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++)
-                wgmma_rs_nd<D>(dva, pa[kk], desc_mnmajor<BQ>(dOt, kk), kk > 0 || started);
-            wgmma_commit(); /* dV += Pᵀ·dO */
-            /* dV retires before dS is formed (attention_wgmma.cu lets it run on): with P's
-             * registers still held by the MMA, dS needs more than 240 and ptxas serialises every
-             * MMA of the kernel; the other consumer warpgroup keeps the tensor cores busy */
-            wgmma_wait<0>();
-            fence_regs(dp);
-
+        auto probs = [&](auto masked) { /* two straight-line copies: with one, the compiler
+                                         * if-converts the mask into every tile */
 #pragma unroll
             for (int j = 0; j < 8; j++) {
-                const float2 d2 = *reinterpret_cast<const float2 *>(dt + 8 * j + 2 * t);
+                const float2 l2 = *reinterpret_cast<const float2 *>(lt + 8 * j + 2 * t);
 #pragma unroll
-                for (int e = 0; e < 4; e++) pt[4 * j + e] *= dp[4 * j + e] - ((e & 1) ? d2.y : d2.x);
+                for (int e = 0; e < 4; e++) {
+                    float pr = ex2(fmaf(s[4 * j + e], scale_log2, (e & 1) ? -l2.y : -l2.x));
+                    if constexpr (decltype(masked)::value) {
+                        const int key = key0 + ((e >> 1) << 3), qi = q0 + 8 * j + 2 * t + (e & 1);
+                        if (qi < key || qi >= S) pr = 0.0f;
+                    }
+                    pt[4 * j + e] = pr;
+                }
             }
-            uint32_t sa[4][4];
-            pack_a64(sa, pt);
-            wgmma_fence();
+        };
+        if (q0 < wk0 + 63 || q0 + BQ > S) probs(std::true_type{});
+        else probs(std::false_type{});
+        bwd_product<D, BQ>(dva, pt, dOt, started); /* dV += Pᵀ·dO */
+        wgmma_wait<0>();
+        fence_regs(dp);
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++)
-                wgmma_rs_nd<D>(dka, sa[kk], desc_mnmajor<BQ>(Qt, kk), kk > 0 || started);
-            wgmma_commit(); /* dK += dSᵀ·Q */
-            started = 1;
-            pend = it;
-        } else {
-            wgmma_wait<0>();
-            if (pend >= 0) release_stage(empty_bar(pend % STAGES), lane);
-            release_stage(empty_bar(st), lane);
-            pend = -1;
+        for (int j = 0; j < 8; j++) {
+            const float2 d2 = *reinterpret_cast<const float2 *>(dt + 8 * j + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; e++) pt[4 * j + e] *= dp[4 * j + e] - ((e & 1) ? d2.y : d2.x);
         }
+        bwd_product<D, BQ>(dka, pt, Qt, started); /* dK += dSᵀ·Q */
+        started = 1;
+        pend = it;
     }
     wgmma_wait<0>();
     fence_regs(dka);
     fence_regs(dva);
-
-    const size_t kstride = (size_t)Hkv * D;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int key = key0 + 8 * r;
-        if (key >= S) continue;
-        const size_t at = ((size_t)b * S + key) * kstride + (size_t)hk * D + 2 * t;
-#pragma unroll
-        for (int j = 0; j < D / 8; j++) {
-            *reinterpret_cast<__nv_bfloat162 *>(p.dk + at + j * 8) =
-                __floats2bfloat162_rn(dka[4 * j + 2 * r] * p.scale, dka[4 * j + 2 * r + 1] * p.scale);
-            *reinterpret_cast<__nv_bfloat162 *>(p.dv + at + j * 8) =
-                __floats2bfloat162_rn(dva[4 * j + 2 * r], dva[4 * j + 2 * r + 1]);
-        }
-    }
+    const size_t kstride = (size_t)Hkv * D, at = (size_t)b * S * kstride + (size_t)hk * D + 2 * t;
+    bwd_store_rows<D>(p.dk + at, kstride, dka, key0, S, p.scale);
+    bwd_store_rows<D>(p.dv + at, kstride, dva, key0, S, 1.0f);
 #endif
 }
 
@@ -315,73 +293,45 @@ tc_bwd_dq_tma_kernel(const __grid_constant__ bwd_tma_params p)
         const int st = j % STAGES;
         mbar_wait(full_bar(st), (j / STAGES) & 1);
         const int k0 = j * BC;
-        if (k0 <= wq0 + 63 && wq0 < S) { /* else every key of the tile is after every query */
-            const uint32_t Kt = ring + st * 2 * T_BYTES, Vt = Kt + T_BYTES;
-            float s[32], dp[32], ds[32];
-            undef_regs(s);
-            undef_regs(dp);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++)
-                wgmma_ss_n64(s, desc_kmajor<BQ>(Qs, 64 * wg, kk), desc_kmajor<BC>(Kt, 0, kk), kk > 0);
-            wgmma_commit(); /* S = Q·Kᵀ */
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++)
-                wgmma_ss_n64(dp, desc_kmajor<BQ>(dOs, 64 * wg, kk), desc_kmajor<BC>(Vt, 0, kk), kk > 0);
-            wgmma_commit(); /* dP = dO·Vᵀ */
-            wgmma_wait<1>(); /* S has landed: the previous tile's dQ product has retired */
-            fence_regs(s);
-            if (pend >= 0) release_stage(empty_bar(pend % STAGES), lane);
-
-            auto probs = [&](auto masked) {
-#pragma unroll
-                for (int jb = 0; jb < 8; jb++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int r = e >> 1;
-                        float pr = ex2(fmaf(s[4 * jb + e], scale_log2, -lr[r]));
-                        if constexpr (decltype(masked)::value) {
-                            const int row = row0 + 8 * r, col = k0 + 8 * jb + 2 * t + (e & 1);
-                            if (col > row || col >= S) pr = 0.0f;
-                        }
-                        ds[4 * jb + e] = pr;
-                    }
-            };
-            if (k0 + BC - 1 > wq0 || k0 + BC > S) probs(std::true_type{});
-            else probs(std::false_type{});
-            wgmma_wait<0>();
-            fence_regs(dp);
-#pragma unroll
-            for (int i = 0; i < 32; i++) ds[i] *= dp[i] - dr[(i >> 1) & 1];
-            uint32_t sa[4][4];
-            pack_a64(sa, ds);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++)
-                wgmma_rs_nd<D>(acc, sa[kk], desc_mnmajor<BC>(Kt, kk), kk > 0 || j > 0);
-            wgmma_commit(); /* dQ += dS·K */
-            pend = j;
-        } else {
-            wgmma_wait<0>();
-            if (pend >= 0) release_stage(empty_bar(pend % STAGES), lane);
-            release_stage(empty_bar(st), lane);
-            pend = -1;
+        if (k0 > wq0 + 63 || wq0 >= S) { /* every key of the tile is after every query */
+            skip_tile(empty_bar(0), STAGES, st, pend, lane);
+            continue;
         }
+        const uint32_t Kt = ring + st * 2 * T_BYTES, Vt = Kt + T_BYTES;
+        float s[32], dp[32], ds[32];
+        bwd_scores<D, BQ, BC>(s, Qs, 64 * wg, Kt);   /* S = Q·Kᵀ */
+        bwd_scores<D, BQ, BC>(dp, dOs, 64 * wg, Vt); /* dP = dO·Vᵀ */
+        wgmma_wait<1>(); /* S has landed: the previous tile's dQ product has retired */
+        fence_regs(s);
+        if (pend >= 0) release_stage(empty_bar(pend % STAGES), lane);
+
+        auto probs = [&](auto masked) {
+#pragma unroll
+            for (int jb = 0; jb < 8; jb++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int r = e >> 1;
+                    float pr = ex2(fmaf(s[4 * jb + e], scale_log2, -lr[r]));
+                    if constexpr (decltype(masked)::value) {
+                        const int row = row0 + 8 * r, col = k0 + 8 * jb + 2 * t + (e & 1);
+                        if (col > row || col >= S) pr = 0.0f;
+                    }
+                    ds[4 * jb + e] = pr;
+                }
+        };
+        if (k0 + BC - 1 > wq0 || k0 + BC > S) probs(std::true_type{});
+        else probs(std::false_type{});
+        wgmma_wait<0>();
+        fence_regs(dp);
+#pragma unroll
+        for (int i = 0; i < 32; i++) ds[i] *= dp[i] - dr[(i >> 1) & 1];
+        bwd_product<D, BC>(acc, ds, Kt, j > 0); /* dQ += dS·K */
+        pend = j;
     }
     wgmma_wait<0>();
     fence_regs(acc);
-
     const size_t qstride = (size_t)Hq * D;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = row0 + 8 * r;
-        if (row >= S) continue;
-        bf16 *dst = p.dq + ((size_t)b * S + row) * qstride + (size_t)h * D + 2 * t;
-#pragma unroll
-        for (int jb = 0; jb < D / 8; jb++)
-            *reinterpret_cast<__nv_bfloat162 *>(dst + jb * 8) =
-                __floats2bfloat162_rn(acc[4 * jb + 2 * r] * p.scale, acc[4 * jb + 2 * r + 1] * p.scale);
-    }
+    bwd_store_rows<D>(p.dq + (size_t)b * S * qstride + (size_t)h * D + 2 * t, qstride, acc, row0, S, p.scale);
 #endif
 }
 

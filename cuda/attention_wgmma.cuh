@@ -1,9 +1,20 @@
-/* Internal to the attention kernels on the Hopper warpgroup MMA (attention_wgmma.cu: the
- * backward's dK/dV and dQ passes; attention_wgmma_fwd.cu: the forward): the wgmma shapes they
- * issue, the 128-byte-swizzle descriptors of their [rows][D] bf16 tiles, the swizzled tile load
- * and the register tricks that keep ptxas from serialising the MMAs. The tile layout is described
- * in attention_wgmma.cu's header comment; the forward kernels' softmax and row store. Device code
- * only, file-local in each including file. */
+/* Internal to the attention kernels on the Hopper warpgroup MMA (attention_tma_bwd.cu: the
+ * backward's dK/dV and dQ passes; attention_tma_fwd.cu and attention_wgmma_fwd.cu: the forward):
+ * the wgmma shapes they issue, the 128-byte-swizzle descriptors of their [rows][D] bf16 tiles, the
+ * swizzled tile load, the register tricks that keep ptxas from serialising the MMAs, and the steps
+ * the kernels share (the forward's softmax and row store, the backward's products and stores).
+ * Device code only, file-local in each including file.
+ *
+ * Tiles: bf16 rows of one head in the layout of wgmma's 128-byte-swizzle descriptors: D/64 boxes
+ * of R rows × 64 columns (128 B a row; box after box, R·128 B apart), 16-byte chunk c of row r
+ * stored at chunk c ^ (r & 7), everything 1024-aligned (what TMA's 128-byte swizzle writes and
+ * load_rows_sw below writes with cp.async). One such [rows][D] tile is both a K-major operand
+ * (k = D: Q·Kᵀ, K·Qᵀ, V·dOᵀ; 8-row groups SBO = 1024 B apart, a k step of 16 is +32 B inside a
+ * box) and an MN-major one (k = rows: P·V, Pᵀ·dO, dSᵀ·Q, dS·K; boxes LBO = R·128 B apart along D,
+ * a k step of 16 rows is +2048 B) -- the conventions grouped_gemm.cu uses and tests. A warpgroup
+ * owns 64 rows of each output; the scores come from SS wgmma m64n64k16 (or n128) into the
+ * accumulator layout of mma.sync (warp w of the group: rows 16w + g, 16w + g + 8, columns 8j + 2t,
+ * 2t+1), which packed to bf16 is the register A operand of the RS wgmma m64nDk16 that follows. */
 #ifndef MT_CUDA_ATTENTION_WGMMA_CUH
 #define MT_CUDA_ATTENTION_WGMMA_CUH
 
@@ -242,6 +253,52 @@ __device__ __forceinline__ void fwd_store_rows(bf16 *out, float *lse, const floa
             *reinterpret_cast<__nv_bfloat162 *>(dst + jd * 8) =
                 __floats2bfloat162_rn(o[4 * jd + 2 * r] * inv, o[4 * jd + 2 * r + 1] * inv);
         if (t == 0) lse[row] = mr[r] * scale + logf(ls);
+    }
+}
+
+/* ---------------------------------------------------------------- the backward kernels' shared steps
+ * (attention_tma_bwd.cu) */
+
+/* d[64×64] = rows r0 .. r0+63 of the K-major tile a (RA rows) times the first 64 rows of the K-major
+ * tile b (RB rows), transposed: Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, S = Q·Kᵀ, dP = dO·Vᵀ; one commit group */
+template <int D, int RA, int RB>
+__device__ __forceinline__ void bwd_scores(float (&d)[32], uint32_t a, int r0, uint32_t b)
+{
+    undef_regs(d);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) wgmma_ss_n64(d, desc_kmajor<RA>(a, r0, kk), desc_kmajor<RB>(b, 0, kk), kk > 0);
+    wgmma_commit();
+}
+
+/* acc[64×D] (+)= x[64×64] (registers, packed to bf16 here) · the R-row tile b read MN-major (its
+ * first 64 rows): dV += Pᵀ·dO, dK += dSᵀ·Q, dQ += dS·K; acc is overwritten when !accumulate; one
+ * commit group */
+template <int D, int R>
+__device__ __forceinline__ void bwd_product(float (&acc)[D / 2], const float (&x)[32], uint32_t b, int accumulate)
+{
+    uint32_t xa[4][4];
+    pack_a64(xa, x);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) wgmma_rs_nd<D>(acc, xa[kk], desc_mnmajor<R>(b, kk), kk > 0 || accumulate);
+    wgmma_commit();
+}
+
+/* The thread's rows row0 and row0 + 8 (of S) of a 64×D accumulator times scale, as bf16 at
+ * base + row·stride (base: the tensor at the head's first column, plus 2t) */
+template <int D>
+__device__ __forceinline__ void bwd_store_rows(bf16 *base, size_t stride, const float (&acc)[D / 2], int row0,
+                                               int S, float scale)
+{
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = row0 + 8 * r;
+        if (row >= S) continue;
+#pragma unroll
+        for (int j = 0; j < D / 8; j++)
+            *reinterpret_cast<__nv_bfloat162 *>(base + (size_t)row * stride + j * 8) =
+                __floats2bfloat162_rn(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
     }
 }
 

@@ -4,7 +4,7 @@
  *
  * Grid (B·Hq, query tiles of 64·NWG), heaviest tiles first; warpgroup w owns queries 64w .. 64w+63
  * of the tile. The Q tile is loaded once; key tiles of BC keys stream through shared memory (K in 2
- * buffers, V in 3, cp.async'd one tile ahead, in the 128-byte-swizzled layout of attention_wgmma.cu).
+ * buffers, V in 3, cp.async'd one tile ahead, in the 128-byte-swizzled layout of attention_wgmma.cuh).
  * Per key tile j a warpgroup issues S_j = Q·K_jᵀ (SS wgmma m64nBCk16) and then O += P_{j-1}·V_{j-1}
  * (RS wgmma m64nDk16, P from registers), waits for S_j only, and does tile j's softmax — max,
  * exponentials, row sums, packing P_j to bf16 — while P_{j-1}·V_{j-1} is still on the tensor
