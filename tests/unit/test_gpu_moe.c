@@ -55,6 +55,30 @@ static void router_case_opts(const struct mode *M, mt_rng *rng, int T, int E, in
     check_close(M, what, probs, probs_ref, te, TOL_F32);
     snprintf(what, sizeof what, "router forward topk_w %s", tag);
     check_close(M, what, w, w_ref, tk, TOL_F32);
+    /* CUDA's expf is not glibc's, so probs and weights match the CPU only to an ulp; but from its
+     * own probabilities and choices the GPU's weights are the CPU's arithmetic, bit for bit */
+    {
+        float *w_own = fnew(tk);
+        M->c->router_gather_weights(w_own, probs, idx, T, E, K, o);
+        snprintf(what, sizeof what, "router forward topk_w of its own probs %s", tag);
+        check_exact(M, what, w, w_own, tk * sizeof(float));
+        free(w_own);
+    }
+    /* run to run: the same inputs give the same bits */
+    {
+        int32_t *d_idx2 = M->g->alloc(tk * sizeof(int32_t)), *idx2 = mt_malloc(tk * sizeof(int32_t));
+        poison(M, d_idx2, tk * sizeof(int32_t));
+        float *d_w2 = df_poisoned(M, tk), *d_probs2 = df_poisoned(M, te);
+        M->g->router_forward(d_idx2, d_w2, d_probs2, d_logits, d_bias, T, E, K, o);
+        M->g->download(idx2, d_idx2, tk * sizeof(int32_t));
+        float *w2 = hf_of(M, d_w2, tk), *probs2 = hf_of(M, d_probs2, te);
+        snprintf(what, sizeof what, "router forward rerun %s", tag);
+        check_exact(M, what, idx2, idx, tk * sizeof(int32_t));
+        check_exact(M, what, w2, w, tk * sizeof(float));
+        check_exact(M, what, probs2, probs, te * sizeof(float));
+        M->g->free(d_idx2), M->g->free(d_w2), M->g->free(d_probs2);
+        free(idx2), free(w2), free(probs2);
+    }
 
     /* the weights of a given selection (data.routing_replay), from the CPU's probs and top-k */
     float *d_wg = df_poisoned(M, tk);
@@ -81,6 +105,14 @@ static void router_case_opts(const struct mode *M, mt_rng *rng, int T, int E, in
     M->c->router_backward(dl_ref, dtw, probs_ref, idx_ref, aux, T, E, K, o);
     snprintf(what, sizeof what, "router backward dlogits %s", tag);
     check_close(M, what, dl, dl_ref, te, TOL_F32);
+    {
+        float *d_dlogits2 = df_poisoned(M, te);
+        M->g->router_backward(d_dlogits2, d_dtw, d_probs_ref, d_idx_ref, d_aux, T, E, K, o);
+        float *dl2 = hf_of(M, d_dlogits2, te);
+        snprintf(what, sizeof what, "router backward rerun %s", tag);
+        check_exact(M, what, dl2, dl, te * sizeof(float));
+        M->g->free(d_dlogits2), free(dl2);
+    }
 
     /* statistics accumulate onto starting values (counts start at whole numbers) */
     float *psum0 = hrand(rng, E, 1.0), *cnt0 = fnew(E);
@@ -95,6 +127,15 @@ static void router_case_opts(const struct mode *M, mt_rng *rng, int T, int E, in
     check_close(M, what, add, add_ref, E, TOL_F32_LONG); /* T-long fp32 sums on the CPU */
     snprintf(what, sizeof what, "router_stats count %s", tag);
     check_exact(M, what, cnt, cnt_ref, E * sizeof(float));
+    {
+        float *d_psum2 = df_from(M, psum0, E), *d_cnt2 = df_from(M, cnt0, E);
+        M->g->router_stats(d_psum2, d_cnt2, d_probs_ref, d_idx_ref, T, E, K);
+        float *psum2 = hf_of(M, d_psum2, E), *cnt2 = hf_of(M, d_cnt2, E);
+        snprintf(what, sizeof what, "router_stats rerun %s", tag);
+        check_exact(M, what, psum2, psum, E * sizeof(float));
+        check_exact(M, what, cnt2, cnt, E * sizeof(float));
+        M->g->free(d_psum2), M->g->free(d_cnt2), free(psum2), free(cnt2);
+    }
 
     M->g->free(d_logits), M->g->free(d_bias), M->g->free(d_idx), M->g->free(d_w);
     M->g->free(d_probs), M->g->free(d_dtw), M->g->free(d_aux), M->g->free(d_probs_ref);
@@ -129,6 +170,8 @@ Test(gpu, router_variants)
         router_case_opts(&M, &rng, 64, 200, 5, &o, true, false);  /* groups of 5, E > block */
         o.n_group = 1, o.topk_group = 1, o.force_balance = true;
         router_case_opts(&M, &rng, 100, 64, 8, &o, false, true);  /* round-robin */
+        o.sigmoid = true, o.route_scale = 1, o.n_group = 36, o.topk_group = 20, o.force_balance = false;
+        router_case_opts(&M, &rng, 128, 72, 33, &o, true, true);  /* lanes of two groups, k > 32 */
     }
 }
 
@@ -143,6 +186,10 @@ Test(gpu, router)
         router_case(&M, &rng, 256, 64, 8, true, true, false);
         router_case(&M, &rng, 300, 8, 2, false, false, true);
         router_case(&M, &rng, 64, 200, 5, true, true, true); /* E above the block size */
+        /* E not a multiple of 32 and k above the warp; E past the experts kept in registers (512).
+         * With the bias, the choices are far from ulp-level ties between the two expf. */
+        router_case(&M, &rng, 32, 300, 40, true, true, true);
+        router_case(&M, &rng, 24, 600, 9, true, true, false);
     }
 }
 
