@@ -66,6 +66,8 @@ template <typename T> static struct backend make_table(double peak)
     b.router_matmul_backward = cu_router_matmul_backward<T>;
     b.rope_forward = cu_rope_forward<T>;
     b.rope_backward = cu_rope_backward<T>;
+    b.rmsnorm_rope_forward = cu_rmsnorm_rope_forward<T>;
+    b.rmsnorm_rope_backward = cu_rmsnorm_rope_backward<T>;
     b.attention_forward = cu_attention_tc_forward<T>;   /* bf16: tensor cores; fp32: attention.cu */
     b.attention_backward = cu_attention_tc_backward<T>;
     b.router_forward = cu_router_forward;

@@ -204,6 +204,24 @@ template <> __device__ __forceinline__ pack8<float> pack8_of<float>(const float 
     return r;
 }
 
+/* the chunk of the lane o away (lane ^ o), among the lanes of mask, which all call it */
+__device__ __forceinline__ pack8<bf16> shfl_xor8(unsigned mask, const pack8<bf16> &x, int o)
+{
+    pack8<bf16> r;
+    r.v = make_uint4(__shfl_xor_sync(mask, x.v.x, o), __shfl_xor_sync(mask, x.v.y, o),
+                     __shfl_xor_sync(mask, x.v.z, o), __shfl_xor_sync(mask, x.v.w, o));
+    return r;
+}
+__device__ __forceinline__ pack8<float> shfl_xor8(unsigned mask, const pack8<float> &x, int o)
+{
+    pack8<float> r;
+    r.a = make_uint4(__shfl_xor_sync(mask, x.a.x, o), __shfl_xor_sync(mask, x.a.y, o),
+                     __shfl_xor_sync(mask, x.a.z, o), __shfl_xor_sync(mask, x.a.w, o));
+    r.b = make_uint4(__shfl_xor_sync(mask, x.b.x, o), __shfl_xor_sync(mask, x.b.y, o),
+                     __shfl_xor_sync(mask, x.b.z, o), __shfl_xor_sync(mask, x.b.w, o));
+    return r;
+}
+
 template <typename T> __device__ __forceinline__ void load8f(const T *p, float (&f)[8]) { unpack8(ld8(p), f); }
 template <typename T> __device__ __forceinline__ void store8f(T *p, const float (&f)[8])
 {

@@ -15,8 +15,20 @@
  * only on N and the device's SM count.
  *
  * Other shapes take the scalar path: one warp per row, double sums, and dw through per-chunk
- * double partials computed before din (din may alias dout or in). */
+ * double partials computed before din (din may alias dout or in).
+ *
+ * rmsnorm_rope_forward/_backward (q_norm/k_norm with the RoPE around them) are these vector kernels
+ * with the rotation inside (template flag ROPE), for heads of D = 8·G elements, G = 4 .. 32: a
+ * row's lanes hold one chunk each, and a chunk's RoPE partner (D/2 away) is one shuffle away
+ * (rope.cuh, rope_rows_*). The forward rotates each normalised row, rounded to the compute dtype,
+ * before its one store; the backward rotates each loaded dout row back, rounded, before the norm's
+ * backward reads it. A block (a backward pass) keeps the angles of its rows' tokens in shared
+ * memory. The results are the two ops' bits: the sums, trees, block split and dw partials are this
+ * code, the angles and the rotation rope.cu's (rope_fill_angles, rope_rotate), and the products the
+ * compiler could contract either way are spelled out with __fmul_rn / __fmaf_rn. Other head sizes,
+ * or unaligned pointers, call the two ops. */
 #include "rmsnorm.cuh"
+#include "rope.cuh"
 
 #include <type_traits>
 
@@ -143,11 +155,16 @@ __device__ __forceinline__ void rn_group_sums(float (&v)[RPG], float *red, int &
     }
 }
 
-template <typename T, int G, int MC, int RPG>
+/* ROPE: each normalised row, rounded to the compute dtype, is rotated (rope.sign +1) before its
+ * one store; a row's lanes then hold one chunk each (MC 1, G <= 32) */
+template <typename T, int G, int MC, int RPG, bool ROPE>
 __global__ void __launch_bounds__(RN_THREADS)
-rmsnorm_fwd_vec_kernel(T *out, float *rstd, const T *in, const T *w, int N, int C, float eps)
+rmsnorm_fwd_vec_kernel(T *out, float *rstd, const T *in, const T *w, int N, int C, float eps,
+                       rope_rows rope)
 {
+    static_assert(!ROPE || (MC == 1 && G <= 32), "RoPE needs the row's chunks in one warp");
     __shared__ float red[2 * RN_THREADS / 32 * RPG];
+    extern __shared__ float cs[]; /* ROPE: the angles of the block's tokens */
     int phase = 0;
     const int nch = C >> 3, lane = threadIdx.x & (G - 1);
     const int row0 = (blockIdx.x * (RN_THREADS / G) + threadIdx.x / G) * RPG;
@@ -158,6 +175,12 @@ rmsnorm_fwd_vec_kernel(T *out, float *rstd, const T *in, const T *w, int N, int 
         for (int m = 0; m < MC; m++)
             if (row0 + i < N && lane + m * G < nch)
                 xv[i][m] = ld8(in + (size_t)(row0 + i) * C + (lane + m * G) * 8);
+    int t0 = 0; /* ROPE: cs's first token; the angles are computed while the loads fly */
+    if constexpr (ROPE) {
+        constexpr int rows = RN_THREADS / G * RPG;
+        const int r0 = blockIdx.x * rows;
+        t0 = rope_rows_angles<T>(cs, rope, r0, min(N, r0 + rows), C, RN_THREADS);
+    }
     float ss[RPG];
 #pragma unroll
     for (int i = 0; i < RPG; i++) {
@@ -190,6 +213,10 @@ rmsnorm_fwd_vec_kernel(T *out, float *rstd, const T *in, const T *w, int N, int 
             unpack8(wv[m], wf);
 #pragma unroll
             for (int e = 0; e < 8; e++) y[e] = wf[e] * round_x<T>(x[e] * r);
+            if constexpr (ROPE) {
+                const float *angles = cs + ((row0 + i) / rope.nh - t0) * C;
+                rope_rows_chunk<T, G>(y, pack8_of<T>(y), angles, lane);
+            }
             store8f(out + (size_t)(row0 + i) * C + c * 8, y);
         }
     }
@@ -198,13 +225,18 @@ rmsnorm_fwd_vec_kernel(T *out, float *rstd, const T *in, const T *w, int N, int 
 /* din = r·(g − n·mean(g ⊙ n)) with n = x·r, g = dout ⊙ w, over the block's rows [rows_per_block
  * from blockIdx.x·rows_per_block); partial[blockIdx.x] = Σ those rows' dout ⊙ n (when partial is
  * not NULL). Each lane reads its chunks of a row into registers before it writes any of them, so
- * din may alias dout or in. `din` NULL skips din. */
-template <typename T, int G, int MC, int RPG>
+ * din may alias dout or in. `din` NULL skips din. ROPE: dout is first rotated back (rope.sign −1)
+ * and rounded to the compute dtype; a row's lanes hold one chunk each (MC 1, G <= 32), the partner
+ * chunk comes from its lane's registers, so din may still alias dout. */
+template <typename T, int G, int MC, int RPG, bool ROPE>
 __global__ void __launch_bounds__(RN_THREADS)
 rmsnorm_bwd_vec_kernel(T *din, float *partial, const T *dout, const T *in, const T *w,
-                       const float *rstd, int N, int C, int rows_per_block, bool accumulate)
+                       const float *rstd, int N, int C, int rows_per_block, bool accumulate,
+                       rope_rows rope)
 {
-    extern __shared__ float sh_dw[]; /* [C]: the block's partial */
+    static_assert(!ROPE || (MC == 1 && G <= 32), "RoPE needs the row's chunks in one warp");
+    /* [C]: the block's partial; ROPE: then the angles of the tokens of a pass's rows */
+    extern __shared__ float sh_dw[];
     __shared__ float red[2 * RN_THREADS / 32 * RPG];
     int phase = 0;
     constexpr int GROUPS = RN_THREADS / G;
@@ -237,6 +269,19 @@ rmsnorm_bwd_vec_kernel(T *din, float *partial, const T *dout, const T *in, const
                     xv[i][m] = ld8(in + at);
                 }
         }
+        if constexpr (ROPE) {
+            float *cs = sh_dw + C;
+            const int t0 = rope_rows_angles<T>(cs, rope, base, min(r_end, base + GROUPS * RPG), C,
+                                               RN_THREADS);
+#pragma unroll
+            for (int i = 0; i < RPG; i++)
+                if (row0 + i < r_end) {
+                    float d[8];
+                    rope_rows_chunk<T, G>(d, dyv[i][0], cs + ((row0 + i) / rope.nh - t0) * C,
+                                          lane);
+                    dyv[i][0] = pack8_of<T>(d);
+                }
+        }
 #pragma unroll
         for (int i = 0; i < RPG; i++) {
             gn[i] = 0.0f;
@@ -248,7 +293,8 @@ rmsnorm_bwd_vec_kernel(T *din, float *partial, const T *dout, const T *in, const
                     unpack8(xv[i][m], x);
                     unpack8(wv[m], wf);
 #pragma unroll
-                    for (int e = 0; e < 8; e++) gn[i] += (dy[e] * wf[e]) * (x[e] * r[i]);
+                    for (int e = 0; e < 8; e++)
+                        gn[i] = __fmaf_rn(__fmul_rn(dy[e], wf[e]), __fmul_rn(x[e], r[i]), gn[i]);
                 }
         }
         rn_group_sums<G, RPG>(gn, red, phase);
@@ -270,15 +316,16 @@ rmsnorm_bwd_vec_kernel(T *din, float *partial, const T *dout, const T *in, const
                     if (accumulate) load8f(dx, old);
 #pragma unroll
                     for (int e = 0; e < 8; e++) {
-                        const float nc = x[e] * r[i];
-                        v[e] = r[i] * (dy[e] * wf[e] - nc * proj);
+                        const float nc = __fmul_rn(x[e], r[i]);
+                        v[e] = r[i] * __fmaf_rn(dy[e], wf[e], -__fmul_rn(nc, proj));
                         if (accumulate) v[e] = old[e] + v[e];
                     }
                     store8f(dx, v);
                 }
                 if (partial)
 #pragma unroll
-                    for (int e = 0; e < 8; e++) dwa[m][e] += dy[e] * (x[e] * r[i]);
+                    for (int e = 0; e < 8; e++)
+                        dwa[m][e] = __fmaf_rn(dy[e], __fmul_rn(x[e], r[i]), dwa[m][e]);
             }
         }
     }
@@ -368,6 +415,24 @@ template <typename F> static void rn_dispatch(int G, int MC, F &&f)
     mt_fatal("rmsnorm: no kernel for G=%d MC=%d", G, MC);
 }
 
+/* The backward's blocks, each whole passes of rows_per_pass rows: about two blocks per SM, so few
+ * partials to add and each block many rows */
+static void rn_bwd_grid(int N, int rows_per_pass, int *nblocks, int *rows_per_block)
+{
+    const int nb = MT_MIN((N + rows_per_pass - 1) / rows_per_pass, 2 * g_cuda.num_sms);
+    const int per = (N + nb - 1) / nb;
+    *rows_per_block = (per + rows_per_pass - 1) / rows_per_pass * rows_per_pass;
+    *nblocks = (N + *rows_per_block - 1) / *rows_per_block;
+}
+
+/* dw += the backward blocks' partials */
+static void rn_dw_sum(float *dw, const float *partial, int nblocks, int C)
+{
+    const dim3 grid((C + 31) / 32), block(32, 32);
+    column_sum_f32_kernel<<<grid, block, 0, g_cuda.stream>>>(dw, partial, nblocks, C);
+    CUDA_LAUNCH_CHECK("rmsnorm dw sum");
+}
+
 template <typename T>
 void cu_rmsnorm_forward(void *out, float *rstd, const void *in, const void *w, int N, int C,
                         float eps)
@@ -379,9 +444,9 @@ void cu_rmsnorm_forward(void *out, float *rstd, const void *in, const void *w, i
         rn_dispatch(G, MC, [&](auto g, auto mc) {
             constexpr int G_ = decltype(g)::value, MC_ = decltype(mc)::value, RPG = 4 / MC_;
             constexpr int rows_per_block = RN_THREADS / G_ * RPG;
-            rmsnorm_fwd_vec_kernel<T, G_, MC_, RPG>
+            rmsnorm_fwd_vec_kernel<T, G_, MC_, RPG, false>
                 <<<(N + rows_per_block - 1) / rows_per_block, RN_THREADS, 0, g_cuda.stream>>>(
-                    (T *)out, rstd, (const T *)in, (const T *)w, N, C, eps);
+                    (T *)out, rstd, (const T *)in, (const T *)w, N, C, eps, rope_rows{});
         });
         CUDA_LAUNCH_CHECK("rmsnorm forward");
         return;
@@ -402,24 +467,16 @@ void cu_rmsnorm_backward(void *din, float *dw, const void *dout, const void *in,
         aligned16(in) && aligned16(w)) {
         rn_dispatch(G, MC, [&](auto g, auto mc) {
             constexpr int G_ = decltype(g)::value, MC_ = decltype(mc)::value, RPG = 4 / MC_;
-            constexpr int rows_per_pass = RN_THREADS / G_ * RPG;
-            /* about two blocks per SM: few partials to add, each block many rows */
-            int nblocks = MT_MIN((N + rows_per_pass - 1) / rows_per_pass, 2 * g_cuda.num_sms);
-            const int per = (N + nblocks - 1) / nblocks;
-            const int rows_per_block = (per + rows_per_pass - 1) / rows_per_pass * rows_per_pass;
-            nblocks = (N + rows_per_block - 1) / rows_per_block;
+            int nblocks, rows_per_block;
+            rn_bwd_grid(N, RN_THREADS / G_ * RPG, &nblocks, &rows_per_block);
             float *partial =
                 dw ? (float *)cuda_scratch(SCRATCH_REDUCE, (size_t)nblocks * C * sizeof(float)) : NULL;
-            rmsnorm_bwd_vec_kernel<T, G_, MC_, RPG>
+            rmsnorm_bwd_vec_kernel<T, G_, MC_, RPG, false>
                 <<<nblocks, RN_THREADS, dw ? (size_t)C * sizeof(float) : 0, g_cuda.stream>>>(
                     (T *)din, partial, (const T *)dout, (const T *)in, (const T *)w, rstd, N, C,
-                    rows_per_block, accumulate);
+                    rows_per_block, accumulate, rope_rows{});
             CUDA_LAUNCH_CHECK("rmsnorm backward");
-            if (dw) {
-                column_sum_f32_kernel<<<(C + 31) / 32, dim3(32, 32), 0, g_cuda.stream>>>(
-                    dw, partial, nblocks, C);
-                CUDA_LAUNCH_CHECK("rmsnorm dw sum");
-            }
+            if (dw) rn_dw_sum(dw, partial, nblocks, C);
         });
         return;
     }
@@ -440,9 +497,95 @@ void cu_rmsnorm_backward(void *din, float *dw, const void *dout, const void *in,
     }
 }
 
+/* ---------------------------------------------------------------- with RoPE */
+
+/* The head sizes of the fused kernels: D = 8·G with G = 4 .. 32 lanes (rn_vec_shape's layout for
+ * them in both dtypes: one chunk a lane, no idle lanes) */
+static bool rn_rope_shape(int D) { return D >= 32 && D <= 256 && (D & (D - 1)) == 0; }
+
+/* the most tokens that `rows` consecutive rows of nh heads touch: the angle tables to hold */
+static int rn_rope_tokens(int rows, int nh) { return MT_MIN(rows, (rows - 1) / nh + 2); }
+
+/* Calls f(integral_constant G) for G = D / 8 of an rn_rope_shape head */
+template <typename F> static void rn_rope_dispatch(int D, F &&f)
+{
+    using std::integral_constant;
+    switch (D / 8) {
+    case 4: return f(integral_constant<int, 4>{});
+    case 8: return f(integral_constant<int, 8>{});
+    case 16: return f(integral_constant<int, 16>{});
+    case 32: return f(integral_constant<int, 32>{});
+    }
+    mt_fatal("rmsnorm rope: no kernel for head dim %d", D);
+}
+
+template <typename T>
+void cu_rmsnorm_rope_forward(void *out, float *rstd, const void *in, const void *w,
+                             const int32_t *pos, int T_, int nh, int D, float eps, float theta)
+{
+    MT_CHECK(T_ >= 0 && nh > 0 && D > 0, "rmsnorm rope: bad shape T=%d nh=%d D=%d", T_, nh, D);
+    const int N = T_ * nh;
+    if (!rn_rope_shape(D) || !aligned16(out) || !aligned16(in) || !aligned16(w)) {
+        cu_rmsnorm_forward<T>(out, rstd, in, w, N, D, eps);
+        cu_rope_forward<T>(out, out, pos, T_, nh, D, theta);
+        return;
+    }
+    if (N == 0) return;
+    const rope_rows rope = {pos, cu_rope_inv_freq(D, theta), nh, 1.0f};
+    rn_rope_dispatch(D, [&](auto g) {
+        constexpr int G_ = decltype(g)::value, RPG = 4, rows_per_block = RN_THREADS / G_ * RPG;
+        const size_t smem = (size_t)rn_rope_tokens(rows_per_block, nh) * D * sizeof(float);
+        rmsnorm_fwd_vec_kernel<T, G_, 1, RPG, true>
+            <<<(N + rows_per_block - 1) / rows_per_block, RN_THREADS, smem, g_cuda.stream>>>(
+                (T *)out, rstd, (const T *)in, (const T *)w, N, D, eps, rope);
+    });
+    CUDA_LAUNCH_CHECK("rmsnorm rope forward");
+}
+
+template <typename T>
+void cu_rmsnorm_rope_backward(void *din, float *dw, const void *dout, const void *in, const void *w,
+                              const float *rstd, const int32_t *pos, int T_, int nh, int D,
+                              float theta)
+{
+    MT_CHECK(T_ >= 0 && nh > 0 && D > 0, "rmsnorm rope backward: bad shape T=%d nh=%d D=%d", T_,
+             nh, D);
+    MT_CHECK(din && dw, "rmsnorm rope backward: din and dw are required");
+    const int N = T_ * nh;
+    if (!rn_rope_shape(D) || !aligned16(din) || !aligned16(dout) || !aligned16(in) ||
+        !aligned16(w)) {
+        cu_rope_backward<T>(din, dout, pos, T_, nh, D, theta);
+        cu_rmsnorm_backward<T>(din, dw, din, in, w, rstd, N, D, false);
+        return;
+    }
+    if (N == 0) return;
+    const rope_rows rope = {pos, cu_rope_inv_freq(D, theta), nh, -1.0f};
+    rn_rope_dispatch(D, [&](auto g) {
+        constexpr int G_ = decltype(g)::value, RPG = 4, rows_per_pass = RN_THREADS / G_ * RPG;
+        int nblocks, rows_per_block;
+        rn_bwd_grid(N, rows_per_pass, &nblocks, &rows_per_block);
+        float *partial = (float *)cuda_scratch(SCRATCH_REDUCE, (size_t)nblocks * D * sizeof(float));
+        const size_t smem = (size_t)(1 + rn_rope_tokens(rows_per_pass, nh)) * D * sizeof(float);
+        rmsnorm_bwd_vec_kernel<T, G_, 1, RPG, true><<<nblocks, RN_THREADS, smem, g_cuda.stream>>>(
+            (T *)din, partial, (const T *)dout, (const T *)in, (const T *)w, rstd, N, D,
+            rows_per_block, false, rope);
+        CUDA_LAUNCH_CHECK("rmsnorm rope backward");
+        rn_dw_sum(dw, partial, nblocks, D);
+    });
+}
+
 template void cu_rmsnorm_forward<float>(void *, float *, const void *, const void *, int, int, float);
 template void cu_rmsnorm_forward<bf16>(void *, float *, const void *, const void *, int, int, float);
 template void cu_rmsnorm_backward<float>(void *, float *, const void *, const void *, const void *,
                                          const float *, int, int, bool);
 template void cu_rmsnorm_backward<bf16>(void *, float *, const void *, const void *, const void *,
                                         const float *, int, int, bool);
+template void cu_rmsnorm_rope_forward<float>(void *, float *, const void *, const void *,
+                                              const int32_t *, int, int, int, float, float);
+template void cu_rmsnorm_rope_forward<bf16>(void *, float *, const void *, const void *,
+                                             const int32_t *, int, int, int, float, float);
+template void cu_rmsnorm_rope_backward<float>(void *, float *, const void *, const void *,
+                                               const void *, const float *, const int32_t *, int,
+                                               int, int, float);
+template void cu_rmsnorm_rope_backward<bf16>(void *, float *, const void *, const void *,
+                                              const void *, const float *, const int32_t *, int,
+                                              int, int, float);

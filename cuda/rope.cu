@@ -22,7 +22,7 @@ static struct rope_entry rope_cache[ROPE_CACHE];
 static float *rope_table; /* [ROPE_CACHE][ROPE_MAX_D / 2] on the device */
 static int rope_victim;
 
-static const float *rope_inv_freq(int D, float theta)
+const float *cu_rope_inv_freq(int D, float theta)
 {
     if (!rope_table) {
         CUDA_CHECK(cudaMalloc(&rope_table, ROPE_CACHE * (ROPE_MAX_D / 2) * sizeof(float)));
@@ -95,12 +95,7 @@ rope_vec_kernel(T *out, const T *in, const int32_t *pos, const float *inv_freq, 
             x2[u] = ld8(in + at[u] + half);
         }
         if (base == 0) {
-            for (int i = threadIdx.x; i < ntok * half; i += ROPE_VEC_BLOCK) {
-                const int tt = i / half, f = i - tt * half;
-                const float a = (float)pos[t0 + tt] * inv_freq[f];
-                cs[tt * D + f] = round_x<T>(cosf(a));
-                cs[tt * D + half + f] = sign * round_x<T>(sinf(a));
-            }
+            rope_fill_angles<T>(cs, pos, inv_freq, t0, ntok, D, sign, ROPE_VEC_BLOCK);
             __syncthreads();
         }
 #pragma unroll
@@ -116,8 +111,8 @@ rope_vec_kernel(T *out, const T *in, const int32_t *pos, const float *inv_freq, 
             unpack8(x2[u], b);
 #pragma unroll
             for (int e = 0; e < 8; e++) {
-                y1[e] = a[e] * co[e] - b[e] * si[e];
-                y2[e] = b[e] * co[e] + a[e] * si[e];
+                y1[e] = rope_rotate(a[e], b[e], co[e], si[e], true);
+                y2[e] = rope_rotate(b[e], a[e], co[e], si[e], false);
             }
             store8f(out + at[u], y1);
             store8f(out + at[u] + half, y2);
@@ -133,7 +128,7 @@ static void rope_apply(void *out, const void *in, const int32_t *pos, int T_, in
              ROPE_MAX_D);
     MT_CHECK(T_ >= 0 && nh > 0, "rope: bad shape T=%d nh=%d", T_, nh);
     if (T_ == 0) return;
-    const float *inv_freq = rope_inv_freq(D, theta);
+    const float *inv_freq = cu_rope_inv_freq(D, theta);
     if (D % 16 == 0 && aligned16(out) && aligned16(in)) {
         const int per_tok = nh * (D / 16);
         int tpb = MT_MAX(1, ROPE_VEC_UNROLL * ROPE_VEC_BLOCK / per_tok);

@@ -17,10 +17,10 @@ void attention_forward(struct model *m, int l)
     be->matmul_forward(a->q_pre, a->a, W(m, TR_Q, l), T, H, Hq * D);
     be->matmul_forward(a->k_pre, a->a, W(m, TR_K, l), T, H, Hkv * D);
     be->matmul_forward(a->v, a->a, W(m, TR_V, l), T, H, Hkv * D);
-    be->rmsnorm_forward(a->q, a->rstd_q, a->q_pre, W(m, TR_QNORM, l), T * Hq, D, eps);
-    be->rmsnorm_forward(a->k, a->rstd_k, a->k_pre, W(m, TR_KNORM, l), T * Hkv, D, eps);
-    be->rope_forward(a->q, a->q, m->pos, T, Hq, D, theta);
-    be->rope_forward(a->k, a->k, m->pos, T, Hkv, D, theta);
+    be->rmsnorm_rope_forward(a->q, a->rstd_q, a->q_pre, W(m, TR_QNORM, l), m->pos, T, Hq, D, eps,
+                             theta);
+    be->rmsnorm_rope_forward(a->k, a->rstd_k, a->k_pre, W(m, TR_KNORM, l), m->pos, T, Hkv, D, eps,
+                             theta);
     be->attention_forward(a->attn, a->lse, a->q, a->k, a->v, m->B, m->S, Hq, Hkv, D, m->seg);
     be->matmul_forward(a->h_mid, a->attn, W(m, TR_O, l), T, Hq * D, H);
     be->add_inplace(a->h_mid, a->h_in, (size_t)T * H);
@@ -37,14 +37,12 @@ void attention_backward(struct model *m, int l)
     be->matmul_backward(m->d_t1, G(m, TR_O, l), m->d_h, a->attn, W(m, TR_O, l), T, Hq * D, H, false);
     be->attention_backward(m->d_q, m->d_k, m->d_v, m->d_t1, a->q, a->k, a->v, a->attn, a->lse,
                            m->B, m->S, Hq, Hkv, D, m->seg);
-    be->rope_backward(m->d_q, m->d_q, m->pos, T, Hq, D, theta);
-    be->rope_backward(m->d_k, m->d_k, m->pos, T, Hkv, D, theta);
     /* d_t2 = dL/d q_pre, then d_t3 = dL/d a accumulated over q, k, v */
-    be->rmsnorm_backward(m->d_t2, G(m, TR_QNORM, l), m->d_q, a->q_pre, W(m, TR_QNORM, l), a->rstd_q,
-                         T * Hq, D, false);
+    be->rmsnorm_rope_backward(m->d_t2, G(m, TR_QNORM, l), m->d_q, a->q_pre, W(m, TR_QNORM, l),
+                              a->rstd_q, m->pos, T, Hq, D, theta);
     be->matmul_backward(m->d_t3, G(m, TR_Q, l), m->d_t2, a->a, W(m, TR_Q, l), T, H, Hq * D, false);
-    be->rmsnorm_backward(m->d_t2, G(m, TR_KNORM, l), m->d_k, a->k_pre, W(m, TR_KNORM, l), a->rstd_k,
-                         T * Hkv, D, false);
+    be->rmsnorm_rope_backward(m->d_t2, G(m, TR_KNORM, l), m->d_k, a->k_pre, W(m, TR_KNORM, l),
+                              a->rstd_k, m->pos, T, Hkv, D, theta);
     be->matmul_backward(m->d_t3, G(m, TR_K, l), m->d_t2, a->a, W(m, TR_K, l), T, H, Hkv * D, true);
     be->matmul_backward(m->d_t3, G(m, TR_V, l), m->d_v, a->a, W(m, TR_V, l), T, H, Hkv * D, true);
     /* residual: dL/dh_in = dL/dh_mid + norm backward */

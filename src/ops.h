@@ -109,6 +109,20 @@ struct backend {
                          float theta);
     void (*rope_backward)(void *din, const void *dout, const int32_t *pos, int T, int nh, int D,
                           float theta);
+    /* The per-head q_norm/k_norm and the RoPE after it, in one pass over the T·nh rows of D:
+     * exactly rmsnorm_forward(out, rstd, in, w, T·nh, D, eps) then rope_forward(out, out, ...), the
+     * normalised row rounded to the compute dtype in between. out may equal in. */
+    void (*rmsnorm_rope_forward)(void *out /*[T,nh,D]*/, float *rstd /*[T·nh]*/,
+                                 const void *in /*[T,nh,D]*/, const void *w /*[D]*/,
+                                 const int32_t *pos /*[T]*/, int T, int nh, int D, float eps,
+                                 float theta);
+    /* Its backward: exactly rope_backward of dout (rounded to the compute dtype) fed to
+     * rmsnorm_backward(din, dw, ·, in, w, rstd, T·nh, D, false): din overwritten, dw += the same
+     * bits. din and dw are both required; din may equal dout (not in). */
+    void (*rmsnorm_rope_backward)(void *din /*[T,nh,D]*/, float *dw /*[D]*/,
+                                  const void *dout /*[T,nh,D]*/, const void *in /*[T,nh,D]*/,
+                                  const void *w /*[D]*/, const float *rstd /*[T·nh]*/,
+                                  const int32_t *pos /*[T]*/, int T, int nh, int D, float theta);
 
     /* Causal GQA attention, scale 1/sqrt(D); query head h uses kv head h / (Hq/Hkv).
      * q/out: [B,S,Hq,D], k/v: [B,S,Hkv,D], lse: [B,Hq,S] (log-sum-exp of the scaled scores).

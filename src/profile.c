@@ -100,6 +100,14 @@ W(rope_forward, PROF_OTHER, nh,
 W(rope_backward, PROF_OTHER, nh,
   (void *o, const void *i, const int32_t *pos, int T, int nh, int D, float th),
   (o, i, pos, T, nh, D, th))
+W(rmsnorm_rope_forward, PROF_OTHER, nh,
+  (void *o, float *r, const void *i, const void *w, const int32_t *pos, int T, int nh, int D,
+   float eps, float th),
+  (o, r, i, w, pos, T, nh, D, eps, th))
+W(rmsnorm_rope_backward, PROF_OTHER, nh,
+  (void *di, float *dw, const void *d, const void *i, const void *w, const float *r,
+   const int32_t *pos, int T, int nh, int D, float th),
+  (di, dw, d, i, w, r, pos, T, nh, D, th))
 W(attention_forward, PROF_ATTN, S,
   (void *o, float *lse, const void *q, const void *k, const void *v, int B, int S, int Hq, int Hkv,
    int D, const int32_t *seg),
@@ -190,7 +198,9 @@ const struct backend *profile_wrap(const struct backend *be)
     SET(zero); SET(copy); SET(upload); SET(download); SET(cast_f32_to_x); SET(cast_x_to_f32);
     SET(add_inplace); SET(scale_f32); SET(add_f32); SET(sumsq_f32); SET(embedding_forward);
     SET(embedding_backward); SET(rmsnorm_forward); SET(rmsnorm_backward); SET(matmul_forward);
-    SET(matmul_backward); SET(router_matmul_forward); SET(router_matmul_backward); SET(rope_forward); SET(rope_backward); SET(attention_forward);
+    SET(matmul_backward); SET(router_matmul_forward); SET(router_matmul_backward);
+    SET(rope_forward); SET(rope_backward); SET(rmsnorm_rope_forward); SET(rmsnorm_rope_backward);
+    SET(attention_forward);
     SET(attention_backward); SET(router_forward); SET(router_backward); SET(router_gather_weights);
     SET(router_stats);
     SET(moe_route_plan); SET(moe_pair_plan); SET(gather_f32); SET(gather_rows); SET(gather_rows_backward); SET(moe_combine_forward);

@@ -107,7 +107,8 @@ static void make_route(void)
 enum {
     OP_RMS_FWD_H, OP_RMS_FWD_Q, OP_RMS_FWD_K, OP_RMS_BWD_H, OP_RMS_BWD_Q, OP_RMS_BWD_K,
     OP_SWIGLU_FWD, OP_SWIGLU_BWD, OP_GATHER, OP_GATHER_BWD, OP_COMBINE_FWD, OP_COMBINE_BWD,
-    OP_ROPE_FWD_Q, OP_ROPE_BWD_Q, OP_ROPE_FWD_K, OP_ADD, OP_CAST, OP_ADAMW_SEG, OP_ADAMW_MULTI,
+    OP_ROPE_FWD_Q, OP_ROPE_BWD_Q, OP_ROPE_FWD_K, OP_RMS_ROPE_FWD_Q, OP_RMS_ROPE_BWD_Q,
+    OP_RMS_ROPE_FWD_K, OP_RMS_ROPE_BWD_K, OP_ADD, OP_CAST, OP_ADAMW_SEG, OP_ADAMW_MULTI,
     OP_ADAMW16_SEG, OP_ADAMW16_MULTI,
     OP_COUNT
 };
@@ -120,7 +121,9 @@ static const char *op_name[OP_COUNT] = {
     "gather_rows R=65536 H=2048", "gather_rows_backward R=65536 H=2048",
     "moe_combine_forward T=8192 k=8 H=2048", "moe_combine_backward T=8192 k=8 H=2048",
     "rope_forward q T=8192 32x128 (in place)", "rope_backward q T=8192 32x128",
-    "rope_forward k T=8192 4x128", "add_inplace n=16.7M", "cast_x_to_f32 n=16.7M",
+    "rope_forward k T=8192 4x128", "rmsnorm_rope_forward q T=8192 32x128",
+    "rmsnorm_rope_backward q T=8192 32x128 +dw", "rmsnorm_rope_forward k T=8192 4x128",
+    "rmsnorm_rope_backward k T=8192 4x128 +dw", "add_inplace n=16.7M", "cast_x_to_f32 n=16.7M",
     "adamw_update x11 (one layer's tensors)", "adamw_update_multi (the same 11, one call)",
     "adamw_update_m16 x11 (bf16 moments)", "adamw_update_multi bf16 moments",
 };
@@ -174,6 +177,10 @@ static double op_bytes(int op)
     case OP_COMBINE_BWD: return 2 * rh * x + th * x + R * 4.0;
     case OP_ROPE_FWD_Q: case OP_ROPE_BWD_Q: return 2 * q * x;
     case OP_ROPE_FWD_K: return 2 * k * x;
+    case OP_RMS_ROPE_FWD_Q: return 2 * q * x + T * HQ * 4.0;
+    case OP_RMS_ROPE_BWD_Q: return 3 * q * x + T * HQ * 4.0;
+    case OP_RMS_ROPE_FWD_K: return 2 * k * x + T * HKV * 4.0;
+    case OP_RMS_ROPE_BWD_K: return 3 * k * x + T * HKV * 4.0;
     case OP_ADD: return 3 * th * x;
     case OP_ADAMW_SEG: case OP_ADAMW_MULTI: return adam_n * (7 * 4.0 + x); /* 4 fp32 in, 3 out */
     case OP_ADAMW16_SEG: case OP_ADAMW16_MULTI: return adam_n * (3 * 4.0 + 4 * 2.0 + x);
@@ -210,6 +217,18 @@ static void run_op(int op)
     case OP_ROPE_FWD_Q: be->rope_forward(x_q3, x_q3, pos, T, HQ, D, theta); break;
     case OP_ROPE_BWD_Q: be->rope_backward(x_q3, x_q3, pos, T, HQ, D, theta); break;
     case OP_ROPE_FWD_K: be->rope_forward(x_k3, x_k3, pos, T, HKV, D, theta); break;
+    case OP_RMS_ROPE_FWD_Q:
+        be->rmsnorm_rope_forward(x_q2, rstd_q, x_q, x_wd, pos, T, HQ, D, eps, theta);
+        break;
+    case OP_RMS_ROPE_BWD_Q:
+        be->rmsnorm_rope_backward(x_q3, dw_d, x_q2, x_q, x_wd, rstd_q, pos, T, HQ, D, theta);
+        break;
+    case OP_RMS_ROPE_FWD_K:
+        be->rmsnorm_rope_forward(x_k2, rstd_k, x_k, x_wd, pos, T, HKV, D, eps, theta);
+        break;
+    case OP_RMS_ROPE_BWD_K:
+        be->rmsnorm_rope_backward(x_k3, dw_d, x_k2, x_k, x_wd, rstd_k, pos, T, HKV, D, theta);
+        break;
     case OP_ADD: be->add_inplace(x_th3, x_th2, (size_t)T * H); break;
     case OP_ADAMW_SEG:
         for (int j = 0; j < N_ADAM_SEG; j++) {

@@ -63,6 +63,21 @@ static void b_rope_backward(void *din, const void *dout, const int32_t *pos, int
     cpu_rope_backward(din, dout, pos, T, nh, D, theta);
 }
 
+/* the two ops in turn (fp32 compute: nothing to round in between) */
+static void b_rmsnorm_rope_forward(void *out, float *rstd, const void *in, const void *w,
+                                   const int32_t *pos, int T, int nh, int D, float eps, float theta)
+{
+    cpu_rmsnorm_forward(out, rstd, in, w, T * nh, D, eps);
+    cpu_rope_forward(out, out, pos, T, nh, D, theta);
+}
+static void b_rmsnorm_rope_backward(void *din, float *dw, const void *dout, const void *in,
+                                    const void *w, const float *rstd, const int32_t *pos, int T,
+                                    int nh, int D, float theta)
+{
+    cpu_rope_backward(din, dout, pos, T, nh, D, theta);
+    cpu_rmsnorm_backward(din, dw, din, in, w, rstd, T * nh, D, false);
+}
+
 static void b_attention_forward(void *out, float *lse, const void *q, const void *k, const void *v,
                                 int B, int S, int Hq, int Hkv, int D, const int32_t *seg)
 {
@@ -192,6 +207,8 @@ static const struct backend cpu_backend = {
     .router_matmul_backward = b_router_matmul_backward,
     .rope_forward = b_rope_forward,
     .rope_backward = b_rope_backward,
+    .rmsnorm_rope_forward = b_rmsnorm_rope_forward,
+    .rmsnorm_rope_backward = b_rmsnorm_rope_backward,
     .attention_forward = b_attention_forward,
     .attention_backward = b_attention_backward,
     .router_forward = b_router_forward,

@@ -447,6 +447,56 @@ Test(cpu_ops, rope_grad)
     free(c.in), free(c.r), free(c.out), free(din), free(fd), free(z);
 }
 
+/* rmsnorm_rope_forward/_backward are rmsnorm then rope, rope backward then rmsnorm backward, to the
+ * bit (dw added onto what it held; out = in and din = dout in place) */
+static void rmsnorm_rope_case(mt_rng *rng, int T, int nh, int D)
+{
+    const struct backend *b = backend_cpu();
+    const size_t n = (size_t)T * nh * D, N = (size_t)T * nh;
+    const float eps = 1e-6f, theta = 1e6f;
+    int32_t *pos = mt_malloc((size_t)T * sizeof *pos);
+    for (int t = 0; t < T; t++) pos[t] = (int32_t)(mt_rng_uniform(rng) * 4096);
+    float *in = frand(rng, n, 2.0), *w = frand(rng, D, 1.0), *dout = frand(rng, n, 1.0);
+    float *dw0 = frand(rng, D, 1.0);
+
+    float *out = fnew(n), *rstd = fnew(N), *ref = fnew(n), *rstd_ref = fnew(N);
+    b->rmsnorm_rope_forward(out, rstd, in, w, pos, T, nh, D, eps, theta);
+    b->rmsnorm_forward(ref, rstd_ref, in, w, (int)N, D, eps);
+    b->rope_forward(ref, ref, pos, T, nh, D, theta);
+    cr_expect(memcmp(out, ref, n * sizeof(float)) == 0, "T%d nh%d D%d: forward out", T, nh, D);
+    cr_expect(memcmp(rstd, rstd_ref, N * sizeof(float)) == 0, "T%d nh%d D%d: rstd", T, nh, D);
+    float *inplace = fdup(in, n);
+    b->rmsnorm_rope_forward(inplace, rstd, inplace, w, pos, T, nh, D, eps, theta);
+    cr_expect(memcmp(inplace, ref, n * sizeof(float)) == 0, "T%d nh%d D%d: forward in place", T,
+              nh, D);
+
+    float *din = fnew(n), *dw = fdup(dw0, D), *din_ref = fnew(n), *dw_ref = fdup(dw0, D);
+    b->rmsnorm_rope_backward(din, dw, dout, in, w, rstd, pos, T, nh, D, theta);
+    b->rope_backward(din_ref, dout, pos, T, nh, D, theta);
+    b->rmsnorm_backward(din_ref, dw_ref, din_ref, in, w, rstd, (int)N, D, false);
+    cr_expect(memcmp(din, din_ref, n * sizeof(float)) == 0, "T%d nh%d D%d: din", T, nh, D);
+    cr_expect(memcmp(dw, dw_ref, D * sizeof(float)) == 0, "T%d nh%d D%d: dw", T, nh, D);
+    float *dio = fdup(dout, n), *dw2 = fdup(dw0, D);
+    b->rmsnorm_rope_backward(dio, dw2, dio, in, w, rstd, pos, T, nh, D, theta);
+    cr_expect(memcmp(dio, din_ref, n * sizeof(float)) == 0, "T%d nh%d D%d: din = dout", T, nh, D);
+    cr_expect(memcmp(dw2, dw_ref, D * sizeof(float)) == 0, "T%d nh%d D%d: dw (din = dout)", T, nh,
+              D);
+
+    float *bufs[] = {in, w, dout, dw0, out, rstd, ref, rstd_ref, inplace, din, dw, din_ref, dw_ref,
+                     dio, dw2};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    free(pos);
+}
+
+Test(cpu_ops, rmsnorm_rope_is_rmsnorm_then_rope)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 8);
+    rmsnorm_rope_case(&rng, 9, 32, 128);
+    rmsnorm_rope_case(&rng, 5, 4, 64);
+    rmsnorm_rope_case(&rng, 3, 2, 8);
+}
+
 /* ---------------------------------------------------------------- attention */
 
 enum { AB = 2, AS = 5, AHQ = 4, AHKV = 2, AD = 8 };
