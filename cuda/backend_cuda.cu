@@ -62,6 +62,8 @@ template <typename T> static struct backend make_table(double peak)
     b.rmsnorm_backward = cu_rmsnorm_backward<T>;
     b.matmul_forward = cu_matmul_forward<T>;
     b.matmul_backward = cu_matmul_backward<T>;
+    b.matmul2_forward = cu_matmul2_forward<T>;
+    b.matmul2_backward = cu_matmul2_backward<T>;
     b.router_matmul_forward = cu_router_matmul_forward<T>;
     b.router_matmul_backward = cu_router_matmul_backward<T>;
     b.rope_forward = cu_rope_forward<T>;

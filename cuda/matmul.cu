@@ -23,6 +23,10 @@ struct lt_plan {
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t la, lb, lc;
     cublasLtMatmulAlgo_t algo;
+    /* cuda_gemm_lt_pair: this GEMM twice in one call, with algo. la2/lb2/lc2 (batch count 2,
+     * strides set per call) exist unless pair is PAIR_UNCHECKED. */
+    enum { PAIR_UNCHECKED, PAIR_OK, PAIR_UNSUPPORTED } pair;
+    cublasLtMatrixLayout_t la2, lb2, lc2;
 };
 
 static struct lt_plan plans[LT_PLANS];
@@ -43,8 +47,27 @@ static void plan_destroy(struct lt_plan *p)
     CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->la));
     CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->lb));
     CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->lc));
+    if (p->pair != lt_plan::PAIR_UNCHECKED) {
+        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->la2));
+        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->lb2));
+        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->lc2));
+    }
     CUBLAS_CHECK(cublasLtMatmulDescDestroy(p->desc));
     p->used = false;
+}
+
+/* The plan's A, B and C layouts, as batch_count GEMMs (strides left 0 for the caller to set) */
+static void layouts_create(const struct lt_plan *p, int32_t batch_count, cublasLtMatrixLayout_t *la,
+                           cublasLtMatrixLayout_t *lb, cublasLtMatrixLayout_t *lc)
+{
+    const bool an = p->ta == CUBLAS_OP_N, bn = p->tb == CUBLAS_OP_N;
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(la, p->ab, an ? p->m : p->k, an ? p->k : p->m, p->lda));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(lb, p->ab, bn ? p->k : p->n, bn ? p->n : p->k, p->ldb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(lc, p->c, p->m, p->n, p->ldc));
+    if (batch_count == 1) return;
+    for (cublasLtMatrixLayout_t l : {*la, *lb, *lc})
+        CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                      &batch_count, sizeof batch_count));
 }
 
 static struct lt_plan *plan_get(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
@@ -68,10 +91,8 @@ static struct lt_plan *plan_get(cublasOperation_t ta, cublasOperation_t tb, int 
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-    const bool an = ta == CUBLAS_OP_N, bn = tb == CUBLAS_OP_N;
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, ab, an ? m : k, an ? k : m, lda));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, ab, bn ? k : n, bn ? n : k, ldb));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lc, c, m, n, ldc));
+    layouts_create(p, 1, &p->la, &p->lb, &p->lc);
+    p->pair = lt_plan::PAIR_UNCHECKED;
     p->used = true;
 
     cublasLtMatmulPreference_t pref;
@@ -144,6 +165,76 @@ void cuda_gemm_lt(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int 
                                 g_cuda.stream));
 }
 
+/* The element stride from x0 to x1, false unless it is a whole number of elements within
+ * ±(2^31 - 1): cuBLASLt takes int64 batch strides, but no document promises that every kernel
+ * forms batch offsets in 64 bits. */
+static bool elem_stride(const void *x0, const void *x1, size_t es, int64_t *s)
+{
+    const int64_t d = (int64_t)((uintptr_t)x1 - (uintptr_t)x0);
+    if (d % (int64_t)es) return false;
+    *s = d / (int64_t)es;
+    return *s >= -INT32_MAX && *s <= INT32_MAX;
+}
+
+/* Whether p->algo runs p's GEMM as a strided batch of 2 (within our workspace), checked once per
+ * plan with the strides of its first pair; the strides of later pairs are as aligned (the plan
+ * key holds every pointer's alignment). */
+static bool pair_supported(struct lt_plan *p, const int64_t stride[3])
+{
+    if (p->pair == lt_plan::PAIR_UNCHECKED) {
+        layouts_create(p, 2, &p->la2, &p->lb2, &p->lc2);
+        const cublasLtMatrixLayout_t l[3] = {p->la2, p->lb2, p->lc2};
+        for (int i = 0; i < 3; i++)
+            CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+                l[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride[i], sizeof stride[i]));
+        cublasLtMatmulHeuristicResult_t res;
+        memset(&res, 0, sizeof res);
+        const cublasStatus_t st = cublasLtMatmulAlgoCheck(g_cuda.lt, p->desc, p->la2, p->lb2, p->lc2,
+                                                          p->lc2, &p->algo, &res);
+        p->pair = st == CUBLAS_STATUS_SUCCESS && res.workspaceSize <= g_cuda.workspace_bytes
+                      ? lt_plan::PAIR_OK
+                      : lt_plan::PAIR_UNSUPPORTED;
+    }
+    return p->pair == lt_plan::PAIR_OK;
+}
+
+void cuda_gemm_lt_pair(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                       const void *const A[2], int lda, const void *const B[2], int ldb,
+                       cudaDataType_t ab, void *const C[2], int ldc, cudaDataType_t c, float beta)
+{
+    MT_CHECK(C[0] != C[1], "gemm pair: both GEMMs write the same C");
+    const uint32_t aa = align_of(A[0]), alb = align_of(B[0]), ac = align_of(C[0]);
+    /* one batched call only where it runs the algorithm each GEMM alone would run (the same plan,
+     * hence the same alignments) on batch strides of one sign; else the two GEMMs in turn */
+    bool batched = m > 0 && n > 0 && k > 0 && align_of(A[1]) == aa && align_of(B[1]) == alb &&
+                   align_of(C[1]) == ac;
+    const size_t es_ab = ab == CUDA_R_32F ? 4 : 2, es_c = c == CUDA_R_32F ? 4 : 2;
+    int64_t stride[3];
+    batched = batched && elem_stride(A[0], A[1], es_ab, &stride[0]) &&
+              elem_stride(B[0], B[1], es_ab, &stride[1]) && elem_stride(C[0], C[1], es_c, &stride[2]);
+    /* Negative strides are not documented as supported: with every stride <= 0 the batch runs
+     * the other way round (batch 0 = the GEMM at the lower addresses). */
+    int first = 0;
+    if (batched && stride[0] <= 0 && stride[1] <= 0 && stride[2] <= 0) {
+        first = 1;
+        for (int i = 0; i < 3; i++) stride[i] = -stride[i];
+    }
+    batched = batched && stride[0] >= 0 && stride[1] >= 0 && stride[2] >= 0;
+    struct lt_plan *p = batched ? plan_get(ta, tb, m, n, k, lda, ldb, ldc, ab, c, aa, alb, ac) : NULL;
+    if (!batched || !p->have_algo || !pair_supported(p, stride)) {
+        for (int i = 0; i < 2; i++) cuda_gemm_lt(ta, tb, m, n, k, A[i], lda, B[i], ldb, ab, C[i], ldc, c, beta);
+        return;
+    }
+    const cublasLtMatrixLayout_t l[3] = {p->la2, p->lb2, p->lc2};
+    for (int i = 0; i < 3; i++)
+        CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                      &stride[i], sizeof stride[i]));
+    const float alpha = 1.0f;
+    CUBLAS_CHECK(cublasLtMatmul(g_cuda.lt, p->desc, &alpha, A[first], p->la2, B[first], p->lb2, &beta,
+                                C[first], p->lc2, C[first], p->lc2, &p->algo, g_cuda.workspace,
+                                g_cuda.workspace_bytes, g_cuda.stream));
+}
+
 /* ---------------------------------------------------------------- the ops */
 
 template <typename T>
@@ -165,6 +256,36 @@ void cu_matmul_backward(void *din, float *dw, const void *dout, const void *in, 
     if (dw)
         cuda_gemm_lt(CUBLAS_OP_N, CUBLAS_OP_T, I, O, N, in, I, dout, O, xtype<T>::cuda, dw, I,
                      CUDA_R_32F, 1.0f);
+}
+
+/* k and v of attention: one batched GEMM each for the forward and the weight gradient (at the
+ * bench shape a lone N = 512 GEMM has fewer output tiles than the GPU has SMs) */
+template <typename T>
+void cu_matmul2_forward(void *out_a, void *out_b, const void *in, const void *w_a, const void *w_b,
+                        int N, int I, int O)
+{
+    const void *const w[2] = {w_a, w_b}, *const x[2] = {in, in};
+    void *const out[2] = {out_a, out_b};
+    cuda_gemm_lt_pair(CUBLAS_OP_T, CUBLAS_OP_N, O, N, I, w, I, x, I, xtype<T>::cuda, out, O,
+                      xtype<T>::cuda, 0.0f);
+}
+
+/* din stays two GEMMs: both add into the same din, which a batch would write concurrently */
+template <typename T>
+void cu_matmul2_backward(void *din, float *dw_a, float *dw_b, const void *dout_a,
+                         const void *dout_b, const void *in, const void *w_a, const void *w_b, int N,
+                         int I, int O, bool accumulate)
+{
+    MT_CHECK(N >= 0 && I >= 0 && O >= 0, "matmul2 backward: negative size N=%d I=%d O=%d", N, I, O);
+    if (N == 0) return; /* no rows: din has none, and dw must stay exactly as it is */
+    const bool pair = dw_a && dw_b;
+    cu_matmul_backward<T>(din, pair ? NULL : dw_a, dout_a, in, w_a, N, I, O, accumulate);
+    cu_matmul_backward<T>(din, pair ? NULL : dw_b, dout_b, in, w_b, N, I, O, true);
+    if (!pair) return;
+    const void *const x[2] = {in, in}, *const dy[2] = {dout_a, dout_b};
+    void *const dw[2] = {dw_a, dw_b};
+    cuda_gemm_lt_pair(CUBLAS_OP_N, CUBLAS_OP_T, I, O, N, x, I, dy, O, xtype<T>::cuda, dw, I,
+                      CUDA_R_32F, 1.0f);
 }
 
 template <typename T>
@@ -240,3 +361,11 @@ template void cu_matmul_backward<float>(void *, float *, const void *, const voi
                                         int, int, int, bool);
 template void cu_matmul_backward<bf16>(void *, float *, const void *, const void *, const void *,
                                        int, int, int, bool);
+template void cu_matmul2_forward<float>(void *, void *, const void *, const void *, const void *, int,
+                                        int, int);
+template void cu_matmul2_forward<bf16>(void *, void *, const void *, const void *, const void *, int,
+                                       int, int);
+template void cu_matmul2_backward<float>(void *, float *, float *, const void *, const void *,
+                                         const void *, const void *, const void *, int, int, int, bool);
+template void cu_matmul2_backward<bf16>(void *, float *, float *, const void *, const void *,
+                                        const void *, const void *, const void *, int, int, int, bool);

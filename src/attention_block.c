@@ -15,8 +15,7 @@ void attention_forward(struct model *m, int l)
 
     be->rmsnorm_forward(a->a, a->rstd_a, a->h_in, W(m, TR_ATTN_NORM, l), T, H, eps);
     be->matmul_forward(a->q_pre, a->a, W(m, TR_Q, l), T, H, Hq * D);
-    be->matmul_forward(a->k_pre, a->a, W(m, TR_K, l), T, H, Hkv * D);
-    be->matmul_forward(a->v, a->a, W(m, TR_V, l), T, H, Hkv * D);
+    be->matmul2_forward(a->k_pre, a->v, a->a, W(m, TR_K, l), W(m, TR_V, l), T, H, Hkv * D);
     be->rmsnorm_rope_forward(a->q, a->rstd_q, a->q_pre, W(m, TR_QNORM, l), m->pos, T, Hq, D, eps,
                              theta);
     be->rmsnorm_rope_forward(a->k, a->rstd_k, a->k_pre, W(m, TR_KNORM, l), m->pos, T, Hkv, D, eps,
@@ -43,8 +42,8 @@ void attention_backward(struct model *m, int l)
     be->matmul_backward(m->d_t3, G(m, TR_Q, l), m->d_t2, a->a, W(m, TR_Q, l), T, H, Hq * D, false);
     be->rmsnorm_rope_backward(m->d_t2, G(m, TR_KNORM, l), m->d_k, a->k_pre, W(m, TR_KNORM, l),
                               a->rstd_k, m->pos, T, Hkv, D, theta);
-    be->matmul_backward(m->d_t3, G(m, TR_K, l), m->d_t2, a->a, W(m, TR_K, l), T, H, Hkv * D, true);
-    be->matmul_backward(m->d_t3, G(m, TR_V, l), m->d_v, a->a, W(m, TR_V, l), T, H, Hkv * D, true);
+    be->matmul2_backward(m->d_t3, G(m, TR_K, l), G(m, TR_V, l), m->d_t2, m->d_v, a->a,
+                         W(m, TR_K, l), W(m, TR_V, l), T, H, Hkv * D, true);
     /* residual: dL/dh_in = dL/dh_mid + norm backward */
     be->rmsnorm_backward(m->d_h, G(m, TR_ATTN_NORM, l), m->d_t3, a->h_in, W(m, TR_ATTN_NORM, l),
                          a->rstd_a, T, H, true);

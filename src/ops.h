@@ -92,6 +92,21 @@ struct backend {
     void (*matmul_backward)(void *din /*[N,I]*/, float *dw /*[O,I]*/, const void *dout /*[N,O]*/,
                             const void *in /*[N,I]*/, const void *w /*[O,I]*/, int N, int I, int O,
                             bool accumulate);
+    /* Two projections of one input (attention's k and v), equal BIT FOR BIT to
+     *   matmul_forward(out_a, in, w_a, N, I, O); matmul_forward(out_b, in, w_b, N, I, O)
+     * and to
+     *   matmul_backward(din, dw_a, dout_a, in, w_a, N, I, O, accumulate);
+     *   matmul_backward(din, dw_b, dout_b, in, w_b, N, I, O, true)
+     * (din, dw_a, dw_b: NULL to skip). CUDA runs each pair of GEMMs (forward; dw) as one batched
+     * call with the very algorithm of the single GEMM (cuda/matmul.cuh: cuda_gemm_lt_pair); cuBLAS
+     * documents no promise that this keeps the bits, so tests/unit/test_gpu_matmul2.c checks it. */
+    void (*matmul2_forward)(void *out_a /*[N,O]*/, void *out_b /*[N,O]*/, const void *in /*[N,I]*/,
+                            const void *w_a /*[O,I]*/, const void *w_b /*[O,I]*/, int N, int I,
+                            int O);
+    void (*matmul2_backward)(void *din /*[N,I]*/, float *dw_a /*[O,I]*/, float *dw_b /*[O,I]*/,
+                             const void *dout_a /*[N,O]*/, const void *dout_b /*[N,O]*/,
+                             const void *in /*[N,I]*/, const void *w_a /*[O,I]*/,
+                             const void *w_b /*[O,I]*/, int N, int I, int O, bool accumulate);
 
     /* The router GEMM with fp32 logits (model.router_fp32): logits = x Wᵀ from compute-dtype
      * operands, accumulated and written in fp32; backward from fp32 dlogits with fp32 products:

@@ -89,6 +89,13 @@ W(matmul_forward, PROF_DENSE_GEMM, O, (void *o, const void *i, const void *w, in
 W(matmul_backward, PROF_DENSE_GEMM, O,
   (void *di, float *dw, const void *d, const void *i, const void *w, int N, int I, int O, bool acc_),
   (di, dw, d, i, w, N, I, O, acc_))
+W(matmul2_forward, PROF_DENSE_GEMM, O,
+  (void *oa, void *ob, const void *i, const void *wa, const void *wb, int N, int I, int O),
+  (oa, ob, i, wa, wb, N, I, O))
+W(matmul2_backward, PROF_DENSE_GEMM, O,
+  (void *di, float *dwa, float *dwb, const void *da, const void *db, const void *i, const void *wa,
+   const void *wb, int N, int I, int O, bool acc_),
+  (di, dwa, dwb, da, db, i, wa, wb, N, I, O, acc_))
 W(router_matmul_forward, PROF_DENSE_GEMM, O,
   (float *o, const void *i, const void *w, int N, int I, int O), (o, i, w, N, I, O))
 W(router_matmul_backward, PROF_DENSE_GEMM, O,
@@ -198,7 +205,8 @@ const struct backend *profile_wrap(const struct backend *be)
     SET(zero); SET(copy); SET(upload); SET(download); SET(cast_f32_to_x); SET(cast_x_to_f32);
     SET(add_inplace); SET(scale_f32); SET(add_f32); SET(sumsq_f32); SET(embedding_forward);
     SET(embedding_backward); SET(rmsnorm_forward); SET(rmsnorm_backward); SET(matmul_forward);
-    SET(matmul_backward); SET(router_matmul_forward); SET(router_matmul_backward);
+    SET(matmul_backward); SET(matmul2_forward); SET(matmul2_backward); SET(router_matmul_forward);
+    SET(router_matmul_backward);
     SET(rope_forward); SET(rope_backward); SET(rmsnorm_rope_forward); SET(rmsnorm_rope_backward);
     SET(attention_forward);
     SET(attention_backward); SET(router_forward); SET(router_backward); SET(router_gather_weights);

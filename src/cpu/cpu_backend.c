@@ -41,6 +41,20 @@ static void b_matmul_backward(void *din, float *dw, const void *dout, const void
     cpu_matmul_backward(din, dw, dout, in, w, N, I, O, accumulate);
 }
 
+static void b_matmul2_forward(void *out_a, void *out_b, const void *in, const void *w_a,
+                              const void *w_b, int N, int I, int O)
+{
+    cpu_matmul_forward(out_a, in, w_a, N, I, O);
+    cpu_matmul_forward(out_b, in, w_b, N, I, O);
+}
+static void b_matmul2_backward(void *din, float *dw_a, float *dw_b, const void *dout_a,
+                               const void *dout_b, const void *in, const void *w_a, const void *w_b,
+                               int N, int I, int O, bool accumulate)
+{
+    cpu_matmul_backward(din, dw_a, dout_a, in, w_a, N, I, O, accumulate);
+    cpu_matmul_backward(din, dw_b, dout_b, in, w_b, N, I, O, true);
+}
+
 /* fp32 compute: the router GEMM is the plain one */
 static void b_router_matmul_forward(float *logits, const void *in, const void *w, int N, int I, int O)
 {
@@ -203,6 +217,8 @@ static const struct backend cpu_backend = {
     .rmsnorm_backward = b_rmsnorm_backward,
     .matmul_forward = b_matmul_forward,
     .matmul_backward = b_matmul_backward,
+    .matmul2_forward = b_matmul2_forward,
+    .matmul2_backward = b_matmul2_backward,
     .router_matmul_forward = b_router_matmul_forward,
     .router_matmul_backward = b_router_matmul_backward,
     .rope_forward = b_rope_forward,

@@ -373,6 +373,42 @@ Test(cpu_ops, matmul_grad)
     }
 }
 
+/* the backend's matmul2 ops are the two matmuls of ops.h, bit for bit */
+Test(cpu_ops, matmul2_is_two_matmuls)
+{
+    const struct backend *be = backend_cpu();
+    mt_rng rng;
+    mt_rng_seed(&rng, 21);
+    enum { N = 11, I = 19, O = 7 };
+    float *in = frand(&rng, N * I, 1.0), *wa = frand(&rng, O * I, 1.0), *wb = frand(&rng, O * I, 1.0);
+    float *ya = fnew(N * O), *yb = fnew(N * O), *ra = fnew(N * O), *rb = fnew(N * O);
+    be->matmul2_forward(ya, yb, in, wa, wb, N, I, O);
+    be->matmul_forward(ra, in, wa, N, I, O);
+    be->matmul_forward(rb, in, wb, N, I, O);
+    cr_expect(memcmp(ya, ra, sizeof(float) * N * O) == 0 && memcmp(yb, rb, sizeof(float) * N * O) == 0);
+
+    float *da = frand(&rng, N * O, 1.0), *db = frand(&rng, N * O, 1.0), *din0 = frand(&rng, N * I, 1.0);
+    float *dw0 = frand(&rng, O * I, 1.0);
+    for (int acc = 0; acc < 2; acc++) {
+        float *din = fdup(din0, N * I), *dwa = fdup(dw0, O * I), *dwb = fdup(dw0, O * I);
+        float *rdin = fdup(din0, N * I), *rdwa = fdup(dw0, O * I), *rdwb = fdup(dw0, O * I);
+        be->matmul2_backward(din, dwa, dwb, da, db, in, wa, wb, N, I, O, acc);
+        be->matmul_backward(rdin, rdwa, da, in, wa, N, I, O, acc);
+        be->matmul_backward(rdin, rdwb, db, in, wb, N, I, O, true);
+        cr_expect(memcmp(din, rdin, sizeof(float) * N * I) == 0, "din, accumulate %d", acc);
+        cr_expect(memcmp(dwa, rdwa, sizeof(float) * O * I) == 0, "dw a, accumulate %d", acc);
+        cr_expect(memcmp(dwb, rdwb, sizeof(float) * O * I) == 0, "dw b, accumulate %d", acc);
+        free(din), free(dwa), free(dwb), free(rdin), free(rdwa), free(rdwb);
+    }
+    /* NULL skips, as in matmul_backward */
+    float *dwa = fdup(dw0, O * I), *rdwa = fdup(dw0, O * I);
+    be->matmul2_backward(NULL, dwa, NULL, da, db, in, wa, wb, N, I, O, false);
+    be->matmul_backward(NULL, rdwa, da, in, wa, N, I, O, false);
+    cr_expect(memcmp(dwa, rdwa, sizeof(float) * O * I) == 0, "dw a alone");
+    free(in), free(wa), free(wb), free(ya), free(yb), free(ra), free(rb), free(da), free(db);
+    free(din0), free(dw0), free(dwa), free(rdwa);
+}
+
 /* ---------------------------------------------------------------- rope */
 
 struct rope_ctx {
