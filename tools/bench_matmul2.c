@@ -212,19 +212,7 @@ static const char *bits_vs_two_calls(int v)
 
 static double median_us(int v, int reps)
 {
-    for (int i = 0; i < WARM_BATCHES * BATCH; i++) run(v);
-    be->sync();
-    double *us = mt_malloc((size_t)reps * sizeof *us);
-    for (int s = 0; s < reps; s++) {
-        const double t0 = mt_now();
-        for (int i = 0; i < BATCH; i++) run(v);
-        be->sync();
-        us[s] = (mt_now() - t0) * 1e6 / BATCH;
-    }
-    bench_sort_doubles(us, reps);
-    const double med = reps % 2 ? us[reps / 2] : 0.5 * (us[reps / 2 - 1] + us[reps / 2]);
-    free(us);
-    return med;
+    return bench_median_us(be, run, v, WARM_BATCHES, BATCH, reps);
 }
 
 /* a compute-dtype device tensor of n normal values (scaled) */

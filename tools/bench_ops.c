@@ -257,19 +257,7 @@ static void run_op(int op)
 /* median microseconds per call */
 static double time_op(int op, int reps)
 {
-    for (int i = 0; i < WARM_BATCHES * BATCH; i++) run_op(op);
-    be->sync();
-    double *us = mt_malloc((size_t)reps * sizeof *us);
-    for (int s = 0; s < reps; s++) {
-        const double t0 = mt_now();
-        for (int i = 0; i < BATCH; i++) run_op(op);
-        be->sync();
-        us[s] = (mt_now() - t0) * 1e6 / BATCH;
-    }
-    bench_sort_doubles(us, reps);
-    const double med = reps % 2 ? us[reps / 2] : 0.5 * (us[reps / 2 - 1] + us[reps / 2]);
-    free(us);
-    return med;
+    return bench_median_us(be, run_op, op, WARM_BATCHES, BATCH, reps);
 }
 
 int main(int argc, char **argv)
