@@ -315,10 +315,18 @@ __global__ void split3_kernel(bf16 *parts, const float *d, int O, size_t n)
     }
 }
 
+/* dw += lo + mid + hi, in that order (the parts' products from one GEMM: dw3[p] for part p) */
+__global__ void add3_kernel(float *dw, const float *dw3, size_t n)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        dw[i] = ((dw[i] + dw3[2 * n + i]) + dw3[n + i]) + dw3[i];
+}
+
 /* bf16: din = dlogits W as ONE GEMM over K = 3·O ([hi | mid | lo] against W stacked three times),
  * rounded to bf16 once (added to an existing din inside the GEMM's epilogue when accumulating);
- * dw += dlogitsᵀ x as three accumulating GEMMs, smallest part first. Both are the fp32 products
- * up to accumulation order. */
+ * dw += dlogitsᵀ x as one GEMM over the parts side by side (3·O output rows: x, 33 MB at the
+ * bench shape, is read once instead of by three GEMMs), whose three products are then added to
+ * dw smallest first. Both are the fp32 products up to accumulation order. */
 template <typename T>
 void cu_router_matmul_backward(void *din, float *dw, const float *dlogits, const void *in,
                                const void *w, int N, int I, int O, bool accumulate)
@@ -334,10 +342,14 @@ void cu_router_matmul_backward(void *din, float *dw, const float *dlogits, const
         const int blocks = (int)MT_MIN((no + 255) / 256, (size_t)4 * g_cuda.num_sms);
         split3_kernel<<<blocks, 256, 0, g_cuda.stream>>>(parts, dlogits, O, no);
         CUDA_LAUNCH_CHECK("router dlogits split");
-        if (dw)
-            for (int p = 2; p >= 0; p--)
-                cuda_gemm_lt(CUBLAS_OP_N, CUBLAS_OP_T, I, O, N, in, I, parts + (size_t)p * O, 3 * O,
-                             CUDA_R_16BF, dw, I, CUDA_R_32F, 1.0f);
+        if (dw) {
+            float *dw3 = (float *)cuda_scratch(SCRATCH_ROUTER_DW3, 3 * oi * sizeof(float));
+            cuda_gemm_lt(CUBLAS_OP_N, CUBLAS_OP_T, I, 3 * O, N, in, I, parts, 3 * O, CUDA_R_16BF, dw3, I,
+                         CUDA_R_32F, 0.0f);
+            add3_kernel<<<(int)MT_MIN((oi + 255) / 256, (size_t)4 * g_cuda.num_sms), 256, 0, g_cuda.stream>>>(
+                dw, dw3, oi);
+            CUDA_LAUNCH_CHECK("router dw parts sum");
+        }
         if (din) {
             bf16 *w3 = (bf16 *)cuda_scratch(SCRATCH_ROUTER_W3, 3 * oi * sizeof(bf16));
             for (int p = 0; p < 3; p++)
