@@ -212,7 +212,7 @@ void cuda_scatter_add_rows(Out *dst, const In *src, const int32_t *idx, int R, i
 
 template <typename T>
 __global__ void combine_fwd_kernel(T *out, const T *y, const int32_t *slot_row, const float *w,
-                                   int T_, int k, int H)
+                                   const T *resid, int T_, int k, int H)
 {
     for (int t = blockIdx.x; t < T_; t += gridDim.x) {
         T *o = out + (size_t)t * H;
@@ -223,6 +223,7 @@ __global__ void combine_fwd_kernel(T *out, const T *y, const int32_t *slot_row, 
                 if (r < 0) continue;
                 acc += round_x<T>(w[(size_t)t * k + j]) * to_f(y[(size_t)r * H + h]);
             }
+            if (resid) acc = round_x<T>(acc) + to_f(resid[(size_t)t * H + h]); /* = add_inplace */
             o[h] = from_f<T>(acc);
         }
     }
@@ -257,7 +258,7 @@ __global__ void combine_bwd_kernel(T *dy, float *dw, const T *dout, const T *y,
 /* combine_fwd_kernel with a warp per token, rows in chunks of 8 */
 template <typename T>
 __global__ void combine_fwd_vec_kernel(T *out, const T *__restrict__ y, const int32_t *slot_row,
-                                       const float *w, int T_, int k, int H)
+                                       const float *w, const T *resid, int T_, int k, int H)
 {
     const int lane = threadIdx.x & 31, nch = H >> 3;
     for (int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; t < T_; t += (gridDim.x * blockDim.x) >> 5) {
@@ -288,7 +289,15 @@ __global__ void combine_fwd_vec_kernel(T *out, const T *__restrict__ y, const in
             }
 #pragma unroll
             for (int u = 0; u < RW_UNROLL; u++)
-                if (c0 + 32 * u < nch) store8f(o + (c0 + 32 * u) * 8, acc[u]);
+                if (c0 + 32 * u < nch) {
+                    if (resid) { /* the rounded sum plus the residual, as add_inplace would */
+                        float f[8];
+                        load8f(resid + (size_t)t * H + (c0 + 32 * u) * 8, f);
+#pragma unroll
+                        for (int e = 0; e < 8; e++) acc[u][e] = round_x<T>(acc[u][e]) + f[e];
+                    }
+                    store8f(o + (c0 + 32 * u) * 8, acc[u]);
+                }
         }
     }
 }
@@ -363,18 +372,18 @@ void cu_gather_rows_backward(void *din, const void *dout, const int32_t *idx, in
 
 template <typename T>
 void cu_moe_combine_forward(void *out, const void *y, const int32_t *slot_row, const float *w,
-                            int T_, int k, int H)
+                            const void *resid, int T_, int k, int H)
 {
     MT_CHECK(T_ >= 0 && k > 0 && H >= 0, "moe_combine: bad shape T=%d k=%d H=%d", T_, k, H);
     if (T_ == 0 || H == 0) return;
-    if (rw_vec_ok(H, out, y, NULL)) {
+    if (rw_vec_ok(H, out, y, resid)) {
         combine_fwd_vec_kernel<T><<<rw_grid(T_), ROW_BLOCK, 0, g_cuda.stream>>>(
-            (T *)out, (const T *)y, slot_row, w, T_, k, H);
+            (T *)out, (const T *)y, slot_row, w, (const T *)resid, T_, k, H);
         CUDA_LAUNCH_CHECK("moe_combine forward");
         return;
     }
     combine_fwd_kernel<T><<<MT_MIN(T_, 65536), ROW_BLOCK, 0, g_cuda.stream>>>(
-        (T *)out, (const T *)y, slot_row, w, T_, k, H);
+        (T *)out, (const T *)y, slot_row, w, (const T *)resid, T_, k, H);
     CUDA_LAUNCH_CHECK("moe_combine forward");
 }
 
@@ -405,9 +414,9 @@ template void cu_gather_rows<bf16>(void *, const void *, const int32_t *, int, i
 template void cu_gather_rows_backward<float>(void *, const void *, const int32_t *, int, int);
 template void cu_gather_rows_backward<bf16>(void *, const void *, const int32_t *, int, int);
 template void cu_moe_combine_forward<float>(void *, const void *, const int32_t *, const float *,
-                                            int, int, int);
-template void cu_moe_combine_forward<bf16>(void *, const void *, const int32_t *, const float *, int,
-                                           int, int);
+                                            const void *, int, int, int);
+template void cu_moe_combine_forward<bf16>(void *, const void *, const int32_t *, const float *,
+                                           const void *, int, int, int);
 template void cu_moe_combine_backward<float>(void *, float *, const void *, const void *,
                                              const int32_t *, const float *, int, int, int);
 template void cu_moe_combine_backward<bf16>(void *, float *, const void *, const void *,

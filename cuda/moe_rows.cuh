@@ -17,7 +17,7 @@ template <typename T>
 void cu_gather_rows_backward(void *din, const void *dout, const int32_t *idx, int R, int H);
 template <typename T>
 void cu_moe_combine_forward(void *out, const void *y, const int32_t *slot_row, const float *w,
-                            int T_, int k, int H);
+                            const void *resid, int T_, int k, int H);
 template <typename T>
 void cu_moe_combine_backward(void *dy, float *dw, const void *dout, const void *y,
                              const int32_t *slot_row, const float *w, int T_, int k, int H);

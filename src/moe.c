@@ -273,19 +273,20 @@ static void dispatch_rows(struct model *m, struct layer_acts *a)
 }
 
 /* Expert side -> token side: the weighted sum of each pair's expert outputs; with ep > 1 the pair
- * rows (in d_x_exp, free during the forward) go back and each token adds its pairs. */
-static void combine_rows(struct model *m, struct layer_acts *a, void *out)
+ * rows (in d_x_exp, free during the forward) go back and each token adds its pairs. resid (or
+ * NULL): the layer's residual, added in the same pass. */
+static void combine_rows(struct model *m, struct layer_acts *a, void *out, const void *resid)
 {
     const struct backend *be = m->be;
     const int T = m->T, H = m->H, K = m->K;
     struct moe_route *r = &a->route;
     if (!m->pairs) {
-        be->moe_combine_forward(out, a->y_exp, r->exp_slot, r->meta_w, T, K, H);
+        be->moe_combine_forward(out, a->y_exp, r->exp_slot, r->meta_w, resid, T, K, H);
         return;
     }
-    be->moe_combine_forward(m->d_x_exp, a->y_exp, r->exp_slot, r->meta_w, (int)r->P_recv, K, H);
+    be->moe_combine_forward(m->d_x_exp, a->y_exp, r->exp_slot, r->meta_w, NULL, (int)r->P_recv, K, H);
     const void *pairs = exchange_rows(m, r->send_counts, m->d_x_exp, r->recv_counts);
-    be->moe_combine_forward(out, pairs, r->tok_pair, m->ones, T, K, H);
+    be->moe_combine_forward(out, pairs, r->tok_pair, m->ones, resid, T, K, H);
 }
 
 /* Backward of combine_rows: m->d_h (dL/d out) -> m->d_topk_w and m->d_y_exp (expert-major). */
@@ -316,24 +317,25 @@ static void dispatch_rows_backward(struct model *m, struct layer_acts *a)
     const int T = m->T, H = m->H, K = m->K;
     struct moe_route *r = &a->route;
     if (!m->pairs) {
-        be->moe_combine_forward(m->d_t1, m->d_x_exp, r->exp_slot, m->ones, T, K, H);
+        be->moe_combine_forward(m->d_t1, m->d_x_exp, r->exp_slot, m->ones, NULL, T, K, H);
         return;
     }
     /* d_y_exp is free once the expert backward has run */
-    be->moe_combine_forward(m->d_y_exp, m->d_x_exp, r->exp_slot, m->ones, (int)r->P_recv, K, H);
+    be->moe_combine_forward(m->d_y_exp, m->d_x_exp, r->exp_slot, m->ones, NULL, (int)r->P_recv, K, H);
     const void *d_pairs = exchange_rows(m, r->send_counts, m->d_y_exp, r->recv_counts);
-    be->moe_combine_forward(m->d_t1, d_pairs, r->tok_pair, m->ones, T, K, H);
+    be->moe_combine_forward(m->d_t1, d_pairs, r->tok_pair, m->ones, NULL, T, K, H);
 }
 
 /* From the layer's top-k (a->topk_idx/topk_w) and norm output (a->m) to the experts' weighted sum
- * `out`: route plan, dispatch, expert SwiGLU, combine (in chunks when parallel.moe_chunks > 1). */
-static void experts_forward(struct model *m, struct layer_acts *a, int l, void *out)
+ * `out` (+ resid unless NULL): route plan, dispatch, expert SwiGLU, combine (in chunks when
+ * parallel.moe_chunks > 1). */
+static void experts_forward(struct model *m, struct layer_acts *a, int l, void *out, const void *resid)
 {
     const struct backend *be = m->be;
     const int H = m->H, I = m->I, nl = m->n_local_experts;
     struct moe_route *r = &a->route;
     if (m->moe_chunks > 1) {
-        moe_exchange_forward(m, a, l, out);
+        moe_exchange_forward(m, a, l, out, resid);
         return;
     }
     route_plan(m, a);
@@ -341,7 +343,7 @@ static void experts_forward(struct model *m, struct layer_acts *a, int l, void *
     be->expert_matmul_forward(a->gu, a->x_exp, W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
     be->swiglu_forward(a->act, a->gu, (int)r->R_exp, I);
     be->expert_matmul_forward(a->y_exp, a->act, W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H);
-    combine_rows(m, a, out);
+    combine_rows(m, a, out, resid);
 }
 
 /* Its backward: m->d_h (dL/d out) -> m->d_t1 (through the experts), m->d_topk_w and the experts'
@@ -382,7 +384,7 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
     dispatch_rows_backward(m, a);
 }
 
-static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out)
+static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out, const void *resid)
 {
     const struct backend *be = m->be;
     const int T = m->T, H = m->H, E = m->E, K = m->K;
@@ -398,7 +400,7 @@ static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out)
     route_replay_apply(m, l, a->topk_idx, a->topk_w, a->probs); /* data.routing_replay, recompute */
     float *st = m->stats + (size_t)l * 2 * E;
     if (!m->recomputing) be->router_stats(st, st + E, a->probs, a->topk_idx, T, E, K);
-    experts_forward(m, a, l, out);
+    experts_forward(m, a, l, out, resid);
 }
 
 static void moe_backward(struct model *m, struct layer_acts *a, int l)
@@ -428,9 +430,12 @@ void mlp_forward(struct model *m, int l, void *out)
     struct layer_acts *a = model_acts(m, l);
     m->be->rmsnorm_forward(a->m, a->rstd_m, a->h_mid, W(m, TR_MLP_NORM, l), m->T, m->H,
                            (float)m->cfg.rms_norm_eps);
-    if (config_layer_is_moe(&m->cfg, l)) moe_forward(m, a, l, out);
-    else dense_mlp_forward(m, a, l, out);
-    m->be->add_inplace(out, a->h_mid, (size_t)m->T * m->H);
+    if (config_layer_is_moe(&m->cfg, l)) {
+        moe_forward(m, a, l, out, a->h_mid); /* the residual joins the combine's pass */
+    } else {
+        dense_mlp_forward(m, a, l, out);
+        m->be->add_inplace(out, a->h_mid, (size_t)m->T * m->H);
+    }
 }
 
 void mlp_backward(struct model *m, int l)
@@ -477,7 +482,7 @@ void moe_combine_for_test(struct model *m, int l, const void *y_exp, void *out)
 {
     struct layer_acts *a = test_layer(m, l);
     copy_in(m, a->y_exp, y_exp, a->route.R_exp);
-    combine_rows(m, a, out);
+    combine_rows(m, a, out, NULL);
 }
 
 void moe_combine_backward_for_test(struct model *m, int l, const void *dout)
@@ -504,7 +509,7 @@ void moe_experts_for_test(struct model *m, int l, const int32_t *topk_idx_host, 
     be->upload(a->topk_idx, topk_idx_host, tk * sizeof(int32_t));
     be->upload(a->topk_w, topk_w_host, tk * sizeof(float));
     copy_in(m, a->m, x, m->T);
-    experts_forward(m, a, l, out);
+    experts_forward(m, a, l, out, NULL);
 }
 
 void moe_experts_backward_for_test(struct model *m, int l, const void *dout, void *dx)

@@ -213,7 +213,7 @@ static void waited(struct model *m, struct comm_p2p_req *req, const char *what, 
     moe_timeline_comm_done(what, c);
 }
 
-void moe_exchange_forward(struct model *m, struct layer_acts *a, int l, void *out)
+void moe_exchange_forward(struct model *m, struct layer_acts *a, int l, void *out, const void *resid)
 {
     const struct backend *be = m->be;
     const int H = m->H, K = m->K, n = m->moe_chunks;
@@ -235,19 +235,21 @@ void moe_exchange_forward(struct model *m, struct layer_acts *a, int l, void *ou
         const int64_t rk = x->recv0 * K;
         if (!m->pairs) {
             be->moe_combine_forward(ROW(m, out, x->t0, H), ROW(m, a->y_exp, x->row0, H),
-                                    r->exp_slot + rk, r->meta_w + rk, x->T, K, H);
+                                    r->exp_slot + rk, r->meta_w + rk,
+                                    resid ? ROW(m, resid, x->t0, H) : NULL, x->T, K, H);
             continue;
         }
         /* d_x_exp is free during the forward: it holds each pair's weighted sum on its way home */
         be->moe_combine_forward(ROW(m, m->d_x_exp, x->recv0, H), ROW(m, a->y_exp, x->row0, H),
-                                r->exp_slot + rk, r->meta_w + rk, (int)x->P_recv, K, H);
+                                r->exp_slot + rk, r->meta_w + rk, NULL, (int)x->P_recv, K, H);
         return_pairs(m, a, x, ROW(m, m->d_x_exp, x->recv0, H), &back[c], "combine");
     }
     for (int c = 0; m->pairs && c < n; c++) {
         const struct moe_chunk *x = &ch[c];
         waited(m, &back[c], "combine", c);
         be->moe_combine_forward(ROW(m, out, x->t0, H), ROW(m, m->d_x_send, x->pair0, H),
-                                r->tok_pair + (int64_t)x->t0 * K, m->ones, x->T, K, H);
+                                r->tok_pair + (int64_t)x->t0 * K, m->ones,
+                                resid ? ROW(m, resid, x->t0, H) : NULL, x->T, K, H);
     }
     moe_timeline_end(m);
 }
@@ -282,14 +284,14 @@ void moe_exchange_backward(struct model *m, struct layer_acts *a, int l)
         experts_backward(m, a, l, x);
         if (!m->pairs) {
             be->moe_combine_forward(ROW(m, m->d_t1, x->t0, H), ROW(m, m->d_x_exp, x->row0, H),
-                                    r->exp_slot + rk, m->ones, x->T, K, H);
+                                    r->exp_slot + rk, m->ones, NULL, x->T, K, H);
             continue;
         }
         /* chunk x's rows of d_y_exp are free once its expert backward has run; its pairs (at
          * most its rows) sum there on their way home */
         void *sums = ROW(m, m->d_y_exp, x->row0, H);
         be->moe_combine_forward(sums, ROW(m, m->d_x_exp, x->row0, H), r->exp_slot + rk, m->ones,
-                                (int)x->P_recv, K, H);
+                                NULL, (int)x->P_recv, K, H);
         return_pairs(m, a, x, sums, &back[c], "combine_bwd");
     }
     for (int c = 0; m->pairs && c < n; c++) {
@@ -299,7 +301,7 @@ void moe_exchange_backward(struct model *m, struct layer_acts *a, int l)
         be->gather_f32(m->d_topk_w + tk, d_w + x->pair0 * K, r->w_map + tk, x->T * K);
         waited(m, &back[c], "combine_bwd", c);
         be->moe_combine_forward(ROW(m, m->d_t1, x->t0, H), ROW(m, m->d_x_send, x->pair0, H),
-                                r->tok_pair + tk, m->ones, x->T, K, H);
+                                r->tok_pair + tk, m->ones, NULL, x->T, K, H);
     }
     moe_timeline_end(m);
 }

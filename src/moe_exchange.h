@@ -27,7 +27,7 @@ struct moe_chunk {
 };
 
 /* moe_forward / moe_backward's expert part when m->moe_chunks > 1 (the router stays in moe.c) */
-void moe_exchange_forward(struct model *m, struct layer_acts *a, int l, void *out);
+void moe_exchange_forward(struct model *m, struct layer_acts *a, int l, void *out, const void *resid);
 void moe_exchange_backward(struct model *m, struct layer_acts *a, int l);
 
 /* moe.c's helpers the chunked path shares */

@@ -211,12 +211,14 @@ struct backend {
                                  const int32_t *idx /*[R]*/, int R, int H);
 
     /* MoE combine: out[t] = Σ_j w[t,j] · y[slot_row[t,j]] over j = 0..k-1 in that order (the caller
-     * orders each token's slots by ascending expert id). Backward: dy[slot_row[t,j]] = w[t,j]·dout[t],
+     * orders each token's slots by ascending expert id). With resid (else NULL), out[t] = that sum
+     * rounded to the compute dtype, plus resid[t]: exactly the sum followed by add_inplace, in one
+     * pass (the decoder layer's residual). Backward: dy[slot_row[t,j]] = w[t,j]·dout[t],
      * dw[t,j] = <dout[t], y[slot_row[t,j]]> (overwritten). A slot row < 0 is empty: it adds
      * nothing, and the backward writes neither dy nor dw for it. */
     void (*moe_combine_forward)(void *out /*[T,H]*/, const void *y /*[R,H]*/,
                                 const int32_t *slot_row /*[T,k]*/, const float *w /*[T,k]*/,
-                                int T, int k, int H);
+                                const void *resid /*[T,H] or NULL*/, int T, int k, int H);
     void (*moe_combine_backward)(void *dy /*[R,H]*/, float *dw /*[T,k]*/, const void *dout /*[T,H]*/,
                                  const void *y /*[R,H]*/, const int32_t *slot_row, const float *w,
                                  int T, int k, int H);

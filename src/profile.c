@@ -150,8 +150,8 @@ W(gather_rows, PROF_MOE_ROWS, R, (void *o, const void *i, const int32_t *idx, in
 W(gather_rows_backward, PROF_MOE_ROWS, R, (void *di, const void *d, const int32_t *idx, int R, int H),
   (di, d, idx, R, H))
 W(moe_combine_forward, PROF_MOE_ROWS, H,
-  (void *o, const void *y, const int32_t *s, const float *w, int T, int k, int H),
-  (o, y, s, w, T, k, H))
+  (void *o, const void *y, const int32_t *s, const float *w, const void *r, int T, int k, int H),
+  (o, y, s, w, r, T, k, H))
 W(moe_combine_backward, PROF_MOE_ROWS, H,
   (void *dy, float *dw, const void *d, const void *y, const int32_t *s, const float *w, int T,
    int k, int H),

@@ -12,8 +12,10 @@
  * random block repeated), the route is a random top-8 of 128 per token in the layout of the route
  * plan (rows by expert then token). AdamW runs over one layer's tensors, per tensor and as one
  * multi-segment call, with fp32 moments (7 fp32 arrays read or written plus the compute copy per
- * parameter) and with bf16 moments (3 fp32 and 4 bf16 plus the copy). Without
- * CUDA (or a GPU) it says so and exits 0. */
+ * parameter) and with bf16 moments (3 fp32 and 4 bf16 plus the copy). Also timed: the router's
+ * fp32-product matmuls (GEMMs, not bandwidth-bound: GB/s there only for scale) and the combine
+ * with the layer's residual against the combine followed by add_inplace. Without CUDA (or a GPU)
+ * it says so and exits 0. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -59,6 +61,8 @@ static void *x_gu, *x_gu2, *x_act;           /* [R, 2I], [R, 2I], [R, I] */
 static void *x_q, *x_q2, *x_q3, *x_k, *x_k2, *x_k3; /* q [T, HQ, D], k [T, HKV, D] */
 static void *x_wh, *x_wd;                    /* norm weights [H], [D] */
 static float *rstd_t, *rstd_q, *rstd_k, *dw_h, *dw_d, *cw, *dcw;
+static void *x_we;                           /* router weight [E, H] */
+static float *f_logits, *f_dw_router;        /* [T, E] logits / their gradient, dw [E, H] */
 static int32_t *src_row, *slot_row, *pos;
 
 /* the route plan's layout for a random top-K of E per token: rows by (expert, token);
@@ -109,7 +113,8 @@ enum {
     OP_SWIGLU_FWD, OP_SWIGLU_BWD, OP_GATHER, OP_GATHER_BWD, OP_COMBINE_FWD, OP_COMBINE_BWD,
     OP_ROPE_FWD_Q, OP_ROPE_BWD_Q, OP_ROPE_FWD_K, OP_RMS_ROPE_FWD_Q, OP_RMS_ROPE_BWD_Q,
     OP_RMS_ROPE_FWD_K, OP_RMS_ROPE_BWD_K, OP_ADD, OP_CAST, OP_ADAMW_SEG, OP_ADAMW_MULTI,
-    OP_ADAMW16_SEG, OP_ADAMW16_MULTI,
+    OP_ADAMW16_SEG, OP_ADAMW16_MULTI, OP_ROUTER_MM_FWD, OP_ROUTER_MM_BWD, OP_ROUTER_MM_BWD_DIN,
+    OP_ROUTER_MM_BWD_DW, OP_COMBINE_THEN_ADD, OP_COMBINE_RESID,
     OP_COUNT
 };
 
@@ -126,6 +131,9 @@ static const char *op_name[OP_COUNT] = {
     "rmsnorm_rope_backward k T=8192 4x128 +dw", "add_inplace n=16.7M", "cast_x_to_f32 n=16.7M",
     "adamw_update x11 (one layer's tensors)", "adamw_update_multi (the same 11, one call)",
     "adamw_update_m16 x11 (bf16 moments)", "adamw_update_multi bf16 moments",
+    "router_matmul_forward T=8192 H=2048 E=128", "router_matmul_backward din+dw",
+    "router_matmul_backward din only", "router_matmul_backward dw only",
+    "moe_combine_forward, then add_inplace", "moe_combine_forward with the residual",
 };
 
 /* AdamW over one Qwen3-30B-A3B layer's tensors, one segment each (623M parameters): input norm,
@@ -184,6 +192,11 @@ static double op_bytes(int op)
     case OP_ADD: return 3 * th * x;
     case OP_ADAMW_SEG: case OP_ADAMW_MULTI: return adam_n * (7 * 4.0 + x); /* 4 fp32 in, 3 out */
     case OP_ADAMW16_SEG: case OP_ADAMW16_MULTI: return adam_n * (3 * 4.0 + 4 * 2.0 + x);
+    case OP_ROUTER_MM_FWD: return th * x + T * E * 4.0;
+    case OP_ROUTER_MM_BWD: return 3 * th * x + T * E * 4.0 + 2.0 * E * H * 4.0;
+    case OP_ROUTER_MM_BWD_DIN: return 2 * th * x + T * E * 4.0;
+    case OP_ROUTER_MM_BWD_DW: return th * x + T * E * 4.0 + 2.0 * E * H * 4.0;
+    case OP_COMBINE_THEN_ADD: case OP_COMBINE_RESID: return rh * x + 2 * th * x;
     default: return th * x + th * 4.0;
     }
 }
@@ -210,7 +223,7 @@ static void run_op(int op)
     case OP_SWIGLU_BWD: be->swiglu_backward(x_gu2, x_act, x_gu, R, I); break;
     case OP_GATHER: be->gather_rows(x_rh, x_th, src_row, R, H); break;
     case OP_GATHER_BWD: be->gather_rows_backward(x_th3, x_rh, src_row, R, H); break;
-    case OP_COMBINE_FWD: be->moe_combine_forward(x_th3, x_rh, slot_row, cw, T, K, H); break;
+    case OP_COMBINE_FWD: be->moe_combine_forward(x_th3, x_rh, slot_row, cw, NULL, T, K, H); break;
     case OP_COMBINE_BWD:
         be->moe_combine_backward(x_rh2, dcw, x_th2, x_rh, slot_row, cw, T, K, H);
         break;
@@ -250,6 +263,21 @@ static void run_op(int op)
     case OP_ADAMW16_MULTI:
         be->adamw_update_multi(adam_seg16, N_ADAM_SEG, 2, 1e-4f, 0.9f, 0.95f, 1e-8f, 3, 1.0f);
         break;
+    case OP_ROUTER_MM_FWD: be->router_matmul_forward(f_logits, x_th, x_we, T, H, E); break;
+    case OP_ROUTER_MM_BWD:
+        be->router_matmul_backward(x_th3, f_dw_router, f_logits, x_th, x_we, T, H, E, true);
+        break;
+    case OP_ROUTER_MM_BWD_DIN:
+        be->router_matmul_backward(x_th3, NULL, f_logits, x_th, x_we, T, H, E, true);
+        break;
+    case OP_ROUTER_MM_BWD_DW:
+        be->router_matmul_backward(NULL, f_dw_router, f_logits, x_th, x_we, T, H, E, true);
+        break;
+    case OP_COMBINE_THEN_ADD:
+        be->moe_combine_forward(x_th3, x_rh, slot_row, cw, NULL, T, K, H);
+        be->add_inplace(x_th3, x_th2, (size_t)T * H);
+        break;
+    case OP_COMBINE_RESID: be->moe_combine_forward(x_th3, x_rh, slot_row, cw, x_th2, T, K, H); break;
     default: be->cast_x_to_f32(f_scratch, x_th, (size_t)T * H); break;
     }
 }
@@ -294,6 +322,8 @@ int main(int argc, char **argv)
     dw_h = f32_random(H), dw_d = f32_random(D);
     cw = f32_random(R), dcw = be->alloc((size_t)R * sizeof(float));
     f_scratch = be->alloc(th * sizeof(float));
+    x_we = x_random((size_t)E * H);
+    f_logits = f32_random((size_t)T * E), f_dw_router = f32_random((size_t)E * H);
     make_route();
     make_adamw();
     /* realistic rstd for the backward: the forward's */
@@ -311,7 +341,7 @@ int main(int argc, char **argv)
 
     void *bufs[] = {x_th, x_th2, x_th3, x_rh, x_rh2, x_gu, x_gu2, x_act, x_q, x_q2, x_q3, x_k,
                     x_k2, x_k3, x_wh, x_wd, rstd_t, rstd_q, rstd_k, dw_h, dw_d, cw, dcw, f_scratch,
-                    src_row, slot_row, pos, rand_f32};
+                    src_row, slot_row, pos, rand_f32, x_we, f_logits, f_dw_router};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->free(bufs[i]);
     be->free(adam_seg[0].master), be->free((void *)adam_seg[0].grad), be->free(adam_seg[0].m);
     be->free(adam_seg[0].v), be->free(adam_seg[0].param);

@@ -126,9 +126,10 @@ static void b_gather_rows_backward(void *din, const void *dout, const int32_t *i
 }
 
 static void b_moe_combine_forward(void *out, const void *y, const int32_t *slot_row,
-                                  const float *w, int T, int k, int H)
+                                  const float *w, const void *resid, int T, int k, int H)
 {
     cpu_moe_combine_forward(out, y, slot_row, w, T, k, H);
+    if (resid) cpu_add_inplace(out, resid, (size_t)T * H);
 }
 static void b_moe_combine_backward(void *dy, float *dw, const void *dout, const void *y,
                                    const int32_t *slot_row, const float *w, int T, int k, int H)

@@ -291,9 +291,9 @@ Test(gpu, moe_combine)
         int32_t *d_slot = di_from(&M, slot, R);
 
         void *d_out = dx_poisoned(&M, (size_t)T * H);
-        M.g->moe_combine_forward(d_out, d_y, d_slot, d_w, T, K, H);
+        M.g->moe_combine_forward(d_out, d_y, d_slot, d_w, NULL, T, K, H);
         float *out = hx_of(&M, d_out, (size_t)T * H), *ref = fnew((size_t)T * H);
-        M.c->moe_combine_forward(ref, y, slot, w, T, K, H);
+        M.c->moe_combine_forward(ref, y, slot, w, NULL, T, K, H);
         check_close(&M, "moe_combine forward", out, ref, (size_t)T * H, M.tol);
 
         void *d_dy = dx_poisoned(&M, (size_t)R * H);
@@ -330,11 +330,25 @@ static void combine_case(const struct mode *M, mt_rng *rng, int T, int K, int H,
     int32_t *d_slot = di_from(M, slot, S);
 
     void *d_out = dx_poisoned(M, (size_t)T * H);
-    M->g->moe_combine_forward(d_out, d_y, d_slot, d_w, T, K, H);
+    M->g->moe_combine_forward(d_out, d_y, d_slot, d_w, NULL, T, K, H);
     float *out = hx_of(M, d_out, (size_t)T * H), *ref = fnew((size_t)T * H);
-    M->c->moe_combine_forward(ref, y, slot, w, T, K, H);
+    M->c->moe_combine_forward(ref, y, slot, w, NULL, T, K, H);
     snprintf(what, sizeof what, "moe_combine forward T%d k%d H%d empty %d", T, K, H, n_empty);
     check_close(M, what, out, ref, (size_t)T * H, M->tol);
+
+    /* with the residual: the same bits as the sum followed by add_inplace, and the CPU's sum + add */
+    float *res = hrand(rng, (size_t)T * H, 1.0);
+    void *d_res = dx_from(M, res, (size_t)T * H), *d_out_r = dx_poisoned(M, (size_t)T * H);
+    M->g->moe_combine_forward(d_out_r, d_y, d_slot, d_w, d_res, T, K, H);
+    M->g->add_inplace(d_out, d_res, (size_t)T * H);
+    float *out_r = hx_of(M, d_out_r, (size_t)T * H), *out_add = hx_of(M, d_out, (size_t)T * H);
+    snprintf(what, sizeof what, "moe_combine + resid T%d k%d H%d = combine, add_inplace", T, K, H);
+    check_exact(M, what, out_r, out_add, (size_t)T * H * sizeof(float));
+    M->c->moe_combine_forward(ref, y, slot, w, res, T, K, H);
+    snprintf(what, sizeof what, "moe_combine + resid T%d k%d H%d (vs CPU)", T, K, H);
+    check_close(M, what, out_r, ref, (size_t)T * H, M->tol);
+    M->g->free(d_res), M->g->free(d_out_r);
+    free(res), free(out_r), free(out_add);
 
     void *d_dy = dx_poisoned(M, (size_t)R * H);
     float *d_dw = df_from(M, sevens, S);
