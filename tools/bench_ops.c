@@ -114,7 +114,7 @@ enum {
     OP_ROPE_FWD_Q, OP_ROPE_BWD_Q, OP_ROPE_FWD_K, OP_RMS_ROPE_FWD_Q, OP_RMS_ROPE_BWD_Q,
     OP_RMS_ROPE_FWD_K, OP_RMS_ROPE_BWD_K, OP_ADD, OP_CAST, OP_ADAMW_SEG, OP_ADAMW_MULTI,
     OP_ADAMW16_SEG, OP_ADAMW16_MULTI, OP_ROUTER_MM_FWD, OP_ROUTER_MM_BWD, OP_ROUTER_MM_BWD_DIN,
-    OP_ROUTER_MM_BWD_DW, OP_COMBINE_THEN_ADD, OP_COMBINE_RESID,
+    OP_ROUTER_MM_BWD_DW, OP_COMBINE_THEN_ADD, OP_COMBINE_RESID, OP_RMS_BWD_H_ACC,
     OP_COUNT
 };
 
@@ -134,6 +134,7 @@ static const char *op_name[OP_COUNT] = {
     "router_matmul_forward T=8192 H=2048 E=128", "router_matmul_backward din+dw",
     "router_matmul_backward din only", "router_matmul_backward dw only",
     "moe_combine_forward, then add_inplace", "moe_combine_forward with the residual",
+    "rmsnorm_backward C=2048 N=8192 +dw, din +=",
 };
 
 /* AdamW over one Qwen3-30B-A3B layer's tensors, one segment each (623M parameters): input norm,
@@ -197,6 +198,7 @@ static double op_bytes(int op)
     case OP_ROUTER_MM_BWD_DIN: return 2 * th * x + T * E * 4.0;
     case OP_ROUTER_MM_BWD_DW: return th * x + T * E * 4.0 + 2.0 * E * H * 4.0;
     case OP_COMBINE_THEN_ADD: case OP_COMBINE_RESID: return rh * x + 2 * th * x;
+    case OP_RMS_BWD_H_ACC: return 4 * th * x + T * 4.0;
     default: return th * x + th * 4.0;
     }
 }
@@ -278,6 +280,9 @@ static void run_op(int op)
         be->add_inplace(x_th3, x_th2, (size_t)T * H);
         break;
     case OP_COMBINE_RESID: be->moe_combine_forward(x_th3, x_rh, slot_row, cw, x_th2, T, K, H); break;
+    case OP_RMS_BWD_H_ACC:
+        be->rmsnorm_backward(x_th3, dw_h, x_th2, x_th, x_wh, rstd_t, T, H, true);
+        break;
     default: be->cast_x_to_f32(f_scratch, x_th, (size_t)T * H); break;
     }
 }
