@@ -104,6 +104,16 @@ Test(gpu, memory_and_elementwise)
                 fabs(got - ss) / ss);
         cr_expect(fabs(got - ss) <= 1e-12 * ss, "[%s] sumsq_f32 %.17g, expected %.17g", M.name, got, ss);
         cr_expect(g->sumsq_f32(d, 0) == 0.0);
+        /* 16-byte aligned (four floats a load) with n % 4 == 3 above; here a misaligned start
+         * (one float in: the scalar loop) and aligned starts with n % 4 == 2, 1, 0 */
+        for (size_t lo = 1; lo <= 4; lo++) {
+            const size_t hi = lo == 1 ? n : n - lo + 1;
+            double want_ss = 0.0;
+            for (size_t k = lo == 1 ? 1 : 0; k < hi; k++) want_ss += (double)ref[k] * ref[k];
+            const double part = lo == 1 ? g->sumsq_f32((float *)d + 1, n - 1) : g->sumsq_f32(d, hi);
+            cr_expect(fabs(part - want_ss) <= 1e-12 * want_ss, "[%s] sumsq_f32 case %zu: %.17g, expected %.17g",
+                      M.name, lo, part, want_ss);
+        }
 
         g->free(d), g->free(dx), g->free(dx2), g->free(dy);
         free(x), free(y), free(h), free(back), free(want), free(cp), free(zz), free(zeros);
