@@ -277,7 +277,7 @@ enum mt_reduce_grads estimate_reduce_grads(const struct config *c, const struct 
     struct config *t = mt_malloc(sizeof *t);
     *t = *c;
     t->parallel.reduce_grads = MT_REDUCE_STEP;
-    const bool fits = estimate_peak_bytes(t, d, keep_copy) <= 0.80 * device_bytes;
+    const bool fits = estimate_peak_bytes(t, d, keep_copy) <= MT_AUTO_MEM_SHARE * device_bytes;
     free(t);
     return fits ? MT_REDUCE_STEP : MT_REDUCE_MICRO_STEP;
 }
@@ -289,7 +289,7 @@ bool estimate_reshard(const struct config *c, const struct mesh_dims *d, bool ke
     struct config *t = mt_malloc(sizeof *t);
     *t = *c;
     t->parallel.reshard_after_forward = MT_TRI_FALSE;
-    const bool fits = estimate_peak_bytes(t, d, keep_copy) <= 0.80 * device_bytes;
+    const bool fits = estimate_peak_bytes(t, d, keep_copy) <= MT_AUTO_MEM_SHARE * device_bytes;
     free(t);
     return !fits;
 }
@@ -301,7 +301,7 @@ bool estimate_keep_copy(const struct config *c, const struct mesh_dims *d, doubl
     /* a group of one computes from the kept copy in place, while casting needs working buffers of
      * the largest unit and layer: with a huge embedding the copy can be the smaller of the two */
     const double keep = estimate_peak_bytes(c, d, true);
-    return keep <= 0.80 * device_bytes || keep <= estimate_peak_bytes(c, d, false);
+    return keep <= MT_AUTO_MEM_SHARE * device_bytes || keep <= estimate_peak_bytes(c, d, false);
 }
 
 int estimate_expert_wgrad_pair_layers(const struct config *c, const struct mesh_dims *d, bool keep_copy,
@@ -319,7 +319,7 @@ int estimate_expert_wgrad_pair_layers(const struct config *c, const struct mesh_
     int n = 0;
     for (int k = 1; k <= c->model.num_hidden_layers; k++) {
         t->parallel.wgrad_pair_layers = k;
-        if (estimate_peak_bytes(t, d, keep_copy) > 0.80 * device_bytes) break;
+        if (estimate_peak_bytes(t, d, keep_copy) > MT_PAIRS_MEM_SHARE * device_bytes) break;
         n = k;
     }
     free(t);

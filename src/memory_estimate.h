@@ -48,26 +48,33 @@ void estimate_model_counts(const struct tensor_table *tt, const struct model_con
  * the shard's compute copy. */
 void estimate_stage(const struct config *c, const struct tensor_table *tt, const struct mesh_dims *d,
                     int stage, bool keep_copy, struct stage_estimate *out);
+/* The share of a device's memory the auto settings plan up to. The estimate comes within ~1% of
+ * the allocator's measured peak (docs/benchmarks.md); the rest is for the CUDA context (~2 GiB),
+ * NCCL and cuBLAS workspaces and fragmentation. The wgrad pairs, granted last and only for speed,
+ * plan up to a little more: on one H200 at the bench shape 80% left 2 of 8 layers unpaired (4 ms a
+ * step) at 81% of the card in use. */
+#define MT_AUTO_MEM_SHARE 0.80
+#define MT_PAIRS_MEM_SHARE 0.85
 /* The largest stage's total. */
 double estimate_peak_bytes(const struct config *c, const struct mesh_dims *d, bool keep_copy);
 /* train.weight_copy resolved: keep / cast as set; auto keeps the copy when the plan with it fits in
- * 80% of device_bytes, leaving room for the CUDA context, NCCL and fragmentation (<= 0: unknown,
+ * MT_AUTO_MEM_SHARE of device_bytes (<= 0: unknown,
  * keep), or when it needs no more memory than casting. */
 bool estimate_keep_copy(const struct config *c, const struct mesh_dims *d, double device_bytes);
 /* parallel.reduce_grads resolved: step or micro_step as set; auto is step when the peak with it
- * (and keep_copy) is at most 80% of device_bytes, micro_step off a device (device_bytes 0). */
+ * (and keep_copy) is at most MT_AUTO_MEM_SHARE of device_bytes, micro_step off a device (device_bytes 0). */
 enum mt_reduce_grads estimate_reduce_grads(const struct config *c, const struct mesh_dims *d, bool keep_copy,
                                            double device_bytes);
 /* parallel.reshard_after_forward resolved: as set, or (auto) false when the peak with every layer
- * kept gathered (given keep_copy and c's resolved reduce_grads) is at most 80% of device_bytes;
+ * kept gathered (given keep_copy and c's resolved reduce_grads) is at most MT_AUTO_MEM_SHARE of device_bytes;
  * true off a device. */
 bool estimate_reshard(const struct config *c, const struct mesh_dims *d, bool keep_copy, double device_bytes);
 
 /* parallel.expert_wgrad_pairs resolved to the number of each stage's MoE layers that pair (0: off;
  * MT_MAX_LAYERS: all): as set (true: c's wgrad_pair_layers), or (auto) where it helps (a GPU, bf16,
  * more than one micro-step, moe_chunks 1, expert gradients kept over the step) as many layers as
- * keep the peak with their stashes (given c's other resolved settings) at most 80% of
- * device_bytes. resolve writes it into c (expert_wgrad_pairs true or false, wgrad_pair_layers). */
+ * keep the peak with their stashes (given c's other resolved settings) at most MT_PAIRS_MEM_SHARE
+ * of device_bytes. resolve writes it into c (expert_wgrad_pairs true or false, wgrad_pair_layers). */
 int estimate_expert_wgrad_pair_layers(const struct config *c, const struct mesh_dims *d, bool keep_copy,
                                       double device_bytes);
 void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dims *d, bool keep_copy,

@@ -193,12 +193,12 @@ Test(plan, gradient_buffers_of_the_reduce_options)
     cr_assert_float_eq(step.grad_bytes - base.grad_bytes, 4.0 * ((1616 + 2 * 680 + 2 * 480) - (1616 + 480)), 1e-9);
     cr_assert_float_eq(step.param_bytes, pf.param_bytes, 1e-9);
 
-    /* auto: step exactly when the peak with it is at most 80% of the device */
+    /* auto: step exactly when the peak with it is at most MT_AUTO_MEM_SHARE of the device */
     const double with_step = estimate_peak_bytes(&c, &d, true);
     c.parallel.reduce_grads = MT_REDUCE_AUTO;
     cr_assert_gt(with_step, estimate_peak_bytes(&c, &d, true));
-    cr_assert_eq(estimate_reduce_grads(&c, &d, true, with_step / 0.80 * 1.001), MT_REDUCE_STEP);
-    cr_assert_eq(estimate_reduce_grads(&c, &d, true, with_step / 0.80 * 0.999), MT_REDUCE_MICRO_STEP);
+    cr_assert_eq(estimate_reduce_grads(&c, &d, true, with_step / MT_AUTO_MEM_SHARE * 1.001), MT_REDUCE_STEP);
+    cr_assert_eq(estimate_reduce_grads(&c, &d, true, with_step / MT_AUTO_MEM_SHARE * 0.999), MT_REDUCE_MICRO_STEP);
     cr_assert_eq(estimate_reduce_grads(&c, &d, true, 0), MT_REDUCE_MICRO_STEP, "no device: per micro-step");
     c.parallel.reduce_grads = MT_REDUCE_MICRO_STEP;
     cr_assert_eq(estimate_reduce_grads(&c, &d, true, 1e15), MT_REDUCE_MICRO_STEP, "set by hand: kept");
@@ -206,8 +206,8 @@ Test(plan, gradient_buffers_of_the_reduce_options)
     cr_assert_eq(estimate_reduce_grads(&c, &d, true, 1), MT_REDUCE_STEP, "set by hand: kept");
 
     /* reshard_after_forward: auto keeps every unit gathered exactly when the peak with that (and
-     * the resolved reduce_grads) is at most 80% of the device; the working weights are then every
-     * unit's (stage 0: 1616 + 2 x 680 non-expert, 2 x 480 expert elements, bf16) */
+     * the resolved reduce_grads) is at most MT_AUTO_MEM_SHARE of the device; the working weights
+     * are then every unit's (stage 0: 1616 + 2 x 680 non-expert, 2 x 480 expert elements, bf16) */
     c.parallel.reshard_after_forward = MT_TRI_FALSE;
     struct stage_estimate kept;
     estimate_stage(&c, &tt, &d, 0, true, &kept);
@@ -215,8 +215,8 @@ Test(plan, gradient_buffers_of_the_reduce_options)
                        2.0 * ((1616 + 2 * 680 + 2 * 480) - (1616 + 680 + 2 * 480)), 1e-9);
     const double with_kept = estimate_peak_bytes(&c, &d, true);
     c.parallel.reshard_after_forward = MT_TRI_AUTO;
-    cr_assert_not(estimate_reshard(&c, &d, true, with_kept / 0.80 * 1.001), "room: kept gathered");
-    cr_assert(estimate_reshard(&c, &d, true, with_kept / 0.80 * 0.999), "no room: resharded");
+    cr_assert_not(estimate_reshard(&c, &d, true, with_kept / MT_AUTO_MEM_SHARE * 1.001), "room: kept gathered");
+    cr_assert(estimate_reshard(&c, &d, true, with_kept / MT_AUTO_MEM_SHARE * 0.999), "no room: resharded");
     cr_assert(estimate_reshard(&c, &d, true, 0), "no device: resharded");
     c.parallel.reshard_after_forward = MT_TRI_TRUE;
     cr_assert(estimate_reshard(&c, &d, true, 1e15), "set by hand: kept");
@@ -528,8 +528,8 @@ Test(plan, folded_table_has_one_row_per_stage)
 
 /* parallel.expert_wgrad_pairs: each pairing MoE layer parks one micro-step's expert rows, by hand
  * on the hand model (T = 16 tokens x top-2 = 32 rows of x_exp 16 + act 5 + d_gu 10 + d_y_exp 16
- * bf16 elements), and auto pairs as many of the stage's MoE layers as keep the peak within 80% of
- * the device, none where it cannot help. */
+ * bf16 elements), and auto pairs as many of the stage's MoE layers as keep the peak within
+ * MT_PAIRS_MEM_SHARE of the device, none where it cannot help. */
 Test(plan, expert_wgrad_pairs_stash_and_auto_layers)
 {
     struct config c;
@@ -556,14 +556,14 @@ Test(plan, expert_wgrad_pairs_stash_and_auto_layers)
     c.parallel.wgrad_pair_layers = MT_MAX_LAYERS;
     const double base = estimate_peak_bytes(&c, &d, true); /* auto counts as off */
     cr_assert_float_eq(base, off.total_bytes, 1e-6);
-    cr_assert_eq(estimate_expert_wgrad_pair_layers(&c, &d, true, (base + 2.5 * stash) / 0.80), 2);
-    cr_assert_eq(estimate_expert_wgrad_pair_layers(&c, &d, true, (base + 0.5 * stash) / 0.80), 0);
+    cr_assert_eq(estimate_expert_wgrad_pair_layers(&c, &d, true, (base + 2.5 * stash) / MT_PAIRS_MEM_SHARE), 2);
+    cr_assert_eq(estimate_expert_wgrad_pair_layers(&c, &d, true, (base + 0.5 * stash) / MT_PAIRS_MEM_SHARE), 0);
     cr_assert_eq(estimate_expert_wgrad_pair_layers(&c, &d, true, 1e15), MT_MAX_LAYERS, "every layer fits");
     cr_assert_eq(estimate_expert_wgrad_pair_layers(&c, &d, true, 0), 0, "no device (CPU backend)");
-    estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 1.5 * stash) / 0.80);
+    estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 1.5 * stash) / MT_PAIRS_MEM_SHARE);
     cr_assert(c.parallel.expert_wgrad_pairs == MT_TRI_TRUE && c.parallel.wgrad_pair_layers == 1);
     c.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
-    estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 0.5 * stash) / 0.80);
+    estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 0.5 * stash) / MT_PAIRS_MEM_SHARE);
     cr_assert(c.parallel.expert_wgrad_pairs == MT_TRI_FALSE);
 
     /* where it cannot help or cannot run: off whatever the memory */
@@ -608,8 +608,8 @@ Test(plan, weight_copy_auto_keeps_the_copy_when_it_is_the_smaller)
         /* the premise of each case */
         if (layers == 1) cr_assert_leq(keep, cast, "1 layer: kept %.0f, cast %.0f bytes", keep, cast);
         else cr_assert_gt(keep, cast, "3 layers: kept %.0f, cast %.0f bytes", keep, cast);
-        cr_expect(estimate_keep_copy(&c, &d, keep / 0.80 * 1.001), "%d layers: fits in 80%%: kept", layers);
-        cr_expect_eq(estimate_keep_copy(&c, &d, keep / 0.80 * 0.999), layers == 1,
+        cr_expect(estimate_keep_copy(&c, &d, keep / MT_AUTO_MEM_SHARE * 1.001), "%d layers: fits in 80%%: kept", layers);
+        cr_expect_eq(estimate_keep_copy(&c, &d, keep / MT_AUTO_MEM_SHARE * 0.999), layers == 1,
                      "%d layers over 80%%: kept only when no larger than casting", layers);
         c.train.weight_copy = MT_COPY_CAST;
         cr_expect(!estimate_keep_copy(&c, &d, 1e15), "set by hand: cast");
