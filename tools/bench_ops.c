@@ -14,8 +14,8 @@
  * multi-segment call, with fp32 moments (7 fp32 arrays read or written plus the compute copy per
  * parameter) and with bf16 moments (3 fp32 and 4 bf16 plus the copy). Also timed: the router's
  * fp32-product matmuls (GEMMs, not bandwidth-bound: GB/s there only for scale) and the combine
- * with the layer's residual against the combine followed by add_inplace. Without CUDA (or a GPU)
- * it says so and exits 0. */
+ * with the layer's residual against the combine followed by add_inplace, and the loss at the LM
+ * head's shape. Without CUDA (or a GPU) it says so and exits 0. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,6 +54,12 @@ static float *f32_random(size_t n)
 
 /* ---------------------------------------------------------------- the shapes and buffers */
 enum { T = 8192, H = 2048, E = 128, K = 8, R = T * K, I = 768, HQ = 32, HKV = 4, D = 128 };
+/* the loss at the LM head's shape: logits [T, V] (the backward's dlogits replace them, which
+ * keeps them finite call after call), targets [T], losses and lse [T] */
+enum { V = 151936 };
+static void *ce_z;
+static int32_t *ce_tgt;
+static float *ce_loss, *ce_lse;
 
 static void *x_th, *x_th2, *x_th3;           /* [T, H] */
 static void *x_rh, *x_rh2;                   /* [R, H] */
@@ -115,6 +121,7 @@ enum {
     OP_RMS_ROPE_FWD_K, OP_RMS_ROPE_BWD_K, OP_ADD, OP_CAST, OP_ADAMW_SEG, OP_ADAMW_MULTI,
     OP_ADAMW16_SEG, OP_ADAMW16_MULTI, OP_ROUTER_MM_FWD, OP_ROUTER_MM_BWD, OP_ROUTER_MM_BWD_DIN,
     OP_ROUTER_MM_BWD_DW, OP_COMBINE_THEN_ADD, OP_COMBINE_RESID, OP_RMS_BWD_H_ACC,
+    OP_CE_FWD, OP_CE_BWD, OP_CE_TWO,
     OP_COUNT
 };
 
@@ -135,6 +142,8 @@ static const char *op_name[OP_COUNT] = {
     "router_matmul_backward din only", "router_matmul_backward dw only",
     "moe_combine_forward, then add_inplace", "moe_combine_forward with the residual",
     "rmsnorm_backward C=2048 N=8192 +dw, din +=",
+    "cross_entropy_forward T=8192 V=151936", "cross_entropy_backward (in place)",
+    "cross_entropy forward, then backward",
 };
 
 /* AdamW over one Qwen3-30B-A3B layer's tensors, one segment each (623M parameters): input norm,
@@ -199,6 +208,9 @@ static double op_bytes(int op)
     case OP_ROUTER_MM_BWD_DW: return th * x + T * E * 4.0 + 2.0 * E * H * 4.0;
     case OP_COMBINE_THEN_ADD: case OP_COMBINE_RESID: return rh * x + 2 * th * x;
     case OP_RMS_BWD_H_ACC: return 4 * th * x + T * 4.0;
+    case OP_CE_FWD: return (double)T * V * x + 2 * T * 4.0;
+    case OP_CE_BWD: return 2.0 * T * V * x + 2 * T * 4.0;
+    case OP_CE_TWO: return 3.0 * T * V * x + 3 * T * 4.0;
     default: return th * x + th * 4.0;
     }
 }
@@ -283,6 +295,12 @@ static void run_op(int op)
     case OP_RMS_BWD_H_ACC:
         be->rmsnorm_backward(x_th3, dw_h, x_th2, x_th, x_wh, rstd_t, T, H, true);
         break;
+    case OP_CE_FWD: be->cross_entropy_forward(ce_loss, ce_lse, ce_z, ce_tgt, T, V); break;
+    case OP_CE_BWD: be->cross_entropy_backward(ce_z, ce_z, ce_lse, ce_tgt, T, V, 1.0f / T); break;
+    case OP_CE_TWO:
+        be->cross_entropy_forward(ce_loss, ce_lse, ce_z, ce_tgt, T, V);
+        be->cross_entropy_backward(ce_z, ce_z, ce_lse, ce_tgt, T, V, 1.0f / T);
+        break;
     default: be->cast_x_to_f32(f_scratch, x_th, (size_t)T * H); break;
     }
 }
@@ -331,6 +349,12 @@ int main(int argc, char **argv)
     f_logits = f32_random((size_t)T * E), f_dw_router = f32_random((size_t)E * H);
     make_route();
     make_adamw();
+    ce_z = x_random((size_t)T * V), ce_loss = f32_random(T), ce_lse = f32_random(T);
+    int32_t *tg = mt_malloc((size_t)T * sizeof *tg);
+    for (int t = 0; t < T; t++) tg[t] = (int32_t)((t * 7919u) % V);
+    ce_tgt = be->alloc((size_t)T * sizeof(int32_t));
+    be->upload(ce_tgt, tg, (size_t)T * sizeof(int32_t));
+    free(tg);
     /* realistic rstd for the backward: the forward's */
     run_op(OP_RMS_FWD_H), run_op(OP_RMS_FWD_Q), run_op(OP_RMS_FWD_K);
     be->sync();
@@ -346,7 +370,8 @@ int main(int argc, char **argv)
 
     void *bufs[] = {x_th, x_th2, x_th3, x_rh, x_rh2, x_gu, x_gu2, x_act, x_q, x_q2, x_q3, x_k,
                     x_k2, x_k3, x_wh, x_wd, rstd_t, rstd_q, rstd_k, dw_h, dw_d, cw, dcw, f_scratch,
-                    src_row, slot_row, pos, rand_f32, x_we, f_logits, f_dw_router};
+                    src_row, slot_row, pos, rand_f32, x_we, f_logits, f_dw_router, ce_z, ce_tgt,
+                    ce_loss, ce_lse};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->free(bufs[i]);
     be->free(adam_seg[0].master), be->free((void *)adam_seg[0].grad), be->free(adam_seg[0].m);
     be->free(adam_seg[0].v), be->free(adam_seg[0].param);
