@@ -49,10 +49,11 @@ void estimate_model_counts(const struct tensor_table *tt, const struct model_con
 void estimate_stage(const struct config *c, const struct tensor_table *tt, const struct mesh_dims *d,
                     int stage, bool keep_copy, struct stage_estimate *out);
 /* The share of a device's memory the auto settings plan up to. The estimate comes within ~1% of
- * the allocator's measured peak (docs/benchmarks.md); the rest is for the CUDA context (~2 GiB),
- * NCCL and cuBLAS workspaces and fragmentation. The wgrad pairs, granted last and only for speed,
- * plan up to a little more: on one H200 at the bench shape 80% left 2 of 8 layers unpaired (4 ms a
- * step) at 81% of the card in use. */
+ * the allocator's measured peak on one GPU and 3.6% under it at EP=2 (expert rows past their 25%
+ * headroom; docs/benchmarks.md); the rest is for the CUDA context (~2 GiB), NCCL and cuBLAS
+ * workspaces and fragmentation. The wgrad pairs, granted last and only for speed, plan up to a
+ * little more: on one H200 at the bench shape 80% left 2 of 8 layers unpaired (4 ms a step) at
+ * 81% of the card in use. */
 #define MT_AUTO_MEM_SHARE 0.80
 #define MT_PAIRS_MEM_SHARE 0.85
 /* The largest stage's total. */
