@@ -14,8 +14,9 @@
  * multi-segment call, with fp32 moments (7 fp32 arrays read or written plus the compute copy per
  * parameter) and with bf16 moments (3 fp32 and 4 bf16 plus the copy). Also timed: the router's
  * fp32-product matmuls (GEMMs, not bandwidth-bound: GB/s there only for scale) and the combine
- * with the layer's residual against the combine followed by add_inplace, and the loss at the LM
- * head's shape. Without CUDA (or a GPU) it says so and exits 0. */
+ * with the layer's residual against the combine followed by add_inplace, the loss at the LM head's
+ * shape, and the gradient norm's sum of squares (its result download and sync included). Without
+ * CUDA (or a GPU) it says so and exits 0. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -121,7 +122,7 @@ enum {
     OP_RMS_ROPE_FWD_K, OP_RMS_ROPE_BWD_K, OP_ADD, OP_CAST, OP_ADAMW_SEG, OP_ADAMW_MULTI,
     OP_ADAMW16_SEG, OP_ADAMW16_MULTI, OP_ROUTER_MM_FWD, OP_ROUTER_MM_BWD, OP_ROUTER_MM_BWD_DIN,
     OP_ROUTER_MM_BWD_DW, OP_COMBINE_THEN_ADD, OP_COMBINE_RESID, OP_RMS_BWD_H_ACC,
-    OP_CE_FWD, OP_CE_BWD, OP_CE_TWO,
+    OP_CE_FWD, OP_CE_BWD, OP_CE_TWO, OP_SUMSQ,
     OP_COUNT
 };
 
@@ -143,7 +144,7 @@ static const char *op_name[OP_COUNT] = {
     "moe_combine_forward, then add_inplace", "moe_combine_forward with the residual",
     "rmsnorm_backward C=2048 N=8192 +dw, din +=",
     "cross_entropy_forward T=8192 V=151936", "cross_entropy_backward (in place)",
-    "cross_entropy forward, then backward",
+    "cross_entropy forward, then backward", "sumsq_f32 n=16.7M (with its sync)",
 };
 
 /* AdamW over one Qwen3-30B-A3B layer's tensors, one segment each (623M parameters): input norm,
@@ -211,6 +212,7 @@ static double op_bytes(int op)
     case OP_CE_FWD: return (double)T * V * x + 2 * T * 4.0;
     case OP_CE_BWD: return 2.0 * T * V * x + 2 * T * 4.0;
     case OP_CE_TWO: return 3.0 * T * V * x + 3 * T * 4.0;
+    case OP_SUMSQ: return th * 4.0;
     default: return th * x + th * 4.0;
     }
 }
@@ -301,6 +303,7 @@ static void run_op(int op)
         be->cross_entropy_forward(ce_loss, ce_lse, ce_z, ce_tgt, T, V);
         be->cross_entropy_backward(ce_z, ce_z, ce_lse, ce_tgt, T, V, 1.0f / T);
         break;
+    case OP_SUMSQ: (void)be->sumsq_f32(f_scratch, (size_t)T * H); break;
     default: be->cast_x_to_f32(f_scratch, x_th, (size_t)T * H); break;
     }
 }
