@@ -15,17 +15,18 @@
  *    the consumers zero those rows of both operands in shared memory before the MMA.
  *
  * CTA: 3 warpgroups. Warpgroup 0 is the producer (one thread issues the TMA loads into a ring of
- * 3 (forward, dgrad) or 4 (wgrad) stages, each guarded by a "full" mbarrier the TMA completes and
- * an "empty" one the consumers release); warpgroups 1 and 2 each compute 64 rows × 256 columns of
- * the tile with wgmma.m64n256k16 (128 fp32 accumulators a thread). Forward/dgrad write the bf16
- * tile into a shared-memory staging buffer that one thread stores with TMA while the next tile's
- * MMAs run; wgrad does the fp32 read-add-write of dw from registers (each dw element belongs to
- * exactly one tile, so the += needs no atomics and is deterministic).
+ * 3 stages of 64 K (forward, dgrad) or 4 of 32 K (wgrad), each guarded by a "full" mbarrier the
+ * TMA completes and an "empty" one the consumers release); warpgroups 1 and 2 each compute 64 rows
+ * × 256 columns of the tile with wgmma.m64n256k16 (128 fp32 accumulators a thread). Forward/dgrad
+ * write the bf16 tile into a shared-memory staging buffer that one thread stores with TMA while
+ * the next tile's MMAs run. Wgrad stages its fp32 tile the same way, and a second producer thread
+ * (the dw warp) has the L2 add it onto dw by TMA (each dw element belongs to exactly one tile, so
+ * the += is one add a call and deterministic).
  *
  * Shared-memory layouts are the TMA's 128-byte swizzle, which is what wgmma's SW128 descriptors
  * read: a K-major operand tile is rows of 64 K-elements (128 B), 8-row groups 1024 B apart; an
- * MN-major tile is boxes of 64 MN-elements × 64 K-rows (8 KB each), the boxes LBO = 8 KB apart
- * along MN and 8-K-row groups SBO = 1024 B apart. */
+ * MN-major tile is boxes of 64 MN-elements × BK K-rows (BK × 128 B each), the boxes LBO = one box
+ * apart along MN and 8-K-row groups SBO = 1024 B apart. */
 #include "grouped_gemm.cuh"
 
 #include "cuda_common.cuh"
@@ -36,13 +37,8 @@
 
 namespace {
 
-constexpr int BM = 128, BN = 256, BK = 64;
+constexpr int BM = 128, BN = 256;
 constexpr int THREADS = 384;                 /* producer warpgroup + 2 consumer warpgroups */
-constexpr int A_BYTES = BM * BK * 2;         /* 16 KB */
-constexpr int B_BYTES = BN * BK * 2;         /* 32 KB */
-constexpr int BOX_BYTES = 64 * BK * 2;       /* one 64×64 MN-major box, 8 KB */
-constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int OUT_BYTES = BM * BN * 2;       /* forward/dgrad: the bf16 output tile, 64 KB */
 constexpr int MAX_EXPERTS = 256;             /* per launch (the schedule is a kernel parameter) */
 /* Forward/dgrad visit an expert's tiles in groups of GROUP_M row tiles, every column tile of a
  * group before the next group, so the CTAs running together share both operands' tiles in L2.
@@ -53,19 +49,31 @@ constexpr int GROUP_M = 8;
 
 enum { KIND_FWD, KIND_DGRAD, KIND_WGRAD };
 
-/* Forward and dgrad stage their output tile in shared memory for a TMA store, which leaves room
- * for 3 operand stages; wgrad's fp32 read-add-write goes from registers, with 4. */
+/* Every kind stages its output tile in shared memory for the TMA: forward/dgrad the bf16 tile
+ * (64 KB) beside 3 operand stages of 64 K; wgrad the fp32 tile (128 KB) beside 4 stages of 32 K
+ * (the same 96 KB as 2 of 64, which fed the MMAs 12% slower: H200, wgrad2 gate_up without its
+ * epilogue 1.45 ms against 1.29). */
+template <int KIND> __host__ __device__ constexpr int bk_of() { return KIND == KIND_WGRAD ? 32 : 64; }
 template <int KIND> __host__ __device__ constexpr int stages_of() { return KIND == KIND_WGRAD ? 4 : 3; }
+template <int KIND> __host__ __device__ constexpr int a_bytes_of() { return BM * bk_of<KIND>() * 2; }
+template <int KIND> __host__ __device__ constexpr int b_bytes_of() { return BN * bk_of<KIND>() * 2; }
+/* one MN-major box: 64 MN-elements x bk K-rows */
+template <int KIND> __host__ __device__ constexpr int box_bytes_of() { return 64 * bk_of<KIND>() * 2; }
+template <int KIND> __host__ __device__ constexpr int stage_bytes_of() { return a_bytes_of<KIND>() + b_bytes_of<KIND>(); }
+template <int KIND> __host__ __device__ constexpr int out_bytes_of() { return BM * BN * (KIND == KIND_WGRAD ? 4 : 2); }
 template <int KIND> constexpr int smem_bytes_of()
 {
-    return stages_of<KIND>() * STAGE_BYTES + (KIND == KIND_WGRAD ? 0 : OUT_BYTES) +
-           1024 /* alignment slack */ + 2 * stages_of<KIND>() * 8;
+    return stages_of<KIND>() * stage_bytes_of<KIND>() + out_bytes_of<KIND>() + 1024 /* alignment slack */ +
+           2 * stages_of<KIND>() * 8 + 2 * 8 /* wgrad: free, staged */;
 }
+static_assert(smem_bytes_of<KIND_WGRAD>() <= 227 * 1024, "wgrad shared memory exceeds the SM's 227 KB");
+static_assert(smem_bytes_of<KIND_FWD>() <= 227 * 1024, "shared memory exceeds the SM's 227 KB");
 
 struct gg_params {
     CUtensorMap map_a, map_b;
     CUtensorMap map_a2, map_b2; /* wgrad: the second row set (= map_a/map_b when there is none) */
-    CUtensorMap map_out;        /* forward/dgrad: out [R, N], boxes of 64 columns × BM rows */
+    CUtensorMap map_out;        /* forward/dgrad: out [R, N] bf16, boxes of 64 columns × BM rows;
+                                 * wgrad: dw [n_exp, M, N] fp32, boxes of 32 columns × BM rows */
     void *out;          /* bf16 [R, N] (forward, dgrad) or fp32 dw [n_exp, M, N] (wgrad) */
     int M, N, K;        /* wgrad: M = O, N = I; forward/dgrad: N, K (M is the expert's rows) */
     int overwrite;      /* wgrad: dw = acc (dw not read; experts with no rows get zero tiles) */
@@ -169,6 +177,7 @@ template <int KIND> __device__ __forceinline__ tile_info decode(const gg_params 
 
 template <int KIND> __device__ __forceinline__ int k_blocks(const gg_params &p, const tile_info &ti)
 {
+    constexpr int BK = bk_of<KIND>();
     return KIND == KIND_WGRAD ? (ti.rows + BK - 1) / BK + (ti.rows_b + BK - 1) / BK
                               : (p.K + BK - 1) / BK;
 }
@@ -184,21 +193,28 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
     constexpr int TA = KIND == KIND_WGRAD ? 1 : 0; /* A MN-major */
     constexpr int TB = KIND == KIND_FWD ? 0 : 1;   /* B MN-major */
     constexpr uint32_t A_KSTEP = TA ? 16 * 128 : 32, B_KSTEP = TB ? 16 * 128 : 32;
+    constexpr int STAGES = stages_of<KIND>(), BK = bk_of<KIND>();
+    constexpr int A_BYTES = a_bytes_of<KIND>(), BOX_BYTES = box_bytes_of<KIND>();
+    constexpr int STAGE_BYTES = stage_bytes_of<KIND>();
     constexpr uint32_t A_LBO = TA ? BOX_BYTES : 16, B_LBO = TB ? BOX_BYTES : 16;
-    constexpr int STAGES = stages_of<KIND>();
 
     extern __shared__ uint8_t smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u; /* SW128 atoms: 1024-aligned */
-    const uint32_t staging = base + STAGES * STAGE_BYTES; /* forward/dgrad: the output tile */
-    const uint32_t bars = staging + (KIND == KIND_WGRAD ? 0 : OUT_BYTES);
+    const uint32_t staging = base + STAGES * STAGE_BYTES; /* the output tile */
+    const uint32_t bars = staging + out_bytes_of<KIND>();
     auto full_bar = [&](int s) { return bars + 8u * s; };
     auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
+    /* wgrad: the staging buffer is free (the previous tile's adds have read it) / the consumers
+     * have written the tile into it */
+    const uint32_t free_bar = bars + 16u * STAGES, staged_bar = free_bar + 8u;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
             mbar_init(full_bar(s), 1);  /* the producer's expect_tx arrival (+ the TMA bytes) */
             mbar_init(empty_bar(s), 8); /* one arrival per consumer warp */
         }
+        mbar_init(free_bar, 1);    /* the dw warp's arrival */
+        mbar_init(staged_bar, 8);  /* one arrival per consumer warp */
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -207,6 +223,33 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
     if (wg == 0) {
         /* ------------------------------------------------ producer */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (KIND == KIND_WGRAD && threadIdx.x == 32) {
+            /* ------------------------------------------- the dw warp (wgrad): per tile, once the
+             * consumers have staged it, the L2 adds it onto dw (cp.reduce.async.bulk; overwrite:
+             * stores it) while they run the next tile's MMAs; this thread waits for the buffer to
+             * be read so that they never do. Against the read-add-write from registers after the
+             * MMAs (H200, the bench step): 6-9 ms a step faster, though slower alone
+             * (bench_grouped_gemm's back-to-back calls: wgrad2 gate_up 2.11 ms against 1.80);
+             * loading dw's tile by TMA during the MMAs and storing the sum gained 3 ms
+             * (docs/benchmarks.md, fourteenth session). */
+            uint32_t ph = 0;
+            for (int t = blockIdx.x; t < p.total_tiles; t += gridDim.x) {
+                const tile_info ti = decode<KIND>(p, t);
+                const int e = p.e_base + ti.e, nb = min(BN / 32, (p.N - ti.ni * BN + 31) / 32);
+                mbar_arrive(free_bar);
+                mbar_wait(staged_bar, ph);
+                for (int b = 0; b < nb; b++) {
+                    const uint32_t src = staging + b * (BM * 128);
+                    if (p.overwrite) tma_store_3d(&p.map_out, src, ti.ni * BN + 32 * b, ti.mi * BM, e);
+                    else tma_reduce_add_3d(&p.map_out, src, ti.ni * BN + 32 * b, ti.mi * BM, e);
+                }
+                bulk_commit();
+                bulk_wait_read();
+                ph ^= 1;
+            }
+            bulk_wait_all();
+            return;
+        }
         if (threadIdx.x != 0) return;
         int stage = 0;
         uint32_t phase = 0;
@@ -249,20 +292,10 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
     const int row_in_tile = w * 64 + ((threadIdx.x / 32) & 3) * 16 + (lane >> 2);
     const int col_in_tile = 2 * (lane & 3);
     int stage = 0;
-    uint32_t phase = 0;
+    uint32_t phase = 0, tile_phase = 0;
     for (int t = blockIdx.x; t < p.total_tiles; t += gridDim.x) {
         const tile_info ti = decode<KIND>(p, t);
         const int nk = k_blocks<KIND>(p, ti);
-        if (KIND == KIND_WGRAD && !p.overwrite) {
-            /* pull this tile's dw (128 rows × 1 KB) into L2 now, so that the read half of the
-             * epilogue's read-add-write overlaps the MMAs instead of following them */
-            const int row = ti.mi * BM + (ctid >> 1), col = ti.ni * BN + (ctid & 1) * (BN / 2);
-            if (row < p.M && col < p.N) {
-                const int bytes = (p.N - col < BN / 2 ? p.N - col : BN / 2) * 4; /* N % 8 == 0 */
-                const float *src = (const float *)p.out + ((size_t)(p.e_base + ti.e) * p.M + row) * p.N + col;
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-            }
-        }
         float acc[128];
 #pragma unroll
         for (int i = 0; i < 128; i++) acc[i] = 0.0f;
@@ -286,7 +319,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
             const int valid = kb < nka ? ti.rows - kb * BK : ti.rows_b - (kb - nka) * BK;
             if (KIND == KIND_WGRAD && valid < BK) {
                 /* K rows past the expert's end in its row set (the next expert's rows): zero them
-                 * in all six 8 KB boxes of the stage (A's 2 then B's 4, contiguous). Swizzling
+                 * in all six boxes of the stage (A's 2 then B's 4, contiguous). Swizzling
                  * permutes 16-byte chunks within a 128-byte K row, so whole rows stay whole. */
                 const int per_box = (BK - valid) * 8; /* 16-byte chunks, >= 8 */
                 for (int i = ctid; i < 6 * per_box; i += 256) {
@@ -314,37 +347,30 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
 #pragma unroll
         for (int i = 0; i < 128; i++) fence_operand(acc[i]);
 
-        /* ------------------------------------------------ epilogue, straight from registers.
+        /* ------------------------------------------------ epilogue, through shared memory.
          * Accumulator j·4 + {0,1}: row row_in_tile, columns 8j + col_in_tile + {0,1};
-         * j·4 + {2,3}: the same columns 8 rows down. N is even, so a pair is in or out whole. */
-        const int n0 = ti.ni * BN + col_in_tile;
+         * j·4 + {2,3}: the same columns 8 rows down. */
         if (KIND == KIND_WGRAD) {
-            /* dw += acc: the loads of a batch of 8 column groups are all issued before the first
-             * store, so 16 are in flight (one at a time, the read latency dominated this GEMM) */
-            float *dw = (float *)p.out + (size_t)(p.e_base + ti.e) * p.M * p.N;
-            const int m = ti.mi * BM + row_in_tile;
-            constexpr int JB = 8;
+            /* the tile into the staging buffer, in the layout of the dw map's boxes: eight boxes
+             * of 32 columns × 128 rows, 128-byte swizzled (conflict-free: a warp's 8 rows × 32
+             * bytes land in distinct 16-byte chunk columns). */
+            mbar_wait(free_bar, tile_phase);
+            const int q = lane & 3;
 #pragma unroll
-            for (int jb = 0; jb < BN / 8; jb += JB) {
-                float2 v[JB][2];
+            for (int j = 0; j < BN / 8; j++)
 #pragma unroll
-                for (int j = 0; j < JB; j++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        v[j][h] = make_float2(0.0f, 0.0f);
-                        if (n0 + 8 * (jb + j) < p.N && m + 8 * h < p.M && !p.overwrite)
-                            v[j][h] = *(const float2 *)(dw + (size_t)(m + 8 * h) * p.N + n0 + 8 * (jb + j));
-                    }
-#pragma unroll
-                for (int j = 0; j < JB; j++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++)
-                        if (n0 + 8 * (jb + j) < p.N && m + 8 * h < p.M) {
-                            v[j][h].x += acc[4 * (jb + j) + 2 * h];
-                            v[j][h].y += acc[4 * (jb + j) + 2 * h + 1];
-                            *(float2 *)(dw + (size_t)(m + 8 * h) * p.N + n0 + 8 * (jb + j)) = v[j][h];
-                        }
-            }
+                for (int h = 0; h < 2; h++) {
+                    const int row = row_in_tile + 8 * h, chunk = 2 * (j & 3) + (q >> 1);
+                    const uint32_t a = staging + (j >> 2) * (BM * 128) + row * 128 +
+                                       ((chunk ^ (row & 7)) << 4) + 8 * (q & 1);
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a), "f"(acc[4 * j + 2 * h]),
+                                 "f"(acc[4 * j + 2 * h + 1])
+                                 : "memory");
+                }
+            fence_proxy_async(); /* for the TMA's reads */
+            __syncwarp();
+            if (lane == 0) mbar_arrive(staged_bar);
+            tile_phase ^= 1;
         } else {
             /* Through shared memory: the tile is written (bf16, in the 128-byte-swizzled layout of
              * four 64-column boxes) and stored by TMA, which runs on while the consumers start the
@@ -502,12 +528,13 @@ extern "C" bool grouped_gemm_dgrad(void *din, const void *dout, const void *w, c
     return true;
 }
 
-/* The row matrices of one wgrad row set as TMA maps: dY [R, O] and X [R, I], 64×64 boxes. */
+/* The row matrices of one wgrad row set as TMA maps: dY [R, O] and X [R, I], boxes of 64 columns ×
+ * one K block of rows. */
 static void wgrad_maps(CUtensorMap *ma, CUtensorMap *mb, const void *dout, const void *in, int64_t R,
                        int I, int O)
 {
     const cuuint64_t da[2] = {(cuuint64_t)O, (cuuint64_t)R}, sa[1] = {(cuuint64_t)O * 2};
-    const cuuint32_t box[2] = {64, 64};
+    const cuuint32_t box[2] = {64, (cuuint32_t)bk_of<KIND_WGRAD>()};
     tma_make_map(ma, dout, 2, da, sa, box, "grouped_gemm");
     const cuuint64_t db[2] = {(cuuint64_t)I, (cuuint64_t)R}, sb[1] = {(cuuint64_t)I * 2};
     tma_make_map(mb, in, 2, db, sb, box, "grouped_gemm");
@@ -532,14 +559,18 @@ extern "C" bool grouped_gemm_wgrad2(float *dw, const void *dout, const void *in,
         return true;
     }
     if (R == 0) return grouped_gemm_wgrad2(dw, dout2, in2, off2, NULL, NULL, NULL, n_exp, I, O, overwrite);
-    CUtensorMap ma, mb, ma2, mb2;
+    CUtensorMap ma, mb, ma2, mb2, mw;
     wgrad_maps(&ma, &mb, dout, in, off[n_exp], I, O);
+    const cuuint64_t dwd[3] = {(cuuint64_t)I, (cuuint64_t)O, (cuuint64_t)n_exp};
+    const cuuint64_t dws[2] = {(cuuint64_t)I * 4, (cuuint64_t)O * I * 4};
+    const cuuint32_t dwb[3] = {32, BM, 1};
+    tma_make_map_f32(&mw, dw, 3, dwd, dws, dwb, "grouped_gemm");
     if (R2 == 0) {
-        launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0, NULL, overwrite);
+        launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0, &mw, overwrite);
         return true;
     }
     wgrad_maps(&ma2, &mb2, dout2, in2, off2[n_exp], I, O);
-    launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0, NULL, overwrite, off2, &ma2, &mb2);
+    launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0, &mw, overwrite, off2, &ma2, &mb2);
     return true;
 }
 

@@ -14,6 +14,9 @@
  * bytes for dims 1..; `what` names the caller in the error message. */
 void tma_make_map(CUtensorMap *m, const void *base, int rank, const cuuint64_t *dims,
                   const cuuint64_t *strides, const cuuint32_t *box, const char *what);
+/* the same for an fp32 tensor (the box's inner dimension is then at most 32 elements) */
+void tma_make_map_f32(CUtensorMap *m, const void *base, int rank, const cuuint64_t *dims,
+                      const cuuint64_t *strides, const cuuint32_t *box, const char *what);
 
 namespace {
 
@@ -90,6 +93,20 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, uint32_t sr
 {
     asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];"
                  ::"l"((uint64_t)map), "r"(c0), "r"(c1), "r"(src)
+                 : "memory");
+}
+/* shared -> global for a 3-D tensor: the box stored (tma_store_3d) or added element-wise onto the
+ * tensor's values by the L2 (tma_reduce_add_3d) */
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap *map, uint32_t src, int c0, int c1, int c2)
+{
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];"
+                 ::"l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap *map, uint32_t src, int c0, int c1, int c2)
+{
+    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];"
+                 ::"l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(src)
                  : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }

@@ -548,7 +548,7 @@ Test(gpu, expert_matmul_grouped)
 {
     mt_rng rng;
     mt_rng_seed(&rng, 115);
-    /* tile edges: 128 rows per tile, 64 rows per wgrad K block, 256 columns per tile */
+    /* tile edges: 128 rows per tile, 32 rows per wgrad K block, 256 columns per tile */
     const int edges[] = {0, 1, 127, 129, 300, 0, 64, 65};
     const int odd[] = {70, 0, 1, 200, 33};
     const int few[] = {5, 0, 40};
