@@ -16,7 +16,8 @@
  *
  * CTA: 3 warpgroups. Warpgroup 0 is the producer (one thread issues the TMA loads into a ring of
  * 3 stages of 64 K (forward, dgrad) or 4 of 32 K (wgrad), each guarded by a "full" mbarrier the
- * TMA completes and an "empty" one the consumers release); warpgroups 1 and 2 each compute 64 rows
+ * TMA completes and an "empty" one the consumers release; forward/dgrad stages carry a header
+ * with the coordinates of the tile they start); warpgroups 1 and 2 each compute 64 rows
  * × 256 columns of the tile with wgmma.m64n256k16 (128 fp32 accumulators a thread). Forward/dgrad
  * write the bf16 tile into a shared-memory staging buffer that one thread stores with TMA while
  * the next tile's MMAs run. Wgrad stages its fp32 tile the same way, and a second producer thread
@@ -64,7 +65,8 @@ template <int KIND> __host__ __device__ constexpr int out_bytes_of() { return BM
 template <int KIND> constexpr int smem_bytes_of()
 {
     return stages_of<KIND>() * stage_bytes_of<KIND>() + out_bytes_of<KIND>() + 1024 /* alignment slack */ +
-           2 * stages_of<KIND>() * 8 + 2 * 8 /* wgrad: free, staged */;
+           2 * stages_of<KIND>() * 8 + 2 * 8 /* wgrad: free, staged */ +
+           stages_of<KIND>() * 32 /* forward/dgrad: a tile header per stage */;
 }
 static_assert(smem_bytes_of<KIND_WGRAD>() <= 227 * 1024, "wgrad shared memory exceeds the SM's 227 KB");
 static_assert(smem_bytes_of<KIND_FWD>() <= 227 * 1024, "shared memory exceeds the SM's 227 KB");
@@ -92,9 +94,10 @@ static_assert(sizeof(gg_params) <= 4096, "gg_params exceeds the kernel parameter
 /* keeps the compiler from moving accumulator reads across the asynchronous MMA's completion */
 __device__ __forceinline__ void fence_operand(float &x) { asm volatile("" : "+f"(x)::"memory"); }
 
-/* D[64×256] += A[64×16] · B[256×16]ᵀ; TA/TB: 0 = K-major, 1 = MN-major operand */
+/* D[64×256] += A[64×16] · B[256×16]ᵀ (accumulate = 0: D = A · B, D's old values unread); TA/TB:
+ * 0 = K-major, 1 = MN-major operand */
 template <int TA, int TB>
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db)
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db, int accumulate)
 {
     asm volatile(
         "{\n"
@@ -127,7 +130,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, u
           "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(1) /* scale-d: D += A·B */
+        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(accumulate) /* scale-d */
         : "memory");
 }
 
@@ -207,6 +210,15 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
     /* wgrad: the staging buffer is free (the previous tile's adds have read it) / the consumers
      * have written the tile into it */
     const uint32_t free_bar = bars + 16u * STAGES, staged_bar = free_bar + 8u;
+    /* Forward/dgrad: the producer writes each tile's coordinates into the header of the stage
+     * that holds its first K block, and the consumers read them there. Searching the schedule in
+     * the parameter space between tiles (dependent constant-cache loads) sat on every tile's
+     * critical path: H200, balanced forward down 628 -> 653 TFLOPS, 3.5 ms a bench step. Wgrad
+     * tiles are long and gained nothing (and a zero tile would need a stage of its own), so its
+     * consumers still search. */
+    constexpr bool HDR = KIND != KIND_WGRAD;
+    const uint32_t hdr0 = staged_bar + 8u;
+    auto hdr = [&](int s) { return hdr0 + 32u * s; };
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
@@ -259,7 +271,13 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
             for (int kb = 0; kb < nk; kb++) {
                 const uint32_t sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES, fb = full_bar(stage);
                 mbar_wait(empty_bar(stage), phase ^ 1);
-                mbar_expect_tx(fb, STAGE_BYTES); /* out-of-bounds box parts count too */
+                if (HDR && kb == 0)
+                    asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n\t"
+                                 "st.shared.s32 [%0+16], %5;" ::"r"(hdr(stage)), "r"(ti.e),
+                                 "r"(ti.r0), "r"(ti.rows), "r"(ti.mi), "r"(ti.ni)
+                                 : "memory");
+                mbar_expect_tx(fb, STAGE_BYTES); /* out-of-bounds box parts count too; the arrive
+                                                  * releases the header to the consumers */
                 if (KIND == KIND_FWD) {
                     tma_2d(sa, &p.map_a, kb * BK, ti.r0 + ti.mi * BM, fb);
                     tma_3d(sb, &p.map_b, kb * BK, ti.ni * BN, e, fb);
@@ -294,11 +312,27 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
     int stage = 0;
     uint32_t phase = 0, tile_phase = 0;
     for (int t = blockIdx.x; t < p.total_tiles; t += gridDim.x) {
-        const tile_info ti = decode<KIND>(p, t);
+        tile_info ti;
+        if (HDR) {
+            mbar_wait(full_bar(stage), phase); /* the tile's first K block, and its header */
+            asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%5];\n\t"
+                         "ld.shared.s32 %4, [%5+16];"
+                         : "=r"(ti.e), "=r"(ti.r0), "=r"(ti.rows), "=r"(ti.mi), "=r"(ti.ni)
+                         : "r"(hdr(stage))
+                         : "memory");
+            ti.r0b = ti.rows_b = 0;
+        } else {
+            ti = decode<KIND>(p, t);
+        }
         const int nk = k_blocks<KIND>(p, ti);
+        /* Forward/dgrad: the tile's first MMA overwrites (scale-d 0) instead of a zeroing here,
+         * on the tile's critical path. Wgrad zeroes: a zero tile (overwrite, no rows) stores the
+         * zeros. Only one of the two per kind, or ptxas serialises the MMAs (C7515). */
         float acc[128];
+        if (!HDR) {
 #pragma unroll
-        for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+            for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+        }
 
         /* Forward/dgrad: an expert's last tile often has <= 64 valid rows. The warpgroup whose 64
          * rows are all past them (never stored) skips its MMAs, leaving the SM's tensor cores to
@@ -335,7 +369,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
 #pragma unroll
             for (int kk = 0; kk < BK / 16; kk++)
                 wgmma_m64n256k16<TA, TB>(acc, smem_desc(a0 + kk * A_KSTEP, A_LBO, 1024),
-                                         smem_desc(sb + kk * B_KSTEP, B_LBO, 1024));
+                                         smem_desc(sb + kk * B_KSTEP, B_LBO, 1024),
+                                         !HDR || kb > 0 || kk > 0);
             wgmma_commit();
             wgmma_wait<1>(); /* the previous block's MMAs are done: release its stage */
             if (prev >= 0 && lane == 0) mbar_arrive(empty_bar(prev));
