@@ -2,8 +2,8 @@
  *
  * Every GEMM is D[M,N] (+)= A[M,K] · B[N,K]ᵀ with bf16 operands and fp32 accumulation, over a
  * flat list of 128×256 output tiles covering all experts. The expert row offsets are device memory
- * (the routing's, never read by the host): a one-block kernel turns them into per-expert tile
- * prefix sums ahead of each GEMM, and a CTA finds its tile's expert by binary search over them.
+ * (the routing's, never read by the host): each CTA turns them into per-expert tile prefix sums in
+ * shared memory when it starts, and finds a tile's expert by binary search over them.
  * The three expert GEMMs map as:
  *   forward  Y[rows,O]  = X[rows,I] · W[e]ᵀ     A = X  (K-major), B = W[e]  (K-major)
  *   dgrad    dX[rows,I] = dY[rows,O] · W[e]     A = dY (K-major), B = W[e]  (N-major: W is [O,I])
@@ -42,7 +42,7 @@ namespace {
 
 constexpr int BM = 128, BN = 256;
 constexpr int THREADS = 384;                 /* producer warpgroup + 2 consumer warpgroups */
-constexpr int SCHED_THREADS = 1024;          /* the schedule kernel's one block */
+constexpr int MAX_EXPERTS = 256;             /* per launch: its tile starts live in shared memory */
 /* Forward/dgrad visit an expert's tiles in groups of GROUP_M row tiles, every column tile of a
  * group before the next group, so the CTAs running together share both operands' tiles in L2.
  * Down an expert's whole row range first (as before), a large expert's concurrent tiles each read
@@ -70,8 +70,10 @@ template <int KIND> constexpr int smem_bytes_of()
            2 * stages_of<KIND>() * 8 + 2 * 8 /* wgrad: free, staged */ +
            stages_of<KIND>() * 32 /* a tile header per stage */;
 }
-static_assert(smem_bytes_of<KIND_WGRAD>() <= 227 * 1024, "wgrad shared memory exceeds the SM's 227 KB");
-static_assert(smem_bytes_of<KIND_FWD>() <= 227 * 1024, "shared memory exceeds the SM's 227 KB");
+/* beside the dynamic part: the tile starts and a scan's warp totals (tile_starts) */
+constexpr int STATIC_SMEM = (MAX_EXPERTS + 1 + THREADS / 32) * 4;
+static_assert(smem_bytes_of<KIND_WGRAD>() + STATIC_SMEM <= 227 * 1024, "wgrad shared memory exceeds the SM's 227 KB");
+static_assert(smem_bytes_of<KIND_FWD>() + STATIC_SMEM <= 227 * 1024, "shared memory exceeds the SM's 227 KB");
 
 struct gg_params {
     CUtensorMap map_a, map_b;
@@ -81,11 +83,11 @@ struct gg_params {
     void *out;          /* bf16 [R, N] (forward, dgrad) or fp32 dw [n_exp, M, N] (wgrad) */
     int M, N, K;        /* wgrad: M = O, N = I; forward/dgrad: N, K (M is the expert's rows) */
     int overwrite;      /* wgrad: dw = acc (dw not read; experts with no rows get zero tiles) */
-    int n_exp;
-    /* device, built by schedule_kernel from the offsets: three arrays of n_exp + 1 ints, the
-     * absolute row offsets, the second row set's (wgrad; zeros when there is none) and the
-     * prefix sums of tiles per expert (the last one is the launch's tile count) */
-    const int *sched;
+    int n_exp, e_base;  /* experts [e_base, e_base + n_exp) in this launch (n_exp <= MAX_EXPERTS) */
+    int tiles_m;        /* row tiles an expert: wgrad ceil(M / BM); 0: ceil(its rows / BM) */
+    /* device: the launch's n_exp + 1 absolute row offsets (from expert e_base on), and the second
+     * row set's (wgrad), or NULL. Each CTA turns them into tile starts in shared memory. */
+    const int64_t *off, *off2;
 };
 
 /* kernel parameters live in the 4 KB constant bank of a launch */
@@ -149,29 +151,59 @@ struct tile_info {
                  * that way) */
 };
 
-__device__ __forceinline__ const int *row_off_of(const gg_params &p) { return p.sched; }
-__device__ __forceinline__ const int *row_off2_of(const gg_params &p) { return p.sched + p.n_exp + 1; }
-__device__ __forceinline__ const int *tile_start_of(const gg_params &p) { return p.sched + 2 * (p.n_exp + 1); }
-__device__ __forceinline__ int total_tiles(const gg_params &p) { return __ldg(tile_start_of(p) + p.n_exp); }
+/* Every thread of the CTA (THREADS >= MAX_EXPERTS): tile_start[e] = the tiles of the launch's
+ * experts before e, tile_start[n_exp] = all of them. An expert has tiles when it has rows in either
+ * set, or always when overwriting. Ends with the block's barrier. */
+__device__ void tile_starts(const gg_params &p, int *tile_start /*[MAX_EXPERTS + 1] smem*/)
+{
+    static_assert(THREADS >= MAX_EXPERTS, "one thread an expert");
+    __shared__ int warp_tot[THREADS / 32];
+    const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
+    int v = 0;
+    if (e < p.n_exp) {
+        const int64_t rows = __ldg(p.off + e + 1) - __ldg(p.off + e);
+        const int64_t rows2 = p.off2 ? __ldg(p.off2 + e + 1) - __ldg(p.off2 + e) : 0;
+        if (rows > 0 || rows2 > 0 || p.overwrite)
+            v = (p.tiles_m ? p.tiles_m : (int)((rows + BM - 1) / BM)) * ((p.N + BN - 1) / BN);
+    }
+    int x = v; /* inclusive scan within the warp, then over the warps' totals */
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) warp_tot[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < THREADS / 32 ? warp_tot[lane] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += y;
+        }
+        if (lane < THREADS / 32) warp_tot[lane] = w;
+    }
+    __syncthreads();
+    if (e < p.n_exp) tile_start[e + 1] = x + (warp ? warp_tot[warp - 1] : 0);
+    if (e == 0) tile_start[0] = 0;
+    __syncthreads();
+}
 
-template <int KIND> __device__ __forceinline__ tile_info decode(const gg_params &p, int t)
+template <int KIND> __device__ __forceinline__ tile_info decode(const gg_params &p, const int *tile_start, int t)
 {
     /* the largest e with tile_start[e] <= t: an expert with no tiles shares its start with the
      * next one, so the search always lands on an expert that has tile t */
-    const int *row_off = row_off_of(p), *row_off2 = row_off2_of(p), *tile_start = tile_start_of(p);
     int lo = 0, hi = p.n_exp - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (__ldg(tile_start + mid) <= t) lo = mid;
+        if (tile_start[mid] <= t) lo = mid;
         else hi = mid - 1;
     }
     tile_info ti;
     ti.e = lo;
-    ti.r0 = __ldg(row_off + lo);
-    ti.rows = __ldg(row_off + lo + 1) - ti.r0;
-    ti.r0b = __ldg(row_off2 + lo);
-    ti.rows_b = __ldg(row_off2 + lo + 1) - ti.r0b;
-    const int local = t - __ldg(tile_start + lo);
+    ti.r0 = (int)__ldg(p.off + lo);
+    ti.rows = (int)__ldg(p.off + lo + 1) - ti.r0;
+    ti.r0b = p.off2 ? (int)__ldg(p.off2 + lo) : 0;
+    ti.rows_b = p.off2 ? (int)__ldg(p.off2 + lo + 1) - ti.r0b : 0;
+    const int local = t - tile_start[lo];
     if (KIND == KIND_WGRAD) {
         const int nt = (p.N + BN - 1) / BN;
         ti.ni = local % nt;
@@ -224,8 +256,10 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
      * balanced forward down 628 -> 653 TFLOPS, 3.5 ms a bench step). A wgrad zero tile
      * (overwrite, no rows) takes a stage with no data, for its header. */
     const uint32_t hdr0 = staged_bar + 8u;
-    const int total = total_tiles(p);
     auto hdr = [&](int s) { return hdr0 + 32u * s; };
+    __shared__ int tile_start[MAX_EXPERTS + 1];
+    tile_starts(p, tile_start);
+    const int total = tile_start[p.n_exp];
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
@@ -253,8 +287,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
              * (docs/benchmarks.md, fourteenth session). */
             uint32_t ph = 0;
             for (int t = blockIdx.x; t < total; t += gridDim.x) {
-                const tile_info ti = decode<KIND>(p, t);
-                const int e = ti.e, nb = min(BN / 32, (p.N - ti.ni * BN + 31) / 32);
+                const tile_info ti = decode<KIND>(p, tile_start, t);
+                const int e = p.e_base + ti.e, nb = min(BN / 32, (p.N - ti.ni * BN + 31) / 32);
                 mbar_arrive(free_bar);
                 mbar_wait(staged_bar, ph);
                 for (int b = 0; b < nb; b++) {
@@ -273,8 +307,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
         int stage = 0;
         uint32_t phase = 0;
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
-            const tile_info ti = decode<KIND>(p, t);
-            const int nk = k_blocks<KIND>(p, ti), e = ti.e;
+            const tile_info ti = decode<KIND>(p, tile_start, t);
+            const int nk = k_blocks<KIND>(p, ti), e = p.e_base + ti.e;
             for (int kb = 0; kb < (nk == 0 ? 1 : nk); kb++) {
                 const uint32_t sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES, fb = full_bar(stage);
                 mbar_wait(empty_bar(stage), phase ^ 1);
@@ -467,63 +501,6 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
 #endif
 }
 
-/* ---------------------------------------------------------------- the schedule, on the device */
-
-/* The exclusive prefix sum of v over the block (SCHED_THREADS threads) */
-__device__ int block_exclusive_scan(int v)
-{
-    __shared__ int warp_sum[SCHED_THREADS / 32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int x = v;
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, x, o);
-        if (lane >= o) x += y;
-    }
-    if (lane == 31) warp_sum[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-        int w = lane < SCHED_THREADS / 32 ? warp_sum[lane] : 0;
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xffffffffu, w, o);
-            if (lane >= o) w += y;
-        }
-        if (lane < SCHED_THREADS / 32) warp_sum[lane] = w; /* inclusive */
-    }
-    __syncthreads();
-    return x - v + (warp > 0 ? warp_sum[warp - 1] : 0);
-}
-
-/* One block: gg_params.sched from the row offsets (off2 NULL: no second set). An expert gets
- * tiles_m · tiles_n tiles (tiles_m = 0: one row tile per BM of its rows) when it has rows in
- * either set, or always when overwrite. Each thread takes a contiguous run of experts. */
-__global__ void __launch_bounds__(SCHED_THREADS)
-schedule_kernel(const int64_t *off, const int64_t *off2, int n_exp, int tiles_m, int tiles_n,
-                int overwrite, int *sched)
-{
-    int *row_off = sched, *row_off2 = sched + n_exp + 1, *tile_start = sched + 2 * (n_exp + 1);
-    const int per = (n_exp + SCHED_THREADS - 1) / SCHED_THREADS;
-    const int e0 = min(n_exp, (int)threadIdx.x * per), e1 = min(n_exp, e0 + per);
-    auto tiles = [&](int e) {
-        const int64_t rows = off[e + 1] - off[e], rows2 = off2 ? off2[e + 1] - off2[e] : 0;
-        if (rows <= 0 && rows2 <= 0 && !overwrite) return 0;
-        return (tiles_m ? tiles_m : (int)((rows + BM - 1) / BM)) * tiles_n;
-    };
-    int mine = 0;
-    for (int e = e0; e < e1; e++) mine += tiles(e);
-    int run = block_exclusive_scan(mine);
-    for (int e = e0; e < e1; e++) {
-        row_off[e] = (int)off[e];
-        row_off2[e] = off2 ? (int)off2[e] : 0;
-        tile_start[e] = run;
-        run += tiles(e);
-    }
-    if (threadIdx.x == SCHED_THREADS - 1) {
-        row_off[n_exp] = (int)off[n_exp];
-        row_off2[n_exp] = off2 ? (int)off2[n_exp] : 0;
-        tile_start[n_exp] = run; /* the last thread's run ends at the total */
-    }
-}
-
 /* ---------------------------------------------------------------- host side */
 
 bool aligned16(const void *q) { return ((uintptr_t)q & 15u) == 0; }
@@ -540,10 +517,10 @@ bool supported(int I, int O, int64_t R, const void *a, const void *b, const void
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* The schedule is built on the device from the device offsets, so the host never waits for the
- * routing; the grid is one CTA an SM whatever the tile count (a CTA without tiles exits).
- * R: the rows the row matrices hold (an upper bound on the tiles). off2 (wgrad only, or NULL):
- * the second row set's offsets, read through ma2/mb2. */
+/* The tile schedule is built by every CTA from the device offsets, so the host never waits for
+ * the routing; the grid is one CTA an SM unless fewer tiles are possible (a CTA without tiles
+ * exits). R: the rows the row matrices hold (an upper bound on the tiles). off2 (wgrad only, or
+ * NULL): the second row set's offsets, read through ma2/mb2. Launches of up to MAX_EXPERTS. */
 template <int KIND>
 void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64_t *off, int64_t R,
             int n_exp, int M, int N, int K, const CUtensorMap *mout, bool overwrite = false,
@@ -555,14 +532,6 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes_of<KIND>()));
         attr_set = true;
     }
-    const int64_t max_tiles = KIND == KIND_WGRAD ? n_exp * cdiv(M, BM) * cdiv(N, BN)
-                                                 : (cdiv(R, BM) + n_exp) * cdiv(N, BN);
-    MT_CHECK(max_tiles <= INT32_MAX, "grouped_gemm: up to %lld tiles, more than int32 counts",
-             (long long)max_tiles);
-    int *sched = (int *)cuda_scratch(SCRATCH_GG_SCHED, 3 * ((size_t)n_exp + 1) * sizeof(int));
-    schedule_kernel<<<1, SCHED_THREADS, 0, g_cuda.stream>>>(
-        off, off2, n_exp, KIND == KIND_WGRAD ? (int)cdiv(M, BM) : 0, (int)cdiv(N, BN), overwrite, sched);
-    CUDA_LAUNCH_CHECK("grouped_gemm schedule");
     gg_params p;
     memset(&p, 0, sizeof p);
     p.map_a = ma;
@@ -573,12 +542,22 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64
     p.out = out;
     p.M = M, p.N = N, p.K = K;
     p.overwrite = overwrite;
-    p.n_exp = n_exp;
-    p.sched = sched;
-    const int grid = max_tiles < g_cuda.num_sms ? (int)max_tiles : g_cuda.num_sms;
-    if (grid == 0) return;
-    grouped_gemm_kernel<KIND><<<grid, THREADS, smem_bytes_of<KIND>(), g_cuda.stream>>>(p);
-    CUDA_LAUNCH_CHECK("grouped_gemm_kernel");
+    p.tiles_m = KIND == KIND_WGRAD ? (int)cdiv(M, BM) : 0;
+    for (int e0 = 0; e0 < n_exp; e0 += MAX_EXPERTS) {
+        const int ne = n_exp - e0 < MAX_EXPERTS ? n_exp - e0 : MAX_EXPERTS;
+        const int64_t max_tiles = KIND == KIND_WGRAD ? ne * cdiv(M, BM) * cdiv(N, BN)
+                                                     : (cdiv(R, BM) + ne) * cdiv(N, BN);
+        MT_CHECK(max_tiles <= INT32_MAX, "grouped_gemm: up to %lld tiles, more than int32 counts",
+                 (long long)max_tiles);
+        p.n_exp = ne;
+        p.e_base = e0;
+        p.off = off + e0;
+        p.off2 = off2 ? off2 + e0 : NULL;
+        const int grid = max_tiles < g_cuda.num_sms ? (int)max_tiles : g_cuda.num_sms;
+        if (grid == 0) continue;
+        grouped_gemm_kernel<KIND><<<grid, THREADS, smem_bytes_of<KIND>(), g_cuda.stream>>>(p);
+        CUDA_LAUNCH_CHECK("grouped_gemm_kernel");
+    }
 }
 
 } // namespace
