@@ -5,7 +5,8 @@
  * their dw is not touched. In bf16 on Hopper the grouped kernel of grouped_gemm.cu does the work
  * instead wherever it supports the shapes; this is the sm_80 path (A100, MT_FORCE_SM80=1) and
  * fp32's. At ~512 rows an expert one cublasGemmEx fills a fraction of the GPU, so the loop left
- * most SMs idle; the grouped call schedules every expert's tiles together. */
+ * most SMs idle; the grouped call schedules every expert's tiles together. The offsets are device
+ * memory (ops.h); this path downloads them and waits, the grouped kernel does not. */
 #include "expert_matmul.cuh"
 #include "grouped_gemm.cuh"
 #include "matmul.cuh"
@@ -93,10 +94,25 @@ gemm_list g_list;
 
 } // namespace
 
-static void check_offsets(const char *what, const int64_t *off, int n_exp)
+/* The cuBLAS path needs the offsets on the host: a download, and the wait for it (the grouped
+ * kernel reads them where they are). Valid until the next call. */
+static const int64_t *offsets_on_host(const int64_t *off_dev, int n_exp)
+{
+    static std::vector<int64_t> host;
+    MT_CHECK(n_exp >= 0, "expert_matmul: %d experts", n_exp);
+    host.resize((size_t)n_exp + 1);
+    CUDA_CHECK(cudaMemcpyAsync(host.data(), off_dev, ((size_t)n_exp + 1) * sizeof(int64_t),
+                               cudaMemcpyDeviceToHost, g_cuda.stream));
+    CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
+    return host.data();
+}
+
+static void check_offsets(const char *what, const int64_t *off, int64_t R, int n_exp)
 {
     MT_CHECK(n_exp >= 0 && (n_exp == 0 || off[0] >= 0), "%s: bad expert count or first offset",
              what);
+    MT_CHECK(n_exp == 0 || off[n_exp] <= R, "%s: the offsets end at row %lld of %lld", what,
+             (long long)off[n_exp], (long long)R);
     for (int e = 0; e < n_exp; e++) {
         MT_CHECK(off[e + 1] >= off[e], "%s: offsets decrease at expert %d (%lld > %lld)", what, e,
                  (long long)off[e], (long long)off[e + 1]);
@@ -105,12 +121,14 @@ static void check_offsets(const char *what, const int64_t *off, int n_exp)
 }
 
 template <typename T>
-void cu_expert_matmul_forward(void *out, const void *in, const void *w, const int64_t *off,
-                              int n_exp, int I, int O)
+void cu_expert_matmul_forward(void *out, const void *in, const void *w, const int64_t *off_dev,
+                              int64_t R, int n_exp, int I, int O)
 {
-    check_offsets("expert_matmul", off, n_exp);
     /* bf16: the grouped Hopper kernel, unless the shapes are outside what it handles */
-    if (std::is_same<T, bf16>::value && grouped_gemm_forward(out, in, w, off, n_exp, I, O)) return;
+    if (std::is_same<T, bf16>::value && grouped_gemm_forward(out, in, w, off_dev, R, n_exp, I, O))
+        return;
+    const int64_t *off = offsets_on_host(off_dev, n_exp);
+    check_offsets("expert_matmul", off, R, n_exp);
     const cudaDataType_t dt = xtype<T>::cuda;
     g_list.clear();
     for (int e = 0; e < n_exp; e++) {
@@ -124,14 +142,16 @@ void cu_expert_matmul_forward(void *out, const void *in, const void *w, const in
 
 template <typename T>
 void cu_expert_matmul_backward(void *din, float *dw, const void *dout, const void *in,
-                               const void *w, const int64_t *off, int n_exp, int I, int O,
-                               bool dw_overwrite)
+                               const void *w, const int64_t *off_dev, int64_t R, int n_exp, int I,
+                               int O, bool dw_overwrite)
 {
-    check_offsets("expert_matmul backward", off, n_exp);
     if (std::is_same<T, bf16>::value) { /* what the grouped kernel did, the loop below skips */
-        if (din && grouped_gemm_dgrad(din, dout, w, off, n_exp, I, O)) din = NULL;
-        if (dw && grouped_gemm_wgrad(dw, dout, in, off, n_exp, I, O, dw_overwrite)) dw = NULL;
+        if (din && grouped_gemm_dgrad(din, dout, w, off_dev, R, n_exp, I, O)) din = NULL;
+        if (dw && grouped_gemm_wgrad(dw, dout, in, off_dev, R, n_exp, I, O, dw_overwrite)) dw = NULL;
     }
+    if (!din && !dw) return;
+    const int64_t *off = offsets_on_host(off_dev, n_exp);
+    check_offsets("expert_matmul backward", off, R, n_exp);
     /* the cuBLAS loop accumulates: overwriting is zeroing first (no saving on this path) */
     if (dw && dw_overwrite)
         CUDA_CHECK(cudaMemsetAsync(dw, 0, (size_t)n_exp * O * I * sizeof(float), g_cuda.stream));
@@ -162,29 +182,31 @@ void cu_expert_matmul_backward(void *din, float *dw, const void *dout, const voi
  * elsewhere the two are added one after the other (the same sums, rounded in another order). */
 template <typename T>
 void cu_expert_matmul_wgrad2(float *dw, const void *dout_a, const void *in_a, const int64_t *off_a,
-                             const void *dout_b, const void *in_b, const int64_t *off_b, int n_exp,
-                             int I, int O, bool dw_overwrite)
+                             int64_t Ra, const void *dout_b, const void *in_b,
+                             const int64_t *off_b, int64_t Rb, int n_exp, int I, int O,
+                             bool dw_overwrite)
 {
-    check_offsets("expert_matmul wgrad2", off_a, n_exp);
-    check_offsets("expert_matmul wgrad2", off_b, n_exp);
     if (std::is_same<T, bf16>::value &&
-        grouped_gemm_wgrad2(dw, dout_a, in_a, off_a, dout_b, in_b, off_b, n_exp, I, O, dw_overwrite))
+        grouped_gemm_wgrad2(dw, dout_a, in_a, off_a, Ra, dout_b, in_b, off_b, Rb, n_exp, I, O,
+                            dw_overwrite))
         return;
-    cu_expert_matmul_backward<T>(NULL, dw, dout_a, in_a, NULL, off_a, n_exp, I, O, dw_overwrite);
-    cu_expert_matmul_backward<T>(NULL, dw, dout_b, in_b, NULL, off_b, n_exp, I, O, false);
+    cu_expert_matmul_backward<T>(NULL, dw, dout_a, in_a, NULL, off_a, Ra, n_exp, I, O, dw_overwrite);
+    cu_expert_matmul_backward<T>(NULL, dw, dout_b, in_b, NULL, off_b, Rb, n_exp, I, O, false);
 }
 
 template void cu_expert_matmul_forward<float>(void *, const void *, const void *, const int64_t *,
-                                              int, int, int);
+                                              int64_t, int, int, int);
 template void cu_expert_matmul_forward<bf16>(void *, const void *, const void *, const int64_t *,
-                                             int, int, int);
+                                             int64_t, int, int, int);
 template void cu_expert_matmul_backward<float>(void *, float *, const void *, const void *,
-                                               const void *, const int64_t *, int, int, int, bool);
+                                               const void *, const int64_t *, int64_t, int, int,
+                                               int, bool);
 template void cu_expert_matmul_backward<bf16>(void *, float *, const void *, const void *,
-                                              const void *, const int64_t *, int, int, int, bool);
+                                              const void *, const int64_t *, int64_t, int, int,
+                                              int, bool);
 template void cu_expert_matmul_wgrad2<float>(float *, const void *, const void *, const int64_t *,
-                                             const void *, const void *, const int64_t *, int, int,
-                                             int, bool);
+                                             int64_t, const void *, const void *, const int64_t *,
+                                             int64_t, int, int, int, bool);
 template void cu_expert_matmul_wgrad2<bf16>(float *, const void *, const void *, const int64_t *,
-                                            const void *, const void *, const int64_t *, int, int,
-                                            int, bool);
+                                            int64_t, const void *, const void *, const int64_t *,
+                                            int64_t, int, int, int, bool);

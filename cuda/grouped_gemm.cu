@@ -1,13 +1,15 @@
 /* Grouped bf16 expert GEMMs on Hopper: a persistent, warp-specialised TMA + wgmma kernel.
  *
  * Every GEMM is D[M,N] (+)= A[M,K] · B[N,K]ᵀ with bf16 operands and fp32 accumulation, over a
- * flat list of 128×256 output tiles covering all experts (the host builds the per-expert tile
- * prefix sums; a CTA finds its tile's expert by binary search). The three expert GEMMs map as:
+ * flat list of 128×256 output tiles covering all experts. The expert row offsets are device memory
+ * (the routing's, never read by the host): each CTA turns them into per-expert tile prefix sums in
+ * shared memory when it starts, and finds a tile's expert by binary search over them.
+ * The three expert GEMMs map as:
  *   forward  Y[rows,O]  = X[rows,I] · W[e]ᵀ     A = X  (K-major), B = W[e]  (K-major)
  *   dgrad    dX[rows,I] = dY[rows,O] · W[e]     A = dY (K-major), B = W[e]  (N-major: W is [O,I])
  *   wgrad    dW[e]     += dYᵀ · X  over rows   A = dY (M-major), B = X     (N-major), K = rows
- * Row matrices are one TMA tensor over all rows ([R, cols]); the rows of an expert are a row range
- * of it. The weights are one 3-D tensor [n_exp, O, I], so a tile never reads another expert's
+ * Row matrices are one TMA tensor over all the rows they hold ([R, cols], R >= the last offset);
+ * the rows of an expert are a row range of it. The weights are one 3-D tensor [n_exp, O, I], so a tile never reads another expert's
  * weights: its edges are out of bounds and TMA fills zeros. The row ranges are not so protected:
  *  - forward/dgrad (rows = M): a tile's last rows may be the next expert's; they only feed output
  *    rows that the epilogue does not store;
@@ -16,8 +18,8 @@
  *
  * CTA: 3 warpgroups. Warpgroup 0 is the producer (one thread issues the TMA loads into a ring of
  * 3 stages of 64 K (forward, dgrad) or 4 of 32 K (wgrad), each guarded by a "full" mbarrier the
- * TMA completes and an "empty" one the consumers release; forward/dgrad stages carry a header
- * with the coordinates of the tile they start); warpgroups 1 and 2 each compute 64 rows
+ * TMA completes and an "empty" one the consumers release; a stage carries a header with the
+ * coordinates of the tile it starts); warpgroups 1 and 2 each compute 64 rows
  * × 256 columns of the tile with wgmma.m64n256k16 (128 fp32 accumulators a thread). Forward/dgrad
  * write the bf16 tile into a shared-memory staging buffer that one thread stores with TMA while
  * the next tile's MMAs run. Wgrad stages its fp32 tile the same way, and a second producer thread
@@ -40,7 +42,7 @@ namespace {
 
 constexpr int BM = 128, BN = 256;
 constexpr int THREADS = 384;                 /* producer warpgroup + 2 consumer warpgroups */
-constexpr int MAX_EXPERTS = 256;             /* per launch (the schedule is a kernel parameter) */
+constexpr int MAX_EXPERTS = 256;             /* per launch: its tile starts live in shared memory */
 /* Forward/dgrad visit an expert's tiles in groups of GROUP_M row tiles, every column tile of a
  * group before the next group, so the CTAs running together share both operands' tiles in L2.
  * Down an expert's whole row range first (as before), a large expert's concurrent tiles each read
@@ -66,10 +68,12 @@ template <int KIND> constexpr int smem_bytes_of()
 {
     return stages_of<KIND>() * stage_bytes_of<KIND>() + out_bytes_of<KIND>() + 1024 /* alignment slack */ +
            2 * stages_of<KIND>() * 8 + 2 * 8 /* wgrad: free, staged */ +
-           stages_of<KIND>() * 32 /* forward/dgrad: a tile header per stage */;
+           stages_of<KIND>() * 32 /* a tile header per stage */;
 }
-static_assert(smem_bytes_of<KIND_WGRAD>() <= 227 * 1024, "wgrad shared memory exceeds the SM's 227 KB");
-static_assert(smem_bytes_of<KIND_FWD>() <= 227 * 1024, "shared memory exceeds the SM's 227 KB");
+/* beside the dynamic part: the tile starts and a scan's warp totals (tile_starts) */
+constexpr int STATIC_SMEM = (MAX_EXPERTS + 1 + THREADS / 32) * 4;
+static_assert(smem_bytes_of<KIND_WGRAD>() + STATIC_SMEM <= 227 * 1024, "wgrad shared memory exceeds the SM's 227 KB");
+static_assert(smem_bytes_of<KIND_FWD>() + STATIC_SMEM <= 227 * 1024, "shared memory exceeds the SM's 227 KB");
 
 struct gg_params {
     CUtensorMap map_a, map_b;
@@ -79,11 +83,11 @@ struct gg_params {
     void *out;          /* bf16 [R, N] (forward, dgrad) or fp32 dw [n_exp, M, N] (wgrad) */
     int M, N, K;        /* wgrad: M = O, N = I; forward/dgrad: N, K (M is the expert's rows) */
     int overwrite;      /* wgrad: dw = acc (dw not read; experts with no rows get zero tiles) */
-    int n_exp, e_base;  /* experts [e_base, e_base + n_exp) in this launch */
-    int total_tiles;
-    int row_off[MAX_EXPERTS + 1];    /* absolute row offsets */
-    int row_off2[MAX_EXPERTS + 1];   /* wgrad: the second row set's (all 0 when there is none) */
-    int tile_start[MAX_EXPERTS + 1]; /* prefix sums of tiles per expert */
+    int n_exp, e_base;  /* experts [e_base, e_base + n_exp) in this launch (n_exp <= MAX_EXPERTS) */
+    int tiles_m;        /* row tiles an expert: wgrad ceil(M / BM); 0: ceil(its rows / BM) */
+    /* device: the launch's n_exp + 1 absolute row offsets (from expert e_base on), and the second
+     * row set's (wgrad), or NULL. Each CTA turns them into tile starts in shared memory. */
+    const int64_t *off, *off2;
 };
 
 /* kernel parameters live in the 4 KB constant bank of a launch */
@@ -137,7 +141,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, u
 /* ---------------------------------------------------------------- tile schedule */
 
 struct tile_info {
-    int e;     /* expert, relative to the launch's e_base */
+    int e;     /* expert */
     int r0;    /* the expert's first row */
     int rows;  /* its row count (>= 1, or 0 for an overwriting wgrad's zero tiles) */
     int r0b, rows_b; /* wgrad: the expert's rows in the second set (K walks set 1, then set 2) */
@@ -147,23 +151,59 @@ struct tile_info {
                  * that way) */
 };
 
-template <int KIND> __device__ __forceinline__ tile_info decode(const gg_params &p, int t)
+/* Every thread of the CTA (THREADS >= MAX_EXPERTS): tile_start[e] = the tiles of the launch's
+ * experts before e, tile_start[n_exp] = all of them. An expert has tiles when it has rows in either
+ * set, or always when overwriting. Ends with the block's barrier. */
+__device__ void tile_starts(const gg_params &p, int *tile_start /*[MAX_EXPERTS + 1] smem*/)
+{
+    static_assert(THREADS >= MAX_EXPERTS, "one thread an expert");
+    __shared__ int warp_tot[THREADS / 32];
+    const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
+    int v = 0;
+    if (e < p.n_exp) {
+        const int64_t rows = __ldg(p.off + e + 1) - __ldg(p.off + e);
+        const int64_t rows2 = p.off2 ? __ldg(p.off2 + e + 1) - __ldg(p.off2 + e) : 0;
+        if (rows > 0 || rows2 > 0 || p.overwrite)
+            v = (p.tiles_m ? p.tiles_m : (int)((rows + BM - 1) / BM)) * ((p.N + BN - 1) / BN);
+    }
+    int x = v; /* inclusive scan within the warp, then over the warps' totals */
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) warp_tot[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < THREADS / 32 ? warp_tot[lane] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += y;
+        }
+        if (lane < THREADS / 32) warp_tot[lane] = w;
+    }
+    __syncthreads();
+    if (e < p.n_exp) tile_start[e + 1] = x + (warp ? warp_tot[warp - 1] : 0);
+    if (e == 0) tile_start[0] = 0;
+    __syncthreads();
+}
+
+template <int KIND> __device__ __forceinline__ tile_info decode(const gg_params &p, const int *tile_start, int t)
 {
     /* the largest e with tile_start[e] <= t: an expert with no tiles shares its start with the
      * next one, so the search always lands on an expert that has tile t */
     int lo = 0, hi = p.n_exp - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (p.tile_start[mid] <= t) lo = mid;
+        if (tile_start[mid] <= t) lo = mid;
         else hi = mid - 1;
     }
     tile_info ti;
     ti.e = lo;
-    ti.r0 = p.row_off[lo];
-    ti.rows = p.row_off[lo + 1] - ti.r0;
-    ti.r0b = p.row_off2[lo];
-    ti.rows_b = p.row_off2[lo + 1] - ti.r0b;
-    const int local = t - p.tile_start[lo];
+    ti.r0 = (int)__ldg(p.off + lo);
+    ti.rows = (int)__ldg(p.off + lo + 1) - ti.r0;
+    ti.r0b = p.off2 ? (int)__ldg(p.off2 + lo) : 0;
+    ti.rows_b = p.off2 ? (int)__ldg(p.off2 + lo + 1) - ti.r0b : 0;
+    const int local = t - tile_start[lo];
     if (KIND == KIND_WGRAD) {
         const int nt = (p.N + BN - 1) / BN;
         ti.ni = local % nt;
@@ -210,15 +250,16 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
     /* wgrad: the staging buffer is free (the previous tile's adds have read it) / the consumers
      * have written the tile into it */
     const uint32_t free_bar = bars + 16u * STAGES, staged_bar = free_bar + 8u;
-    /* Forward/dgrad: the producer writes each tile's coordinates into the header of the stage
-     * that holds its first K block, and the consumers read them there. Searching the schedule in
-     * the parameter space between tiles (dependent constant-cache loads) sat on every tile's
-     * critical path: H200, balanced forward down 628 -> 653 TFLOPS, 3.5 ms a bench step. Wgrad
-     * tiles are long and gained nothing (and a zero tile would need a stage of its own), so its
-     * consumers still search. */
-    constexpr bool HDR = KIND != KIND_WGRAD;
+    /* The producer writes each tile's coordinates into the header of the stage that holds its
+     * first K block, and the consumers read them there instead of searching the schedule between
+     * tiles (dependent loads on every tile's critical path; from the parameter space: H200,
+     * balanced forward down 628 -> 653 TFLOPS, 3.5 ms a bench step). A wgrad zero tile
+     * (overwrite, no rows) takes a stage with no data, for its header. */
     const uint32_t hdr0 = staged_bar + 8u;
     auto hdr = [&](int s) { return hdr0 + 32u * s; };
+    __shared__ int tile_start[MAX_EXPERTS + 1];
+    tile_starts(p, tile_start);
+    const int total = tile_start[p.n_exp];
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
@@ -245,8 +286,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
              * loading dw's tile by TMA during the MMAs and storing the sum gained 3 ms
              * (docs/benchmarks.md, fourteenth session). */
             uint32_t ph = 0;
-            for (int t = blockIdx.x; t < p.total_tiles; t += gridDim.x) {
-                const tile_info ti = decode<KIND>(p, t);
+            for (int t = blockIdx.x; t < total; t += gridDim.x) {
+                const tile_info ti = decode<KIND>(p, tile_start, t);
                 const int e = p.e_base + ti.e, nb = min(BN / 32, (p.N - ti.ni * BN + 31) / 32);
                 mbar_arrive(free_bar);
                 mbar_wait(staged_bar, ph);
@@ -265,17 +306,23 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
         if (threadIdx.x != 0) return;
         int stage = 0;
         uint32_t phase = 0;
-        for (int t = blockIdx.x; t < p.total_tiles; t += gridDim.x) {
-            const tile_info ti = decode<KIND>(p, t);
+        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+            const tile_info ti = decode<KIND>(p, tile_start, t);
             const int nk = k_blocks<KIND>(p, ti), e = p.e_base + ti.e;
-            for (int kb = 0; kb < nk; kb++) {
+            for (int kb = 0; kb < (nk == 0 ? 1 : nk); kb++) {
                 const uint32_t sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES, fb = full_bar(stage);
                 mbar_wait(empty_bar(stage), phase ^ 1);
-                if (HDR && kb == 0)
+                if (kb == 0)
                     asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n\t"
-                                 "st.shared.s32 [%0+16], %5;" ::"r"(hdr(stage)), "r"(ti.e),
-                                 "r"(ti.r0), "r"(ti.rows), "r"(ti.mi), "r"(ti.ni)
+                                 "st.shared.v4.s32 [%0+16], {%5, %6, %7, %8};" ::"r"(hdr(stage)),
+                                 "r"(ti.e), "r"(ti.r0), "r"(ti.rows), "r"(ti.mi), "r"(ti.ni),
+                                 "r"(ti.r0b), "r"(ti.rows_b), "r"(0)
                                  : "memory");
+                if (nk == 0) { /* the header alone; the arrive releases it to the consumers */
+                    mbar_arrive(fb);
+                    if (++stage == STAGES) stage = 0, phase ^= 1;
+                    continue;
+                }
                 mbar_expect_tx(fb, STAGE_BYTES); /* out-of-bounds box parts count too; the arrive
                                                   * releases the header to the consumers */
                 if (KIND == KIND_FWD) {
@@ -311,27 +358,26 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
     const int col_in_tile = 2 * (lane & 3);
     int stage = 0;
     uint32_t phase = 0, tile_phase = 0;
-    for (int t = blockIdx.x; t < p.total_tiles; t += gridDim.x) {
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
         tile_info ti;
-        if (HDR) {
-            mbar_wait(full_bar(stage), phase); /* the tile's first K block, and its header */
-            asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%5];\n\t"
-                         "ld.shared.s32 %4, [%5+16];"
-                         : "=r"(ti.e), "=r"(ti.r0), "=r"(ti.rows), "=r"(ti.mi), "=r"(ti.ni)
-                         : "r"(hdr(stage))
-                         : "memory");
-            ti.r0b = ti.rows_b = 0;
-        } else {
-            ti = decode<KIND>(p, t);
-        }
+        mbar_wait(full_bar(stage), phase); /* the tile's first K block, and its header */
+        asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%7];\n\t"
+                     "ld.shared.v2.s32 {%4, %5}, [%7+16];\n\t"
+                     "ld.shared.s32 %6, [%7+24];"
+                     : "=r"(ti.e), "=r"(ti.r0), "=r"(ti.rows), "=r"(ti.mi), "=r"(ti.ni), "=r"(ti.r0b),
+                       "=r"(ti.rows_b)
+                     : "r"(hdr(stage))
+                     : "memory");
         const int nk = k_blocks<KIND>(p, ti);
-        /* Forward/dgrad: the tile's first MMA overwrites (scale-d 0) instead of a zeroing here,
-         * on the tile's critical path. Wgrad zeroes: a zero tile (overwrite, no rows) stores the
-         * zeros. Only one of the two per kind, or ptxas serialises the MMAs (C7515). */
+        /* The tile's first MMA overwrites (scale-d 0) instead of a zeroing here, on the tile's
+         * critical path. A zero tile gives its header's stage back and stages zeros, not the
+         * accumulators (whose registers only wgmma may define, or ptxas serialises the MMAs). */
         float acc[128];
-        if (!HDR) {
-#pragma unroll
-            for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+        const bool zero_tile = nk == 0;
+        if (zero_tile) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty_bar(stage));
+            if (++stage == STAGES) stage = 0, phase ^= 1;
         }
 
         /* Forward/dgrad: an expert's last tile often has <= 64 valid rows. The warpgroup whose 64
@@ -370,7 +416,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
             for (int kk = 0; kk < BK / 16; kk++)
                 wgmma_m64n256k16<TA, TB>(acc, smem_desc(a0 + kk * A_KSTEP, A_LBO, 1024),
                                          smem_desc(sb + kk * B_KSTEP, B_LBO, 1024),
-                                         !HDR || kb > 0 || kk > 0);
+                                         kb > 0 || kk > 0);
             wgmma_commit();
             wgmma_wait<1>(); /* the previous block's MMAs are done: release its stage */
             if (prev >= 0 && lane == 0) mbar_arrive(empty_bar(prev));
@@ -398,8 +444,9 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                     const int row = row_in_tile + 8 * h, chunk = 2 * (j & 3) + (q >> 1);
                     const uint32_t a = staging + (j >> 2) * (BM * 128) + row * 128 +
                                        ((chunk ^ (row & 7)) << 4) + 8 * (q & 1);
-                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a), "f"(acc[4 * j + 2 * h]),
-                                 "f"(acc[4 * j + 2 * h + 1])
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a),
+                                 "f"(zero_tile ? 0.0f : acc[4 * j + 2 * h]),
+                                 "f"(zero_tile ? 0.0f : acc[4 * j + 2 * h + 1])
                                  : "memory");
                 }
             fence_proxy_async(); /* for the TMA's reads */
@@ -460,21 +507,23 @@ bool aligned16(const void *q) { return ((uintptr_t)q & 15u) == 0; }
 
 /* What the kernel handles: TMA wants 16-byte aligned bases and row strides (I, O multiples of 8),
  * coordinates are int32. */
-bool supported(int I, int O, const int64_t *off, int n_exp, const void *a, const void *b,
-               const void *c)
+bool supported(int I, int O, int64_t R, const void *a, const void *b, const void *c)
 {
     if (I <= 0 || O <= 0 || I % 8 || O % 8) return false;
-    if (n_exp > 0 && off[n_exp] > INT32_MAX) return false;
+    if (R < 0 || R > INT32_MAX) return false;
     if (!aligned16(a) || !aligned16(b) || !aligned16(c)) return false;
     return g_cuda.ready && g_cuda.hopper; /* else the caller's sm_80 path (cuBLAS) */
 }
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* off2 (wgrad only, or NULL): the second row set's offsets, read through ma2/mb2 */
+/* The tile schedule is built by every CTA from the device offsets, so the host never waits for
+ * the routing; the grid is one CTA an SM unless fewer tiles are possible (a CTA without tiles
+ * exits). R: the rows the row matrices hold (an upper bound on the tiles). off2 (wgrad only, or
+ * NULL): the second row set's offsets, read through ma2/mb2. Launches of up to MAX_EXPERTS. */
 template <int KIND>
-void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64_t *off, int n_exp,
-            int M, int N, int K, const CUtensorMap *mout, bool overwrite = false,
+void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64_t *off, int64_t R,
+            int n_exp, int M, int N, int K, const CUtensorMap *mout, bool overwrite = false,
             const int64_t *off2 = NULL, const CUtensorMap *ma2 = NULL, const CUtensorMap *mb2 = NULL)
 {
     static bool attr_set;
@@ -483,7 +532,7 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes_of<KIND>()));
         attr_set = true;
     }
-    static gg_params p; /* 2.4 KB: kept off the stack; the launch copies it */
+    gg_params p;
     memset(&p, 0, sizeof p);
     p.map_a = ma;
     p.map_b = mb;
@@ -493,27 +542,19 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64
     p.out = out;
     p.M = M, p.N = N, p.K = K;
     p.overwrite = overwrite;
+    p.tiles_m = KIND == KIND_WGRAD ? (int)cdiv(M, BM) : 0;
     for (int e0 = 0; e0 < n_exp; e0 += MAX_EXPERTS) {
         const int ne = n_exp - e0 < MAX_EXPERTS ? n_exp - e0 : MAX_EXPERTS;
-        int64_t total = 0;
-        for (int i = 0; i < ne; i++) {
-            const int64_t rows = off[e0 + i + 1] - off[e0 + i];
-            const int64_t rows2 = off2 ? off2[e0 + i + 1] - off2[e0 + i] : 0;
-            p.row_off[i] = (int)off[e0 + i];
-            p.row_off2[i] = off2 ? (int)off2[e0 + i] : 0;
-            p.tile_start[i] = (int)total;
-            if (rows > 0 || rows2 > 0 || overwrite)
-                total += (KIND == KIND_WGRAD ? cdiv(M, BM) : cdiv(rows, BM)) * cdiv(N, BN);
-            MT_CHECK(total <= INT32_MAX, "grouped_gemm: too many tiles");
-        }
-        p.row_off[ne] = (int)off[e0 + ne];
-        p.row_off2[ne] = off2 ? (int)off2[e0 + ne] : 0;
-        p.tile_start[ne] = (int)total;
-        if (total == 0) continue;
+        const int64_t max_tiles = KIND == KIND_WGRAD ? ne * cdiv(M, BM) * cdiv(N, BN)
+                                                     : (cdiv(R, BM) + ne) * cdiv(N, BN);
+        MT_CHECK(max_tiles <= INT32_MAX, "grouped_gemm: up to %lld tiles, more than int32 counts",
+                 (long long)max_tiles);
         p.n_exp = ne;
         p.e_base = e0;
-        p.total_tiles = (int)total;
-        const int grid = total < g_cuda.num_sms ? (int)total : g_cuda.num_sms;
+        p.off = off + e0;
+        p.off2 = off2 ? off2 + e0 : NULL;
+        const int grid = max_tiles < g_cuda.num_sms ? (int)max_tiles : g_cuda.num_sms;
+        if (grid == 0) continue;
         grouped_gemm_kernel<KIND><<<grid, THREADS, smem_bytes_of<KIND>(), g_cuda.stream>>>(p);
         CUDA_LAUNCH_CHECK("grouped_gemm_kernel");
     }
@@ -522,11 +563,11 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64
 } // namespace
 
 extern "C" bool grouped_gemm_forward(void *out, const void *in, const void *w, const int64_t *off,
-                                     int n_exp, int I, int O)
+                                     int64_t rows, int n_exp, int I, int O)
 {
-    if (!supported(I, O, off, n_exp, out, in, w)) return false;
-    if (n_exp <= 0 || off[n_exp] == off[0]) return true; /* no rows */
-    const cuuint64_t R = (cuuint64_t)off[n_exp];
+    if (!supported(I, O, rows, out, in, w)) return false;
+    if (n_exp <= 0 || rows == 0) return true; /* no rows */
+    const cuuint64_t R = (cuuint64_t)rows;
     CUtensorMap ma, mb;
     const cuuint64_t da[2] = {(cuuint64_t)I, R}, sa[1] = {(cuuint64_t)I * 2};
     const cuuint32_t ba[2] = {64, BM};
@@ -538,16 +579,16 @@ extern "C" bool grouped_gemm_forward(void *out, const void *in, const void *w, c
     CUtensorMap mo;
     const cuuint64_t dout[2] = {(cuuint64_t)O, R}, so[1] = {(cuuint64_t)O * 2};
     tma_make_map(&mo, out, 2, dout, so, ba, "grouped_gemm");
-    launch<KIND_FWD>(ma, mb, out, off, n_exp, 0, O, I, &mo);
+    launch<KIND_FWD>(ma, mb, out, off, rows, n_exp, 0, O, I, &mo);
     return true;
 }
 
 extern "C" bool grouped_gemm_dgrad(void *din, const void *dout, const void *w, const int64_t *off,
-                                   int n_exp, int I, int O)
+                                   int64_t rows, int n_exp, int I, int O)
 {
-    if (!supported(I, O, off, n_exp, din, dout, w)) return false;
-    if (n_exp <= 0 || off[n_exp] == off[0]) return true;
-    const cuuint64_t R = (cuuint64_t)off[n_exp];
+    if (!supported(I, O, rows, din, dout, w)) return false;
+    if (n_exp <= 0 || rows == 0) return true;
+    const cuuint64_t R = (cuuint64_t)rows;
     CUtensorMap ma, mb;
     const cuuint64_t da[2] = {(cuuint64_t)O, R}, sa[1] = {(cuuint64_t)O * 2};
     const cuuint32_t ba[2] = {64, BM};
@@ -559,7 +600,7 @@ extern "C" bool grouped_gemm_dgrad(void *din, const void *dout, const void *w, c
     CUtensorMap mo;
     const cuuint64_t dd[2] = {(cuuint64_t)I, R}, sd[1] = {(cuuint64_t)I * 2};
     tma_make_map(&mo, din, 2, dd, sd, ba, "grouped_gemm");
-    launch<KIND_DGRAD>(ma, mb, din, off, n_exp, 0, I, O, &mo);
+    launch<KIND_DGRAD>(ma, mb, din, off, rows, n_exp, 0, I, O, &mo);
     return true;
 }
 
@@ -576,36 +617,38 @@ static void wgrad_maps(CUtensorMap *ma, CUtensorMap *mb, const void *dout, const
 }
 
 extern "C" bool grouped_gemm_wgrad(float *dw, const void *dout, const void *in, const int64_t *off,
-                                   int n_exp, int I, int O, bool overwrite)
+                                   int64_t rows, int n_exp, int I, int O, bool overwrite)
 {
-    return grouped_gemm_wgrad2(dw, dout, in, off, NULL, NULL, NULL, n_exp, I, O, overwrite);
+    return grouped_gemm_wgrad2(dw, dout, in, off, rows, NULL, NULL, NULL, 0, n_exp, I, O, overwrite);
 }
 
 extern "C" bool grouped_gemm_wgrad2(float *dw, const void *dout, const void *in, const int64_t *off,
-                                    const void *dout2, const void *in2, const int64_t *off2,
-                                    int n_exp, int I, int O, bool overwrite)
+                                    int64_t rows, const void *dout2, const void *in2,
+                                    const int64_t *off2, int64_t rows2, int n_exp, int I, int O,
+                                    bool overwrite)
 {
-    if (!supported(I, O, off, n_exp, dw, dout, in)) return false;
-    if (off2 && (!supported(I, O, off2, n_exp, dw, dout2, in2))) return false;
+    if (!supported(I, O, rows, dw, dout, in)) return false;
+    if (!off2) rows2 = 0;
+    if (rows2 > 0 && !supported(I, O, rows2, dw, dout2, in2)) return false;
     if (n_exp <= 0) return true;
-    const int64_t R = off[n_exp] - off[0], R2 = off2 ? off2[n_exp] - off2[0] : 0;
-    if (R == 0 && R2 == 0) { /* no rows (and no tensor map of zero rows) */
+    if (rows == 0 && rows2 == 0) { /* no rows (and no tensor map of zero rows) */
         if (overwrite) CUDA_CHECK(cudaMemsetAsync(dw, 0, (size_t)n_exp * O * I * sizeof(float), g_cuda.stream));
         return true;
     }
-    if (R == 0) return grouped_gemm_wgrad2(dw, dout2, in2, off2, NULL, NULL, NULL, n_exp, I, O, overwrite);
+    if (rows == 0)
+        return grouped_gemm_wgrad2(dw, dout2, in2, off2, rows2, NULL, NULL, NULL, 0, n_exp, I, O, overwrite);
     CUtensorMap ma, mb, ma2, mb2, mw;
-    wgrad_maps(&ma, &mb, dout, in, off[n_exp], I, O);
+    wgrad_maps(&ma, &mb, dout, in, rows, I, O);
     const cuuint64_t dwd[3] = {(cuuint64_t)I, (cuuint64_t)O, (cuuint64_t)n_exp};
     const cuuint64_t dws[2] = {(cuuint64_t)I * 4, (cuuint64_t)O * I * 4};
     const cuuint32_t dwb[3] = {32, BM, 1};
     tma_make_map_f32(&mw, dw, 3, dwd, dws, dwb, "grouped_gemm");
-    if (R2 == 0) {
-        launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0, &mw, overwrite);
+    if (rows2 == 0) {
+        launch<KIND_WGRAD>(ma, mb, dw, off, rows, n_exp, O, I, 0, &mw, overwrite);
         return true;
     }
-    wgrad_maps(&ma2, &mb2, dout2, in2, off2[n_exp], I, O);
-    launch<KIND_WGRAD>(ma, mb, dw, off, n_exp, O, I, 0, &mw, overwrite, off2, &ma2, &mb2);
+    wgrad_maps(&ma2, &mb2, dout2, in2, rows2, I, O);
+    launch<KIND_WGRAD>(ma, mb, dw, off, rows, n_exp, O, I, 0, &mw, overwrite, off2, &ma2, &mb2);
     return true;
 }
 

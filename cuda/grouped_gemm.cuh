@@ -1,13 +1,15 @@
 /* Grouped bf16 expert GEMMs for Hopper (sm_90a): one persistent launch per GEMM covers every
  * expert, through TMA loads into a 4-stage shared-memory pipeline and wgmma with fp32 accumulation
  * (grouped_gemm.cu says how). Same contract as ops.h's expert_matmul: rows [off[e], off[e+1]) of
- * the row matrices belong to expert e; off is HOST memory and already validated (non-decreasing,
- * off[0] >= 0); experts with no rows are skipped entirely (their dw is not touched, except that
- * an overwriting wgrad zeroes it).
+ * the row matrices belong to expert e; off is DEVICE memory (n_exp + 1 int64, non-decreasing,
+ * off[0] >= 0, off[n_exp] <= rows: the route plan's, trusted) and rows is how many rows the row
+ * matrices hold; the host never reads the offsets, so a call queues its work without waiting.
+ * Experts with no rows are skipped entirely (their dw is not touched, except that an overwriting
+ * wgrad zeroes it).
  *
  * Each call returns false, having done nothing, when the shapes or pointers are outside what the
- * kernel handles (I or O not a positive multiple of 8, a pointer not 16-byte aligned, more than
- * 2^31 - 1 rows, a device that is not sm_90 or MT_FORCE_SM80=1): the caller then takes its cuBLAS
+ * kernel handles (I or O not a positive multiple of 8, a pointer not 16-byte aligned, rows more
+ * than 2^31 - 1, a device that is not sm_90 or MT_FORCE_SM80=1): the caller then takes its cuBLAS
  * path.
  *
  * Plain C declarations so that C tools (tools/bench_grouped_gemm.c) can call them too. */
@@ -22,30 +24,30 @@ extern "C" {
 #endif
 
 /* out[r] = in[r] · W[e]ᵀ for r in expert e's rows */
-bool grouped_gemm_forward(void *out /*[R,O] bf16*/, const void *in /*[R,I] bf16*/,
+bool grouped_gemm_forward(void *out /*[rows,O] bf16*/, const void *in /*[rows,I] bf16*/,
                           const void *w /*[n_exp,O,I] bf16*/, const int64_t *off /*[n_exp+1]*/,
-                          int n_exp, int I, int O);
+                          int64_t rows, int n_exp, int I, int O);
 
 /* din[r] = dout[r] · W[e] (overwritten) */
-bool grouped_gemm_dgrad(void *din /*[R,I] bf16*/, const void *dout /*[R,O] bf16*/,
+bool grouped_gemm_dgrad(void *din /*[rows,I] bf16*/, const void *dout /*[rows,O] bf16*/,
                         const void *w /*[n_exp,O,I] bf16*/, const int64_t *off /*[n_exp+1]*/,
-                        int n_exp, int I, int O);
+                        int64_t rows, int n_exp, int I, int O);
 
 /* dw[e] += dout[rows of e]ᵀ · in[rows of e] (fp32 accumulate); overwrite: dw[e] = that product,
  * zeros for experts with no rows (dw is not read: the same bits as zeroing dw first) */
-bool grouped_gemm_wgrad(float *dw /*[n_exp,O,I] fp32*/, const void *dout /*[R,O] bf16*/,
-                        const void *in /*[R,I] bf16*/, const int64_t *off /*[n_exp+1]*/, int n_exp,
-                        int I, int O, bool overwrite);
+bool grouped_gemm_wgrad(float *dw /*[n_exp,O,I] fp32*/, const void *dout /*[rows,O] bf16*/,
+                        const void *in /*[rows,I] bf16*/, const int64_t *off /*[n_exp+1]*/,
+                        int64_t rows, int n_exp, int I, int O, bool overwrite);
 
 /* The same over two row sets in one pass: dw[e] (+)= dout[rows of e]ᵀ · in[rows of e] +
  * dout2[rows2 of e]ᵀ · in2[rows2 of e], one fp32 accumulation per dw element (K walks the first
  * set's rows, then the second's), so dw is read and written once for both. off2 = NULL: no
  * second set (grouped_gemm_wgrad). */
-bool grouped_gemm_wgrad2(float *dw /*[n_exp,O,I] fp32*/, const void *dout /*[R,O] bf16*/,
-                         const void *in /*[R,I] bf16*/, const int64_t *off /*[n_exp+1]*/,
-                         const void *dout2 /*[R2,O] bf16*/, const void *in2 /*[R2,I] bf16*/,
-                         const int64_t *off2 /*[n_exp+1]*/, int n_exp, int I, int O,
-                         bool overwrite);
+bool grouped_gemm_wgrad2(float *dw /*[n_exp,O,I] fp32*/, const void *dout /*[rows,O] bf16*/,
+                         const void *in /*[rows,I] bf16*/, const int64_t *off /*[n_exp+1]*/,
+                         int64_t rows, const void *dout2 /*[rows2,O] bf16*/,
+                         const void *in2 /*[rows2,I] bf16*/, const int64_t *off2 /*[n_exp+1]*/,
+                         int64_t rows2, int n_exp, int I, int O, bool overwrite);
 
 /* Whether the kernel runs here: the backend is up on a compute capability 9.0 device and
  * MT_FORCE_SM80 is not set (the backend's g_cuda.hopper). When false, every call above declines. */

@@ -51,14 +51,48 @@ void cu_upload(void *dst, const void *host_src, size_t bytes)
         CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, g_cuda.stream));
 }
 
+static int *deferred_dev, *deferred_host; /* the counter and its pinned copy */
+static const char *deferred_what;         /* set while a fetch is queued and unchecked */
+
+int *cu_deferred_error_counter(void)
+{
+    if (!deferred_dev) {
+        CUDA_CHECK(cudaMalloc(&deferred_dev, sizeof(int)));
+        CUDA_CHECK(cudaMallocHost(&deferred_host, sizeof(int)));
+        CUDA_CHECK(cudaMemsetAsync(deferred_dev, 0, sizeof(int), g_cuda.stream));
+    }
+    return deferred_dev;
+}
+
+void cu_deferred_error_fetch(const char *what)
+{
+    CUDA_CHECK(cudaMemcpyAsync(deferred_host, cu_deferred_error_counter(), sizeof(int),
+                               cudaMemcpyDeviceToHost, g_cuda.stream));
+    deferred_what = what;
+}
+
+/* after the stream has drained */
+static void deferred_check(void)
+{
+    if (!deferred_what) return;
+    const char *what = deferred_what;
+    deferred_what = NULL;
+    if (*deferred_host) mt_fatal("%s (%d of them)", what, *deferred_host);
+}
+
 void cu_download(void *host_dst, const void *src, size_t bytes)
 {
     if (bytes)
         CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, g_cuda.stream));
     CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
+    deferred_check();
 }
 
-void cu_sync(void) { CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream)); }
+void cu_sync(void)
+{
+    CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
+    deferred_check();
+}
 
 double cu_device_used(void)
 {

@@ -1,13 +1,16 @@
-/* The MoE route and pair plans on the device (ops.h moe_route_plan, moe_pair_plan), so the only
- * thing the host waits for per MoE layer is a few counts instead of downloading, sorting and
- * re-uploading the whole [T, k] routing (src/cpu/cpu_moe.c is the reference: integers only, so both
- * give identical plans).
+/* The MoE route and pair plans on the device (ops.h moe_route_plan, moe_pair_plan): the host does
+ * not download, sort and re-upload the [T, k] routing. The route plan's expert offsets stay on the
+ * device for the grouped GEMMs (no wait at all); the pair plan's per-rank counts come to the host,
+ * which sizes the all-to-all with them (src/cpu/cpu_moe.c is the reference: integers only, so
+ * both give identical plans).
  *
  * Route plan:
  * (1) one thread per token sorts its k choices by expert id (weights alongside) and counts them
  *     into a shared-memory histogram, added into the global counts with integer atomics (exact,
  *     so the order does not matter); MT_NO_EXPERT slots are skipped (slot_row -1), other ids
- *     outside [0, E) are counted in counts[E] for the host.
+ *     outside [0, E) too, counted in counts[E] for the deferred error (memory.cuh) and given
+ *     rows after every expert's with token 0 as their source, so that a layer run over T·k rows
+ *     reads only real rows until the run stops.
  *     Each block also keeps its own histogram (chunk_hist: one row per ROUTE_THREADS tokens).
  * (2) one block per (expert, chunk of ROUTE_THREADS tokens): its chunk's tokens that chose expert e
  *     get rows off[e] + (the earlier chunks' count for e) + rank in the chunk, i.e. rows sorted by
@@ -16,6 +19,8 @@
  * Pair plan: the same two passes with the EP rank (expert / n_local) in place of the expert and
  * each token counted once per rank it uses. */
 #include "moe_route.cuh"
+
+#include "memory.cuh"
 
 enum { ROUTE_THREADS = 256, ROUTE_MAX_K = 32, ROUTE_MAX_E = 8192 };
 
@@ -58,11 +63,10 @@ __global__ void route_sort_count_kernel(int32_t *topk_idx, float *topk_w, int32_
         float w[ROUTE_MAX_K];
         sort_token(topk_idx, topk_w, t, k, idx, w);
         for (int j = 0; j < k; j++) {
-            if (idx[j] == MT_NO_EXPERT) {
-                slot_row[(size_t)t * k + j] = -1;
-                continue;
-            }
-            atomicAdd(&hist[idx[j] >= 0 && idx[j] < E ? idx[j] : E], 1);
+            const bool bad = idx[j] < 0 || idx[j] >= E;
+            if (bad) slot_row[(size_t)t * k + j] = -1;
+            if (bad && idx[j] != MT_NO_EXPERT) atomicAdd(&hist[E], 1);
+            if (!bad) atomicAdd(&hist[idx[j]], 1);
         }
     }
     __syncthreads();
@@ -111,14 +115,24 @@ __device__ int chunk_base(const int *counts, const int *chunk_hist, int b, int n
     return off + block_sum(chunk_hist + b, (int)blockIdx.y, n + 1, warp_tot);
 }
 
-/* grid (E, chunks): expert e's rows for the tokens of chunk blockIdx.y */
+/* grid (E, chunks): expert e's rows for the tokens of chunk blockIdx.y. The chunk-0 blocks also
+ * publish the expert offsets (off[e], and off[E] from the last expert's) and add the ids outside
+ * [0, E) (counts[E]) to the deferred error counter. */
 __global__ void __launch_bounds__(ROUTE_THREADS)
 route_rows_kernel(const int32_t *topk_idx, const int *counts, const int *chunk_hist, int32_t *src_row,
-                  int32_t *slot_row, int T, int E, int k)
+                  int32_t *slot_row, int64_t *off, int *bad, int T, int E, int k)
 {
     __shared__ int warp_tot[ROUTE_THREADS / 32];
     const int e = blockIdx.x;
-    const int base = chunk_base(counts, chunk_hist, e, E, warp_tot);
+    const int first = block_sum(counts, e, 1, warp_tot);
+    const int base = first + block_sum(chunk_hist + e, (int)blockIdx.y, E + 1, warp_tot);
+    if (blockIdx.y == 0 && threadIdx.x == 0) {
+        off[e] = first;
+        if (e == E - 1) off[E] = first + counts[E - 1];
+        if (e == 0 && counts[E]) atomicAdd(bad, counts[E]);
+    }
+    if (blockIdx.y == 0 && e == E - 1) /* the bad ids' rows */
+        for (int i = threadIdx.x; i < counts[E]; i += ROUTE_THREADS) src_row[first + counts[E - 1] + i] = 0;
     const int t = (int)blockIdx.y * ROUTE_THREADS + threadIdx.x;
     int jj = -1;
     if (t < T)
@@ -170,7 +184,7 @@ static const int *counts_to_host(const int *counts, int n)
 }
 
 void cu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32_t *slot_row,
-                       int64_t *count_host, int T, int E, int k)
+                       int64_t *off, int T, int E, int k)
 {
     MT_CHECK(T >= 0 && E > 0 && E <= ROUTE_MAX_E && k > 0 && k <= ROUTE_MAX_K && k <= E,
              "moe_route_plan: unsupported shape T=%d E=%d k=%d (E <= %d, k <= %d)", T, E, k,
@@ -185,15 +199,16 @@ void cu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32
             topk_idx, topk_w, slot_row, counts, chunk_hist, T, E, k);
         CUDA_LAUNCH_CHECK("moe route sort/count");
     }
-    const int *h = counts_to_host(counts, E + 1);
-    if (T > 0) {
-        route_rows_kernel<<<rows_grid(E, T), ROUTE_THREADS, 0, g_cuda.stream>>>(
-            topk_idx, counts, chunk_hist, src_row, slot_row, T, E, k);
-        CUDA_LAUNCH_CHECK("moe route rows");
+    if (T == 0) {
+        CUDA_CHECK(cudaMemsetAsync(off, 0, ((size_t)E + 1) * sizeof(int64_t), g_cuda.stream));
+        return;
     }
-    CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
-    MT_CHECK(h[E] == 0, "router chose %d expert ids outside [0, %d)", h[E], E);
-    for (int e = 0; e < E; e++) count_host[e] = h[e];
+    route_rows_kernel<<<rows_grid(E, T), ROUTE_THREADS, 0, g_cuda.stream>>>(
+        topk_idx, counts, chunk_hist, src_row, slot_row, off, cu_deferred_error_counter(), T, E, k);
+    CUDA_LAUNCH_CHECK("moe route rows");
+    /* no wait here: the offsets stay on the device for the expert GEMMs; a bad id stops the run
+     * at the next download (the micro-step's losses at the latest), before any update */
+    cu_deferred_error_fetch("moe_route_plan: the router chose expert ids outside [0, num_experts)");
 }
 
 /* ---------------------------------------------------------------- pair plan */

@@ -85,7 +85,7 @@ static void alloc_layer(struct model *m, struct layer_acts *a, bool moe, bool de
         a->topk_idx = ialloc(m, T * K);
         a->topk_w = falloc(m, T * K);
         struct moe_route *r = &a->route;
-        r->expert_off = mt_calloc((size_t)m->n_local_experts + 1, sizeof(int64_t));
+        r->expert_off = m->be->alloc(((size_t)m->n_local_experts + 1) * sizeof(int64_t));
         r->send_counts = mt_calloc((size_t)m->ep, sizeof(int64_t));
         r->recv_counts = mt_calloc((size_t)m->ep, sizeof(int64_t));
         if (!m->pairs) {
@@ -261,7 +261,7 @@ static void free_layer(const struct model *m, struct layer_acts *a)
                    a->v, a->attn, a->lse, a->h_mid, a->m, a->rstd_m, a->logits, a->probs,
                    a->topk_idx, a->topk_w, a->x_exp, a->gu, a->act, a->y_exp,
                    a->route.pair_tok, a->route.tok_pair, a->route.w_map, a->route.exp_src,
-                   a->route.exp_slot};
+                   a->route.exp_slot, a->route.expert_off, a->route.chunk_off};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(dev[i]);
     struct moe_route *r = &a->route;
@@ -270,7 +270,6 @@ static void free_layer(const struct model *m, struct layer_acts *a)
         if (r->meta_w) be->free(r->meta_w);
     }
     free(r->chunks);
-    free(r->expert_off);
     free(r->send_counts);
     free(r->recv_counts);
 }

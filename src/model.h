@@ -18,11 +18,13 @@ struct route_replay;
 /* Per-layer MoE routing of one micro-batch (moe.c: token-once dispatch). Sender side: this rank's
  * tokens; receiver side: the pairs (token, this rank) that arrive for this rank's experts. */
 struct moe_route {
-    int64_t *expert_off;     /* host [n_local + 1]: rows of each local expert in the expert input */
+    int64_t *expert_off;     /* dev [n_local + 1]: rows of each local expert in the expert input
+                              * (the route plan's; with ep = 1 the host never reads them) */
     int64_t *send_counts;    /* host [ep]: pairs sent to each EP rank (ep = 1: the T tokens) */
     int64_t *recv_counts;    /* host [ep]: pairs received from each EP rank */
     int64_t P_send, P_recv;  /* pairs sent and received */
-    int64_t R_exp;           /* expert-side rows, expert_off[n_local] */
+    int64_t R_exp;           /* expert-side rows, expert_off[n_local]: T·k without pairs (the
+                              * router fills every slot), downloaded with them */
     /* sender side, ep > 1 */
     int32_t *pair_tok;       /* dev [T * min(k, ep)]: token of each sent pair (rank, token order) */
     int32_t *tok_pair;       /* dev [T, k]: pair of choice j's rank at its first choice, else -1 */
@@ -34,6 +36,7 @@ struct moe_route {
     int32_t *exp_slot;       /* dev [P_recv, k]: expert-side row of each slot, -1 if empty */
     int64_t cap_pairs;       /* pairs the receiver arrays hold (ep > 1) */
     struct moe_chunk *chunks; /* host [moe_chunks]: each chunk's plan (moe_exchange.c), or NULL */
+    int64_t *chunk_off;       /* dev [moe_chunks, n_local + 1]: the chunks' expert offsets */
 };
 
 struct layer_acts {
@@ -75,8 +78,9 @@ struct expert_wgrad_stash {
     void *d_gu;         /* [d_cap_rows, 2I] gate_up output gradient (sized as model.d_gu) */
     void *d_y_exp;      /* [d_cap_rows, H]  down output gradient */
     int64_t cap_rows, d_cap_rows;
-    int64_t *off;       /* host [n_local + 1]: each local expert's rows in the above; NULL: the
+    int64_t *off;       /* dev [n_local + 1]: each local expert's rows in the above; NULL: the
                          * layer does not pair */
+    int64_t rows;       /* the rows the above hold for it (the layer's R_exp then) */
     bool pending;       /* holds a micro-step whose weight gradients are not in dw yet */
 };
 

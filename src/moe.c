@@ -85,7 +85,8 @@ static void stash_expert_rows(struct model *m, struct layer_acts *a, struct expe
     swap_ptr(&s->d_y_exp, &m->d_y_exp);
     s->cap_rows = a->cap_rows;
     s->d_cap_rows = m->d_cap_rows;
-    memcpy(s->off, a->route.expert_off, (size_t)(m->n_local_experts + 1) * sizeof(int64_t));
+    m->be->copy(s->off, a->route.expert_off, (size_t)(m->n_local_experts + 1) * sizeof(int64_t));
+    s->rows = a->route.R_exp;
     s->pending = true;
 }
 
@@ -97,7 +98,7 @@ void model_enable_expert_wgrad_pairs(struct model *m, int n_layers)
     /* the stage's first n_layers MoE layers; a layer without off[] does not pair */
     for (int l = m->st.layer0, n = 0; l < m->st.layer1 && n < n_layers; l++)
         if (config_layer_is_moe(&m->cfg, l)) {
-            m->wstash[l].off = mt_calloc((size_t)m->n_local_experts + 1, sizeof(int64_t));
+            m->wstash[l].off = m->be->alloc(((size_t)m->n_local_experts + 1) * sizeof(int64_t));
             n++;
         }
 }
@@ -107,10 +108,9 @@ void model_free_expert_wgrad_pairs(struct model *m)
     if (!m->wstash) return;
     for (int l = 0; l < m->L; l++) {
         struct expert_wgrad_stash *s = &m->wstash[l];
-        void *bufs[] = {s->x_exp, s->act, s->d_gu, s->d_y_exp};
-        for (int i = 0; i < 4; i++)
+        void *bufs[] = {s->x_exp, s->act, s->d_gu, s->d_y_exp, s->off};
+        for (int i = 0; i < 5; i++)
             if (bufs[i]) m->be->free(bufs[i]);
-        free(s->off);
     }
     free(m->wstash);
     m->wstash = NULL;
@@ -193,18 +193,21 @@ static const void *exchange_rows(struct model *m, const int64_t *counts_in, cons
     return exchange_in(m, counts_in, send, counts_out, m->H, comm_dtype_of_x(m->be->x_size));
 }
 
-/* Builds the dispatch plan of layer l from the router's top-k (see the file comment). */
+/* Builds the dispatch plan of layer l from the router's top-k (see the file comment). Without
+ * pairs the host waits for nothing: the expert offsets stay in backend memory for the expert
+ * GEMMs, and the rows are T·k. With pairs the counts cross ranks on the host anyway, and the
+ * received rows come down with the offsets (one wait). */
 static void route_plan(struct model *m, struct layer_acts *a)
 {
     const struct backend *be = m->be;
     struct moe_route *r = &a->route;
     const int T = m->T, K = m->K, E = m->E, nl = m->n_local_experts, ep = m->ep;
-    int64_t *cnt = mt_malloc((size_t)nl * sizeof(int64_t));
     if (!m->pairs) {
         r->meta_idx = a->topk_idx;
         r->meta_w = a->topk_w;
-        be->moe_route_plan(a->topk_idx, a->topk_w, r->exp_src, r->exp_slot, cnt, T, E, K);
+        be->moe_route_plan(a->topk_idx, a->topk_w, r->exp_src, r->exp_slot, r->expert_off, T, E, K);
         r->send_counts[0] = r->recv_counts[0] = r->P_send = r->P_recv = T;
+        r->R_exp = (int64_t)T * K;
     } else {
         be->moe_pair_plan(a->topk_idx, a->topk_w, r->pair_tok, r->tok_pair, m->meta_idx_send,
                           m->meta_w_send, r->w_map, r->send_counts, T, ep, nl, K);
@@ -217,13 +220,10 @@ static void route_plan(struct model *m, struct layer_acts *a)
         moe_ensure_pairs(m, a, r->P_recv);
         exchange(m, r->meta_idx, r->recv_counts, m->meta_idx_send, r->send_counts, K, COMM_I32);
         exchange(m, r->meta_w, r->recv_counts, m->meta_w_send, r->send_counts, K, COMM_F32);
-        be->moe_route_plan(r->meta_idx, r->meta_w, r->exp_src, r->exp_slot, cnt, (int)r->P_recv,
-                           nl, K);
+        be->moe_route_plan(r->meta_idx, r->meta_w, r->exp_src, r->exp_slot, r->expert_off,
+                           (int)r->P_recv, nl, K);
+        be->download(&r->R_exp, r->expert_off + nl, sizeof(int64_t));
     }
-    r->expert_off[0] = 0;
-    for (int e = 0; e < nl; e++) r->expert_off[e + 1] = r->expert_off[e] + cnt[e];
-    free(cnt);
-    r->R_exp = r->expert_off[nl];
     moe_ensure_rows(m, a, r->R_exp);
 }
 
@@ -340,9 +340,11 @@ static void experts_forward(struct model *m, struct layer_acts *a, int l, void *
     }
     route_plan(m, a);
     dispatch_rows(m, a);
-    be->expert_matmul_forward(a->gu, a->x_exp, W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I);
+    be->expert_matmul_forward(a->gu, a->x_exp, W(m, TR_EXP_GATE_UP, l), r->expert_off, r->R_exp, nl,
+                              H, 2 * I);
     be->swiglu_forward(a->act, a->gu, (int)r->R_exp, I);
-    be->expert_matmul_forward(a->y_exp, a->act, W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H);
+    be->expert_matmul_forward(a->y_exp, a->act, W(m, TR_EXP_DOWN, l), r->expert_off, r->R_exp, nl, I,
+                              H);
     combine_rows(m, a, out, resid);
 }
 
@@ -367,17 +369,18 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
     const bool now = !paired && !stashed;
     const bool fresh = m->exp_dw_fresh[l];
     if (!stashed) m->exp_dw_fresh[l] = false;
+    const int64_t R = r->R_exp;
     be->expert_matmul_backward(m->d_act, now ? dw_down : NULL, m->d_y_exp, a->act,
-                               W(m, TR_EXP_DOWN, l), r->expert_off, nl, I, H, fresh);
+                               W(m, TR_EXP_DOWN, l), r->expert_off, R, nl, I, H, fresh);
     if (paired)
-        be->expert_matmul_wgrad2(dw_down, s->d_y_exp, s->act, s->off, m->d_y_exp, a->act,
-                                 r->expert_off, nl, I, H, fresh);
-    be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)r->R_exp, I);
+        be->expert_matmul_wgrad2(dw_down, s->d_y_exp, s->act, s->off, s->rows, m->d_y_exp, a->act,
+                                 r->expert_off, R, nl, I, H, fresh);
+    be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)R, I);
     be->expert_matmul_backward(m->d_x_exp, now ? dw_gu : NULL, m->d_gu, a->x_exp,
-                               W(m, TR_EXP_GATE_UP, l), r->expert_off, nl, H, 2 * I, fresh);
+                               W(m, TR_EXP_GATE_UP, l), r->expert_off, R, nl, H, 2 * I, fresh);
     if (paired) {
-        be->expert_matmul_wgrad2(dw_gu, s->d_gu, s->x_exp, s->off, m->d_gu, a->x_exp,
-                                 r->expert_off, nl, H, 2 * I, fresh);
+        be->expert_matmul_wgrad2(dw_gu, s->d_gu, s->x_exp, s->off, s->rows, m->d_gu, a->x_exp,
+                                 r->expert_off, R, nl, H, 2 * I, fresh);
         s->pending = false;
     }
     if (stashed) stash_expert_rows(m, a, s);

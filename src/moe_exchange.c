@@ -54,15 +54,16 @@ static struct moe_chunk *chunks_of(struct model *m, struct layer_acts *a)
     const int n = m->moe_chunks, ep = m->ep, nl = m->n_local_experts;
     MT_CHECK(n >= 1 && n <= m->T, "moe_chunks %d with %d tokens per micro-batch", n, m->T);
     if (!r->chunks) {
-        const size_t per = 2 * (size_t)ep + nl + 1;
+        const size_t per = 2 * (size_t)ep;
         char *block = mt_calloc(1, n * sizeof(struct moe_chunk) + n * per * sizeof(int64_t));
         r->chunks = (struct moe_chunk *)block;
         int64_t *ints = (int64_t *)(block + n * sizeof(struct moe_chunk));
+        r->chunk_off = m->be->alloc((size_t)n * (nl + 1) * sizeof(int64_t));
         for (int c = 0; c < n; c++) {
             struct moe_chunk *ch = &r->chunks[c];
             ch->send_counts = ints + c * per;
             ch->recv_counts = ch->send_counts + ep;
-            ch->expert_off = ch->recv_counts + ep;
+            ch->expert_off = r->chunk_off + (size_t)c * (nl + 1);
             ch->t0 = (int)((int64_t)m->T * c / n);
             ch->T = (int)((int64_t)m->T * (c + 1) / n) - ch->t0;
         }
@@ -104,7 +105,6 @@ static void plan(struct model *m, struct layer_acts *a)
     struct moe_route *r = &a->route;
     const int K = m->K, E = m->E, nl = m->n_local_experts, ep = m->ep, n = m->moe_chunks;
     struct moe_chunk *ch = chunks_of(m, a);
-    int64_t *cnt = mt_malloc((size_t)MT_MAX(nl, 1) * sizeof(int64_t));
     int64_t pair0 = 0, recv0 = 0, row0 = 0;
     for (int c = 0; c < n; c++) {
         struct moe_chunk *x = &ch[c];
@@ -140,15 +140,14 @@ static void plan(struct model *m, struct layer_acts *a)
             exchange(m, r->meta_w + rk, x->recv_counts, m->meta_w_send + x->pair0 * K, x->send_counts,
                      K, COMM_F32);
         }
-        be->moe_route_plan(r->meta_idx + rk, r->meta_w + rk, r->exp_src + row0, r->exp_slot + rk, cnt,
-                           (int)x->P_recv, m->pairs ? nl : E, K);
+        be->moe_route_plan(r->meta_idx + rk, r->meta_w + rk, r->exp_src + row0, r->exp_slot + rk,
+                           x->expert_off, (int)x->P_recv, m->pairs ? nl : E, K);
         x->row0 = row0;
-        x->expert_off[0] = 0;
-        for (int e = 0; e < nl; e++) x->expert_off[e + 1] = x->expert_off[e] + cnt[e];
-        x->R = x->expert_off[nl];
+        /* the next chunk's rows start after this one's: with pairs their count comes down */
+        if (m->pairs) be->download(&x->R, x->expert_off + nl, sizeof(int64_t));
+        else x->R = x->P_recv * K;
         row0 += x->R;
     }
-    free(cnt);
     r->R_exp = row0;
     moe_ensure_rows(m, a, row0);
 }
@@ -160,10 +159,10 @@ static void experts_forward(struct model *m, struct layer_acts *a, int l, const 
     const int H = m->H, I = m->I, nl = m->n_local_experts;
     moe_timeline_mark("gemms", x - a->route.chunks, 0);
     be->expert_matmul_forward(ROW(m, a->gu, x->row0, 2 * I), ROW(m, a->x_exp, x->row0, H),
-                              W(m, TR_EXP_GATE_UP, l), x->expert_off, nl, H, 2 * I);
+                              W(m, TR_EXP_GATE_UP, l), x->expert_off, x->R, nl, H, 2 * I);
     be->swiglu_forward(ROW(m, a->act, x->row0, I), ROW(m, a->gu, x->row0, 2 * I), (int)x->R, I);
     be->expert_matmul_forward(ROW(m, a->y_exp, x->row0, H), ROW(m, a->act, x->row0, I),
-                              W(m, TR_EXP_DOWN, l), x->expert_off, nl, I, H);
+                              W(m, TR_EXP_DOWN, l), x->expert_off, x->R, nl, I, H);
     moe_timeline_mark("gemms", x - a->route.chunks, 1);
 }
 
@@ -176,12 +175,12 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l, const
     m->exp_dw_fresh[l] = false;
     be->expert_matmul_backward(ROW(m, m->d_act, x->row0, I), G(m, TR_EXP_DOWN, l),
                                ROW(m, m->d_y_exp, x->row0, H), ROW(m, a->act, x->row0, I),
-                               W(m, TR_EXP_DOWN, l), x->expert_off, nl, I, H, fresh);
+                               W(m, TR_EXP_DOWN, l), x->expert_off, x->R, nl, I, H, fresh);
     be->swiglu_backward(ROW(m, m->d_gu, x->row0, 2 * I), ROW(m, m->d_act, x->row0, I),
                         ROW(m, a->gu, x->row0, 2 * I), (int)x->R, I);
     be->expert_matmul_backward(ROW(m, m->d_x_exp, x->row0, H), G(m, TR_EXP_GATE_UP, l),
                                ROW(m, m->d_gu, x->row0, 2 * I), ROW(m, a->x_exp, x->row0, H),
-                               W(m, TR_EXP_GATE_UP, l), x->expert_off, nl, H, 2 * I, fresh);
+                               W(m, TR_EXP_GATE_UP, l), x->expert_off, x->R, nl, H, 2 * I, fresh);
     moe_timeline_mark("gemms_bwd", x - a->route.chunks, 1);
 }
 

@@ -23,7 +23,8 @@ struct moe_chunk {
     int64_t recv0, P_recv;   /* its received pairs (without pairs: its tokens) */
     int64_t row0, R;         /* its expert-side rows */
     int64_t *send_counts, *recv_counts; /* [ep] pairs per EP rank */
-    int64_t *expert_off;     /* [n_local + 1] rows of each local expert, from row0 */
+    int64_t *expert_off;     /* dev [n_local + 1] rows of each local expert, from row0 (a slice of
+                              * the layer's route.chunk_off) */
 };
 
 /* moe_forward / moe_backward's expert part when m->moe_chunks > 1 (the router stays in moe.c) */

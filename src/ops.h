@@ -181,11 +181,13 @@ struct backend {
     /* MoE route plan (integers only: every backend gives the same answer). In place, each token's
      * k choices are sorted by ascending expert id, topk_w permuted alongside. Rows are then ordered
      * by (expert, token): src_row[row] = token, slot_row[t, j] = row of token t's j-th choice (-1
-     * for an MT_NO_EXPERT slot, which gets no row), and count_host[e] (a HOST array of E) = rows
-     * of expert e; waits for the backend. Any other id outside [0, E) is a fatal error. */
+     * for an MT_NO_EXPERT slot, which gets no row), and off[e] (backend memory, E + 1 entries) =
+     * expert e's first row, off[E] = the rows. Does not wait for the backend: the expert matmuls
+     * read off where it is. Any other id outside [0, E) is a fatal error, raised by the time the
+     * backend's next download or sync returns (before then it gets no row and slot -1). */
     void (*moe_route_plan)(int32_t *topk_idx /*[T,k]*/, float *topk_w /*[T,k]*/,
                            int32_t *src_row /*[<= T*k]*/, int32_t *slot_row /*[T,k]*/,
-                           int64_t *count_host /*[E]*/, int T, int E, int k);
+                           int64_t *off /*[E+1]*/, int T, int E, int k);
     /* Token-once dispatch plan over ep ranks of n_local experts (expert e on rank e / n_local).
      * In place, each token's choices are sorted by ascending expert id (weights alongside). A
      * "pair" (token, rank) stands for every rank a token uses; pairs are ordered by (rank, token):
@@ -224,25 +226,28 @@ struct backend {
                                  int T, int k, int H);
 
     /* Grouped expert matmul: rows [off[e], off[e+1]) of `in` go through expert e's W[e] ([O,I]).
-     * off is a HOST array of n_exp + 1 entries. Backward: din (NULL to skip) overwritten;
+     * off is backend memory (n_exp + 1 entries, non-decreasing, from 0; moe_route_plan's), so the
+     * host need not wait for the routing; R is how many rows `in` and `out` hold (>= off[n_exp]:
+     * rows past off[n_exp] are neither written nor used). Backward: din (NULL to skip) overwritten;
      * dw[e] += dyᵀ x over that expert's rows (experts with no rows get nothing added), or with
      * dw_overwrite dw[e] = dyᵀ x and experts with no rows get zeros: for a dw whose zeroing the
      * caller skipped (model.h: exp_dw_fresh), which saves the memset and the first read. */
     void (*expert_matmul_forward)(void *out /*[R,O]*/, const void *in /*[R,I]*/,
-                                  const void *w /*[n_exp,O,I]*/, const int64_t *off, int n_exp,
-                                  int I, int O);
+                                  const void *w /*[n_exp,O,I]*/, const int64_t *off, int64_t R,
+                                  int n_exp, int I, int O);
     void (*expert_matmul_backward)(void *din /*[R,I]*/, float *dw /*[n_exp,O,I]*/,
                                    const void *dout /*[R,O]*/, const void *in /*[R,I]*/,
-                                   const void *w /*[n_exp,O,I]*/, const int64_t *off, int n_exp,
-                                   int I, int O, bool dw_overwrite);
+                                   const void *w /*[n_exp,O,I]*/, const int64_t *off, int64_t R,
+                                   int n_exp, int I, int O, bool dw_overwrite);
     /* The weight-gradient half of expert_matmul_backward over two row sets a and b (two
      * micro-steps' rows, model.h: expert wgrad pairs): dw[e] += dy_aᵀ x_a + dy_bᵀ x_b over expert
-     * e's rows of each set (off_a, off_b: host, n_exp + 1 entries each); dw_overwrite as above.
+     * e's rows of each set (off_a, off_b and Ra, Rb as off and R above); dw_overwrite as above.
      * One pass over dw for both sets, where the backward would make two. */
     void (*expert_matmul_wgrad2)(float *dw /*[n_exp,O,I]*/, const void *dout_a /*[Ra,O]*/,
-                                 const void *in_a /*[Ra,I]*/, const int64_t *off_a,
+                                 const void *in_a /*[Ra,I]*/, const int64_t *off_a, int64_t Ra,
                                  const void *dout_b /*[Rb,O]*/, const void *in_b /*[Rb,I]*/,
-                                 const int64_t *off_b, int n_exp, int I, int O, bool dw_overwrite);
+                                 const int64_t *off_b, int64_t Rb, int n_exp, int I, int O,
+                                 bool dw_overwrite);
 
     /* SwiGLU on fused [gate | up] rows: out = silu(g) * u. */
     void (*swiglu_forward)(void *out /*[R,I]*/, const void *gu /*[R,2I]*/, int R, int I);

@@ -138,8 +138,8 @@ W(router_stats, PROF_MOE_ROWS, E,
   (float *ps, float *c, const float *p, const int32_t *ti, int T, int E, int k),
   (ps, c, p, ti, T, E, k))
 W(moe_route_plan, PROF_MOE_ROWS, E,
-  (int32_t *ti, float *tw, int32_t *sr, int32_t *sl, int64_t *c, int T, int E, int k),
-  (ti, tw, sr, sl, c, T, E, k))
+  (int32_t *ti, float *tw, int32_t *sr, int32_t *sl, int64_t *off, int T, int E, int k),
+  (ti, tw, sr, sl, off, T, E, k))
 W(moe_pair_plan, PROF_MOE_ROWS, ep,
   (int32_t *ti, float *tw, int32_t *pt, int32_t *tp, int32_t *mi, float *mw, int32_t *wm,
    int64_t *c, int T, int ep, int nl, int k),
@@ -157,16 +157,16 @@ W(moe_combine_backward, PROF_MOE_ROWS, H,
    int k, int H),
   (dy, dw, d, y, s, w, T, k, H))
 W(expert_matmul_forward, PROF_EXPERT_GEMM, O,
-  (void *o, const void *i, const void *w, const int64_t *off, int n, int I, int O),
-  (o, i, w, off, n, I, O))
+  (void *o, const void *i, const void *w, const int64_t *off, int64_t R, int n, int I, int O),
+  (o, i, w, off, R, n, I, O))
 W(expert_matmul_backward, PROF_EXPERT_GEMM, O,
-  (void *di, float *dw, const void *d, const void *i, const void *w, const int64_t *off, int n,
-   int I, int O, bool ow),
-  (di, dw, d, i, w, off, n, I, O, ow))
+  (void *di, float *dw, const void *d, const void *i, const void *w, const int64_t *off, int64_t R,
+   int n, int I, int O, bool ow),
+  (di, dw, d, i, w, off, R, n, I, O, ow))
 W(expert_matmul_wgrad2, PROF_EXPERT_GEMM, O,
-  (float *dw, const void *da, const void *ia, const int64_t *oa, const void *db, const void *ib,
-   const int64_t *ob, int n, int I, int O, bool ow),
-  (dw, da, ia, oa, db, ib, ob, n, I, O, ow))
+  (float *dw, const void *da, const void *ia, const int64_t *oa, int64_t Ra, const void *db,
+   const void *ib, const int64_t *ob, int64_t Rb, int n, int I, int O, bool ow),
+  (dw, da, ia, oa, Ra, db, ib, ob, Rb, n, I, O, ow))
 W(swiglu_forward, PROF_OTHER, I, (void *o, const void *gu, int R, int I), (o, gu, R, I))
 W(swiglu_backward, PROF_OTHER, I, (void *d, const void *o, const void *gu, int R, int I),
   (d, o, gu, R, I))

@@ -104,12 +104,22 @@ struct gemm {
     void *out[2];  /* ours, cuBLAS: bf16 [R,O] (FWD), bf16 [R,I] (DGRAD), fp32 dw [E,O,I] (WGRAD) */
 };
 
-static void run_ours(const struct gemm *g, const int64_t *off, void *out)
+/* The expert offsets in device memory, where the grouped kernel reads them (one buffer, reused:
+ * the upload waits, outside any timing) */
+static const int64_t *dev_offsets(const int64_t *off)
+{
+    static int64_t *d;
+    if (!d) CUDA_CALL(cudaMalloc((void **)&d, (E + 1) * sizeof(int64_t)));
+    CUDA_CALL(cudaMemcpy(d, off, (E + 1) * sizeof(int64_t), cudaMemcpyHostToDevice));
+    return d;
+}
+
+static void run_ours(const struct gemm *g, const int64_t *doff, void *out)
 {
     bool ok = false;
-    if (g->kind == FWD) ok = grouped_gemm_forward(out, g->a, g->b, off, E, g->I, g->O);
-    else if (g->kind == DGRAD) ok = grouped_gemm_dgrad(out, g->a, g->b, off, E, g->I, g->O);
-    else ok = grouped_gemm_wgrad(out, g->a, g->b, off, E, g->I, g->O, false);
+    if (g->kind == FWD) ok = grouped_gemm_forward(out, g->a, g->b, doff, R, E, g->I, g->O);
+    else if (g->kind == DGRAD) ok = grouped_gemm_dgrad(out, g->a, g->b, doff, R, E, g->I, g->O);
+    else ok = grouped_gemm_wgrad(out, g->a, g->b, doff, R, E, g->I, g->O, false);
     if (!ok) mt_fatal("grouped_gemm refused %s (%d -> %d)", g->name, g->I, g->O);
 }
 
@@ -198,13 +208,13 @@ static double rel_err_dw(float *ours, float *ref, const float *dw0, size_t n)
 }
 
 /* median milliseconds of `reps` runs after WARM warm-ups */
-static float time_ms(const struct gemm *g, const int64_t *off, int which, int reps,
-                     cudaEvent_t t0, cudaEvent_t t1)
+static float time_ms(const struct gemm *g, const int64_t *off, const int64_t *doff, int which,
+                     int reps, cudaEvent_t t0, cudaEvent_t t1)
 {
     float *ms = mt_malloc((size_t)reps * sizeof *ms);
     for (int r = -WARM; r < reps; r++) {
         CUDA_CALL(cudaEventRecord(t0, stream));
-        if (which == 0) run_ours(g, off, g->out[0]);
+        if (which == 0) run_ours(g, doff, g->out[0]);
         else run_cublas(g, off, g->out[1]);
         CUDA_CALL(cudaEventRecord(t1, stream));
         CUDA_CALL(cudaEventSynchronize(t1));
@@ -228,6 +238,7 @@ static void bench(const char *dist, const int *rows, struct gemm *g, int ng, con
         if (rows[e] < mn) mn = rows[e];
     }
     if (off[E] != R) mt_fatal("bench: row counts add up to %lld, not %d", (long long)off[E], R);
+    const int64_t *doff = dev_offsets(off);
     printf("\n%s: %d rows over %d experts (%d .. %d per expert)\n", dist, R, E, mn, mx);
     printf("%-16s %-11s %9s %8s %9s %8s %7s %9s\n", "gemm", "I -> O", "ours ms", "TFLOPS",
            "cuBLAS ms", "TFLOPS", "speedup", "rel err");
@@ -244,21 +255,21 @@ static void bench(const char *dist, const int *rows, struct gemm *g, int ng, con
             const float *d0 = g[i].O == 2 * F ? dw0[0] : dw0[1];
             CUDA_CALL(cudaMemcpyAsync(g[i].out[0], d0, n * 4, cudaMemcpyDeviceToDevice, stream));
             CUDA_CALL(cudaMemcpyAsync(g[i].out[1], d0, n * 4, cudaMemcpyDeviceToDevice, stream));
-            run_ours(&g[i], off, g[i].out[0]);
+            run_ours(&g[i], doff, g[i].out[0]);
             run_cublas(&g[i], off, g[i].out[1]);
             err = rel_err_dw(g[i].out[0], g[i].out[1], d0, n);
         } else {
             CUDA_CALL(cudaMemsetAsync(g[i].out[0], 0xff, n * 2, stream));
             CUDA_CALL(cudaMemsetAsync(g[i].out[1], 0xff, n * 2, stream));
-            run_ours(&g[i], off, g[i].out[0]);
+            run_ours(&g[i], doff, g[i].out[0]);
             run_cublas(&g[i], off, g[i].out[1]);
             CUDA_CALL(cudaStreamSynchronize(stream));
             err = rel_err_bf16(g[i].out[0], g[i].out[1], n);
         }
         CUDA_CALL(cudaStreamSynchronize(stream));
         CUDA_CALL(cudaGetLastError());
-        const float a = time_ms(&g[i], off, 0, reps, t0, t1);
-        const float b = time_ms(&g[i], off, 1, reps, t0, t1);
+        const float a = time_ms(&g[i], off, doff, 0, reps, t0, t1);
+        const float b = time_ms(&g[i], off, doff, 1, reps, t0, t1);
         char io[32];
         snprintf(io, sizeof io, "%d -> %d", g[i].I, g[i].O);
         printf("%-16s %-11s %9.3f %8.0f %9.3f %8.0f %6.2fx %9.2e\n", g[i].name, io, a,
@@ -282,6 +293,7 @@ static void bench_pairs(const char *label, const int *rows, const struct gemm *g
     int64_t off[E + 1];
     off[0] = 0;
     for (int e = 0; e < E; e++) off[e + 1] = off[e] + rows[e];
+    const int64_t *doff = dev_offsets(off);
     cudaEvent_t t0, t1;
     CUDA_CALL(cudaEventCreate(&t0));
     CUDA_CALL(cudaEventCreate(&t1));
@@ -296,11 +308,11 @@ static void bench_pairs(const char *label, const int *rows, const struct gemm *g
                 CUDA_CALL(cudaEventRecord(t0, stream));
                 bool ok;
                 if (v == 0)
-                    ok = grouped_gemm_wgrad(g[i].out[0], g[i].a, g[i].b, off, E, g[i].I, g[i].O, false) &&
-                         grouped_gemm_wgrad(g[i].out[0], g[i].a, g[i].b, off, E, g[i].I, g[i].O, false);
+                    ok = grouped_gemm_wgrad(g[i].out[0], g[i].a, g[i].b, doff, R, E, g[i].I, g[i].O, false) &&
+                         grouped_gemm_wgrad(g[i].out[0], g[i].a, g[i].b, doff, R, E, g[i].I, g[i].O, false);
                 else
-                    ok = grouped_gemm_wgrad2(g[i].out[0], g[i].a, g[i].b, off, g[i].a, g[i].b, off, E, g[i].I,
-                                             g[i].O, false);
+                    ok = grouped_gemm_wgrad2(g[i].out[0], g[i].a, g[i].b, doff, R, g[i].a, g[i].b, doff, R, E,
+                                             g[i].I, g[i].O, false);
                 if (!ok) mt_fatal("grouped_gemm refused %s", g[i].name);
                 CUDA_CALL(cudaEventRecord(t1, stream));
                 CUDA_CALL(cudaEventSynchronize(t1));

@@ -2,6 +2,7 @@
  * float * functions of cpu_ops.h (the compute dtype is fp32 here, so x_size is 4). */
 #include <string.h>
 
+#include "common.h"
 #include "cpu/cpu_ops.h"
 #include "ops.h"
 
@@ -137,24 +138,36 @@ static void b_moe_combine_backward(void *dy, float *dw, const void *dout, const 
     cpu_moe_combine_backward(dy, dw, dout, y, slot_row, w, T, k, H);
 }
 
-static void b_expert_matmul_forward(void *out, const void *in, const void *w, const int64_t *off,
-                                    int n_exp, int I, int O)
+/* off (backend memory here is host memory) must fit the R rows the caller holds */
+static void check_rows(const char *what, const int64_t *off, int64_t R, int n_exp)
 {
+    MT_CHECK(n_exp <= 0 || off[n_exp] <= R, "%s: the offsets end at row %lld of %lld", what,
+             (long long)off[n_exp], (long long)R);
+}
+
+static void b_expert_matmul_forward(void *out, const void *in, const void *w, const int64_t *off,
+                                    int64_t R, int n_exp, int I, int O)
+{
+    check_rows("expert_matmul", off, R, n_exp);
     cpu_expert_matmul_forward(out, in, w, off, n_exp, I, O);
 }
 static void b_expert_matmul_backward(void *din, float *dw, const void *dout, const void *in,
-                                     const void *w, const int64_t *off, int n_exp, int I, int O,
-                                     bool dw_overwrite)
+                                     const void *w, const int64_t *off, int64_t R, int n_exp, int I,
+                                     int O, bool dw_overwrite)
 {
+    check_rows("expert_matmul backward", off, R, n_exp);
     /* the same sums as zeroed dw += them (no time to save on the reference backend) */
     if (dw && dw_overwrite) memset(dw, 0, (size_t)n_exp * O * I * sizeof(float));
     cpu_expert_matmul_backward(din, dw, dout, in, w, off, n_exp, I, O);
 }
 
 static void b_expert_matmul_wgrad2(float *dw, const void *dout_a, const void *in_a,
-                                   const int64_t *off_a, const void *dout_b, const void *in_b,
-                                   const int64_t *off_b, int n_exp, int I, int O, bool dw_overwrite)
+                                   const int64_t *off_a, int64_t Ra, const void *dout_b,
+                                   const void *in_b, const int64_t *off_b, int64_t Rb, int n_exp,
+                                   int I, int O, bool dw_overwrite)
 {
+    check_rows("expert_matmul_wgrad2", off_a, Ra, n_exp);
+    check_rows("expert_matmul_wgrad2", off_b, Rb, n_exp);
     if (dw_overwrite) memset(dw, 0, (size_t)n_exp * O * I * sizeof(float));
     cpu_expert_matmul_backward(NULL, dw, dout_a, in_a, NULL, off_a, n_exp, I, O);
     cpu_expert_matmul_backward(NULL, dw, dout_b, in_b, NULL, off_b, n_exp, I, O);

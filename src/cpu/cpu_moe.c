@@ -20,9 +20,9 @@ static void sort_choices(int32_t *idx, float *w, int k)
 }
 
 void cpu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32_t *slot_row,
-                        int64_t *count, int T, int E, int k)
+                        int64_t *off, int T, int E, int k)
 {
-    memset(count, 0, (size_t)E * sizeof *count);
+    int64_t *count = mt_calloc((size_t)E, sizeof *count);
     for (int t = 0; t < T; t++) {
         int32_t *idx = topk_idx + (size_t)t * k;
         sort_choices(idx, topk_w + (size_t)t * k, k);
@@ -32,8 +32,11 @@ void cpu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int3
             count[idx[j]]++;
         }
     }
+    off[0] = 0;
+    for (int e = 0; e < E; e++) off[e + 1] = off[e] + count[e];
+    free(count);
     int64_t *fill = mt_malloc((size_t)E * sizeof *fill);
-    for (int e = 0, o = 0; e < E; o += (int)count[e], e++) fill[e] = o;
+    memcpy(fill, off, (size_t)E * sizeof *fill);
     for (int t = 0; t < T; t++)
         for (int j = 0; j < k; j++) {
             const int32_t e = topk_idx[(size_t)t * k + j];

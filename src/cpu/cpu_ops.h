@@ -82,7 +82,7 @@ void cpu_router_stats(float *psum, float *count, const float *probs, const int32
                       int T, int E, int k);
 
 void cpu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32_t *slot_row,
-                        int64_t *count, int T, int E, int k);
+                        int64_t *off /*[E+1]*/, int T, int E, int k);
 void cpu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int32_t *tok_pair,
                        int32_t *meta_idx, float *meta_w, int32_t *w_map, int64_t *count, int T,
                        int ep, int n_local, int k);

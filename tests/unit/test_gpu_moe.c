@@ -382,6 +382,14 @@ Test(gpu, moe_combine_shapes)
 
 /* ---------------------------------------------------------------- expert matmul */
 
+/* expert offsets in the GPU backend's memory (ops.h: off is backend memory) */
+static int64_t *doff_from(const struct mode *M, const int64_t *off, int n_exp)
+{
+    int64_t *d = M->g->alloc(((size_t)n_exp + 1) * sizeof *d);
+    M->g->upload(d, off, ((size_t)n_exp + 1) * sizeof *d);
+    return d;
+}
+
 Test(gpu, expert_matmul)
 {
     mt_rng rng;
@@ -398,18 +406,19 @@ Test(gpu, expert_matmul)
         float *in = hrand(&rng, ri, 1.0), *w = hrand(&rng, wn, 0.05), *dout = hrand(&rng, ro, 1.0);
         void *d_in = dx_from(&M, in, ri), *d_w = dx_from(&M, w, wn), *d_dout = dx_from(&M, dout, ro);
 
+        int64_t *d_off = doff_from(&M, off, NE);
         void *d_out = dx_poisoned(&M, ro);
-        M.g->expert_matmul_forward(d_out, d_in, d_w, off, NE, I, O);
+        M.g->expert_matmul_forward(d_out, d_in, d_w, d_off, R, NE, I, O);
         float *out = hx_of(&M, d_out, ro), *ref = fnew(ro);
-        M.c->expert_matmul_forward(ref, in, w, off, NE, I, O);
+        M.c->expert_matmul_forward(ref, in, w, off, R, NE, I, O);
         check_close(&M, "expert_matmul forward", out, ref, ro, M.tol);
 
         float *dw0 = hrand(&rng, wn, 1.0), *dw_ref = hdup(dw0, wn);
         float *d_dw = df_from(&M, dw0, wn);
         void *d_din = dx_poisoned(&M, ri);
-        M.g->expert_matmul_backward(d_din, d_dw, d_dout, d_in, d_w, off, NE, I, O, false);
+        M.g->expert_matmul_backward(d_din, d_dw, d_dout, d_in, d_w, d_off, R, NE, I, O, false);
         float *din = hx_of(&M, d_din, ri), *dw = hf_of(&M, d_dw, wn), *din_ref = fnew(ri);
-        M.c->expert_matmul_backward(din_ref, dw_ref, dout, in, w, off, NE, I, O, false);
+        M.c->expert_matmul_backward(din_ref, dw_ref, dout, in, w, off, R, NE, I, O, false);
         check_close(&M, "expert_matmul backward din", din, din_ref, ri, M.tol);
         float *add = diff(dw, dw0, wn), *add_ref = diff(dw_ref, dw0, wn);
         check_close(&M, "expert_matmul backward dw (added)", add, add_ref, wn, M.tol);
@@ -421,7 +430,7 @@ Test(gpu, expert_matmul)
             }
 
         M.g->free(d_in), M.g->free(d_w), M.g->free(d_dout), M.g->free(d_out), M.g->free(d_dw);
-        M.g->free(d_din);
+        M.g->free(d_din), M.g->free(d_off);
         free(in), free(w), free(dout), free(out), free(ref), free(dw0), free(dw_ref), free(din);
         free(dw), free(din_ref), free(add), free(add_ref);
     }
@@ -451,19 +460,21 @@ static void grouped_case(const struct mode *M, mt_rng *rng, const char *tag, int
     const float *w = wfull + w_off;
     const void *d_w = (const char *)d_wfull + (size_t)w_off * xs;
 
+    int64_t *d_off = doff_from(M, off, NE);
+
     /* forward */
     void *d_out = dx_poisoned(M, ro);
-    M->g->expert_matmul_forward(d_out, d_in, d_w, off, NE, I, O);
+    M->g->expert_matmul_forward(d_out, d_in, d_w, d_off, R, NE, I, O);
     float *out = hx_of(M, d_out, ro), *ref = fnew(ro);
-    M->c->expert_matmul_forward(ref, in, w, off, NE, I, O);
+    M->c->expert_matmul_forward(ref, in, w, off, R, NE, I, O);
 
     /* backward: din overwritten, dw accumulated onto random values */
     float *dw0 = hrand(rng, wn, 1.0), *dw_ref = hdup(dw0, wn);
     float *d_dw = df_from(M, dw0, wn);
     void *d_din = dx_poisoned(M, ri);
-    M->g->expert_matmul_backward(d_din, d_dw, d_dout, d_in, d_w, off, NE, I, O, false);
+    M->g->expert_matmul_backward(d_din, d_dw, d_dout, d_in, d_w, d_off, R, NE, I, O, false);
     float *din = hx_of(M, d_din, ri), *dw = hf_of(M, d_dw, wn), *din_ref = fnew(ri);
-    M->c->expert_matmul_backward(din_ref, dw_ref, dout, in, w, off, NE, I, O, false);
+    M->c->expert_matmul_backward(din_ref, dw_ref, dout, in, w, off, R, NE, I, O, false);
     float *add = diff(dw, dw0, wn), *add_ref = diff(dw_ref, dw0, wn);
 
     double e_out = 0.0, e_din = 0.0, e_dw = 0.0;
@@ -489,7 +500,7 @@ static void grouped_case(const struct mode *M, mt_rng *rng, const char *tag, int
     cr_expect(empty_kept, "%s [%s]", what, M->name);
 
     /* dw alone (din NULL): a second backward adds the same gradient again */
-    M->g->expert_matmul_backward(NULL, d_dw, d_dout, d_in, d_w, off, NE, I, O, false);
+    M->g->expert_matmul_backward(NULL, d_dw, d_dout, d_in, d_w, d_off, R, NE, I, O, false);
     float *dw2 = hf_of(M, d_dw, wn), *add2 = diff(dw2, dw, wn);
     snprintf(what, sizeof what, "grouped %s: dw += again (din NULL)", tag);
     check_close(M, what, add2, add_ref, wn, TOL_F32_LONG);
@@ -501,8 +512,8 @@ static void grouped_case(const struct mode *M, mt_rng *rng, const char *tag, int
     float *zeros = fnew(wn), *nans = fnew(wn);
     for (size_t i = 0; i < wn; i++) nans[i] = NAN;
     float *d_dwz = df_from(M, zeros, wn), *d_dwo = df_from(M, nans, wn);
-    M->g->expert_matmul_backward(NULL, d_dwz, d_dout, d_in, d_w, off, NE, I, O, false);
-    M->g->expert_matmul_backward(NULL, d_dwo, d_dout, d_in, d_w, off, NE, I, O, true);
+    M->g->expert_matmul_backward(NULL, d_dwz, d_dout, d_in, d_w, d_off, R, NE, I, O, false);
+    M->g->expert_matmul_backward(NULL, d_dwo, d_dout, d_in, d_w, d_off, R, NE, I, O, true);
     float *dwz = hf_of(M, d_dwz, wn), *dwo = hf_of(M, d_dwo, wn);
     snprintf(what, sizeof what, "grouped %s: dw overwrite = zeros + add", tag);
     check_exact(M, what, dwo, dwz, wn * sizeof(float));
@@ -518,9 +529,9 @@ static void grouped_case(const struct mode *M, mt_rng *rng, const char *tag, int
         kernel_wgrad = kernel_wgrad && grouped_gemm_available();
         void *d_out2 = dx_poisoned(M, ro), *d_din2 = dx_poisoned(M, ri);
         float *d_dw2 = df_from(M, dw0, wn);
-        const bool f = grouped_gemm_forward(d_out2, d_in, d_w, off, NE, I, O);
-        const bool g = grouped_gemm_dgrad(d_din2, d_dout, d_w, off, NE, I, O);
-        const bool h = grouped_gemm_wgrad(d_dw2, d_dout, d_in, off, NE, I, O, false);
+        const bool f = grouped_gemm_forward(d_out2, d_in, d_w, d_off, R, NE, I, O);
+        const bool g = grouped_gemm_dgrad(d_din2, d_dout, d_w, d_off, R, NE, I, O);
+        const bool h = grouped_gemm_wgrad(d_dw2, d_dout, d_in, d_off, R, NE, I, O, false);
         cr_expect(f == kernel && g == kernel && h == kernel_wgrad,
                   "grouped %s: kernel took fwd %d dgrad %d wgrad %d, expected %d %d %d", tag, f, g,
                   h, kernel, kernel, kernel_wgrad);
@@ -539,7 +550,7 @@ static void grouped_case(const struct mode *M, mt_rng *rng, const char *tag, int
 #endif
 
     M->g->free(d_in), M->g->free(d_wfull), M->g->free(d_dout), M->g->free(d_out), M->g->free(d_dw);
-    M->g->free(d_din);
+    M->g->free(d_din), M->g->free(d_off);
     free(off), free(in), free(wfull), free(dout), free(out), free(ref), free(dw0), free(dw_ref);
     free(din), free(dw), free(din_ref), free(add), free(add_ref), free(dw2), free(add2), free(din_again);
 }
@@ -552,7 +563,7 @@ Test(gpu, expert_matmul_grouped)
     const int edges[] = {0, 1, 127, 129, 300, 0, 64, 65};
     const int odd[] = {70, 0, 1, 200, 33};
     const int few[] = {5, 0, 40};
-    enum { MANY = 300 }; /* more experts than one launch's schedule holds (256) */
+    enum { MANY = 300 }; /* more experts than the schedule kernel's threads take one each of */
     int many[MANY];
     for (int e = 0; e < MANY; e++) many[e] = irand(&rng, 5);
     for (int i = 0; i < 2; i++) {
@@ -569,15 +580,16 @@ Test(gpu, expert_matmul_grouped)
             /* no rows at all (an EP rank nobody routed to): overwriting still zeroes every dw */
             enum { NE0 = 3, I0 = 64, O0 = 72 };
             const int64_t off0[NE0 + 1] = {0, 0, 0, 0};
+            int64_t *d_off0 = doff_from(&M, off0, NE0);
             const size_t wn0 = (size_t)NE0 * O0 * I0;
             float *nans = fnew(wn0), *zeros = fnew(wn0);
             for (size_t k = 0; k < wn0; k++) nans[k] = NAN;
             float *d_dw0 = df_from(&M, nans, wn0);
             void *d_x0 = dx_poisoned(&M, (size_t)O0 * I0);
-            M.g->expert_matmul_backward(NULL, d_dw0, d_x0, d_x0, d_x0, off0, NE0, I0, O0, true);
+            M.g->expert_matmul_backward(NULL, d_dw0, d_x0, d_x0, d_x0, d_off0, 0, NE0, I0, O0, true);
             float *dw0 = hf_of(&M, d_dw0, wn0);
             check_exact(&M, "grouped, no rows: dw overwrite gives zeros", dw0, zeros, wn0 * sizeof(float));
-            M.g->free(d_dw0), M.g->free(d_x0);
+            M.g->free(d_dw0), M.g->free(d_x0), M.g->free(d_off0);
             free(nans), free(zeros), free(dw0);
         }
         /* wgrad does not read w, so only forward and dgrad fall back */
@@ -605,11 +617,14 @@ static void wgrad2_case(const struct mode *M, mt_rng *rng, const char *tag, int 
     void *d_in_a = dx_from(M, in_a, MT_MAX(ra, 1) * I), *d_dout_a = dx_from(M, dout_a, MT_MAX(ra, 1) * O);
     void *d_in_b = dx_from(M, in_b, MT_MAX(rb, 1) * I), *d_dout_b = dx_from(M, dout_b, MT_MAX(rb, 1) * O);
 
+    int64_t *d_off_a = doff_from(M, off_a, NE), *d_off_b = doff_from(M, off_b, NE);
+
     /* adding onto random dw */
     float *dw0 = hrand(rng, wn, 1.0), *dw_ref = hdup(dw0, wn);
     float *d_dw = df_from(M, dw0, wn);
-    M->g->expert_matmul_wgrad2(d_dw, d_dout_a, d_in_a, off_a, d_dout_b, d_in_b, off_b, NE, I, O, false);
-    M->c->expert_matmul_wgrad2(dw_ref, dout_a, in_a, off_a, dout_b, in_b, off_b, NE, I, O, false);
+    M->g->expert_matmul_wgrad2(d_dw, d_dout_a, d_in_a, d_off_a, ra, d_dout_b, d_in_b, d_off_b, rb, NE, I, O,
+                               false);
+    M->c->expert_matmul_wgrad2(dw_ref, dout_a, in_a, off_a, ra, dout_b, in_b, off_b, rb, NE, I, O, false);
     float *dw = hf_of(M, d_dw, wn), *add = diff(dw, dw0, wn), *add_ref = diff(dw_ref, dw0, wn);
     double worst = 0;
     bool empty_kept = true;
@@ -633,8 +648,9 @@ static void wgrad2_case(const struct mode *M, mt_rng *rng, const char *tag, int 
     for (size_t i = 0; i < wn; i++) nans[i] = NAN;
     float *zref = fnew(wn);
     float *d_dwo = df_from(M, nans, wn);
-    M->g->expert_matmul_wgrad2(d_dwo, d_dout_a, d_in_a, off_a, d_dout_b, d_in_b, off_b, NE, I, O, true);
-    M->c->expert_matmul_wgrad2(zref, dout_a, in_a, off_a, dout_b, in_b, off_b, NE, I, O, true);
+    M->g->expert_matmul_wgrad2(d_dwo, d_dout_a, d_in_a, d_off_a, ra, d_dout_b, d_in_b, d_off_b, rb, NE, I, O,
+                               true);
+    M->c->expert_matmul_wgrad2(zref, dout_a, in_a, off_a, ra, dout_b, in_b, off_b, rb, NE, I, O, true);
     float *dwo = hf_of(M, d_dwo, wn);
     snprintf(what, sizeof what, "wgrad2 %s: overwrite (vs CPU)", tag);
     check_close(M, what, dwo, zref, wn, TOL_F32_LONG);
@@ -647,7 +663,8 @@ static void wgrad2_case(const struct mode *M, mt_rng *rng, const char *tag, int 
 #ifdef MT_HAVE_CUDA
     if (M->g->x_size == 2 && grouped_gemm_available()) {
         float *d_dw3 = df_from(M, dw0, wn);
-        const bool took = grouped_gemm_wgrad2(d_dw3, d_dout_a, d_in_a, off_a, d_dout_b, d_in_b, off_b, NE, I, O, false);
+        const bool took = grouped_gemm_wgrad2(d_dw3, d_dout_a, d_in_a, d_off_a, ra, d_dout_b, d_in_b, d_off_b, rb, NE,
+                                              I, O, false);
         const bool want = I % 8 == 0 && O % 8 == 0; /* what the kernel handles (grouped_gemm.cuh) */
         cr_expect(took == want, "wgrad2 %s: the grouped kernel took it: %d, expected %d", tag, took, want);
         float *dw3 = hf_of(M, d_dw3, wn);
@@ -658,6 +675,7 @@ static void wgrad2_case(const struct mode *M, mt_rng *rng, const char *tag, int 
     }
 #endif
     M->g->free(d_in_a), M->g->free(d_dout_a), M->g->free(d_in_b), M->g->free(d_dout_b);
+    M->g->free(d_off_a), M->g->free(d_off_b);
     M->g->free(d_dw), M->g->free(d_dwo);
     free(off_a), free(off_b), free(in_a), free(dout_a), free(in_b), free(dout_b), free(dw0), free(dw_ref);
     free(dw), free(add), free(add_ref), free(nans), free(zref), free(dwo);

@@ -6,8 +6,11 @@
 #include <criterion/criterion.h>
 
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "common.h"
 #include "gpu_backend.h"
@@ -42,27 +45,32 @@ static void route_case(const struct backend *g, mt_rng *rng, int T, int E, int k
     float *d_w = g->alloc(tk * 4);
     g->upload(d_idx, idx, tk * 4);
     g->upload(d_w, w, tk * 4);
-    int64_t *cnt_g = mt_malloc((size_t)E * 8), *cnt_c = mt_malloc((size_t)E * 8);
-    g->moe_route_plan(d_idx, d_w, d_src, d_slot, cnt_g, T, E, k);
+    /* the offsets are backend memory; poisoned, so that an entry left unwritten shows */
+    int64_t *off_g = mt_malloc(((size_t)E + 1) * 8), *off_c = mt_malloc(((size_t)E + 1) * 8);
+    int64_t *d_off = g->alloc(((size_t)E + 1) * 8);
+    memset(off_g, 0xff, ((size_t)E + 1) * 8);
+    g->upload(d_off, off_g, ((size_t)E + 1) * 8);
+    g->moe_route_plan(d_idx, d_w, d_src, d_slot, d_off, T, E, k);
     int32_t *src = mt_malloc(tk * 4), *slot = mt_malloc(tk * 4), *gidx = mt_malloc(tk * 4);
     float *gw = mt_malloc(tk * 4);
-    c->moe_route_plan(idx, w, src, slot, cnt_c, T, E, k);
+    c->moe_route_plan(idx, w, src, slot, off_c, T, E, k);
     int32_t *g_src = mt_malloc(tk * 4), *g_slot = mt_malloc(tk * 4);
     g->download(g_src, d_src, tk * 4);
     g->download(g_slot, d_slot, tk * 4);
     g->download(gidx, d_idx, tk * 4);
     g->download(gw, d_w, tk * 4);
-    cr_expect(!memcmp(cnt_g, cnt_c, (size_t)E * 8), "T=%d E=%d k=%d: counts differ", T, E, k);
+    g->download(off_g, d_off, ((size_t)E + 1) * 8);
+    cr_expect(!memcmp(off_g, off_c, ((size_t)E + 1) * 8), "T=%d E=%d k=%d: expert offsets differ", T, E, k);
     cr_expect(!memcmp(gidx, idx, tk * 4), "T=%d E=%d k=%d: sorted top-k ids differ", T, E, k);
     cr_expect(!memcmp(gw, w, tk * 4), "T=%d E=%d k=%d: sorted weights differ", T, E, k);
-    int64_t n_rows = 0; /* src_row holds one entry per filled slot; the rest is never written */
-    for (int e = 0; e < E; e++) n_rows += cnt_c[e];
+    const int64_t n_rows = off_c[E]; /* src_row holds one entry per filled slot; the rest is never written */
     cr_expect(!memcmp(g_src, src, (size_t)n_rows * 4), "T=%d E=%d k=%d: src_row differs", T, E, k);
     cr_expect(!memcmp(g_slot, slot, tk * 4), "T=%d E=%d k=%d: slot_row differs", T, E, k);
     /* and the CPU plan itself is the documented one: ascending ids, weights alongside, rows by
      * (expert, token) */
-    int64_t rows = 0, filled = 0;
-    for (int e = 0; e < E; e++) rows += cnt_c[e];
+    int64_t rows = off_c[E], filled = 0;
+    cr_expect_eq(off_c[0], 0);
+    for (int e = 0; e < E; e++) cr_expect_leq(off_c[e], off_c[e + 1], "offsets decrease at expert %d", e);
     for (size_t i = 0; i < tk; i++) filled += idx[i] != MT_NO_EXPERT;
     cr_expect_eq(rows, filled);
     for (int t = 0; t < T; t++)
@@ -78,8 +86,8 @@ static void route_case(const struct backend *g, mt_rng *rng, int T, int E, int k
             cr_expect_eq(src[slot[i]], t);
             if (j) cr_expect_lt(slot[i - 1], slot[i]);
         }
-    g->free(d_idx), g->free(d_src), g->free(d_slot), g->free(d_w);
-    free(idx), free(w), free(cnt_g), free(cnt_c), free(src), free(slot), free(gidx);
+    g->free(d_idx), g->free(d_src), g->free(d_slot), g->free(d_w), g->free(d_off);
+    free(idx), free(w), free(off_g), free(off_c), free(src), free(slot), free(gidx);
     free(gw), free(g_src), free(g_slot);
 }
 
@@ -166,4 +174,44 @@ Test(gpu, moe_pair_plan)
     pair_case(g, &rng, 4097, 8, 16, 8); /* EP=8, partial last chunk */
     pair_case(g, &rng, 300, 4, 2, 8);   /* k = E: every rank, several experts each */
     pair_case(g, &rng, 77, 16, 8, 3);   /* more ranks than choices */
+}
+
+/* An expert id outside [0, E) found on the device (the plan does not wait for its kernels) stops
+ * the run at the backend's next download, with the route plan's message and exit status 1. In a
+ * child process, forked before anything touches CUDA; exit status 77 there: no GPU. */
+static void bad_id_child(void)
+{
+    const struct backend *g = backend_cuda(false, 0);
+    if (!g) _exit(77);
+    enum { T = 64, E = 8, K = 2 };
+    int32_t idx[T * K];
+    float w[T * K];
+    for (int t = 0; t < T; t++) {
+        idx[t * K] = t % E;
+        idx[t * K + 1] = (t + 1) % E;
+        w[t * K] = w[t * K + 1] = 0.5f;
+    }
+    idx[5 * K + 1] = E + 3;
+    int32_t *d_idx = g->alloc(sizeof idx), *d_src = g->alloc(sizeof idx), *d_slot = g->alloc(sizeof idx);
+    float *d_w = g->alloc(sizeof w);
+    int64_t off[E + 1], *d_off = g->alloc(sizeof off);
+    g->upload(d_idx, idx, sizeof idx);
+    g->upload(d_w, w, sizeof w);
+    g->moe_route_plan(d_idx, d_w, d_src, d_slot, d_off, T, E, K);
+    g->download(off, d_off, sizeof off);
+    _exit(0); /* the download returned: the bad id went unnoticed */
+}
+
+Test(gpu, moe_route_plan_bad_id_stops_at_the_next_download)
+{
+    fflush(NULL);
+    const pid_t pid = fork();
+    cr_assert(pid >= 0, "fork failed");
+    if (pid == 0) bad_id_child();
+    int status = 0;
+    cr_assert(waitpid(pid, &status, 0) == pid, "waitpid failed");
+    cr_assert(WIFEXITED(status), "the child did not exit (signal %d)", WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+    if (WEXITSTATUS(status) == 77) gpu_backend_or_skip(false); /* skipped, or failed under MT_REQUIRE_GPU */
+    cr_expect_eq(WEXITSTATUS(status), 1, "a bad expert id: exit status %d, expected 1 (0: not caught)",
+                 WEXITSTATUS(status));
 }
