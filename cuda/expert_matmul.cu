@@ -178,20 +178,17 @@ void cu_expert_matmul_backward(void *din, float *dw, const void *dout, const voi
     }
 }
 
-/* Two row sets' weight gradients at once: the grouped kernel reads and writes dw once for both;
- * elsewhere the two are added one after the other (the same sums, rounded in another order). */
+/* Several row sets' weight gradients at once: the grouped kernel reads and writes dw once for
+ * all; elsewhere they are added one after the other (the same sums, rounded in another order). */
 template <typename T>
-void cu_expert_matmul_wgrad2(float *dw, const void *dout_a, const void *in_a, const int64_t *off_a,
-                             int64_t Ra, const void *dout_b, const void *in_b,
-                             const int64_t *off_b, int64_t Rb, int n_exp, int I, int O,
-                             bool dw_overwrite)
+void cu_expert_matmul_wgrad_sets(float *dw, const struct expert_rows *sets, int n_sets, int n_exp,
+                                 int I, int O, bool dw_overwrite)
 {
-    if (std::is_same<T, bf16>::value &&
-        grouped_gemm_wgrad2(dw, dout_a, in_a, off_a, Ra, dout_b, in_b, off_b, Rb, n_exp, I, O,
-                            dw_overwrite))
+    if (std::is_same<T, bf16>::value && grouped_gemm_wgrad_sets(dw, sets, n_sets, n_exp, I, O, dw_overwrite))
         return;
-    cu_expert_matmul_backward<T>(NULL, dw, dout_a, in_a, NULL, off_a, Ra, n_exp, I, O, dw_overwrite);
-    cu_expert_matmul_backward<T>(NULL, dw, dout_b, in_b, NULL, off_b, Rb, n_exp, I, O, false);
+    for (int s = 0; s < n_sets; s++)
+        cu_expert_matmul_backward<T>(NULL, dw, sets[s].dout, sets[s].in, NULL, sets[s].off,
+                                     sets[s].rows, n_exp, I, O, dw_overwrite && s == 0);
 }
 
 template void cu_expert_matmul_forward<float>(void *, const void *, const void *, const int64_t *,
@@ -204,9 +201,7 @@ template void cu_expert_matmul_backward<float>(void *, float *, const void *, co
 template void cu_expert_matmul_backward<bf16>(void *, float *, const void *, const void *,
                                               const void *, const int64_t *, int64_t, int, int,
                                               int, bool);
-template void cu_expert_matmul_wgrad2<float>(float *, const void *, const void *, const int64_t *,
-                                             int64_t, const void *, const void *, const int64_t *,
-                                             int64_t, int, int, int, bool);
-template void cu_expert_matmul_wgrad2<bf16>(float *, const void *, const void *, const int64_t *,
-                                            int64_t, const void *, const void *, const int64_t *,
-                                            int64_t, int, int, int, bool);
+template void cu_expert_matmul_wgrad_sets<float>(float *, const struct expert_rows *, int, int, int,
+                                                 int, bool);
+template void cu_expert_matmul_wgrad_sets<bf16>(float *, const struct expert_rows *, int, int, int,
+                                                int, bool);

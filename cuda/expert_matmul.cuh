@@ -13,9 +13,7 @@ void cu_expert_matmul_backward(void *din, float *dw, const void *dout, const voi
                                const void *w, const int64_t *off, int64_t R, int n_exp, int I,
                                int O, bool dw_overwrite);
 template <typename T>
-void cu_expert_matmul_wgrad2(float *dw, const void *dout_a, const void *in_a, const int64_t *off_a,
-                             int64_t Ra, const void *dout_b, const void *in_b,
-                             const int64_t *off_b, int64_t Rb, int n_exp, int I, int O,
-                             bool dw_overwrite);
+void cu_expert_matmul_wgrad_sets(float *dw, const struct expert_rows *sets, int n_sets, int n_exp,
+                                 int I, int O, bool dw_overwrite);
 
 #endif

@@ -43,6 +43,8 @@ namespace {
 constexpr int BM = 128, BN = 256;
 constexpr int THREADS = 384;                 /* producer warpgroup + 2 consumer warpgroups */
 constexpr int MAX_EXPERTS = 256;             /* per launch: its tile starts live in shared memory */
+constexpr int MAX_SETS = MT_WGRAD_MAX_SETS;  /* wgrad row sets a launch (grouped_gemm_wgrad_sets) */
+static_assert(MAX_SETS == 4, "a tile header holds e, mi, ni, r0 and four sets' rows (32 bytes)");
 /* Forward/dgrad visit an expert's tiles in groups of GROUP_M row tiles, every column tile of a
  * group before the next group, so the CTAs running together share both operands' tiles in L2.
  * Down an expert's whole row range first (as before), a large expert's concurrent tiles each read
@@ -76,8 +78,8 @@ static_assert(smem_bytes_of<KIND_WGRAD>() + STATIC_SMEM <= 227 * 1024, "wgrad sh
 static_assert(smem_bytes_of<KIND_FWD>() + STATIC_SMEM <= 227 * 1024, "shared memory exceeds the SM's 227 KB");
 
 struct gg_params {
-    CUtensorMap map_a, map_b;
-    CUtensorMap map_a2, map_b2; /* wgrad: the second row set (= map_a/map_b when there is none) */
+    /* forward/dgrad: [0] only; wgrad: one pair per row set (micro-step), K walks the sets in order */
+    CUtensorMap map_a[MAX_SETS], map_b[MAX_SETS];
     CUtensorMap map_out;        /* forward/dgrad: out [R, N] bf16, boxes of 64 columns × BM rows;
                                  * wgrad: dw [n_exp, M, N] fp32, boxes of 32 columns × BM rows */
     void *out;          /* bf16 [R, N] (forward, dgrad) or fp32 dw [n_exp, M, N] (wgrad) */
@@ -85,9 +87,10 @@ struct gg_params {
     int overwrite;      /* wgrad: dw = acc (dw not read; experts with no rows get zero tiles) */
     int n_exp, e_base;  /* experts [e_base, e_base + n_exp) in this launch (n_exp <= MAX_EXPERTS) */
     int tiles_m;        /* row tiles an expert: wgrad ceil(M / BM); 0: ceil(its rows / BM) */
-    /* device: the launch's n_exp + 1 absolute row offsets (from expert e_base on), and the second
-     * row set's (wgrad), or NULL. Each CTA turns them into tile starts in shared memory. */
-    const int64_t *off, *off2;
+    /* device: each row set's n_exp + 1 absolute row offsets (from expert e_base on); each CTA
+     * turns them into tile starts in shared memory */
+    const int64_t *off[MAX_SETS];
+    int n_sets;         /* 1 (forward, dgrad) .. MAX_SETS */
 };
 
 /* kernel parameters live in the 4 KB constant bank of a launch */
@@ -142,9 +145,9 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, u
 
 struct tile_info {
     int e;     /* expert */
-    int r0;    /* the expert's first row */
-    int rows;  /* its row count (>= 1, or 0 for an overwriting wgrad's zero tiles) */
-    int r0b, rows_b; /* wgrad: the expert's rows in the second set (K walks set 1, then set 2) */
+    int r0[MAX_SETS];   /* the expert's first row in each row set (forward/dgrad: [0] only) */
+    int rows[MAX_SETS]; /* its row counts (forward/dgrad: [0] >= 1; wgrad: all 0 for an
+                         * overwriting wgrad's zero tiles; sets past n_sets 0) */
     int mi, ni; /* tile coordinates. Forward/dgrad: M fastest within groups of GROUP_M row
                  * tiles, so CTAs running together share a weight slab (measured on H100: 5-25%
                  * faster than N fastest, skewed rows included); wgrad: N fastest (measured only
@@ -161,10 +164,12 @@ __device__ void tile_starts(const gg_params &p, int *tile_start /*[MAX_EXPERTS +
     const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
     int v = 0;
     if (e < p.n_exp) {
-        const int64_t rows = __ldg(p.off + e + 1) - __ldg(p.off + e);
-        const int64_t rows2 = p.off2 ? __ldg(p.off2 + e + 1) - __ldg(p.off2 + e) : 0;
-        if (rows > 0 || rows2 > 0 || p.overwrite)
-            v = (p.tiles_m ? p.tiles_m : (int)((rows + BM - 1) / BM)) * ((p.N + BN - 1) / BN);
+        const int64_t rows = __ldg(p.off[0] + e + 1) - __ldg(p.off[0] + e);
+        bool any = rows > 0 || p.overwrite;
+#pragma unroll
+        for (int s = 1; s < MAX_SETS; s++)
+            if (s < p.n_sets) any = any || __ldg(p.off[s] + e + 1) > __ldg(p.off[s] + e);
+        if (any) v = (p.tiles_m ? p.tiles_m : (int)((rows + BM - 1) / BM)) * ((p.N + BN - 1) / BN);
     }
     int x = v; /* inclusive scan within the warp, then over the warps' totals */
     for (int o = 1; o < 32; o <<= 1) {
@@ -199,17 +204,18 @@ template <int KIND> __device__ __forceinline__ tile_info decode(const gg_params 
     }
     tile_info ti;
     ti.e = lo;
-    ti.r0 = (int)__ldg(p.off + lo);
-    ti.rows = (int)__ldg(p.off + lo + 1) - ti.r0;
-    ti.r0b = p.off2 ? (int)__ldg(p.off2 + lo) : 0;
-    ti.rows_b = p.off2 ? (int)__ldg(p.off2 + lo + 1) - ti.r0b : 0;
+#pragma unroll
+    for (int s = 0; s < MAX_SETS; s++) {
+        ti.r0[s] = s < p.n_sets ? (int)__ldg(p.off[s] + lo) : 0;
+        ti.rows[s] = s < p.n_sets ? (int)__ldg(p.off[s] + lo + 1) - ti.r0[s] : 0;
+    }
     const int local = t - tile_start[lo];
     if (KIND == KIND_WGRAD) {
         const int nt = (p.N + BN - 1) / BN;
         ti.ni = local % nt;
         ti.mi = local / nt;
     } else {
-        const int mt = (ti.rows + BM - 1) / BM, nt = (p.N + BN - 1) / BN;
+        const int mt = (ti.rows[0] + BM - 1) / BM, nt = (p.N + BN - 1) / BN;
         const int g0 = local / (GROUP_M * nt) * GROUP_M, gm = min(GROUP_M, mt - g0);
         const int in = local - g0 * nt;
         ti.mi = g0 + in % gm;
@@ -218,11 +224,30 @@ template <int KIND> __device__ __forceinline__ tile_info decode(const gg_params 
     return ti;
 }
 
+/* v[s] without a local-memory array (s < MAX_SETS) */
+__device__ __forceinline__ int pick(const int (&v)[MAX_SETS], int s)
+{
+    return s == 0 ? v[0] : s == 1 ? v[1] : s == 2 ? v[2] : v[3];
+}
+
+/* Wgrad's walk over the row sets' K blocks: before each block, the set it comes from and its
+ * index there (sets with no rows for the expert are passed over). */
+struct set_walk {
+    int s = 0, kb = 0;
+    __device__ __forceinline__ void next(const tile_info &ti)
+    {
+        while (kb * bk_of<KIND_WGRAD>() >= pick(ti.rows, s)) s++, kb = 0;
+    }
+};
+
 template <int KIND> __device__ __forceinline__ int k_blocks(const gg_params &p, const tile_info &ti)
 {
     constexpr int BK = bk_of<KIND>();
-    return KIND == KIND_WGRAD ? (ti.rows + BK - 1) / BK + (ti.rows_b + BK - 1) / BK
-                              : (p.K + BK - 1) / BK;
+    if (KIND != KIND_WGRAD) return (p.K + BK - 1) / BK;
+    int n = 0;
+#pragma unroll
+    for (int s = 0; s < MAX_SETS; s++) n += (ti.rows[s] + BK - 1) / BK;
+    return n;
 }
 
 /* ---------------------------------------------------------------- the kernel */
@@ -309,14 +334,15 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
             const tile_info ti = decode<KIND>(p, tile_start, t);
             const int nk = k_blocks<KIND>(p, ti), e = p.e_base + ti.e;
+            set_walk walk;
             for (int kb = 0; kb < (nk == 0 ? 1 : nk); kb++) {
                 const uint32_t sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES, fb = full_bar(stage);
                 mbar_wait(empty_bar(stage), phase ^ 1);
-                if (kb == 0)
+                if (kb == 0) /* e, mi, ni, r0[0], rows[0..3]: what the consumers use */
                     asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n\t"
                                  "st.shared.v4.s32 [%0+16], {%5, %6, %7, %8};" ::"r"(hdr(stage)),
-                                 "r"(ti.e), "r"(ti.r0), "r"(ti.rows), "r"(ti.mi), "r"(ti.ni),
-                                 "r"(ti.r0b), "r"(ti.rows_b), "r"(0)
+                                 "r"(ti.e), "r"(ti.mi), "r"(ti.ni), "r"(ti.r0[0]), "r"(ti.rows[0]),
+                                 "r"(ti.rows[1]), "r"(ti.rows[2]), "r"(ti.rows[3])
                                  : "memory");
                 if (nk == 0) { /* the header alone; the arrive releases it to the consumers */
                     mbar_arrive(fb);
@@ -326,18 +352,16 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                 mbar_expect_tx(fb, STAGE_BYTES); /* out-of-bounds box parts count too; the arrive
                                                   * releases the header to the consumers */
                 if (KIND == KIND_FWD) {
-                    tma_2d(sa, &p.map_a, kb * BK, ti.r0 + ti.mi * BM, fb);
-                    tma_3d(sb, &p.map_b, kb * BK, ti.ni * BN, e, fb);
+                    tma_2d(sa, &p.map_a[0], kb * BK, ti.r0[0] + ti.mi * BM, fb);
+                    tma_3d(sb, &p.map_b[0], kb * BK, ti.ni * BN, e, fb);
                 } else if (KIND == KIND_DGRAD) {
-                    tma_2d(sa, &p.map_a, kb * BK, ti.r0 + ti.mi * BM, fb);
+                    tma_2d(sa, &p.map_a[0], kb * BK, ti.r0[0] + ti.mi * BM, fb);
                     for (int j = 0; j < BN / 64; j++)
-                        tma_3d(sb + j * BOX_BYTES, &p.map_b, ti.ni * BN + 64 * j, kb * BK, e, fb);
-                } else { /* K blocks of the first row set, then of the second */
-                    const int nka = (ti.rows + BK - 1) / BK;
-                    const bool second = kb >= nka;
-                    const int k0 = second ? ti.r0b + (kb - nka) * BK : ti.r0 + kb * BK;
-                    const CUtensorMap *ma = second ? &p.map_a2 : &p.map_a;
-                    const CUtensorMap *mb = second ? &p.map_b2 : &p.map_b;
+                        tma_3d(sb + j * BOX_BYTES, &p.map_b[0], ti.ni * BN + 64 * j, kb * BK, e, fb);
+                } else { /* the K blocks of the row sets in order */
+                    walk.next(ti);
+                    const int k0 = pick(ti.r0, walk.s) + walk.kb++ * BK;
+                    const CUtensorMap *ma = &p.map_a[walk.s], *mb = &p.map_b[walk.s];
                     for (int j = 0; j < BM / 64; j++)
                         tma_2d(sa + j * BOX_BYTES, ma, ti.mi * BM + 64 * j, k0, fb);
                     for (int j = 0; j < BN / 64; j++)
@@ -361,11 +385,10 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         tile_info ti;
         mbar_wait(full_bar(stage), phase); /* the tile's first K block, and its header */
-        asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%7];\n\t"
-                     "ld.shared.v2.s32 {%4, %5}, [%7+16];\n\t"
-                     "ld.shared.s32 %6, [%7+24];"
-                     : "=r"(ti.e), "=r"(ti.r0), "=r"(ti.rows), "=r"(ti.mi), "=r"(ti.ni), "=r"(ti.r0b),
-                       "=r"(ti.rows_b)
+        asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%8];\n\t"
+                     "ld.shared.v4.s32 {%4, %5, %6, %7}, [%8+16];"
+                     : "=r"(ti.e), "=r"(ti.mi), "=r"(ti.ni), "=r"(ti.r0[0]), "=r"(ti.rows[0]),
+                       "=r"(ti.rows[1]), "=r"(ti.rows[2]), "=r"(ti.rows[3])
                      : "r"(hdr(stage))
                      : "memory");
         const int nk = k_blocks<KIND>(p, ti);
@@ -383,7 +406,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
         /* Forward/dgrad: an expert's last tile often has <= 64 valid rows. The warpgroup whose 64
          * rows are all past them (never stored) skips its MMAs, leaving the SM's tensor cores to
          * the other; it still waits for and releases every stage with it. */
-        const bool idle = KIND != KIND_WGRAD && w * 64 >= ti.rows - ti.mi * BM;
+        const bool idle = KIND != KIND_WGRAD && w * 64 >= ti.rows[0] - ti.mi * BM;
         if (idle)
             for (int kb = 0; kb < nk; kb++) {
                 mbar_wait(full_bar(stage), phase);
@@ -392,11 +415,15 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
         int prev = -1;
+        set_walk walk;
         for (int kb = 0; kb < (idle ? 0 : nk); kb++) {
             const uint32_t sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES;
             mbar_wait(full_bar(stage), phase);
-            const int nka = KIND == KIND_WGRAD ? (ti.rows + BK - 1) / BK : nk;
-            const int valid = kb < nka ? ti.rows - kb * BK : ti.rows_b - (kb - nka) * BK;
+            int valid = BK;
+            if (KIND == KIND_WGRAD) {
+                walk.next(ti);
+                valid = pick(ti.rows, walk.s) - walk.kb++ * BK;
+            }
             if (KIND == KIND_WGRAD && valid < BK) {
                 /* K rows past the expert's end in its row set (the next expert's rows): zero them
                  * in all six boxes of the stage (A's 2 then B's 4, contiguous). Swizzling
@@ -474,8 +501,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                 }
             fence_proxy_async(); /* for the TMA's reads */
             asm volatile("bar.sync 2, 256;" ::: "memory");
-            const int valid_m = ti.rows - ti.mi * BM;
-            const int row0 = ti.r0 + ti.mi * BM;
+            const int valid_m = ti.rows[0] - ti.mi * BM;
+            const int row0 = ti.r0[0] + ti.mi * BM;
             if (valid_m >= BM) {
                 if (ctid == 0) {
                     for (int b = 0; b < BN / 64 && ti.ni * BN + 64 * b < p.N; b++)
@@ -519,12 +546,12 @@ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /* The tile schedule is built by every CTA from the device offsets, so the host never waits for
  * the routing; the grid is one CTA an SM unless fewer tiles are possible (a CTA without tiles
- * exits). R: the rows the row matrices hold (an upper bound on the tiles). off2 (wgrad only, or
- * NULL): the second row set's offsets, read through ma2/mb2. Launches of up to MAX_EXPERTS. */
+ * exits). R: the rows the row matrices hold (an upper bound on the tiles). ma/mb/off: n_sets row
+ * sets (1 but for wgrad). Launches of up to MAX_EXPERTS. */
 template <int KIND>
-void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64_t *off, int64_t R,
-            int n_exp, int M, int N, int K, const CUtensorMap *mout, bool overwrite = false,
-            const int64_t *off2 = NULL, const CUtensorMap *ma2 = NULL, const CUtensorMap *mb2 = NULL)
+void launch(int n_sets, const CUtensorMap *ma, const CUtensorMap *mb, const int64_t *const *off,
+            void *out, int64_t R, int n_exp, int M, int N, int K, const CUtensorMap *mout,
+            bool overwrite = false)
 {
     static bool attr_set;
     if (!attr_set) {
@@ -534,10 +561,8 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64
     }
     gg_params p;
     memset(&p, 0, sizeof p);
-    p.map_a = ma;
-    p.map_b = mb;
-    p.map_a2 = ma2 ? *ma2 : ma;
-    p.map_b2 = mb2 ? *mb2 : mb;
+    for (int s = 0; s < n_sets; s++) p.map_a[s] = ma[s], p.map_b[s] = mb[s];
+    p.n_sets = n_sets;
     if (mout) p.map_out = *mout;
     p.out = out;
     p.M = M, p.N = N, p.K = K;
@@ -551,8 +576,7 @@ void launch(const CUtensorMap &ma, const CUtensorMap &mb, void *out, const int64
                  (long long)max_tiles);
         p.n_exp = ne;
         p.e_base = e0;
-        p.off = off + e0;
-        p.off2 = off2 ? off2 + e0 : NULL;
+        for (int s = 0; s < n_sets; s++) p.off[s] = off[s] + e0;
         const int grid = max_tiles < g_cuda.num_sms ? (int)max_tiles : g_cuda.num_sms;
         if (grid == 0) continue;
         grouped_gemm_kernel<KIND><<<grid, THREADS, smem_bytes_of<KIND>(), g_cuda.stream>>>(p);
@@ -579,7 +603,7 @@ extern "C" bool grouped_gemm_forward(void *out, const void *in, const void *w, c
     CUtensorMap mo;
     const cuuint64_t dout[2] = {(cuuint64_t)O, R}, so[1] = {(cuuint64_t)O * 2};
     tma_make_map(&mo, out, 2, dout, so, ba, "grouped_gemm");
-    launch<KIND_FWD>(ma, mb, out, off, rows, n_exp, 0, O, I, &mo);
+    launch<KIND_FWD>(1, &ma, &mb, &off, out, rows, n_exp, 0, O, I, &mo);
     return true;
 }
 
@@ -600,7 +624,7 @@ extern "C" bool grouped_gemm_dgrad(void *din, const void *dout, const void *w, c
     CUtensorMap mo;
     const cuuint64_t dd[2] = {(cuuint64_t)I, R}, sd[1] = {(cuuint64_t)I * 2};
     tma_make_map(&mo, din, 2, dd, sd, ba, "grouped_gemm");
-    launch<KIND_DGRAD>(ma, mb, din, off, rows, n_exp, 0, I, O, &mo);
+    launch<KIND_DGRAD>(1, &ma, &mb, &off, din, rows, n_exp, 0, I, O, &mo);
     return true;
 }
 
@@ -619,36 +643,38 @@ static void wgrad_maps(CUtensorMap *ma, CUtensorMap *mb, const void *dout, const
 extern "C" bool grouped_gemm_wgrad(float *dw, const void *dout, const void *in, const int64_t *off,
                                    int64_t rows, int n_exp, int I, int O, bool overwrite)
 {
-    return grouped_gemm_wgrad2(dw, dout, in, off, rows, NULL, NULL, NULL, 0, n_exp, I, O, overwrite);
+    const struct expert_rows set = {dout, in, off, rows};
+    return grouped_gemm_wgrad_sets(dw, &set, 1, n_exp, I, O, overwrite);
 }
 
-extern "C" bool grouped_gemm_wgrad2(float *dw, const void *dout, const void *in, const int64_t *off,
-                                    int64_t rows, const void *dout2, const void *in2,
-                                    const int64_t *off2, int64_t rows2, int n_exp, int I, int O,
-                                    bool overwrite)
+extern "C" bool grouped_gemm_wgrad_sets(float *dw, const struct expert_rows *sets, int n_sets,
+                                        int n_exp, int I, int O, bool overwrite)
 {
-    if (!supported(I, O, rows, dw, dout, in)) return false;
-    if (!off2) rows2 = 0;
-    if (rows2 > 0 && !supported(I, O, rows2, dw, dout2, in2)) return false;
+    MT_CHECK(n_sets >= 1 && n_sets <= MAX_SETS, "grouped_gemm_wgrad_sets: %d row sets (1 to %d)",
+             n_sets, MAX_SETS);
+    for (int s = 0; s < n_sets; s++)
+        if (sets[s].rows > 0 && !supported(I, O, sets[s].rows, dw, sets[s].dout, sets[s].in)) return false;
+    if (!supported(I, O, 0, dw, dw, dw)) return false;
     if (n_exp <= 0) return true;
-    if (rows == 0 && rows2 == 0) { /* no rows (and no tensor map of zero rows) */
+    /* sets with no rows need no tensor map (and cannot have one of zero rows) */
+    CUtensorMap ma[MAX_SETS], mb[MAX_SETS];
+    const int64_t *off[MAX_SETS];
+    int n = 0;
+    for (int s = 0; s < n_sets; s++) {
+        if (sets[s].rows <= 0) continue;
+        wgrad_maps(&ma[n], &mb[n], sets[s].dout, sets[s].in, sets[s].rows, I, O);
+        off[n++] = sets[s].off;
+    }
+    if (n == 0) {
         if (overwrite) CUDA_CHECK(cudaMemsetAsync(dw, 0, (size_t)n_exp * O * I * sizeof(float), g_cuda.stream));
         return true;
     }
-    if (rows == 0)
-        return grouped_gemm_wgrad2(dw, dout2, in2, off2, rows2, NULL, NULL, NULL, 0, n_exp, I, O, overwrite);
-    CUtensorMap ma, mb, ma2, mb2, mw;
-    wgrad_maps(&ma, &mb, dout, in, rows, I, O);
+    CUtensorMap mw;
     const cuuint64_t dwd[3] = {(cuuint64_t)I, (cuuint64_t)O, (cuuint64_t)n_exp};
     const cuuint64_t dws[2] = {(cuuint64_t)I * 4, (cuuint64_t)O * I * 4};
     const cuuint32_t dwb[3] = {32, BM, 1};
     tma_make_map_f32(&mw, dw, 3, dwd, dws, dwb, "grouped_gemm");
-    if (rows2 == 0) {
-        launch<KIND_WGRAD>(ma, mb, dw, off, rows, n_exp, O, I, 0, &mw, overwrite);
-        return true;
-    }
-    wgrad_maps(&ma2, &mb2, dout2, in2, rows2, I, O);
-    launch<KIND_WGRAD>(ma, mb, dw, off, rows, n_exp, O, I, 0, &mw, overwrite, off2, &ma2, &mb2);
+    launch<KIND_WGRAD>(n, ma, mb, off, dw, 0, n_exp, O, I, 0, &mw, overwrite);
     return true;
 }
 

@@ -19,6 +19,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "ops.h" /* struct expert_rows */
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -39,15 +41,12 @@ bool grouped_gemm_wgrad(float *dw /*[n_exp,O,I] fp32*/, const void *dout /*[rows
                         const void *in /*[rows,I] bf16*/, const int64_t *off /*[n_exp+1]*/,
                         int64_t rows, int n_exp, int I, int O, bool overwrite);
 
-/* The same over two row sets in one pass: dw[e] (+)= dout[rows of e]ᵀ · in[rows of e] +
- * dout2[rows2 of e]ᵀ · in2[rows2 of e], one fp32 accumulation per dw element (K walks the first
- * set's rows, then the second's), so dw is read and written once for both. off2 = NULL: no
- * second set (grouped_gemm_wgrad). */
-bool grouped_gemm_wgrad2(float *dw /*[n_exp,O,I] fp32*/, const void *dout /*[rows,O] bf16*/,
-                         const void *in /*[rows,I] bf16*/, const int64_t *off /*[n_exp+1]*/,
-                         int64_t rows, const void *dout2 /*[rows2,O] bf16*/,
-                         const void *in2 /*[rows2,I] bf16*/, const int64_t *off2 /*[n_exp+1]*/,
-                         int64_t rows2, int n_exp, int I, int O, bool overwrite);
+/* The same over n_sets (1 .. MT_WGRAD_MAX_SETS) row sets in one pass (ops.h struct expert_rows:
+ * several micro-steps' rows): dw[e] (+)= Σ_s dout_s[rows of e]ᵀ · in_s[rows of e], one fp32
+ * accumulation per dw element (K walks the sets' rows in order), so dw is read and written once
+ * for all of them. Sets with no rows are passed over. */
+bool grouped_gemm_wgrad_sets(float *dw /*[n_exp,O,I] fp32*/, const struct expert_rows *sets,
+                             int n_sets, int n_exp, int I, int O, bool overwrite);
 
 /* Whether the kernel runs here: the backend is up on a compute capability 9.0 device and
  * MT_FORCE_SM80 is not set (the backend's g_cuda.hopper). When false, every call above declines. */

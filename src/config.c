@@ -57,6 +57,9 @@ void config_defaults(struct config *c)
     c->parallel.reshard_after_forward = MT_TRI_AUTO;
     c->parallel.expert_wgrad_pairs = MT_TRI_AUTO;
     c->parallel.wgrad_pair_layers = MT_MAX_LAYERS;
+    c->parallel.expert_wgrad_group = 0;
+    c->parallel.wgrad_group_layers = 0;
+    c->parallel.wgrad_group = 2;
     c->parallel.prefetch = true;
     c->parallel.reduce_grads = MT_REDUCE_AUTO;
     c->parallel.moe_chunks = 1;

@@ -82,6 +82,12 @@ struct parallel_config {
     int wgrad_pair_layers;        /* not a key: with expert_wgrad_pairs true, how many of each stage's
                                    * MoE layers (its first ones) pair; auto resolves it to what fits
                                    * (MT_MAX_LAYERS = all, the default) */
+    int expert_wgrad_group;       /* micro-steps a grouping layer's expert weight gradients wait for:
+                                   * 2 .. MT_WGRAD_MAX_SETS, 0 = auto (2, and 4 in the layers where
+                                   * that fits too) */
+    int wgrad_group_layers;       /* not a key: how many of the pairing layers (their first ones) take
+                                   * groups of wgrad_group micro-steps instead of 2 */
+    int wgrad_group;              /* not a key: the resolved group of those layers (2 .. 4) */
 };
 
 struct train_config {

@@ -93,6 +93,7 @@ const struct cfg_key cfg_keys[] = {
     ENUM("parallel", "reduce_grads", parallel.reduce_grads, reduce_grads_names),
     INT("parallel", "moe_chunks", parallel.moe_chunks, POS),
     TRI("parallel", "expert_wgrad_pairs", parallel.expert_wgrad_pairs),
+    INT("parallel", "expert_wgrad_group", parallel.expert_wgrad_group, CFG_LO | CFG_HI, 0, 4),
 
     INT("train", "steps", train.steps, POS),
     INT("train", "seq_len", train.seq_len, POS),

@@ -94,6 +94,10 @@ bool cfg_validate(struct loader *L)
            "expert_wgrad_pairs", "parallel", "moe_chunks",
            "parallel.expert_wgrad_pairs: true needs parallel.moe_chunks: 1 (the chunked exchange runs "
            "its own expert backward)");
+    CHECK2(c->parallel.expert_wgrad_group != 1, "parallel", "expert_wgrad_group", "parallel",
+           "expert_wgrad_group",
+           "parallel.expert_wgrad_group is 2, 3 or 4 micro-steps, or 0 (auto); to never group set "
+           "parallel.expert_wgrad_pairs: false");
     CHECK2((int64_t)t->seq_len * t->global_batch_size <= INT64_C(1) << 52, "train", "seq_len", "train",
            "global_batch_size", "train.seq_len x train.global_batch_size = %lld tokens per step is "
            "too many to count exactly", (long long)t->seq_len * t->global_batch_size);

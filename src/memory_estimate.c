@@ -141,7 +141,7 @@ static double scratch_bytes(const struct config *c)
 }
 
 /* parallel.expert_wgrad_pairs (model.h struct expert_wgrad_stash): one MoE layer's parked expert
- * rows of a micro-step: inputs (x_exp H, act I) and output gradients (d_gu 2I, d_y_exp H), with the
+ * rows of a micro-step (a pairing layer parks one, a layer grouping g micro-steps g - 1): inputs (x_exp H, act I) and output gradients (d_gu 2I, d_y_exp H), with the
  * expert rows' headroom at ep > 1 */
 static double wgrad_stash_bytes(const struct config *c)
 {
@@ -244,9 +244,13 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
     const double rows = (e->has_head ? 0 : T * m->hidden_size * x) + T * 12;  /* h_out; ids, labels, positions */
     e->act_bytes = once + e->slots * (per_slot + rows) +
                    (c->train.activation_checkpointing ? largest_layer_bytes(c, e->layer0, e->layer1) : 0);
-    /* parallel.expert_wgrad_pairs (auto counts as off until resolved) */
-    if (c->parallel.expert_wgrad_pairs == MT_TRI_TRUE && n_micro > 1)
-        e->act_bytes += MT_MIN(e->n_moe_layers, c->parallel.wgrad_pair_layers) * wgrad_stash_bytes(c);
+    /* parallel.expert_wgrad_pairs (auto counts as off until resolved) and expert_wgrad_group */
+    if (c->parallel.expert_wgrad_pairs == MT_TRI_TRUE && n_micro > 1) {
+        const int paired = MT_MIN(e->n_moe_layers, c->parallel.wgrad_pair_layers);
+        const int grouped = MT_MIN(paired, c->parallel.wgrad_group_layers);
+        const int g = MT_MIN(MT_MAX(c->parallel.wgrad_group, 2), n_micro); /* a step's micro-steps at most */
+        e->act_bytes += (paired + grouped * (g - 2)) * wgrad_stash_bytes(c);
+    }
     const double transfer = d->pp > 1 ? (double)e->slots * ((e->has_head ? 0 : 1) + (e->has_embed ? 0 : 1)) * T *
                                             m->hidden_size * x : 0;
     e->buffer_bytes = staging + scratch_bytes(c) + transfer;
@@ -315,6 +319,9 @@ int estimate_expert_wgrad_pair_layers(const struct config *c, const struct mesh_
     struct config *t = mt_malloc(sizeof *t);
     *t = *c;
     t->parallel.expert_wgrad_pairs = MT_TRI_TRUE;
+    /* a group set by hand applies to every pairing layer; auto counts pairs here */
+    t->parallel.wgrad_group = c->parallel.expert_wgrad_group >= 2 ? c->parallel.expert_wgrad_group : 2;
+    t->parallel.wgrad_group_layers = c->parallel.expert_wgrad_group >= 2 ? MT_MAX_LAYERS : 0;
     /* one more layer at a time: each adds the same stash to every stage that has it */
     int n = 0;
     for (int k = 1; k <= c->model.num_hidden_layers; k++) {
@@ -332,6 +339,25 @@ void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dim
     const int n = estimate_expert_wgrad_pair_layers(c, d, keep_copy, device_bytes);
     c->parallel.expert_wgrad_pairs = n > 0 ? MT_TRI_TRUE : MT_TRI_FALSE;
     c->parallel.wgrad_pair_layers = n > 0 ? n : MT_MAX_LAYERS;
+    if (c->parallel.expert_wgrad_group >= 2) { /* by hand: every pairing layer */
+        c->parallel.wgrad_group = c->parallel.expert_wgrad_group;
+        c->parallel.wgrad_group_layers = n > 0 ? MT_MAX_LAYERS : 0;
+        return;
+    }
+    /* auto: once every layer pairs, groups of MT_WGRAD_AUTO_GROUP in as many of them (each
+     * stage's first ones) as keep the peak within MT_PAIRS_MEM_SHARE. A pair halves a layer's dw
+     * traffic for one parked micro-step; a group of 4 halves it again for two more, so pairs
+     * everywhere come first. */
+    c->parallel.wgrad_group = MT_WGRAD_AUTO_GROUP;
+    c->parallel.wgrad_group_layers = 0;
+    if (n != MT_MAX_LAYERS || device_bytes <= 0 || micro_steps(c, d) < 3) return;
+    int k_fit = 0;
+    for (int k = 1; k <= c->model.num_hidden_layers; k++) {
+        c->parallel.wgrad_group_layers = k;
+        if (estimate_peak_bytes(c, d, keep_copy) > MT_PAIRS_MEM_SHARE * device_bytes) break;
+        k_fit = k;
+    }
+    c->parallel.wgrad_group_layers = k_fit == c->model.num_hidden_layers ? MT_MAX_LAYERS : k_fit;
 }
 
 bool estimate_expert_grads_kept(const struct config *c, const struct mesh_dims *d)

@@ -56,6 +56,8 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
  * 81% of the card in use. */
 #define MT_AUTO_MEM_SHARE 0.80
 #define MT_PAIRS_MEM_SHARE 0.85
+/* parallel.expert_wgrad_group auto: the group tried after pairs in every layer */
+#define MT_WGRAD_AUTO_GROUP 4
 /* The largest stage's total. */
 double estimate_peak_bytes(const struct config *c, const struct mesh_dims *d, bool keep_copy);
 /* train.weight_copy resolved: keep / cast as set; auto keeps the copy when the plan with it fits in
@@ -80,6 +82,10 @@ int estimate_expert_wgrad_pair_layers(const struct config *c, const struct mesh_
                                       double device_bytes);
 void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dims *d, bool keep_copy,
                                          double device_bytes);
+/* The same call also resolves parallel.expert_wgrad_group into wgrad_group (2 .. 4) and
+ * wgrad_group_layers (how many of the pairing layers, their first ones, group; MT_MAX_LAYERS: all):
+ * as set, or (0, auto) groups of MT_WGRAD_AUTO_GROUP where every layer pairs and the peak stays
+ * within MT_PAIRS_MEM_SHARE with them. */
 /* Whether a layer's expert gradients stay where its backward wrote them until the step's end (no
  * expert reduce-scatter between micro-steps): EP_FSDP 1, or parallel.reduce_grads step. */
 bool estimate_expert_grads_kept(const struct config *c, const struct mesh_dims *d);

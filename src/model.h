@@ -68,20 +68,24 @@ struct layer_acts {
     int64_t cap_rows;  /* rows x_exp/gu/act/y_exp can hold */
 };
 
-/* parallel.expert_wgrad_pairs: one MoE layer's expert rows of a micro-step whose weight gradients
- * wait for the next micro-step's backward, where one grouped GEMM per weight takes both row sets
- * (ops.h expert_matmul_wgrad2: dw is read and written once for two micro-steps). The buffers are
- * swapped with the layer's and the backward scratch, never copied (moe.c). */
-struct expert_wgrad_stash {
+/* parallel.expert_wgrad_pairs / expert_wgrad_group: one MoE layer's expert rows of a micro-step
+ * whose weight gradients wait for a later micro-step's backward, where one grouped GEMM per weight
+ * takes every waiting row set and its own (ops.h expert_matmul_wgrad_sets: dw is read and written
+ * once for the group). The buffers are swapped with the layer's and the backward scratch, never
+ * copied (moe.c). */
+struct expert_rows_parked {
     void *x_exp;        /* [cap_rows, H]  gate_up input rows, expert-major */
     void *act;          /* [cap_rows, I]  down input rows (sized as layer_acts.act) */
     void *d_gu;         /* [d_cap_rows, 2I] gate_up output gradient (sized as model.d_gu) */
     void *d_y_exp;      /* [d_cap_rows, H]  down output gradient */
     int64_t cap_rows, d_cap_rows;
-    int64_t *off;       /* dev [n_local + 1]: each local expert's rows in the above; NULL: the
-                         * layer does not pair */
+    int64_t *off;       /* dev [n_local + 1]: each local expert's rows in the above */
     int64_t rows;       /* the rows the above hold for it (the layer's R_exp then) */
-    bool pending;       /* holds a micro-step whose weight gradients are not in dw yet */
+};
+struct expert_wgrad_stash {
+    struct expert_rows_parked slot[MT_WGRAD_MAX_SETS - 1];
+    int n_slots;        /* the group's micro-steps - 1 (0: the layer does not group) */
+    int pending;        /* slots holding micro-steps whose weight gradients are not in dw yet */
 };
 
 /* One micro-batch in flight: a pipeline stage keeps several (1F1B), a stage of one keeps one. */
@@ -232,6 +236,8 @@ bool model_skip_expert_grad_zeroing(struct model *m, int unit, int64_t work_nume
  * stash still holds a micro-step whose expert weight gradients are not in dw (an error at a step's
  * end). */
 void model_enable_expert_wgrad_pairs(struct model *m, int n_layers);
+/* ... and groups of `group` micro-steps (2 .. MT_WGRAD_MAX_SETS) in the first n_group of them */
+void model_enable_expert_wgrad_groups(struct model *m, int n_layers, int n_group, int group);
 void model_free_expert_wgrad_pairs(struct model *m);
 bool model_expert_wgrad_pending(const struct model *m);
 /* The activations of layer l in the current slot: its own, or the shared set holding layer l's

@@ -63,55 +63,67 @@ static void swap_ptr(void **a, void **b)
 }
 
 /* Parks layer l's expert rows of this micro-step (inputs from the layer's activations, output
- * gradients from the backward scratch) in its stash, by swapping buffers: the layer and the scratch
- * get the stash's, grown first to at least their capacities, sized by grow_expert_rows' rules. */
+ * gradients from the backward scratch) in the stash's next slot, by swapping buffers: the layer and
+ * the scratch get the slot's, grown first to at least their capacities, sized by grow_expert_rows'
+ * rules. */
 static void stash_expert_rows(struct model *m, struct layer_acts *a, struct expert_wgrad_stash *s)
 {
     const int64_t H = m->H, I = m->I, T = m->T, Id = m->Id;
     const size_t xs = m->be->x_size;
+    struct expert_rows_parked *p = &s->slot[s->pending];
     enum mem_cat was = mem_track_set(MEM_ACTS);
-    if (s->cap_rows < a->cap_rows) {
-        regrow(m, &s->x_exp, a->cap_rows * H, xs);
-        regrow(m, &s->act, MT_MAX(a->cap_rows * I, T * Id), xs);
+    if (!p->off) p->off = m->be->alloc(((size_t)m->n_local_experts + 1) * sizeof(int64_t));
+    if (p->cap_rows < a->cap_rows) {
+        regrow(m, &p->x_exp, a->cap_rows * H, xs);
+        regrow(m, &p->act, MT_MAX(a->cap_rows * I, T * Id), xs);
     }
-    if (s->d_cap_rows < m->d_cap_rows) {
-        regrow(m, &s->d_gu, MT_MAX(m->d_cap_rows * 2 * I, T * 2 * Id), xs);
-        regrow(m, &s->d_y_exp, m->d_cap_rows * H, xs);
+    if (p->d_cap_rows < m->d_cap_rows) {
+        regrow(m, &p->d_gu, MT_MAX(m->d_cap_rows * 2 * I, T * 2 * Id), xs);
+        regrow(m, &p->d_y_exp, m->d_cap_rows * H, xs);
     }
     mem_track_set(was);
-    swap_ptr(&s->x_exp, &a->x_exp);
-    swap_ptr(&s->act, &a->act);
-    swap_ptr(&s->d_gu, &m->d_gu);
-    swap_ptr(&s->d_y_exp, &m->d_y_exp);
-    s->cap_rows = a->cap_rows;
-    s->d_cap_rows = m->d_cap_rows;
-    m->be->copy(s->off, a->route.expert_off, (size_t)(m->n_local_experts + 1) * sizeof(int64_t));
-    s->rows = a->route.R_exp;
-    s->pending = true;
+    swap_ptr(&p->x_exp, &a->x_exp);
+    swap_ptr(&p->act, &a->act);
+    swap_ptr(&p->d_gu, &m->d_gu);
+    swap_ptr(&p->d_y_exp, &m->d_y_exp);
+    p->cap_rows = a->cap_rows;
+    p->d_cap_rows = m->d_cap_rows;
+    m->be->copy(p->off, a->route.expert_off, (size_t)(m->n_local_experts + 1) * sizeof(int64_t));
+    p->rows = a->route.R_exp;
+    s->pending++;
+}
+
+void model_enable_expert_wgrad_groups(struct model *m, int n_layers, int n_group, int group)
+{
+    MT_CHECK(m->moe_chunks == 1, "parallel.expert_wgrad_pairs needs parallel.moe_chunks 1");
+    MT_CHECK(group >= 2 && group <= MT_WGRAD_MAX_SETS, "expert wgrad groups of %d micro-steps (2 to %d)",
+             group, MT_WGRAD_MAX_SETS);
+    if (m->wstash) return;
+    m->wstash = mt_calloc((size_t)MT_MAX(m->L, 1), sizeof *m->wstash);
+    /* the stage's first n_layers MoE layers, of which the first n_group take whole groups; the
+     * slots' buffers come at first use */
+    for (int l = m->st.layer0, n = 0; l < m->st.layer1 && n < n_layers; l++)
+        if (config_layer_is_moe(&m->cfg, l)) {
+            m->wstash[l].n_slots = n < n_group ? group - 1 : 1;
+            n++;
+        }
 }
 
 void model_enable_expert_wgrad_pairs(struct model *m, int n_layers)
 {
-    MT_CHECK(m->moe_chunks == 1, "parallel.expert_wgrad_pairs needs parallel.moe_chunks 1");
-    if (m->wstash) return;
-    m->wstash = mt_calloc((size_t)MT_MAX(m->L, 1), sizeof *m->wstash);
-    /* the stage's first n_layers MoE layers; a layer without off[] does not pair */
-    for (int l = m->st.layer0, n = 0; l < m->st.layer1 && n < n_layers; l++)
-        if (config_layer_is_moe(&m->cfg, l)) {
-            m->wstash[l].off = m->be->alloc(((size_t)m->n_local_experts + 1) * sizeof(int64_t));
-            n++;
-        }
+    model_enable_expert_wgrad_groups(m, n_layers, 0, 2);
 }
 
 void model_free_expert_wgrad_pairs(struct model *m)
 {
     if (!m->wstash) return;
-    for (int l = 0; l < m->L; l++) {
-        struct expert_wgrad_stash *s = &m->wstash[l];
-        void *bufs[] = {s->x_exp, s->act, s->d_gu, s->d_y_exp, s->off};
-        for (int i = 0; i < 5; i++)
-            if (bufs[i]) m->be->free(bufs[i]);
-    }
+    for (int l = 0; l < m->L; l++)
+        for (int k = 0; k < MT_WGRAD_MAX_SETS - 1; k++) {
+            struct expert_rows_parked *p = &m->wstash[l].slot[k];
+            void *bufs[] = {p->x_exp, p->act, p->d_gu, p->d_y_exp, p->off};
+            for (int i = 0; i < 5; i++)
+                if (bufs[i]) m->be->free(bufs[i]);
+        }
     free(m->wstash);
     m->wstash = NULL;
 }
@@ -361,27 +373,35 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
     }
     combine_rows_backward(m, a);
     float *dw_down = G(m, TR_EXP_DOWN, l), *dw_gu = G(m, TR_EXP_GATE_UP, l);
-    /* parallel.expert_wgrad_pairs: this micro-step's weight gradients wait for the next one's
-     * (stashed), or the stashed ones join this micro-step's in one pass over dw (paired) */
-    struct expert_wgrad_stash *s = m->wstash && m->wstash[l].off ? &m->wstash[l] : NULL;
-    const bool paired = s && s->pending;
-    const bool stashed = s && !paired && m->more_backwards && dw_down && dw_gu;
-    const bool now = !paired && !stashed;
+    /* parallel.expert_wgrad_pairs / expert_wgrad_group: this micro-step's weight gradients wait
+     * for a later one's (stashed while the group has room and another backward follows), or the
+     * waiting ones join this micro-step's in one pass over dw (grouped, stash first) */
+    struct expert_wgrad_stash *s = m->wstash && m->wstash[l].n_slots ? &m->wstash[l] : NULL;
+    const bool stashed = s && s->pending < s->n_slots && m->more_backwards && dw_down && dw_gu;
+    const bool grouped = s && s->pending > 0 && !stashed;
+    const bool now = !grouped && !stashed;
     const bool fresh = m->exp_dw_fresh[l];
     if (!stashed) m->exp_dw_fresh[l] = false;
     const int64_t R = r->R_exp;
+    struct expert_rows sets[MT_WGRAD_MAX_SETS];
+    const int n_sets = grouped ? s->pending + 1 : 0;
     be->expert_matmul_backward(m->d_act, now ? dw_down : NULL, m->d_y_exp, a->act,
                                W(m, TR_EXP_DOWN, l), r->expert_off, R, nl, I, H, fresh);
-    if (paired)
-        be->expert_matmul_wgrad2(dw_down, s->d_y_exp, s->act, s->off, s->rows, m->d_y_exp, a->act,
-                                 r->expert_off, R, nl, I, H, fresh);
+    if (grouped) {
+        for (int k = 0; k < s->pending; k++)
+            sets[k] = (struct expert_rows){s->slot[k].d_y_exp, s->slot[k].act, s->slot[k].off, s->slot[k].rows};
+        sets[s->pending] = (struct expert_rows){m->d_y_exp, a->act, r->expert_off, R};
+        be->expert_matmul_wgrad_sets(dw_down, sets, n_sets, nl, I, H, fresh);
+    }
     be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)R, I);
     be->expert_matmul_backward(m->d_x_exp, now ? dw_gu : NULL, m->d_gu, a->x_exp,
                                W(m, TR_EXP_GATE_UP, l), r->expert_off, R, nl, H, 2 * I, fresh);
-    if (paired) {
-        be->expert_matmul_wgrad2(dw_gu, s->d_gu, s->x_exp, s->off, s->rows, m->d_gu, a->x_exp,
-                                 r->expert_off, R, nl, H, 2 * I, fresh);
-        s->pending = false;
+    if (grouped) {
+        for (int k = 0; k < s->pending; k++)
+            sets[k] = (struct expert_rows){s->slot[k].d_gu, s->slot[k].x_exp, s->slot[k].off, s->slot[k].rows};
+        sets[s->pending] = (struct expert_rows){m->d_gu, a->x_exp, r->expert_off, R};
+        be->expert_matmul_wgrad_sets(dw_gu, sets, n_sets, nl, H, 2 * I, fresh);
+        s->pending = 0;
     }
     if (stashed) stash_expert_rows(m, a, s);
     dispatch_rows_backward(m, a);

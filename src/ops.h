@@ -46,6 +46,16 @@ struct adamw_segment {
     float weight_decay;
 };
 
+/* One row set of a grouped expert weight gradient (expert_matmul_wgrad_sets): a micro-step's
+ * expert rows, expert-major, as expert_matmul_backward takes them. */
+#define MT_WGRAD_MAX_SETS 4
+struct expert_rows {
+    const void *dout;    /* [rows, O] output gradients */
+    const void *in;      /* [rows, I] inputs */
+    const int64_t *off;  /* backend memory [n_exp + 1]: each expert's rows */
+    int64_t rows;        /* rows the two matrices hold (>= off[n_exp]) */
+};
+
 struct backend {
     const char *name;            /* "cpu" or "cuda" */
     size_t x_size;               /* bytes per compute-dtype element (4 or 2) */
@@ -239,15 +249,13 @@ struct backend {
                                    const void *dout /*[R,O]*/, const void *in /*[R,I]*/,
                                    const void *w /*[n_exp,O,I]*/, const int64_t *off, int64_t R,
                                    int n_exp, int I, int O, bool dw_overwrite);
-    /* The weight-gradient half of expert_matmul_backward over two row sets a and b (two
-     * micro-steps' rows, model.h: expert wgrad pairs): dw[e] += dy_aᵀ x_a + dy_bᵀ x_b over expert
-     * e's rows of each set (off_a, off_b and Ra, Rb as off and R above); dw_overwrite as above.
-     * One pass over dw for both sets, where the backward would make two. */
-    void (*expert_matmul_wgrad2)(float *dw /*[n_exp,O,I]*/, const void *dout_a /*[Ra,O]*/,
-                                 const void *in_a /*[Ra,I]*/, const int64_t *off_a, int64_t Ra,
-                                 const void *dout_b /*[Rb,O]*/, const void *in_b /*[Rb,I]*/,
-                                 const int64_t *off_b, int64_t Rb, int n_exp, int I, int O,
-                                 bool dw_overwrite);
+    /* The weight-gradient half of expert_matmul_backward over n_sets row sets (several
+     * micro-steps' rows, model.h: expert wgrad groups; 1 .. MT_WGRAD_MAX_SETS): dw[e] += Σ_s
+     * dy_sᵀ x_s over expert e's rows of each set (each set's off and rows as off and R above);
+     * dw_overwrite as above. One pass over dw for all sets, where the backward would make one a
+     * set. */
+    void (*expert_matmul_wgrad_sets)(float *dw /*[n_exp,O,I]*/, const struct expert_rows *sets,
+                                     int n_sets, int n_exp, int I, int O, bool dw_overwrite);
 
     /* SwiGLU on fused [gate | up] rows: out = silu(g) * u. */
     void (*swiglu_forward)(void *out /*[R,I]*/, const void *gu /*[R,2I]*/, int R, int I);

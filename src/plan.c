@@ -333,12 +333,17 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
     int stage_moe = 0; /* the most MoE layers of a stage */
     for (int s = 0; s < d->pp; s++) stage_moe = MT_MAX(stage_moe, st[s].n_moe_layers);
     const int paired = c->parallel.expert_wgrad_pairs == MT_TRI_TRUE ? MT_MIN(c->parallel.wgrad_pair_layers, stage_moe) : 0;
-    char pairs[160] = "";
+    const int grouped = c->parallel.wgrad_group > 2 ? MT_MIN(c->parallel.wgrad_group_layers, paired) : 0;
+    char pairs[240] = "", groups[160] = "";
+    if (grouped > 0)
+        snprintf(groups, sizeof groups, " (%d in the first %d: parallel.expert_wgrad_group %d)",
+                 c->parallel.wgrad_group - 1, grouped, c->parallel.wgrad_group);
     if (paired >= stage_moe && paired > 0)
-        snprintf(pairs, sizeof pairs, ", plus one micro-step's expert rows per MoE layer (parallel.expert_wgrad_pairs)");
+        snprintf(pairs, sizeof pairs, ", plus one micro-step's expert rows per MoE layer%s (parallel.expert_wgrad_pairs)",
+                 groups);
     else if (paired > 0)
-        snprintf(pairs, sizeof pairs, ", plus one micro-step's expert rows in the first %d MoE layers of each stage "
-                 "(parallel.expert_wgrad_pairs: what fits)", paired);
+        snprintf(pairs, sizeof pairs, ", plus one micro-step's expert rows in the first %d MoE layers of each stage%s "
+                 "(parallel.expert_wgrad_pairs: what fits)", paired, groups);
     fprintf(f, "  acts = activations saved for backward by the stage's layers for the micro-batches in flight "
             "(%d x %d tokens each; 1F1B keeps min(pp - stage, micro-steps)), plus logits on the last stage%s\n",
             c->train.micro_batch_size, c->train.seq_len, pairs);

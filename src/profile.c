@@ -163,10 +163,9 @@ W(expert_matmul_backward, PROF_EXPERT_GEMM, O,
   (void *di, float *dw, const void *d, const void *i, const void *w, const int64_t *off, int64_t R,
    int n, int I, int O, bool ow),
   (di, dw, d, i, w, off, R, n, I, O, ow))
-W(expert_matmul_wgrad2, PROF_EXPERT_GEMM, O,
-  (float *dw, const void *da, const void *ia, const int64_t *oa, int64_t Ra, const void *db,
-   const void *ib, const int64_t *ob, int64_t Rb, int n, int I, int O, bool ow),
-  (dw, da, ia, oa, Ra, db, ib, ob, Rb, n, I, O, ow))
+W(expert_matmul_wgrad_sets, PROF_EXPERT_GEMM, O,
+  (float *dw, const struct expert_rows *sets, int ns, int n, int I, int O, bool ow),
+  (dw, sets, ns, n, I, O, ow))
 W(swiglu_forward, PROF_OTHER, I, (void *o, const void *gu, int R, int I), (o, gu, R, I))
 W(swiglu_backward, PROF_OTHER, I, (void *d, const void *o, const void *gu, int R, int I),
   (d, o, gu, R, I))
@@ -212,7 +211,7 @@ const struct backend *profile_wrap(const struct backend *be)
     SET(attention_backward); SET(router_forward); SET(router_backward); SET(router_gather_weights);
     SET(router_stats);
     SET(moe_route_plan); SET(moe_pair_plan); SET(gather_f32); SET(gather_rows); SET(gather_rows_backward); SET(moe_combine_forward);
-    SET(moe_combine_backward); SET(expert_matmul_forward); SET(expert_matmul_backward); SET(expert_matmul_wgrad2);
+    SET(moe_combine_backward); SET(expert_matmul_forward); SET(expert_matmul_backward); SET(expert_matmul_wgrad_sets);
     SET(swiglu_forward); SET(swiglu_backward); SET(cross_entropy_forward);
     SET(cross_entropy_backward); SET(adamw_update); SET(adamw_update_m16);
     SET(adamw_update_multi);

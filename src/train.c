@@ -136,11 +136,21 @@ static void print_startup(const struct config *c, const struct mesh *mesh, const
     for (int l = m->st.layer0; l < m->st.layer1; l++) stage_moe += config_layer_is_moe(mc, l);
     if (c->parallel.expert_wgrad_pairs == MT_TRI_TRUE && n_micro > 1 && stage_moe > 0) {
         const int n = MT_MIN(c->parallel.wgrad_pair_layers, stage_moe);
-        if (n < stage_moe)   /* auto within the memory: each stage's first n MoE layers */
-            printf("  experts     weight gradients of two micro-steps in one GEMM in the first %d MoE layers of each stage "
-                   "(parallel.expert_wgrad_pairs; what fits)\n", n);
+        const int g = MT_MIN(c->parallel.wgrad_group, n_micro);
+        const int ng = g > 2 ? MT_MIN(c->parallel.wgrad_group_layers, n) : 0;
+        char what[160];
+        if (ng > 0 && ng < n)
+            snprintf(what, sizeof what, "%d micro-steps in one GEMM in the first %d MoE layers of each stage, of two in "
+                     "the next %d", g, ng, n - ng);
+        else if (n < stage_moe)
+            snprintf(what, sizeof what, "%d micro-steps in one GEMM in the first %d MoE layers of each stage",
+                     ng ? g : 2, n);
         else
-            printf("  experts     weight gradients of two micro-steps in one GEMM (parallel.expert_wgrad_pairs)\n");
+            snprintf(what, sizeof what, "%d micro-steps in one GEMM", ng ? g : 2);
+        /* under auto, within the memory (each stage's first layers) */
+        const bool fits = n < stage_moe || (ng < n && c->parallel.expert_wgrad_group == 0 && ng > 0);
+        printf("  experts     weight gradients of %s (parallel.expert_wgrad_pairs%s%s)\n", what,
+               ng ? ", expert_wgrad_group" : "", fits ? "; what fits" : "");
     }
     printf("  batch       %d sequences x %d tokens per step = %d micro-steps x %d ranks x %d\n",
            c->train.global_batch_size, c->train.seq_len, n_micro, mesh->d.S,
@@ -352,7 +362,8 @@ int cmd_train(const struct cli *a)
     fsdp_init(&sharding, &p, c.parallel.reshard_after_forward != MT_TRI_FALSE, c.parallel.prefetch,
               c.parallel.reduce_grads == MT_REDUCE_STEP);
     if (c.parallel.expert_wgrad_pairs == MT_TRI_TRUE && E > 0)
-        model_enable_expert_wgrad_pairs(&m, c.parallel.wgrad_pair_layers);
+        model_enable_expert_wgrad_groups(&m, c.parallel.wgrad_pair_layers, c.parallel.wgrad_group_layers,
+                                         c.parallel.wgrad_group);
     if (*c.data.routing_replay &&
         !route_replay_open(&m, c.data.routing_replay, (int64_t)tc->steps * tc->global_batch_size, err, sizeof err))
         mt_user_error("data.routing_replay: %s", err);

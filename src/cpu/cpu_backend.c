@@ -161,16 +161,14 @@ static void b_expert_matmul_backward(void *din, float *dw, const void *dout, con
     cpu_expert_matmul_backward(din, dw, dout, in, w, off, n_exp, I, O);
 }
 
-static void b_expert_matmul_wgrad2(float *dw, const void *dout_a, const void *in_a,
-                                   const int64_t *off_a, int64_t Ra, const void *dout_b,
-                                   const void *in_b, const int64_t *off_b, int64_t Rb, int n_exp,
-                                   int I, int O, bool dw_overwrite)
+static void b_expert_matmul_wgrad_sets(float *dw, const struct expert_rows *sets, int n_sets,
+                                       int n_exp, int I, int O, bool dw_overwrite)
 {
-    check_rows("expert_matmul_wgrad2", off_a, Ra, n_exp);
-    check_rows("expert_matmul_wgrad2", off_b, Rb, n_exp);
+    MT_CHECK(n_sets >= 1 && n_sets <= MT_WGRAD_MAX_SETS, "expert_matmul_wgrad_sets: %d row sets", n_sets);
+    for (int s = 0; s < n_sets; s++) check_rows("expert_matmul_wgrad_sets", sets[s].off, sets[s].rows, n_exp);
     if (dw_overwrite) memset(dw, 0, (size_t)n_exp * O * I * sizeof(float));
-    cpu_expert_matmul_backward(NULL, dw, dout_a, in_a, NULL, off_a, n_exp, I, O);
-    cpu_expert_matmul_backward(NULL, dw, dout_b, in_b, NULL, off_b, n_exp, I, O);
+    for (int s = 0; s < n_sets; s++)
+        cpu_expert_matmul_backward(NULL, dw, sets[s].dout, sets[s].in, NULL, sets[s].off, n_exp, I, O);
 }
 
 static void b_swiglu_forward(void *out, const void *gu, int R, int I)
@@ -254,7 +252,7 @@ static const struct backend cpu_backend = {
     .moe_combine_backward = b_moe_combine_backward,
     .expert_matmul_forward = b_expert_matmul_forward,
     .expert_matmul_backward = b_expert_matmul_backward,
-    .expert_matmul_wgrad2 = b_expert_matmul_wgrad2,
+    .expert_matmul_wgrad_sets = b_expert_matmul_wgrad_sets,
     .swiglu_forward = b_swiglu_forward,
     .swiglu_backward = b_swiglu_backward,
     .cross_entropy_forward = b_cross_entropy_forward,

@@ -1105,3 +1105,17 @@ Test(config, expert_wgrad_pairs_needs_one_moe_chunk)
     cr_assert(load(&c, put("f.yaml", "parallel:\n  expert_wgrad_pairs: false\n  moe_chunks: 2\n"), 0, NULL), "%s", errbuf);
     cr_expect_eq(c.parallel.expert_wgrad_pairs, MT_TRI_FALSE);
 }
+
+/* parallel.expert_wgrad_group: 0 (auto) by default, 2 to 4 micro-steps; 1 and 5 are refused */
+Test(config, expert_wgrad_group_range)
+{
+    struct config c;
+    cr_assert(load(&c, put("default.yaml", "train:\n  steps: 1\n"), 0, NULL), "%s", errbuf);
+    cr_expect_eq(c.parallel.expert_wgrad_group, 0);
+    cr_assert(load(&c, put("g4.yaml", "parallel:\n  expert_wgrad_group: 4\n"), 0, NULL), "%s", errbuf);
+    cr_expect_eq(c.parallel.expert_wgrad_group, 4);
+    const char *m = fails("parallel:\n  expert_wgrad_group: 1\n");
+    expect(m, "parallel.expert_wgrad_group is 2, 3 or 4 micro-steps");
+    m = fails("parallel:\n  expert_wgrad_group: 5\n");
+    expect(m, "expert_wgrad_group");
+}

@@ -597,112 +597,132 @@ Test(gpu, expert_matmul_grouped)
     }
 }
 
-/* expert_matmul_wgrad2 (two micro-steps' rows in one weight-gradient pass, parallel.expert_wgrad_pairs)
- * against the CPU's two backward adds, per expert: rows of either set alone, of both, of neither
- * (kept bit-exact when adding, zeros when overwriting), ragged tile and K-block edges in each set,
- * and each set empty as a whole. Tolerance TOL_F32_LONG (fp32 sums of exact bf16 products, only
- * the order differs). In bf16 mode on Hopper the grouped kernel must take the call itself. */
-static void wgrad2_case(const struct mode *M, mt_rng *rng, const char *tag, int NE, const int *rows_a,
-                        const int *rows_b, int I, int O)
+/* expert_matmul_wgrad_sets (several micro-steps' rows in one weight-gradient pass,
+ * parallel.expert_wgrad_pairs / expert_wgrad_group) against the CPU's one backward add per set, per
+ * expert: rows of some sets only, of all, of none (kept bit-exact when adding, zeros when
+ * overwriting), ragged tile and K-block edges in each set, and whole sets empty. Tolerance
+ * TOL_F32_LONG (fp32 sums of exact bf16 products, only the order differs). In bf16 mode on Hopper
+ * the grouped kernel must take the call itself. rows[s][e]: set s's rows of expert e. */
+static void wgrad_sets_case(const struct mode *M, mt_rng *rng, const char *tag, int NE, int NS,
+                            const int *const *rows, int I, int O)
 {
     char what[160];
-    int64_t *off_a = mt_calloc((size_t)NE + 1, sizeof *off_a), *off_b = mt_calloc((size_t)NE + 1, sizeof *off_b);
-    for (int e = 0; e < NE; e++) {
-        off_a[e + 1] = off_a[e] + rows_a[e];
-        off_b[e + 1] = off_b[e] + rows_b[e];
+    struct expert_rows g_sets[MT_WGRAD_MAX_SETS], c_sets[MT_WGRAD_MAX_SETS];
+    int64_t *off[MT_WGRAD_MAX_SETS], *d_off[MT_WGRAD_MAX_SETS];
+    float *in[MT_WGRAD_MAX_SETS], *dout[MT_WGRAD_MAX_SETS];
+    void *d_in[MT_WGRAD_MAX_SETS], *d_dout[MT_WGRAD_MAX_SETS];
+    const size_t wn = (size_t)NE * O * I;
+    for (int k = 0; k < NS; k++) {
+        off[k] = mt_calloc((size_t)NE + 1, sizeof *off[k]);
+        for (int e = 0; e < NE; e++) off[k][e + 1] = off[k][e] + rows[k][e];
+        const size_t r = (size_t)off[k][NE];
+        in[k] = hrand(rng, MT_MAX(r, 1) * I, 1.0), dout[k] = hrand(rng, MT_MAX(r, 1) * O, 1.0);
+        d_in[k] = dx_from(M, in[k], MT_MAX(r, 1) * I), d_dout[k] = dx_from(M, dout[k], MT_MAX(r, 1) * O);
+        d_off[k] = doff_from(M, off[k], NE);
+        g_sets[k] = (struct expert_rows){d_dout[k], d_in[k], d_off[k], (int64_t)r};
+        c_sets[k] = (struct expert_rows){dout[k], in[k], off[k], (int64_t)r};
     }
-    const size_t ra = (size_t)off_a[NE], rb = (size_t)off_b[NE], wn = (size_t)NE * O * I;
-    float *in_a = hrand(rng, MT_MAX(ra, 1) * I, 1.0), *dout_a = hrand(rng, MT_MAX(ra, 1) * O, 1.0);
-    float *in_b = hrand(rng, MT_MAX(rb, 1) * I, 1.0), *dout_b = hrand(rng, MT_MAX(rb, 1) * O, 1.0);
-    void *d_in_a = dx_from(M, in_a, MT_MAX(ra, 1) * I), *d_dout_a = dx_from(M, dout_a, MT_MAX(ra, 1) * O);
-    void *d_in_b = dx_from(M, in_b, MT_MAX(rb, 1) * I), *d_dout_b = dx_from(M, dout_b, MT_MAX(rb, 1) * O);
-
-    int64_t *d_off_a = doff_from(M, off_a, NE), *d_off_b = doff_from(M, off_b, NE);
+    int *rows_all = mt_calloc((size_t)NE, sizeof *rows_all);
+    for (int e = 0; e < NE; e++)
+        for (int k = 0; k < NS; k++) rows_all[e] += rows[k][e];
 
     /* adding onto random dw */
     float *dw0 = hrand(rng, wn, 1.0), *dw_ref = hdup(dw0, wn);
     float *d_dw = df_from(M, dw0, wn);
-    M->g->expert_matmul_wgrad2(d_dw, d_dout_a, d_in_a, d_off_a, ra, d_dout_b, d_in_b, d_off_b, rb, NE, I, O,
-                               false);
-    M->c->expert_matmul_wgrad2(dw_ref, dout_a, in_a, off_a, ra, dout_b, in_b, off_b, rb, NE, I, O, false);
+    M->g->expert_matmul_wgrad_sets(d_dw, g_sets, NS, NE, I, O, false);
+    M->c->expert_matmul_wgrad_sets(dw_ref, c_sets, NS, NE, I, O, false);
     float *dw = hf_of(M, d_dw, wn), *add = diff(dw, dw0, wn), *add_ref = diff(dw_ref, dw0, wn);
     double worst = 0;
     bool empty_kept = true;
     for (int e = 0; e < NE; e++) {
         const size_t oi = (size_t)e * O * I;
-        if (rows_a[e] + rows_b[e] == 0) {
+        if (rows_all[e] == 0) {
             empty_kept = empty_kept && memcmp(dw + oi, dw0 + oi, (size_t)O * I * sizeof(float)) == 0;
             continue;
         }
         const double err = rel_err(add + oi, add_ref + oi, (size_t)O * I);
-        cr_expect(err <= TOL_F32_LONG, "wgrad2 %s [%s] expert %d (%d + %d rows): rel err %.2e", tag, M->name, e,
-                  rows_a[e], rows_b[e], err);
+        cr_expect(err <= TOL_F32_LONG, "wgrad %d sets %s [%s] expert %d (%d rows): rel err %.2e", NS, tag, M->name, e,
+                  rows_all[e], err);
         worst = fmax(worst, err);
     }
-    fprintf(stderr, "gpu %s wgrad2 %-34s worst expert dw %.2e; no-row experts %s\n", M->name, tag, worst,
+    fprintf(stderr, "gpu %s wgrad %d sets %-34s worst expert dw %.2e; no-row experts %s\n", M->name, NS, tag, worst,
             empty_kept ? "kept bit-exact" : "CHANGED");
-    cr_expect(empty_kept, "wgrad2 %s [%s]: experts with no rows in either set changed", tag, M->name);
+    cr_expect(empty_kept, "wgrad %d sets %s [%s]: experts with no rows in any set changed", NS, tag, M->name);
 
-    /* overwriting NaN: the CPU's zeros + both adds, zeros for experts with no rows */
+    /* overwriting NaN: the CPU's zeros + the adds, zeros for experts with no rows */
     float *nans = fnew(wn);
     for (size_t i = 0; i < wn; i++) nans[i] = NAN;
     float *zref = fnew(wn);
     float *d_dwo = df_from(M, nans, wn);
-    M->g->expert_matmul_wgrad2(d_dwo, d_dout_a, d_in_a, d_off_a, ra, d_dout_b, d_in_b, d_off_b, rb, NE, I, O,
-                               true);
-    M->c->expert_matmul_wgrad2(zref, dout_a, in_a, off_a, ra, dout_b, in_b, off_b, rb, NE, I, O, true);
+    M->g->expert_matmul_wgrad_sets(d_dwo, g_sets, NS, NE, I, O, true);
+    M->c->expert_matmul_wgrad_sets(zref, c_sets, NS, NE, I, O, true);
     float *dwo = hf_of(M, d_dwo, wn);
-    snprintf(what, sizeof what, "wgrad2 %s: overwrite (vs CPU)", tag);
+    snprintf(what, sizeof what, "wgrad %d sets %s: overwrite (vs CPU)", NS, tag);
     check_close(M, what, dwo, zref, wn, TOL_F32_LONG);
     for (int e = 0; e < NE; e++)
-        if (rows_a[e] + rows_b[e] == 0) {
-            snprintf(what, sizeof what, "wgrad2 %s: overwrite gives zeros to expert %d", tag, e);
+        if (rows_all[e] == 0) {
+            snprintf(what, sizeof what, "wgrad %d sets %s: overwrite gives zeros to expert %d", NS, tag, e);
             check_exact(M, what, dwo + (size_t)e * O * I, zref + (size_t)e * O * I, (size_t)O * I * sizeof(float));
         }
 
 #ifdef MT_HAVE_CUDA
     if (M->g->x_size == 2 && grouped_gemm_available()) {
         float *d_dw3 = df_from(M, dw0, wn);
-        const bool took = grouped_gemm_wgrad2(d_dw3, d_dout_a, d_in_a, d_off_a, ra, d_dout_b, d_in_b, d_off_b, rb, NE,
-                                              I, O, false);
+        const bool took = grouped_gemm_wgrad_sets(d_dw3, g_sets, NS, NE, I, O, false);
         const bool want = I % 8 == 0 && O % 8 == 0; /* what the kernel handles (grouped_gemm.cuh) */
-        cr_expect(took == want, "wgrad2 %s: the grouped kernel took it: %d, expected %d", tag, took, want);
+        cr_expect(took == want, "wgrad %d sets %s: the grouped kernel took it: %d, expected %d", NS, tag, took, want);
         float *dw3 = hf_of(M, d_dw3, wn);
-        snprintf(what, sizeof what, "wgrad2 %s: direct call = op", tag);
+        snprintf(what, sizeof what, "wgrad %d sets %s: direct call = op", NS, tag);
         if (took) check_exact(M, what, dw3, dw, wn * sizeof(float));
         M->g->free(d_dw3);
         free(dw3);
     }
 #endif
-    M->g->free(d_in_a), M->g->free(d_dout_a), M->g->free(d_in_b), M->g->free(d_dout_b);
-    M->g->free(d_off_a), M->g->free(d_off_b);
+    for (int k = 0; k < NS; k++) {
+        M->g->free(d_in[k]), M->g->free(d_dout[k]), M->g->free(d_off[k]);
+        free(off[k]), free(in[k]), free(dout[k]);
+    }
     M->g->free(d_dw), M->g->free(d_dwo);
-    free(off_a), free(off_b), free(in_a), free(dout_a), free(in_b), free(dout_b), free(dw0), free(dw_ref);
+    free(rows_all), free(dw0), free(dw_ref);
     free(dw), free(add), free(add_ref), free(nans), free(zref), free(dwo);
 }
 
-Test(gpu, expert_matmul_wgrad2)
+Test(gpu, expert_matmul_wgrad_sets)
 {
     mt_rng rng;
     mt_rng_seed(&rng, 131);
-    /* experts 1 and 5: no rows in either set; 3: set a only; 0: set b only */
+    /* two sets: experts 1 and 5 have no rows in either; 3 set a only; 0 set b only */
     const int a[] = {0, 0, 127, 129, 300, 0, 64, 65};
     const int b[] = {65, 0, 1, 0, 200, 0, 63, 128};
+    const int c[] = {31, 0, 0, 33, 0, 0, 1, 97};
+    const int d[] = {0, 0, 40, 0, 0, 0, 128, 2};
     const int none[] = {0, 0, 0, 0, 0, 0, 0, 0};
     enum { MANY = 300 };
-    int many_a[MANY], many_b[MANY];
-    for (int e = 0; e < MANY; e++) many_a[e] = irand(&rng, 5), many_b[e] = irand(&rng, 5);
+    int many[4][MANY];
+    for (int k = 0; k < 4; k++)
+        for (int e = 0; e < MANY; e++) many[k][e] = irand(&rng, 5);
+    const int *ab[] = {a, b}, *ba[] = {b, a}, *a_[] = {a, none}, *_b[] = {none, b}, *__[] = {none, none};
+    const int *many2[] = {many[0], many[1]}, *many4[] = {many[0], many[1], many[2], many[3]};
+    const int *abc[] = {a, b, c}, *abcd[] = {a, b, c, d}, *a_c_[] = {a, none, c, none}, *_bcd[] = {none, b, c, d};
+    const int *one[] = {b};
     for (int i = 0; i < 2; i++) {
         struct mode M;
         mode_get(i, &M);
-        wgrad2_case(&M, &rng, "edges 256->512", 8, a, b, 256, 512);
-        wgrad2_case(&M, &rng, "many tiles 1032->904", 8, a, b, 1032, 904);
-        wgrad2_case(&M, &rng, "I, O not /64 (200->136)", 8, b, a, 200, 136);
-        wgrad2_case(&M, &rng, "300 experts 64->72", MANY, many_a, many_b, 64, 72);
-        wgrad2_case(&M, &rng, "second set empty", 8, a, none, 256, 128);
-        wgrad2_case(&M, &rng, "first set empty", 8, none, b, 256, 128);
-        wgrad2_case(&M, &rng, "I, O not /8 (fallback)", 8, a, b, 100, 60);
-        wgrad2_case(&M, &rng, "no rows at all", 8, none, none, 64, 72);
+        wgrad_sets_case(&M, &rng, "edges 256->512", 8, 2, ab, 256, 512);
+        wgrad_sets_case(&M, &rng, "many tiles 1032->904", 8, 2, ab, 1032, 904);
+        wgrad_sets_case(&M, &rng, "I, O not /64 (200->136)", 8, 2, ba, 200, 136);
+        wgrad_sets_case(&M, &rng, "300 experts 64->72", MANY, 2, many2, 64, 72);
+        wgrad_sets_case(&M, &rng, "second set empty", 8, 2, a_, 256, 128);
+        wgrad_sets_case(&M, &rng, "first set empty", 8, 2, _b, 256, 128);
+        wgrad_sets_case(&M, &rng, "I, O not /8 (fallback)", 8, 2, ab, 100, 60);
+        wgrad_sets_case(&M, &rng, "no rows at all", 8, 2, __, 64, 72);
+        wgrad_sets_case(&M, &rng, "one set", 8, 1, one, 256, 128);
+        wgrad_sets_case(&M, &rng, "edges 256->512", 8, 3, abc, 256, 512);
+        wgrad_sets_case(&M, &rng, "many tiles 1032->904", 8, 4, abcd, 1032, 904);
+        wgrad_sets_case(&M, &rng, "sets 2 and 4 empty", 8, 4, a_c_, 200, 136);
+        wgrad_sets_case(&M, &rng, "first of four empty", 8, 4, _bcd, 256, 128);
+        wgrad_sets_case(&M, &rng, "300 experts 64->72", MANY, 4, many4, 64, 72);
+        wgrad_sets_case(&M, &rng, "I, O not /8 (fallback)", 8, 4, abcd, 100, 60);
     }
 }
 

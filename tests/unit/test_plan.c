@@ -589,6 +589,74 @@ Test(plan, expert_wgrad_pairs_stash_and_auto_layers)
     cr_assert_eq(estimate_expert_wgrad_pair_layers(&t, &d2, true, 1), MT_MAX_LAYERS);
 }
 
+/* parallel.expert_wgrad_group: a layer grouping g micro-steps parks g - 1 (no more than the step
+ * has, less one); auto groups 4 once every MoE layer pairs, in as many layers as keep the peak
+ * within MT_PAIRS_MEM_SHARE; set by hand it applies to every pairing layer and counts in auto's
+ * choice of pairing layers. The hand model: 3 MoE layers, 8 micro-steps. */
+Test(plan, expert_wgrad_group_stash_and_auto_layers)
+{
+    struct config c;
+    hand_config(&c, 1, 1);
+    c.parallel.moe_chunks = 1;
+    c.parallel.wgrad_pair_layers = MT_MAX_LAYERS;
+    struct mesh_dims d;
+    dims(&c, 1, &d);
+    struct tensor_table tt;
+    tensor_table_build(&tt, &c.model);
+    const double stash = 32.0 * (16 + 5 + 10 + 16) * 2;
+    struct stage_estimate off, e;
+    c.parallel.expert_wgrad_pairs = MT_TRI_FALSE;
+    estimate_stage(&c, &tt, &d, 0, true, &off);
+    c.parallel.expert_wgrad_pairs = MT_TRI_TRUE;
+    c.parallel.wgrad_group = 4;
+    c.parallel.wgrad_group_layers = 1; /* 3 + 1 + 1 parked */
+    estimate_stage(&c, &tt, &d, 0, true, &e);
+    cr_assert_float_eq(e.act_bytes - off.act_bytes, 5 * stash, 1e-9);
+    c.parallel.wgrad_group_layers = MT_MAX_LAYERS; /* 3 x 3 */
+    estimate_stage(&c, &tt, &d, 0, true, &e);
+    cr_assert_float_eq(e.act_bytes - off.act_bytes, 9 * stash, 1e-9);
+    c.train.global_batch_size = 6; /* 3 micro-steps: a group of 4 parks 2 */
+    estimate_stage(&c, &tt, &d, 0, true, &e);
+    struct stage_estimate off3;
+    c.parallel.expert_wgrad_pairs = MT_TRI_FALSE;
+    estimate_stage(&c, &tt, &d, 0, true, &off3);
+    cr_assert_float_eq(e.act_bytes - off3.act_bytes, 6 * stash, 1e-9);
+    c.train.global_batch_size = 16;
+    tensor_table_free(&tt);
+
+    /* auto: pairs everywhere first (3 stashes), then one layer at a time to 3 stashes */
+    c.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
+    c.parallel.expert_wgrad_group = 0;
+    c.parallel.wgrad_group_layers = 0;
+    const double base = estimate_peak_bytes(&c, &d, true);
+    estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 3.5 * stash) / MT_PAIRS_MEM_SHARE);
+    cr_assert(c.parallel.expert_wgrad_pairs == MT_TRI_TRUE && c.parallel.wgrad_pair_layers == MT_MAX_LAYERS);
+    cr_assert_eq(c.parallel.wgrad_group_layers, 0, "no room for a group");
+    c.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
+    estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 7.5 * stash) / MT_PAIRS_MEM_SHARE);
+    cr_assert_eq(c.parallel.wgrad_group, 4);
+    cr_assert_eq(c.parallel.wgrad_group_layers, 2, "3 + 2 x 2 stashes fit, 3 + 3 x 2 do not");
+    c.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
+    estimate_resolve_expert_wgrad_pairs(&c, &d, true, 1e15);
+    cr_assert_eq(c.parallel.wgrad_group_layers, MT_MAX_LAYERS, "every layer fits");
+    c.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
+    estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 2.5 * stash) / MT_PAIRS_MEM_SHARE);
+    cr_assert(c.parallel.wgrad_pair_layers == 2 && c.parallel.wgrad_group_layers == 0,
+              "not every layer pairs: no groups (%d, %d)", c.parallel.wgrad_pair_layers, c.parallel.wgrad_group_layers);
+    c.parallel.expert_wgrad_pairs = MT_TRI_TRUE, c.parallel.wgrad_pair_layers = MT_MAX_LAYERS;
+    estimate_resolve_expert_wgrad_pairs(&c, &d, true, 0);
+    cr_assert_eq(c.parallel.wgrad_group_layers, 0, "no device: no auto groups");
+
+    /* by hand: every pairing layer, and auto pairs count the group's stashes */
+    c.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
+    c.parallel.expert_wgrad_group = 3;
+    estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 4.5 * stash) / MT_PAIRS_MEM_SHARE);
+    cr_assert(c.parallel.expert_wgrad_pairs == MT_TRI_TRUE && c.parallel.wgrad_pair_layers == 2 &&
+                  c.parallel.wgrad_group == 3 && c.parallel.wgrad_group_layers == MT_MAX_LAYERS,
+              "group 3 by hand: %d layers, group %d in %d", c.parallel.wgrad_pair_layers, c.parallel.wgrad_group,
+              c.parallel.wgrad_group_layers);
+}
+
 /* train.weight_copy: auto keeps the bf16 copy within 80% of the device, and beyond it when the copy
  * needs no more memory than casting: a one-rank group computes from the copy in place, while casting
  * builds working buffers of the largest unit and the largest layer, which for a one-layer model

@@ -1,9 +1,10 @@
-/* parallel.expert_wgrad_pairs at the model level (src/moe.c, struct expert_wgrad_stash), on the CPU
- * backend with the small model: three micro-batches accumulated with one of its two MoE layers
- * pairing give the same gradients bit for bit as without pairing (on the CPU the pair's call is the
- * two adds in the same order), the other layer never stashes, the stash holds rows only between a
- * backward that may wait (model.more_backwards) and the next one, and the flag is cleared by every
- * backward. The training-level runs (meshes, pipeline, recompute) are in test_fsdp.c. */
+/* parallel.expert_wgrad_pairs / expert_wgrad_group at the model level (src/moe.c, struct
+ * expert_wgrad_stash), on the CPU backend with the small model: micro-batches accumulated with one
+ * of its two MoE layers pairing (or grouping 3 or 4 micro-steps, the other pairing) give the same
+ * gradients bit for bit as without (on the CPU the group's call is the adds in the same order), a
+ * layer that does not group never stashes, the stash holds rows only while its group fills and
+ * another backward may follow (model.more_backwards), and the flag is cleared by every backward.
+ * The training-level runs (meshes, pipeline, recompute) are in test_fsdp.c. */
 #include <criterion/criterion.h>
 #include <string.h>
 
@@ -17,13 +18,14 @@
 #define WB 2
 #define WS 8
 #define N_MICRO 3
+#define MAX_MICRO 6
 
 struct run {
     struct model m;
     struct params p;
 };
 
-static void run_init(struct run *r, int pair_layers)
+static void run_init_groups(struct run *r, int pair_layers, int group_layers, int group)
 {
     struct model_config mc;
     small_model_config(&mc);
@@ -31,7 +33,12 @@ static void run_init(struct run *r, int pair_layers)
     params_init(&r->p, &r->m, NULL, NULL);
     params_init_random(&r->p, 11);
     params_gather_weights(&r->p);
-    if (pair_layers > 0) model_enable_expert_wgrad_pairs(&r->m, pair_layers);
+    if (pair_layers > 0) model_enable_expert_wgrad_groups(&r->m, pair_layers, group_layers, group);
+}
+
+static void run_init(struct run *r, int pair_layers)
+{
+    run_init_groups(r, pair_layers, 0, 2);
 }
 
 static void run_free(struct run *r)
@@ -48,22 +55,38 @@ static void micro_ids(int k, int32_t *ids, int V)
     for (int t = 0; t < WB * WS; t++) ids[t] = (int32_t)(mt_rng_next(&rng) % (uint64_t)V);
 }
 
-/* N_MICRO forward/backward pairs onto zeroed gradients; each backward but the last may wait.
- * pending_after[k]: whether a stash held rows after backward k. */
-static void accumulate(struct run *r, bool pending_after[N_MICRO])
+/* n_micro forward/backward pairs onto zeroed gradients; each backward but the last may wait.
+ * pending_after[k]: whether a stash held rows after backward k; parked[l][k]: layer l's parked
+ * micro-steps then (NULL: not recorded). */
+static void accumulate_n(struct run *r, int n_micro, bool *pending_after, int (*parked)[MAX_MICRO])
 {
     struct model *m = &r->m;
     model_zero_grad(m);
-    for (int k = 0; k < N_MICRO; k++) {
+    for (int k = 0; k < n_micro; k++) {
         int32_t ids[WB * WS];
         micro_ids(k, ids, m->V);
         struct model_step_out o;
         model_forward(m, ids, NULL, &o);
-        m->more_backwards = k + 1 < N_MICRO;
-        model_backward(m, 1.0f / (float)(N_MICRO * o.n_valid), NULL);
+        m->more_backwards = k + 1 < n_micro;
+        model_backward(m, 1.0f / (float)(n_micro * o.n_valid), NULL);
         cr_expect(!m->more_backwards, "backward %d left more_backwards set", k);
         pending_after[k] = model_expert_wgrad_pending(m);
+        for (int l = 0; parked && l < 2; l++) parked[l][k] = m->wstash ? m->wstash[l].pending : 0;
     }
+}
+
+static void accumulate(struct run *r, bool pending_after[N_MICRO])
+{
+    accumulate_n(r, N_MICRO, pending_after, NULL);
+}
+
+/* every gradient of got bit for bit ref's */
+static void expect_same_grads(struct run *ref, struct run *got, const char *how)
+{
+    for (int i = 0; i < ref->m.tt.n; i++)
+        cr_expect(!memcmp(model_grad(&ref->m, i), model_grad(&got->m, i),
+                          (size_t)model_work_numel_of(&ref->m, i) * sizeof(float)),
+                  "%s: gradient differs %s", ref->m.tt.t[i].name, how);
 }
 
 Test(wgrad_pairs, one_layer_pairing_gives_the_same_gradients)
@@ -79,9 +102,11 @@ Test(wgrad_pairs, one_layer_pairing_gives_the_same_gradients)
     /* micro-step 0 waits, 1 takes both, 2 (the last) runs alone */
     cr_expect(p_got[0] && !p_got[1] && !p_got[2], "pending after each backward: %d %d %d", p_got[0], p_got[1],
               p_got[2]);
-    cr_expect(got.m.wstash[0].off && got.m.wstash[0].x_exp && got.m.wstash[0].d_gu,
+    cr_expect(got.m.wstash[0].n_slots == 1 && got.m.wstash[0].slot[0].off && got.m.wstash[0].slot[0].x_exp &&
+                  got.m.wstash[0].slot[0].d_gu,
               "layer 0 pairs: its stash holds buffers");
-    cr_expect(!got.m.wstash[1].off && !got.m.wstash[1].x_exp, "layer 1 does not pair, yet it has a stash");
+    cr_expect(!got.m.wstash[1].n_slots && !got.m.wstash[1].slot[0].off && !got.m.wstash[1].slot[0].x_exp,
+              "layer 1 does not pair, yet it has a stash");
 
     int differ = 0;
     for (int i = 0; i < ref.m.tt.n; i++) {
@@ -105,7 +130,7 @@ Test(wgrad_pairs, all_layers_and_a_single_micro_step)
     accumulate(&ref, p_ref);
     run_init(&got, MT_MAX_LAYERS);
     accumulate(&got, p_got);
-    cr_expect(got.m.wstash[0].off && got.m.wstash[1].off, "both layers pair");
+    cr_expect(got.m.wstash[0].slot[0].off && got.m.wstash[1].slot[0].off, "both layers pair");
     for (int i = 0; i < ref.m.tt.n; i++)
         cr_expect(!memcmp(model_grad(&ref.m, i), model_grad(&got.m, i),
                           (size_t)model_work_numel_of(&ref.m, i) * sizeof(float)),
@@ -120,6 +145,45 @@ Test(wgrad_pairs, all_layers_and_a_single_micro_step)
     model_forward(m, ids, NULL, &o);
     model_backward(m, 1.0f / (float)o.n_valid, NULL);
     cr_expect(!model_expert_wgrad_pending(m), "a lone backward left rows waiting");
+    run_free(&ref);
+    run_free(&got);
+}
+
+/* parallel.expert_wgrad_group: layer 0 groups 4 micro-steps (3 parked), layer 1 pairs, over 6
+ * micro-steps (a group of 4, then one of 2: the step's end closes it); then 3 in layer 0 over 5
+ * (3 + 2). Same bits as no grouping; the parked counts follow the groups. */
+Test(wgrad_pairs, groups_of_four_and_three)
+{
+    struct run ref, got;
+    bool p_ref[MAX_MICRO], p_got[MAX_MICRO];
+    int parked[2][MAX_MICRO];
+    run_init(&ref, 0);
+    accumulate_n(&ref, 6, p_ref, NULL);
+    run_init_groups(&got, MT_MAX_LAYERS, 1, 4);
+    cr_expect(got.m.wstash[0].n_slots == 3 && got.m.wstash[1].n_slots == 1, "slots %d %d, expected 3 1",
+              got.m.wstash[0].n_slots, got.m.wstash[1].n_slots);
+    accumulate_n(&got, 6, p_got, parked);
+    const int want4[2][6] = {{1, 2, 3, 0, 1, 0}, {1, 0, 1, 0, 1, 0}};
+    for (int l = 0; l < 2; l++)
+        for (int k = 0; k < 6; k++)
+            cr_expect(parked[l][k] == want4[l][k], "group 4: layer %d parked %d after backward %d, expected %d", l,
+                      parked[l][k], k, want4[l][k]);
+    cr_expect(got.m.wstash[0].slot[2].x_exp && got.m.wstash[0].slot[2].off, "layer 0's third slot was never filled");
+    expect_same_grads(&ref, &got, "with groups of 4");
+    run_free(&got);
+
+    run_free(&ref);
+    run_init(&ref, 0);
+    accumulate_n(&ref, 5, p_ref, NULL);
+    run_init_groups(&got, MT_MAX_LAYERS, MT_MAX_LAYERS, 3);
+    accumulate_n(&got, 5, p_got, parked);
+    const int want3[6] = {1, 2, 0, 1, 0};
+    for (int l = 0; l < 2; l++)
+        for (int k = 0; k < 5; k++)
+            cr_expect(parked[l][k] == want3[k], "group 3: layer %d parked %d after backward %d, expected %d", l,
+                      parked[l][k], k, want3[k]);
+    cr_expect(!got.m.wstash[0].slot[2].x_exp, "a group of 3 used a third slot");
+    expect_same_grads(&ref, &got, "with groups of 3");
     run_free(&ref);
     run_free(&got);
 }
