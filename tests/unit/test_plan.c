@@ -646,6 +646,10 @@ Test(plan, expert_wgrad_group_stash_and_auto_layers)
     c.parallel.expert_wgrad_pairs = MT_TRI_TRUE, c.parallel.wgrad_pair_layers = MT_MAX_LAYERS;
     estimate_resolve_expert_wgrad_pairs(&c, &d, true, 0);
     cr_assert_eq(c.parallel.wgrad_group_layers, 0, "no device: no auto groups");
+    struct mesh_dims d_ep = d;
+    d_ep.ep = 2;
+    estimate_resolve_expert_wgrad_pairs(&c, &d_ep, true, 1e15);
+    cr_assert_eq(c.parallel.wgrad_group_layers, 0, "ep 2: no auto groups");
 
     /* by hand: every pairing layer, and auto pairs count the group's stashes */
     c.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
