@@ -76,6 +76,7 @@ template <typename T> static struct backend make_table(double peak)
     b.router_backward = cu_router_backward;
     b.router_gather_weights = cu_router_gather_weights;
     b.router_stats = cu_router_stats;
+    b.aux_grad_from_stats = cu_aux_grad_from_stats;
     b.moe_route_plan = cu_moe_route_plan;
     b.moe_pair_plan = cu_moe_pair_plan;
     b.gather_f32 = cu_gather_f32;

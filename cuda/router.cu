@@ -423,6 +423,23 @@ void cu_router_gather_weights(float *topk_w, const float *probs, const int32_t *
     CUDA_LAUNCH_CHECK("router_gather_weights");
 }
 
+/* one thread an expert; fp64 as on the host (train.c), so the bits are the host's */
+__global__ void aux_grad_kernel(float *aux_dp, const float *stats, int L, int E, double scale, double rows)
+{
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= E) return;
+    double cnt = 0;
+    for (int l = 0; l < L; l++) cnt = __dadd_rn(cnt, (double)stats[(size_t)l * 2 * E + E + e]);
+    aux_dp[e] = __double2float_rn(__ddiv_rn(__dmul_rn(__dmul_rn(scale, (double)E), cnt), __dmul_rn(rows, rows)));
+}
+
+void cu_aux_grad_from_stats(float *aux_dp, const float *stats, int L, int E, double scale, double rows)
+{
+    if (E <= 0) return;
+    aux_grad_kernel<<<(E + 127) / 128, 128, 0, g_cuda.stream>>>(aux_dp, stats, L, E, scale, rows);
+    CUDA_LAUNCH_CHECK("aux_grad_from_stats");
+}
+
 void cu_router_stats(float *psum, float *count, const float *probs, const int32_t *topk_idx, int T_,
                      int E, int k)
 {

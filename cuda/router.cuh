@@ -14,6 +14,7 @@ void cu_router_backward(float *dlogits, const float *dtopk_w, const float *probs
                         const struct router_opts *o);
 void cu_router_gather_weights(float *topk_w, const float *probs, const int32_t *topk_idx, int T_,
                               int E, int k, const struct router_opts *o);
+void cu_aux_grad_from_stats(float *aux_dp, const float *stats, int L, int E, double scale, double rows);
 void cu_router_stats(float *psum, float *count, const float *probs, const int32_t *topk_idx, int T_,
                      int E, int k);
 

@@ -201,6 +201,12 @@ struct model {
     int64_t x_recv_cap, d_w_home_cap;
     float *stats;               /* dev [L, 2, E]: per layer psum then count (the stage's layers) */
     float *stats_h;             /* host copy */
+    /* train.c's step statistics (src/step_stats.c): when set, a stage forward copies its per-token
+     * losses ([T]) and router statistics ([L, 2, E]) to these device buffers instead of waiting for
+     * them; out->ce_sum and stats_h are then left alone */
+    float *defer_losses, *defer_stats;
+    /* the next backward's aux_dp was written on the device (aux_grad_from_stats) */
+    bool aux_dp_ready;
     float *aux_dp;              /* dev [E] */
     float *ones;                /* dev [ones_cap] all 1.0: unit combine weights */
     int64_t ones_cap;

@@ -100,6 +100,13 @@ void model_stage_forward(struct model *m, int slot, const int32_t *ids_host, con
         be->matmul_forward(m->logits, m->hf, model_weight(m, head_index(m)), T, H, V);
         head_hook(m, HOOK_AFTER_FWD);
         be->cross_entropy_forward(m->losses, m->lse_f, m->logits, m->targets, T, V);
+    }
+    if (m->defer_losses || m->defer_stats) {
+        if (m->st.last && m->defer_losses) be->copy(m->defer_losses, m->losses, (size_t)T * sizeof(float));
+        if (m->E > 0 && m->defer_stats) be->copy(m->defer_stats, m->stats, (size_t)m->L * 2 * m->E * sizeof(float));
+        return;
+    }
+    if (m->st.last) {
         float *losses = mt_malloc((size_t)T * sizeof(float));
         be->download(losses, m->losses, (size_t)T * sizeof(float));
         double sum = 0;
@@ -116,8 +123,9 @@ void model_stage_backward(struct model *m, int slot, float ce_scale, const float
     const struct backend *be = m->be;
     const int T = m->T, H = m->H, V = m->V, l0 = m->st.layer0, l1 = m->st.layer1;
     model_use_slot(m, slot);
-    m->aux_active = m->E > 0 && aux_dp_host != NULL;
-    if (m->aux_active) be->upload(m->aux_dp, aux_dp_host, (size_t)m->E * sizeof(float));
+    m->aux_active = m->E > 0 && (aux_dp_host != NULL || m->aux_dp_ready);
+    if (m->E > 0 && aux_dp_host) be->upload(m->aux_dp, aux_dp_host, (size_t)m->E * sizeof(float));
+    m->aux_dp_ready = false;
     if (m->st.last) {
         /* dlogits overwrite the logits: they are not needed after this point */
         be->cross_entropy_backward(m->logits, m->logits, m->lse_f, m->targets, T, V, ce_scale);

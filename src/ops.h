@@ -187,6 +187,12 @@ struct backend {
                                   const struct router_opts *o);
     void (*router_stats)(float *psum /*[E]*/, float *count /*[E]*/, const float *probs,
                          const int32_t *topk_idx, int T, int E, int k);
+    /* The aux loss's gradient with respect to each expert's mean router probability, from a
+     * micro-step's statistics (router_stats of every layer, zeros for dense ones): aux_dp[e] =
+     * (float)(scale · E · Σ_l count_l[e] / rows²), the sum in fp64 in layer order, exactly as
+     * train.c's aux_grad_from_counts does it on the host (so the bits are the same). */
+    void (*aux_grad_from_stats)(float *aux_dp /*[E]*/, const float *stats /*[L, 2, E]*/, int L, int E,
+                                double scale, double rows);
 
     /* MoE route plan (integers only: every backend gives the same answer). In place, each token's
      * k choices are sorted by ascending expert id, topk_w permuted alongside. Rows are then ordered

@@ -134,6 +134,8 @@ W(router_backward, PROF_MOE_ROWS, E,
 W(router_gather_weights, PROF_MOE_ROWS, E,
   (float *tw, const float *p, const int32_t *ti, int T, int E, int k, const struct router_opts *o),
   (tw, p, ti, T, E, k, o))
+W(aux_grad_from_stats, PROF_OTHER, E,
+  (float *a, const float *s, int L, int E, double sc, double r), (a, s, L, E, sc, r))
 W(router_stats, PROF_MOE_ROWS, E,
   (float *ps, float *c, const float *p, const int32_t *ti, int T, int E, int k),
   (ps, c, p, ti, T, E, k))
@@ -209,7 +211,7 @@ const struct backend *profile_wrap(const struct backend *be)
     SET(rope_forward); SET(rope_backward); SET(rmsnorm_rope_forward); SET(rmsnorm_rope_backward);
     SET(attention_forward);
     SET(attention_backward); SET(router_forward); SET(router_backward); SET(router_gather_weights);
-    SET(router_stats);
+    SET(router_stats); SET(aux_grad_from_stats);
     SET(moe_route_plan); SET(moe_pair_plan); SET(gather_f32); SET(gather_rows); SET(gather_rows_backward); SET(moe_combine_forward);
     SET(moe_combine_backward); SET(expert_matmul_forward); SET(expert_matmul_backward); SET(expert_matmul_wgrad_sets);
     SET(swiglu_forward); SET(swiglu_backward); SET(cross_entropy_forward);

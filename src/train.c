@@ -45,6 +45,7 @@
 #include "router_opts.h"
 #include "run_notes.h"
 #include "step_guard.h"
+#include "step_stats.h"
 #include "train.h"
 #include "train_check.h"
 #include "train_data.h"
@@ -82,6 +83,19 @@ void aux_from_stats(const float *stats, int n_layers_all, const struct model_con
     if (count_out) memcpy(count_out, cnt, (size_t)E * sizeof(double));
     free(cnt);
     free(ps);
+}
+
+/* One micro-step's router statistics [L, 2, E] into the step's aux-loss sum and expert loads
+ * (layer_counts [L, E]); cnt [E] gets the micro-step's expert counts over the layers. */
+static void add_router_stats(const float *stats, const struct model_config *mc, int64_t tokens, double *aux_sum,
+                             double *cnt, double *layer_counts)
+{
+    const int L = mc->num_hidden_layers, E = mc->num_experts;
+    double aux_m;
+    aux_from_stats(stats, L, mc, tokens, &aux_m, cnt);
+    *aux_sum += aux_m;
+    for (int l = 0; l < L; l++)
+        for (int e = 0; e < E; e++) layer_counts[(size_t)l * E + e] += stats[(size_t)l * 2 * E + E + e];
 }
 
 void aux_grad_from_counts(const double *count, int E, int n_moe, int64_t tokens, double scale,
@@ -405,6 +419,10 @@ int cmd_train(const struct cli *a)
     if (piped) pt.aux_fixed = aux_global ? aux_dp : NULL;
     struct step_guard guard;
     step_guard_init(&guard, tc);
+    /* one rank a stage, no pipeline: no host wait per micro-step (src/step_stats.h) */
+    const bool deferred = step_stats_applies(mesh.d.pp, stage_h->size);
+    struct step_stats ss = {0};
+    if (deferred) step_stats_init(&ss, &m, n_micro);
 
     for (int step = start_step + 1; step <= tc->steps; step++) {
         double t0 = mt_now();
@@ -428,23 +446,41 @@ int cmd_train(const struct cli *a)
             watchdog_phase(step, "forward");
             route_replay_load(&m, 0, data_first_seq(step - 1, micro, n_micro, mesh.me.local, dp, mb));
             struct model_step_out o;
+            if (deferred) step_stats_arm(&ss, &m, micro);
             step_batch_forward(&sb, micro, &m, &o);
-            ce_local += o.ce_sum;
             valid_local += o.n_valid;
-            if (E > 0) {
-                comm_all_reduce_sum(stage_h, m.stats_h, nstat, COMM_F32);
-                double aux_m;
-                aux_from_stats(m.stats_h, L, &c.model, tokens_micro_global, &aux_m, cnt);
-                aux_sum += aux_m;
-                if (!aux_global)
-                    aux_grad_from_counts(cnt, E, m.n_moe_layers, tokens_micro_global, coef / n_micro, aux_dp);
-                for (int l = 0; l < L; l++)
-                    for (int e = 0; e < E; e++)
-                        layer_counts[(size_t)l * E + e] += m.stats_h[(size_t)l * 2 * E + E + e];
+            const float *aux_host = use_aux ? aux_dp : NULL;
+            if (deferred) {
+                /* the aux gradient from this micro-step's statistics, on the device */
+                step_stats_disarm(&m);
+                if (use_aux && !aux_global) {
+                    be->aux_grad_from_stats(m.aux_dp, m.stats, L, E, coef / n_micro,
+                                            (double)m.n_moe_layers * (double)tokens_micro_global);
+                    m.aux_dp_ready = true;
+                    aux_host = NULL;
+                }
+            } else {
+                ce_local += o.ce_sum;
+                if (E > 0) {
+                    comm_all_reduce_sum(stage_h, m.stats_h, nstat, COMM_F32);
+                    add_router_stats(m.stats_h, &c.model, tokens_micro_global, &aux_sum, cnt, layer_counts);
+                    if (!aux_global)
+                        aux_grad_from_counts(cnt, E, m.n_moe_layers, tokens_micro_global, coef / n_micro, aux_dp);
+                }
             }
             watchdog_phase(step, "backward");
             m.more_backwards = micro + 1 < n_micro;
-            model_backward(&m, (float)(1.0 / n_valid_global), use_aux ? aux_dp : NULL);
+            model_backward(&m, (float)(1.0 / n_valid_global), aux_host);
+        }
+        if (deferred) { /* the micro-steps' losses and statistics, summed as the path above does */
+            watchdog_phase(step, "step statistics");
+            step_stats_fetch(&ss, n_micro);
+            for (int micro = 0; micro < n_micro; micro++) {
+                ce_local += step_stats_ce_sum(&ss, micro);
+                if (E > 0)
+                    add_router_stats(step_stats_router(&ss, micro), &c.model, tokens_micro_global, &aux_sum, cnt,
+                                     layer_counts);
+            }
         }
         watchdog_phase(step, "gradient norm");
         fsdp_flush(&sharding);
@@ -550,6 +586,7 @@ int cmd_train(const struct cli *a)
     fsdp_free(&sharding);
     expert_watch_free(&watch);
     params_free(&p);
+    if (deferred) step_stats_free(&ss);
     model_free(&m);
     comm_free(world); comm_free(stage_h); comm_free(stage); comm_free(ep); comm_free(fsdp);
     data_close(data);

@@ -243,6 +243,7 @@ static const struct backend cpu_backend = {
     .router_backward = b_router_backward,
     .router_gather_weights = cpu_router_gather_weights,
     .router_stats = cpu_router_stats,
+    .aux_grad_from_stats = cpu_aux_grad_from_stats,
     .moe_route_plan = cpu_moe_route_plan,
     .moe_pair_plan = cpu_moe_pair_plan,
     .gather_f32 = cpu_gather_f32,

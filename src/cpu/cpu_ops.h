@@ -78,6 +78,7 @@ void cpu_router_gather_weights(float *topk_w, const float *probs, const int32_t 
 void cpu_router_backward(float *dlogits, const float *dtopk_w, const float *probs,
                          const int32_t *topk_idx, const float *aux_dp, int T, int E, int k,
                          const struct router_opts *o);
+void cpu_aux_grad_from_stats(float *aux_dp, const float *stats, int L, int E, double scale, double rows);
 void cpu_router_stats(float *psum, float *count, const float *probs, const int32_t *topk_idx,
                       int T, int E, int k);
 

@@ -157,6 +157,15 @@ void cpu_router_backward(float *dlogits, const float *dtopk_w, const float *prob
     free(dp);
 }
 
+void cpu_aux_grad_from_stats(float *aux_dp, const float *stats, int L, int E, double scale, double rows)
+{
+    for (int e = 0; e < E; e++) {
+        double cnt = 0;
+        for (int l = 0; l < L; l++) cnt += stats[(size_t)l * 2 * E + E + e];
+        aux_dp[e] = (float)(scale * E * cnt / (rows * rows));
+    }
+}
+
 void cpu_router_stats(float *psum, float *count, const float *probs, const int32_t *topk_idx,
                       int T, int E, int k)
 {

@@ -704,3 +704,32 @@ Test(gpu, adamw)
 }
 
 /* adamw_update_multi: tests/unit/test_gpu_adamw.c */
+
+/* aux_grad_from_stats (train.c's aux gradient on the device, src/step_stats.h): the same bits as
+ * the CPU op, which train_test checks against the host formula, on fresh random statistics (fp32
+ * psum, integer counts, zeros for a dense layer), in both modes (the op is fp32 in both). */
+Test(gpu, aux_grad_from_stats_matches_the_cpu_bits)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 907);
+    const int L = 5, E = 300;
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        float *stats = fnew((size_t)L * 2 * E);
+        for (int l = 0; l < L; l++)
+            for (int e = 0; l != 2 && e < E; e++) { /* layer 2 dense: zeros */
+                stats[(size_t)l * 2 * E + e] = (float)(mt_rng_uniform(&rng) * 50.0);
+                stats[(size_t)l * 2 * E + E + e] = (float)irand(&rng, 4000);
+            }
+        float *d_stats = df_from(&M, stats, (size_t)L * 2 * E), *d_dp = df_from(&M, stats, E);
+        float *ref = fnew(E);
+        const double scale = 0.001 / 3.0, rows = 4.0 * 8192.0;
+        M.g->aux_grad_from_stats(d_dp, d_stats, L, E, scale, rows);
+        M.c->aux_grad_from_stats(ref, stats, L, E, scale, rows);
+        float *got = hf_of(&M, d_dp, E);
+        check_exact(&M, "aux_grad_from_stats", got, ref, (size_t)E * sizeof(float));
+        M.g->free(d_stats), M.g->free(d_dp);
+        free(stats), free(ref), free(got);
+    }
+}

@@ -8,6 +8,7 @@
 #include "../test_util.h"
 #include "config.h"
 #include "flops.h"
+#include "ops.h"
 #include "safetensors.h"
 #include "train.h"
 
@@ -104,6 +105,54 @@ Test(train, aux_gradient_matches_finite_differences_of_the_statistic)
         cr_expect(fabs((up - aux) / h - g[e]) <= 1e-6 + 1e-4 * fabs(g[e]), "expert %d: fd %g vs %g", e,
                   (up - aux) / h, (double)g[e]);
     }
+}
+
+/* The backend's aux_grad_from_stats (the device-side path of src/step_stats.h) gives the host
+ * formula's bits: aux_from_stats' counts over the MoE layers, then aux_grad_from_counts. */
+Test(train, aux_grad_from_stats_is_the_host_formula)
+{
+    struct model_config m;
+    tiny_model(&m, 3, 8);
+    m.n_mlp_only_layers = 1, m.mlp_only_layers[0] = 1; /* layer 1 dense: its statistics stay zero */
+    const int E = 8, L = 3;
+    const int64_t T = 48;
+    float stats[3 * 2 * 8] = {0};
+    unsigned s = 11;
+    for (int l = 0; l < L; l++)
+        for (int e = 0; l != 1 && e < E; e++) {
+            s = s * 1103515245u + 12345u;
+            stats[l * 2 * E + e] = 0.25f + (float)(s >> 16) / 65536.0f * 9.0f;
+            stats[l * 2 * E + E + e] = (float)((s >> 8) % 29);
+        }
+    double aux, cnt[8];
+    aux_from_stats(stats, L, &m, T, &aux, cnt);
+    float want[8], got[8];
+    const double scale = 0.001 / 7;
+    aux_grad_from_counts(cnt, E, 2, T, scale, want);
+    backend_cpu()->aux_grad_from_stats(got, stats, L, E, scale, 2.0 * (double)T);
+    for (int e = 0; e < E; e++) cr_expect(got[e] == want[e], "expert %d: %.9g vs %.9g", e, (double)got[e], (double)want[e]);
+}
+
+/* src/step_stats.h: one rank fetching the step's losses and router statistics once at the step's
+ * end (and the aux gradient made by the backend) trains bit for bit as the per-micro-step host
+ * path (MT_STEP_SYNC=1): loss, aux loss, gradient norm and expert loads of every step. */
+Test(train, step_statistics_at_the_step_end_change_nothing, .timeout = 300)
+{
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd, "for v in 0 1; do MT_STEP_SYNC=$v timeout 240 %s/moetrain train configs/tiny.yaml --backend cpu "
+             "--set train.steps=3 --set log.metrics=/tmp/mt_ss_$v.jsonl > /dev/null || exit 1; done", tu_build());
+    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+    free(out);
+    const char *fields[] = {"loss", "ce_loss", "aux_loss", "grad_norm", "load_max", "load_cv"};
+    for (int f = 0; f < 6; f++) {
+        double a[4], b[4];
+        cr_assert_eq(tu_read_metric("/tmp/mt_ss_0.jsonl", fields[f], a, 4), 3);
+        cr_assert_eq(tu_read_metric("/tmp/mt_ss_1.jsonl", fields[f], b, 4), 3);
+        for (int i = 0; i < 3; i++) cr_expect(a[i] == b[i], "%s step %d: %.17g vs %.17g", fields[f], i + 1, a[i], b[i]);
+    }
+    cr_expect(tu_read_metric("/tmp/mt_ss_0.jsonl", "aux_loss", (double[4]){0}, 4) == 3, "aux loss logged");
+    unlink("/tmp/mt_ss_0.jsonl");
+    unlink("/tmp/mt_ss_1.jsonl");
 }
 
 Test(train, bias_update_moves_toward_balance)
