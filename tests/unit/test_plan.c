@@ -526,6 +526,16 @@ Test(plan, folded_table_has_one_row_per_stage)
     free(nodes);
 }
 
+/* the hand model on one rank with one MoE chunk (the stash needs it), every layer pairing when on */
+static void stash_setup(struct config *c, struct mesh_dims *d, struct tensor_table *tt)
+{
+    hand_config(c, 1, 1);
+    c->parallel.moe_chunks = 1;
+    c->parallel.wgrad_pair_layers = MT_MAX_LAYERS;
+    dims(c, 1, d);
+    tensor_table_build(tt, &c->model);
+}
+
 /* parallel.expert_wgrad_pairs: each pairing MoE layer parks one micro-step's expert rows, by hand
  * on the hand model (T = 16 tokens x top-2 = 32 rows of x_exp 16 + act 5 + d_gu 10 + d_y_exp 16
  * bf16 elements), and auto pairs as many of the stage's MoE layers as keep the peak within
@@ -533,13 +543,9 @@ Test(plan, folded_table_has_one_row_per_stage)
 Test(plan, expert_wgrad_pairs_stash_and_auto_layers)
 {
     struct config c;
-    hand_config(&c, 1, 1);
-    c.parallel.moe_chunks = 1;
-    c.parallel.wgrad_pair_layers = MT_MAX_LAYERS;
     struct mesh_dims d;
-    dims(&c, 1, &d);
     struct tensor_table tt;
-    tensor_table_build(&tt, &c.model);
+    stash_setup(&c, &d, &tt);
     struct stage_estimate off, all, two;
     c.parallel.expert_wgrad_pairs = MT_TRI_FALSE;
     estimate_stage(&c, &tt, &d, 0, true, &off);
@@ -596,13 +602,9 @@ Test(plan, expert_wgrad_pairs_stash_and_auto_layers)
 Test(plan, expert_wgrad_group_stash_and_auto_layers)
 {
     struct config c;
-    hand_config(&c, 1, 1);
-    c.parallel.moe_chunks = 1;
-    c.parallel.wgrad_pair_layers = MT_MAX_LAYERS;
     struct mesh_dims d;
-    dims(&c, 1, &d);
     struct tensor_table tt;
-    tensor_table_build(&tt, &c.model);
+    stash_setup(&c, &d, &tt);
     const double stash = 32.0 * (16 + 5 + 10 + 16) * 2;
     struct stage_estimate off, e;
     c.parallel.expert_wgrad_pairs = MT_TRI_FALSE;
