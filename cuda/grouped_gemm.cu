@@ -29,72 +29,20 @@
  * Shared-memory layouts are the TMA's 128-byte swizzle, which is what wgmma's SW128 descriptors
  * read: a K-major operand tile is rows of 64 K-elements (128 B), 8-row groups 1024 B apart; an
  * MN-major tile is boxes of 64 MN-elements × BK K-rows (BK × 128 B each), the boxes LBO = one box
- * apart along MN and 8-K-row groups SBO = 1024 B apart. */
+ * apart along MN and 8-K-row groups SBO = 1024 B apart.
+ *
+ * grouped_gemm_tiles.cuh holds the tile and stage sizes, the kernel's parameters and the tile
+ * schedule; this file the kernel and the host side. */
 #include "grouped_gemm.cuh"
 
 #include "cuda_common.cuh"
+#include "grouped_gemm_tiles.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
 #include <string.h>
 
 namespace {
-
-constexpr int BM = 128, BN = 256;
-constexpr int THREADS = 384;                 /* producer warpgroup + 2 consumer warpgroups */
-constexpr int MAX_EXPERTS = 256;             /* per launch: its tile starts live in shared memory */
-constexpr int MAX_SETS = MT_WGRAD_MAX_SETS;  /* wgrad row sets a launch (grouped_gemm_wgrad_sets) */
-static_assert(MAX_SETS == 4, "a tile header holds e, mi, ni, r0 and four sets' rows (32 bytes)");
-/* Forward/dgrad visit an expert's tiles in groups of GROUP_M row tiles, every column tile of a
- * group before the next group, so the CTAs running together share both operands' tiles in L2.
- * Down an expert's whole row range first (as before), a large expert's concurrent tiles each read
- * another of its ~60 row tiles. H200, skewed rows: gate_up forward 609 -> 623 TFLOPS (4 and 16
- * the same as 8); balanced experts (4 row tiles) are visited as before. */
-constexpr int GROUP_M = 8;
-
-enum { KIND_FWD, KIND_DGRAD, KIND_WGRAD };
-
-/* Every kind stages its output tile in shared memory for the TMA: forward/dgrad the bf16 tile
- * (64 KB) beside 3 operand stages of 64 K; wgrad the fp32 tile (128 KB) beside 4 stages of 32 K
- * (the same 96 KB as 2 of 64, which fed the MMAs 12% slower: H200, wgrad2 gate_up without its
- * epilogue 1.45 ms against 1.29). */
-template <int KIND> __host__ __device__ constexpr int bk_of() { return KIND == KIND_WGRAD ? 32 : 64; }
-template <int KIND> __host__ __device__ constexpr int stages_of() { return KIND == KIND_WGRAD ? 4 : 3; }
-template <int KIND> __host__ __device__ constexpr int a_bytes_of() { return BM * bk_of<KIND>() * 2; }
-template <int KIND> __host__ __device__ constexpr int b_bytes_of() { return BN * bk_of<KIND>() * 2; }
-/* one MN-major box: 64 MN-elements x bk K-rows */
-template <int KIND> __host__ __device__ constexpr int box_bytes_of() { return 64 * bk_of<KIND>() * 2; }
-template <int KIND> __host__ __device__ constexpr int stage_bytes_of() { return a_bytes_of<KIND>() + b_bytes_of<KIND>(); }
-template <int KIND> __host__ __device__ constexpr int out_bytes_of() { return BM * BN * (KIND == KIND_WGRAD ? 4 : 2); }
-template <int KIND> constexpr int smem_bytes_of()
-{
-    return stages_of<KIND>() * stage_bytes_of<KIND>() + out_bytes_of<KIND>() + 1024 /* alignment slack */ +
-           2 * stages_of<KIND>() * 8 + 2 * 8 /* wgrad: free, staged */ +
-           stages_of<KIND>() * 32 /* a tile header per stage */;
-}
-/* beside the dynamic part: the tile starts and a scan's warp totals (tile_starts) */
-constexpr int STATIC_SMEM = (MAX_EXPERTS + 1 + THREADS / 32) * 4;
-static_assert(smem_bytes_of<KIND_WGRAD>() + STATIC_SMEM <= 227 * 1024, "wgrad shared memory exceeds the SM's 227 KB");
-static_assert(smem_bytes_of<KIND_FWD>() + STATIC_SMEM <= 227 * 1024, "shared memory exceeds the SM's 227 KB");
-
-struct gg_params {
-    /* forward/dgrad: [0] only; wgrad: one pair per row set (micro-step), K walks the sets in order */
-    CUtensorMap map_a[MAX_SETS], map_b[MAX_SETS];
-    CUtensorMap map_out;        /* forward/dgrad: out [R, N] bf16, boxes of 64 columns × BM rows;
-                                 * wgrad: dw [n_exp, M, N] fp32, boxes of 32 columns × BM rows */
-    void *out;          /* bf16 [R, N] (forward, dgrad) or fp32 dw [n_exp, M, N] (wgrad) */
-    int M, N, K;        /* wgrad: M = O, N = I; forward/dgrad: N, K (M is the expert's rows) */
-    int overwrite;      /* wgrad: dw = acc (dw not read; experts with no rows get zero tiles) */
-    int n_exp, e_base;  /* experts [e_base, e_base + n_exp) in this launch (n_exp <= MAX_EXPERTS) */
-    int tiles_m;        /* row tiles an expert: wgrad ceil(M / BM); 0: ceil(its rows / BM) */
-    /* device: each row set's n_exp + 1 absolute row offsets (from expert e_base on); each CTA
-     * turns them into tile starts in shared memory */
-    const int64_t *off[MAX_SETS];
-    int n_sets;         /* 1 (forward, dgrad) .. MAX_SETS */
-};
-
-/* kernel parameters live in the 4 KB constant bank of a launch */
-static_assert(sizeof(gg_params) <= 4096, "gg_params exceeds the kernel parameter space");
 
 /* ---------------------------------------------------------------- PTX wrappers: wgmma.cuh, tma.cuh */
 
@@ -139,115 +87,6 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, u
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
         : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(accumulate) /* scale-d */
         : "memory");
-}
-
-/* ---------------------------------------------------------------- tile schedule */
-
-struct tile_info {
-    int e;     /* expert */
-    int r0[MAX_SETS];   /* the expert's first row in each row set (forward/dgrad: [0] only) */
-    int rows[MAX_SETS]; /* its row counts (forward/dgrad: [0] >= 1; wgrad: all 0 for an
-                         * overwriting wgrad's zero tiles; sets past n_sets 0) */
-    int mi, ni; /* tile coordinates. Forward/dgrad: M fastest within groups of GROUP_M row
-                 * tiles, so CTAs running together share a weight slab (measured on H100: 5-25%
-                 * faster than N fastest, skewed rows included); wgrad: N fastest (measured only
-                 * that way) */
-};
-
-/* Every thread of the CTA (THREADS >= MAX_EXPERTS): tile_start[e] = the tiles of the launch's
- * experts before e, tile_start[n_exp] = all of them. An expert has tiles when it has rows in either
- * set, or always when overwriting. Ends with the block's barrier. */
-__device__ void tile_starts(const gg_params &p, int *tile_start /*[MAX_EXPERTS + 1] smem*/)
-{
-    static_assert(THREADS >= MAX_EXPERTS, "one thread an expert");
-    __shared__ int warp_tot[THREADS / 32];
-    const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
-    int v = 0;
-    if (e < p.n_exp) {
-        const int64_t rows = __ldg(p.off[0] + e + 1) - __ldg(p.off[0] + e);
-        bool any = rows > 0 || p.overwrite;
-#pragma unroll
-        for (int s = 1; s < MAX_SETS; s++)
-            if (s < p.n_sets) any = any || __ldg(p.off[s] + e + 1) > __ldg(p.off[s] + e);
-        if (any) v = (p.tiles_m ? p.tiles_m : (int)((rows + BM - 1) / BM)) * ((p.N + BN - 1) / BN);
-    }
-    int x = v; /* inclusive scan within the warp, then over the warps' totals */
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, x, o);
-        if (lane >= o) x += y;
-    }
-    if (lane == 31) warp_tot[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-        int w = lane < THREADS / 32 ? warp_tot[lane] : 0;
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xffffffffu, w, o);
-            if (lane >= o) w += y;
-        }
-        if (lane < THREADS / 32) warp_tot[lane] = w;
-    }
-    __syncthreads();
-    if (e < p.n_exp) tile_start[e + 1] = x + (warp ? warp_tot[warp - 1] : 0);
-    if (e == 0) tile_start[0] = 0;
-    __syncthreads();
-}
-
-template <int KIND> __device__ __forceinline__ tile_info decode(const gg_params &p, const int *tile_start, int t)
-{
-    /* the largest e with tile_start[e] <= t: an expert with no tiles shares its start with the
-     * next one, so the search always lands on an expert that has tile t */
-    int lo = 0, hi = p.n_exp - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (tile_start[mid] <= t) lo = mid;
-        else hi = mid - 1;
-    }
-    tile_info ti;
-    ti.e = lo;
-#pragma unroll
-    for (int s = 0; s < MAX_SETS; s++) {
-        ti.r0[s] = s < p.n_sets ? (int)__ldg(p.off[s] + lo) : 0;
-        ti.rows[s] = s < p.n_sets ? (int)__ldg(p.off[s] + lo + 1) - ti.r0[s] : 0;
-    }
-    const int local = t - tile_start[lo];
-    if (KIND == KIND_WGRAD) {
-        const int nt = (p.N + BN - 1) / BN;
-        ti.ni = local % nt;
-        ti.mi = local / nt;
-    } else {
-        const int mt = (ti.rows[0] + BM - 1) / BM, nt = (p.N + BN - 1) / BN;
-        const int g0 = local / (GROUP_M * nt) * GROUP_M, gm = min(GROUP_M, mt - g0);
-        const int in = local - g0 * nt;
-        ti.mi = g0 + in % gm;
-        ti.ni = in / gm;
-    }
-    return ti;
-}
-
-/* v[s] without a local-memory array (s < MAX_SETS) */
-__device__ __forceinline__ int pick(const int (&v)[MAX_SETS], int s)
-{
-    return s == 0 ? v[0] : s == 1 ? v[1] : s == 2 ? v[2] : v[3];
-}
-
-/* Wgrad's walk over the row sets' K blocks: before each block, the set it comes from and its
- * index there (sets with no rows for the expert are passed over). */
-struct set_walk {
-    int s = 0, kb = 0;
-    __device__ __forceinline__ void next(const tile_info &ti)
-    {
-        while (kb * bk_of<KIND_WGRAD>() >= pick(ti.rows, s)) s++, kb = 0;
-    }
-};
-
-template <int KIND> __device__ __forceinline__ int k_blocks(const gg_params &p, const tile_info &ti)
-{
-    constexpr int BK = bk_of<KIND>();
-    if (KIND != KIND_WGRAD) return (p.K + BK - 1) / BK;
-    int n = 0;
-#pragma unroll
-    for (int s = 0; s < MAX_SETS; s++) n += (ti.rows[s] + BK - 1) / BK;
-    return n;
 }
 
 /* ---------------------------------------------------------------- the kernel */
