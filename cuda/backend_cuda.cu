@@ -61,6 +61,7 @@ template <typename T> static struct backend make_table(double peak)
     b.rmsnorm_forward = cu_rmsnorm_forward<T>;
     b.rmsnorm_backward = cu_rmsnorm_backward<T>;
     b.matmul_forward = cu_matmul_forward<T>;
+    b.matmul_forward_residual = cu_matmul_forward_residual<T>;
     b.matmul_backward = cu_matmul_backward<T>;
     b.matmul2_forward = cu_matmul2_forward<T>;
     b.matmul2_backward = cu_matmul2_backward<T>;

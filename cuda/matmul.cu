@@ -148,21 +148,42 @@ void cuda_gemm_ex(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int 
                               c, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
+/* D[m,n] = C[m,n] (same layout), for the paths that only work in place */
+static void copy_c_to_d(void *D, const void *C, int m, int n, int ldc, cudaDataType_t c)
+{
+    const size_t es = c == CUDA_R_32F ? 4 : 2;
+    CUDA_CHECK(cudaMemcpy2DAsync(D, (size_t)ldc * es, C, (size_t)ldc * es, (size_t)m * es, (size_t)n,
+                                 cudaMemcpyDeviceToDevice, g_cuda.stream));
+}
+
+/* D = op(A)·op(B) + beta·C, C and D distinct or the same (one layout); the plan is keyed on the
+ * lesser alignment of the two. cuBLASLt reads C in its epilogue, so an out-of-place residual costs
+ * no pass of its own. */
+static void gemm_lt_cd(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *A,
+                       int lda, const void *B, int ldb, cudaDataType_t ab, const void *C, void *D,
+                       int ldc, cudaDataType_t c, float beta)
+{
+    const bool out_of_place = C != D && beta != 0.0f;
+    if (out_of_place && k == 0 && m > 0 && n > 0) copy_c_to_d(D, C, m, n, ldc, c);
+    if (gemm_trivial(m, n, k, D, ldc, c, beta)) return;
+    const uint32_t ac = MT_MIN(align_of(C), align_of(D));
+    struct lt_plan *p = plan_get(ta, tb, m, n, k, lda, ldb, ldc, ab, c, align_of(A), align_of(B), ac);
+    if (!p->have_algo) { /* cublasGemmEx works in place */
+        if (out_of_place) copy_c_to_d(D, C, m, n, ldc, c);
+        cuda_gemm_ex(ta, tb, m, n, k, A, lda, B, ldb, ab, D, ldc, c, beta);
+        return;
+    }
+    const float alpha = 1.0f;
+    CUBLAS_CHECK(cublasLtMatmul(g_cuda.lt, p->desc, &alpha, A, p->la, B, p->lb, &beta, C, p->lc, D,
+                                p->lc, &p->algo, g_cuda.workspace, g_cuda.workspace_bytes,
+                                g_cuda.stream));
+}
+
 void cuda_gemm_lt(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *A,
                   int lda, const void *B, int ldb, cudaDataType_t ab, void *C, int ldc,
                   cudaDataType_t c, float beta)
 {
-    if (gemm_trivial(m, n, k, C, ldc, c, beta)) return;
-    struct lt_plan *p = plan_get(ta, tb, m, n, k, lda, ldb, ldc, ab, c, align_of(A), align_of(B),
-                                 align_of(C));
-    if (!p->have_algo) {
-        cuda_gemm_ex(ta, tb, m, n, k, A, lda, B, ldb, ab, C, ldc, c, beta);
-        return;
-    }
-    const float alpha = 1.0f;
-    CUBLAS_CHECK(cublasLtMatmul(g_cuda.lt, p->desc, &alpha, A, p->la, B, p->lb, &beta, C, p->lc, C,
-                                p->lc, &p->algo, g_cuda.workspace, g_cuda.workspace_bytes,
-                                g_cuda.stream));
+    gemm_lt_cd(ta, tb, m, n, k, A, lda, B, ldb, ab, C, C, ldc, c, beta);
 }
 
 /* The element stride from x0 to x1, false unless it is a whole number of elements within
@@ -242,6 +263,16 @@ void cu_matmul_forward(void *out, const void *in, const void *w, int N, int I, i
 {
     cuda_gemm_lt(CUBLAS_OP_T, CUBLAS_OP_N, O, N, I, w, I, in, I, xtype<T>::cuda, out, O,
                  xtype<T>::cuda, 0.0f);
+}
+
+/* out = resid + in Wᵀ, rounded once: the residual is C of the GEMM's epilogue (beta 1) */
+template <typename T>
+void cu_matmul_forward_residual(void *out, const void *in, const void *w, const void *resid, int N,
+                                int I, int O)
+{
+    MT_CHECK(out != resid, "matmul_forward_residual: out and resid are the same buffer");
+    gemm_lt_cd(CUBLAS_OP_T, CUBLAS_OP_N, O, N, I, w, I, in, I, xtype<T>::cuda, resid, out, O,
+               xtype<T>::cuda, 1.0f);
 }
 
 template <typename T>
@@ -369,6 +400,10 @@ template void cu_router_matmul_backward<bf16>(void *, float *, const float *, co
                                               const void *, int, int, int, bool);
 template void cu_matmul_forward<float>(void *, const void *, const void *, int, int, int);
 template void cu_matmul_forward<bf16>(void *, const void *, const void *, int, int, int);
+template void cu_matmul_forward_residual<float>(void *, const void *, const void *, const void *, int,
+                                                int, int);
+template void cu_matmul_forward_residual<bf16>(void *, const void *, const void *, const void *, int,
+                                               int, int);
 template void cu_matmul_backward<float>(void *, float *, const void *, const void *, const void *,
                                         int, int, int, bool);
 template void cu_matmul_backward<bf16>(void *, float *, const void *, const void *, const void *,

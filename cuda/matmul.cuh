@@ -31,6 +31,9 @@ void cuda_gemm_lt_pair(cublasOperation_t ta, cublasOperation_t tb, int m, int n,
 template <typename T>
 void cu_matmul_forward(void *out, const void *in, const void *w, int N, int I, int O);
 template <typename T>
+void cu_matmul_forward_residual(void *out, const void *in, const void *w, const void *resid, int N,
+                                int I, int O);
+template <typename T>
 void cu_matmul_backward(void *din, float *dw, const void *dout, const void *in, const void *w,
                         int N, int I, int O, bool accumulate);
 /* two projections of one input (ops.h: matmul2_forward / matmul2_backward) */

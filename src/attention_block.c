@@ -21,8 +21,7 @@ void attention_forward(struct model *m, int l)
     be->rmsnorm_rope_forward(a->k, a->rstd_k, a->k_pre, W(m, TR_KNORM, l), m->pos, T, Hkv, D, eps,
                              theta);
     be->attention_forward(a->attn, a->lse, a->q, a->k, a->v, m->B, m->S, Hq, Hkv, D, m->seg);
-    be->matmul_forward(a->h_mid, a->attn, W(m, TR_O, l), T, Hq * D, H);
-    be->add_inplace(a->h_mid, a->h_in, (size_t)T * H);
+    be->matmul_forward_residual(a->h_mid, a->attn, W(m, TR_O, l), a->h_in, T, Hq * D, H);
 }
 
 void attention_backward(struct model *m, int l)

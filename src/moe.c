@@ -249,13 +249,15 @@ void moe_exchange_counts(struct model *m, int64_t *recv_counts, const int64_t *s
     MT_CHECK_MPI(MPI_Alltoall(send_counts, 1, MPI_INT64_T, recv_counts, 1, MPI_INT64_T, m->ep_comm->mpi));
 }
 
-static void dense_mlp_forward(struct model *m, struct layer_acts *a, int l, void *out)
+/* out = resid + the dense MLP of the normed rows */
+static void dense_mlp_forward(struct model *m, struct layer_acts *a, int l, void *out,
+                              const void *resid)
 {
     const struct backend *be = m->be;
     const int T = m->T, H = m->H, Id = m->Id;
     be->matmul_forward(a->gu, a->m, W(m, TR_MLP_GATE_UP, l), T, H, 2 * Id);
     be->swiglu_forward(a->act, a->gu, T, Id);
-    be->matmul_forward(out, a->act, W(m, TR_MLP_DOWN, l), T, Id, H);
+    be->matmul_forward_residual(out, a->act, W(m, TR_MLP_DOWN, l), resid, T, Id, H);
 }
 
 static void dense_mlp_backward(struct model *m, struct layer_acts *a, int l)
@@ -456,8 +458,7 @@ void mlp_forward(struct model *m, int l, void *out)
     if (config_layer_is_moe(&m->cfg, l)) {
         moe_forward(m, a, l, out, a->h_mid); /* the residual joins the combine's pass */
     } else {
-        dense_mlp_forward(m, a, l, out);
-        m->be->add_inplace(out, a->h_mid, (size_t)m->T * m->H);
+        dense_mlp_forward(m, a, l, out, a->h_mid);
     }
 }
 

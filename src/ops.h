@@ -99,6 +99,11 @@ struct backend {
     /* y = x Wᵀ. Backward: din = dy W (NULL to skip), dw += dyᵀ x (NULL to skip). */
     void (*matmul_forward)(void *out /*[N,O]*/, const void *in /*[N,I]*/, const void *w /*[O,I]*/,
                            int N, int I, int O);
+    /* out = resid + in Wᵀ, rounded to the compute dtype once (matmul_forward then add_inplace but
+     * for the rounding in between; an fp32 backend gives exactly those two). out != resid. */
+    void (*matmul_forward_residual)(void *out /*[N,O]*/, const void *in /*[N,I]*/,
+                                    const void *w /*[O,I]*/, const void *resid /*[N,O]*/, int N,
+                                    int I, int O);
     void (*matmul_backward)(void *din /*[N,I]*/, float *dw /*[O,I]*/, const void *dout /*[N,O]*/,
                             const void *in /*[N,I]*/, const void *w /*[O,I]*/, int N, int I, int O,
                             bool accumulate);

@@ -86,6 +86,8 @@ W(rmsnorm_backward, PROF_OTHER, C,
   (di, dw, d, i, w, r, N, C, acc_))
 W(matmul_forward, PROF_DENSE_GEMM, O, (void *o, const void *i, const void *w, int N, int I, int O),
   (o, i, w, N, I, O))
+W(matmul_forward_residual, PROF_DENSE_GEMM, O,
+  (void *o, const void *i, const void *w, const void *r, int N, int I, int O), (o, i, w, r, N, I, O))
 W(matmul_backward, PROF_DENSE_GEMM, O,
   (void *di, float *dw, const void *d, const void *i, const void *w, int N, int I, int O, bool acc_),
   (di, dw, d, i, w, N, I, O, acc_))
@@ -206,7 +208,8 @@ const struct backend *profile_wrap(const struct backend *be)
     SET(zero); SET(copy); SET(upload); SET(download); SET(cast_f32_to_x); SET(cast_x_to_f32);
     SET(add_inplace); SET(scale_f32); SET(add_f32); SET(sumsq_f32); SET(embedding_forward);
     SET(embedding_backward); SET(rmsnorm_forward); SET(rmsnorm_backward); SET(matmul_forward);
-    SET(matmul_backward); SET(matmul2_forward); SET(matmul2_backward); SET(router_matmul_forward);
+    SET(matmul_forward_residual); SET(matmul_backward); SET(matmul2_forward); SET(matmul2_backward);
+    SET(router_matmul_forward);
     SET(router_matmul_backward);
     SET(rope_forward); SET(rope_backward); SET(rmsnorm_rope_forward); SET(rmsnorm_rope_backward);
     SET(attention_forward);

@@ -36,6 +36,13 @@ static void b_matmul_forward(void *out, const void *in, const void *w, int N, in
 {
     cpu_matmul_forward(out, in, w, N, I, O);
 }
+static void b_matmul_forward_residual(void *out, const void *in, const void *w, const void *resid,
+                                      int N, int I, int O)
+{
+    MT_CHECK(out != resid, "matmul_forward_residual: out and resid are the same buffer");
+    cpu_matmul_forward(out, in, w, N, I, O);
+    cpu_add_inplace(out, resid, (size_t)N * O);
+}
 static void b_matmul_backward(void *din, float *dw, const void *dout, const void *in,
                               const void *w, int N, int I, int O, bool accumulate)
 {
@@ -228,6 +235,7 @@ static const struct backend cpu_backend = {
     .rmsnorm_forward = b_rmsnorm_forward,
     .rmsnorm_backward = b_rmsnorm_backward,
     .matmul_forward = b_matmul_forward,
+    .matmul_forward_residual = b_matmul_forward_residual,
     .matmul_backward = b_matmul_backward,
     .matmul2_forward = b_matmul2_forward,
     .matmul2_backward = b_matmul2_backward,

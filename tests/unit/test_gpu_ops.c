@@ -331,6 +331,23 @@ static void matmul_case(const struct mode *M, mt_rng *rng, int N, int I, int O, 
     snprintf(what, sizeof what, "matmul forward %dx%dx%d%s", N, I, O, w_off ? " (unaligned w)" : "");
     check_close(M, what, out, ref, no, M->tol);
 
+    /* out = resid + in Wᵀ, the residual read in the GEMM's epilogue; the residual shifted like w
+     * (its alignment keys the plan with the output's) and left as it was */
+    float *resfull = hrand(rng, no + w_off, 1.0);
+    void *d_resfull = dx_from(M, resfull, no + w_off);
+    const void *d_res = (const char *)d_resfull + (size_t)w_off * M->g->x_size;
+    float *res_before = hx_of(M, d_resfull, no + w_off);
+    void *d_out_r = dx_poisoned(M, no);
+    M->g->matmul_forward_residual(d_out_r, d_in, d_w, d_res, N, I, O);
+    float *out_r = hx_of(M, d_out_r, no), *ref_r = fnew(no), *res_after = hx_of(M, d_resfull, no + w_off);
+    M->c->matmul_forward_residual(ref_r, in, w, resfull + w_off, N, I, O);
+    snprintf(what, sizeof what, "matmul forward + residual %dx%dx%d%s", N, I, O, w_off ? " (unaligned)" : "");
+    check_close(M, what, out_r, ref_r, no, M->tol);
+    check_exact(M, "matmul forward + residual leaves the residual", res_after, res_before,
+                (no + w_off) * sizeof(float));
+    M->g->free(d_resfull), M->g->free(d_out_r);
+    free(resfull), free(res_before), free(out_r), free(ref_r), free(res_after);
+
     for (int acc = 0; acc < 2; acc++) {
         float *din0 = hrand(rng, ni, 1.0), *dw0 = hrand(rng, oi, 1.0);
         void *d_din = acc ? dx_from(M, din0, ni) : dx_poisoned(M, ni);
