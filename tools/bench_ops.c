@@ -2,7 +2,8 @@
  * (backend_cuda) at the shapes of one Qwen3-30B-A3B micro-step: T = 8192 tokens, H = 2048, top-8 of
  * 128 experts (R = 65536 expert rows), expert width I = 768, 32 query / 4 key-value heads of 128.
  *
- *   bench_ops [reps [fp32]]   (default 20 timed samples, bf16)
+ *   bench_ops [reps [fp32|bf16 [name part]]]   (default 20 timed samples, bf16, every op;
+ *                                               a name part times only the ops it names)
  *
  * Each sample times a batch of BATCH back-to-back calls between two syncs of the backend's stream
  * (host wall clock), so launch gaps are hidden as in a training step; the table gives the median
@@ -122,7 +123,7 @@ enum {
     OP_RMS_ROPE_FWD_K, OP_RMS_ROPE_BWD_K, OP_ADD, OP_CAST, OP_ADAMW_SEG, OP_ADAMW_MULTI,
     OP_ADAMW16_SEG, OP_ADAMW16_MULTI, OP_ROUTER_MM_FWD, OP_ROUTER_MM_BWD, OP_ROUTER_MM_BWD_DIN,
     OP_ROUTER_MM_BWD_DW, OP_COMBINE_THEN_ADD, OP_COMBINE_RESID, OP_RMS_BWD_H_ACC,
-    OP_CE_FWD, OP_CE_BWD, OP_CE_TWO, OP_SUMSQ,
+    OP_CE_FWD, OP_CE_BWD, OP_CE_TWO, OP_CE_FUSED, OP_SUMSQ,
     OP_COUNT
 };
 
@@ -144,7 +145,8 @@ static const char *op_name[OP_COUNT] = {
     "moe_combine_forward, then add_inplace", "moe_combine_forward with the residual",
     "rmsnorm_backward C=2048 N=8192 +dw, din +=",
     "cross_entropy_forward T=8192 V=151936", "cross_entropy_backward (in place)",
-    "cross_entropy forward, then backward", "sumsq_f32 n=16.7M (with its sync)",
+    "cross_entropy forward, then backward", "cross_entropy_fused (one pass)",
+    "sumsq_f32 n=16.7M (with its sync)",
 };
 
 /* AdamW over one Qwen3-30B-A3B layer's tensors, one segment each (623M parameters): input norm,
@@ -212,6 +214,7 @@ static double op_bytes(int op)
     case OP_CE_FWD: return (double)T * V * x + 2 * T * 4.0;
     case OP_CE_BWD: return 2.0 * T * V * x + 2 * T * 4.0;
     case OP_CE_TWO: return 3.0 * T * V * x + 3 * T * 4.0;
+    case OP_CE_FUSED: return 2.0 * T * V * x + 3 * T * 4.0;
     case OP_SUMSQ: return th * 4.0;
     default: return th * x + th * 4.0;
     }
@@ -299,6 +302,7 @@ static void run_op(int op)
         break;
     case OP_CE_FWD: be->cross_entropy_forward(ce_loss, ce_lse, ce_z, ce_tgt, T, V); break;
     case OP_CE_BWD: be->cross_entropy_backward(ce_z, ce_z, ce_lse, ce_tgt, T, V, 1.0f / T); break;
+    case OP_CE_FUSED: be->cross_entropy_fused(ce_loss, ce_lse, ce_z, ce_tgt, T, V, 1.0f / T); break;
     case OP_CE_TWO:
         be->cross_entropy_forward(ce_loss, ce_lse, ce_z, ce_tgt, T, V);
         be->cross_entropy_backward(ce_z, ce_z, ce_lse, ce_tgt, T, V, 1.0f / T);
@@ -318,8 +322,9 @@ int main(int argc, char **argv)
 {
     const int reps = argc > 1 ? atoi(argv[1]) : 20;
     const bool fp32 = argc > 2 && !strcmp(argv[2], "fp32");
+    const char *only = argc > 3 ? argv[3] : NULL;
     if (reps < 1) {
-        fprintf(stderr, "usage: bench_ops [reps [fp32]]\n");
+        fprintf(stderr, "usage: bench_ops [reps [fp32|bf16 [name part]]]\n");
         return 2;
     }
     be = backend_cuda(fp32, 0);
@@ -366,6 +371,7 @@ int main(int argc, char **argv)
            reps, BATCH);
     printf("%-42s %10s %10s %10s\n", "op", "us/call", "MB", "GB/s");
     for (int op = 0; op < OP_COUNT; op++) {
+        if (only && !strstr(op_name[op], only)) continue;
         const double us = time_op(op, reps), bytes = op_bytes(op);
         printf("%-42s %10.1f %10.1f %10.0f\n", op_name[op], us, bytes / 1e6, bytes / (us * 1e3));
         fflush(stdout);
