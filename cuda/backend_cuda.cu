@@ -92,6 +92,7 @@ template <typename T> static struct backend make_table(double peak)
     b.swiglu_backward = cu_swiglu_backward<T>;
     b.cross_entropy_forward = cu_cross_entropy_forward<T>;
     b.cross_entropy_backward = cu_cross_entropy_backward<T>;
+    b.cross_entropy_fused = cu_cross_entropy_fused<T>;
     b.adamw_update = cu_adamw_update<T>;
     b.adamw_update_m16 = cu_adamw_update_m16<T>;
     b.adamw_update_multi = cu_adamw_update_multi<T>;

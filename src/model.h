@@ -180,6 +180,11 @@ struct model {
     void *logits;               /* [T, V] (reused for dlogits in backward) */
     float *losses;              /* [T] */
     float *lse_f;               /* [T] log-sum-exp of each row of the logits (loss backward) */
+    /* > 0: the next head forwards compute the loss gradient with this scale too (the training
+     * loop knows it before the forward: 1 / the step's labelled tokens), in one pass over the
+     * logits (ops.h cross_entropy_fused) */
+    float ce_fused_scale;
+    float dlogits_scale;        /* > 0: the logits buffer holds the gradient at this scale */
     /* scratch for backward */
     void *d_h;                  /* [T, H] gradient of the residual stream; a non-last stage receives
                                  * dL/d(stage output) here and the backward leaves dL/d(stage input) */

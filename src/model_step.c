@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "env_flag.h"
 #include "layer.h"
 
 static int weight_index(const struct model *m, enum tensor_role role, int layer)
@@ -99,7 +100,13 @@ void model_stage_forward(struct model *m, int slot, const int32_t *ids_host, con
                             (float)m->cfg.rms_norm_eps);
         be->matmul_forward(m->logits, m->hf, model_weight(m, head_index(m)), T, H, V);
         head_hook(m, HOOK_AFTER_FWD);
-        be->cross_entropy_forward(m->losses, m->lse_f, m->logits, m->targets, T, V);
+        if (m->ce_fused_scale > 0) {
+            be->cross_entropy_fused(m->losses, m->lse_f, m->logits, m->targets, T, V, m->ce_fused_scale);
+            m->dlogits_scale = m->ce_fused_scale;
+        } else {
+            be->cross_entropy_forward(m->losses, m->lse_f, m->logits, m->targets, T, V);
+            m->dlogits_scale = 0.0f;
+        }
     }
     if (m->defer_losses || m->defer_stats) {
         if (m->st.last && m->defer_losses) be->copy(m->defer_losses, m->losses, (size_t)T * sizeof(float));
@@ -118,6 +125,13 @@ void model_stage_forward(struct model *m, int slot, const int32_t *ids_host, con
         be->download(m->stats_h, m->stats, (size_t)m->L * 2 * m->E * sizeof(float));
 }
 
+void model_arm_loss_gradient(struct model *m, float ce_scale)
+{
+    m->ce_fused_scale = mt_env_flag("MT_UNFUSED_LOSS") ? 0.0f : ce_scale;
+}
+
+void model_disarm_loss_gradient(struct model *m) { m->ce_fused_scale = 0.0f; }
+
 void model_stage_backward(struct model *m, int slot, float ce_scale, const float *aux_dp_host)
 {
     const struct backend *be = m->be;
@@ -128,7 +142,12 @@ void model_stage_backward(struct model *m, int slot, float ce_scale, const float
     m->aux_dp_ready = false;
     if (m->st.last) {
         /* dlogits overwrite the logits: they are not needed after this point */
-        be->cross_entropy_backward(m->logits, m->logits, m->lse_f, m->targets, T, V, ce_scale);
+        if (m->dlogits_scale > 0)
+            MT_CHECK(m->dlogits_scale == ce_scale, "loss gradient computed with scale %g, backward asks %g",
+                     (double)m->dlogits_scale, (double)ce_scale);
+        else
+            be->cross_entropy_backward(m->logits, m->logits, m->lse_f, m->targets, T, V, ce_scale);
+        m->dlogits_scale = 0.0f;
         int head = head_index(m), fn = weight_index(m, TR_FINAL_NORM, -1);
         head_hook(m, HOOK_BEFORE_BWD);
         be->matmul_backward(m->d_t1, model_grad(m, head), m->logits, m->hf, model_weight(m, head), T, H,

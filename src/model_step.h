@@ -24,6 +24,11 @@ void model_stage_forward(struct model *m, int slot, const int32_t *ids_host, con
  * for micro-batch `slot`. A non-last stage reads dL/d(output) from m->d_h; a non-first stage leaves
  * dL/d(input) in m->d_h. Gradients accumulate. */
 void model_stage_backward(struct model *m, int slot, float ce_scale, const float *aux_dp_host);
+/* Training: the next head forwards compute the loss gradient with ce_scale (the backward's) in the
+ * same pass over the logits (ops.h cross_entropy_fused), unless MT_UNFUSED_LOSS=1 (a benchmarking
+ * switch: the forward and backward kernels apart). Disarmed, a forward leaves the logits. */
+void model_arm_loss_gradient(struct model *m, float ce_scale);
+void model_disarm_loss_gradient(struct model *m);
 /* The whole model (a single stage, slot 0). */
 void model_forward(struct model *m, const int32_t *ids_host, const int32_t *labels_host,
                    struct model_step_out *out);

@@ -284,6 +284,13 @@ struct backend {
                                    const float *lse /*[N]*/, const int32_t *targets /*[N]*/, int N,
                                    int V, float scale);
 
+    /* cross_entropy_forward, then cross_entropy_backward with the logits' memory as dlogits: the
+     * losses, lse and the gradient of a training step at once (CUDA on Hopper: one read and one
+     * write of the logits; otherwise the two ops). */
+    void (*cross_entropy_fused)(float *losses /*[N]*/, float *lse /*[N]*/,
+                                void *logits /*[N,V] in: logits, out: dlogits*/,
+                                const int32_t *targets /*[N]*/, int N, int V, float scale);
+
     /* AdamW with bias correction (step t >= 1) and decoupled weight decay; grad is multiplied by
      * grad_scale first (clipping). Updates master, m, v; writes the compute copy param (may be the
      * same memory as master on the CPU; NULL = no compute copy to write). */

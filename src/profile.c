@@ -178,6 +178,8 @@ W(cross_entropy_forward, PROF_OTHER, V,
 W(cross_entropy_backward, PROF_OTHER, V,
   (void *d, const void *z, const float *lse, const int32_t *t, int N, int V, float s),
   (d, z, lse, t, N, V, s))
+W(cross_entropy_fused, PROF_OTHER, V,
+  (float *l, float *lse, void *z, const int32_t *t, int N, int V, float s), (l, lse, z, t, N, V, s))
 W(adamw_update_m16, PROF_OPTIM, 0,
   (float *ms, void *p, const float *g, void *m, void *v, size_t n, float lr, float b1, float b2,
    float eps, float wd, int t, float gs),
@@ -218,7 +220,7 @@ const struct backend *profile_wrap(const struct backend *be)
     SET(moe_route_plan); SET(moe_pair_plan); SET(gather_f32); SET(gather_rows); SET(gather_rows_backward); SET(moe_combine_forward);
     SET(moe_combine_backward); SET(expert_matmul_forward); SET(expert_matmul_backward); SET(expert_matmul_wgrad_sets);
     SET(swiglu_forward); SET(swiglu_backward); SET(cross_entropy_forward);
-    SET(cross_entropy_backward); SET(adamw_update); SET(adamw_update_m16);
+    SET(cross_entropy_backward); SET(cross_entropy_fused); SET(adamw_update); SET(adamw_update_m16);
     SET(adamw_update_multi);
 #undef SET
     comm_set_timer(comm_begin, comm_end);

@@ -447,7 +447,9 @@ int cmd_train(const struct cli *a)
             route_replay_load(&m, 0, data_first_seq(step - 1, micro, n_micro, mesh.me.local, dp, mb));
             struct model_step_out o;
             if (deferred) step_stats_arm(&ss, &m, micro);
+            model_arm_loss_gradient(&m, (float)(1.0 / n_valid_global));
             step_batch_forward(&sb, micro, &m, &o);
+            model_disarm_loss_gradient(&m);
             valid_local += o.n_valid;
             const float *aux_host = use_aux ? aux_dp : NULL;
             if (deferred) {

@@ -102,7 +102,9 @@ static void stage_forward(void *ctx, int slot, int micro)
     route_replay_load(m, slot, data_first_seq(t->step - 1, micro, b->n_micro, b->dp_rank, b->dp_size, b->mb));
     model_set_documents(m, slot, b->documents ? b->pos + at : NULL, b->documents ? b->seg + at : NULL);
     struct model_step_out o;
+    model_arm_loss_gradient(m, (float)(1.0 / t->n_valid_global));
     model_stage_forward(m, slot, b->ids + at, b->labels + at, &o);
+    model_disarm_loss_gradient(m);
     t->ce_local += o.ce_sum;
     t->valid_local += o.n_valid;
     if (E == 0) return;

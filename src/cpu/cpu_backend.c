@@ -197,6 +197,12 @@ static void b_cross_entropy_backward(void *dlogits, const void *logits, const fl
 {
     cpu_cross_entropy_backward(dlogits, logits, lse, targets, N, V, scale);
 }
+static void b_cross_entropy_fused(float *losses, float *lse, void *logits, const int32_t *targets,
+                                  int N, int V, float scale)
+{
+    cpu_cross_entropy_forward(losses, lse, logits, targets, N, V);
+    cpu_cross_entropy_backward(logits, logits, lse, targets, N, V, scale);
+}
 
 static void b_adamw_update_m16(float *master, void *param, const float *grad, void *m, void *v,
                                size_t n, float lr, float beta1, float beta2, float eps,
@@ -266,6 +272,7 @@ static const struct backend cpu_backend = {
     .swiglu_backward = b_swiglu_backward,
     .cross_entropy_forward = b_cross_entropy_forward,
     .cross_entropy_backward = b_cross_entropy_backward,
+    .cross_entropy_fused = b_cross_entropy_fused,
     .adamw_update = b_adamw_update,
     .adamw_update_m16 = b_adamw_update_m16,
     .adamw_update_multi = cpu_adamw_update_multi,

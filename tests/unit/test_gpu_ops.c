@@ -685,6 +685,63 @@ Test(gpu, cross_entropy)
     }
 }
 
+/* The forward and backward in one op: V = 151,936 (Qwen3's vocabulary) cuts each row over a cluster
+ * of 4 CTAs in bf16 (8 in fp32), V = 5000 is one CTA a row, V = 4099 takes the two kernels. Against
+ * the CPU's forward then backward, and one row with a target outside [0, V): NaN loss and
+ * gradients (the CPU aborts on it, so its reference treats the row as ignored). */
+Test(gpu, cross_entropy_fused)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 118);
+    const int Vs[] = {151936, 5000, 4099}, Ns[] = {37, 96, 96};
+    for (int vi = 0; vi < 3; vi++) {
+        const int V = Vs[vi], N = Ns[vi], bad = N / 2;
+        const size_t nv = (size_t)N * V;
+        int32_t *tgt = mt_malloc((size_t)N * sizeof *tgt), *tgt_ref = mt_malloc((size_t)N * sizeof *tgt_ref);
+        int valid = 0;
+        for (int n = 0; n < N; n++) {
+            tgt[n] = irand(&rng, 6) == 0 ? MT_IGNORE_INDEX : irand(&rng, V);
+            if (n == 1) tgt[n] = V - 1; /* the last slice's last element */
+            valid += tgt[n] != MT_IGNORE_INDEX;
+            tgt_ref[n] = tgt[n];
+        }
+        tgt[bad] = V + 3, tgt_ref[bad] = MT_IGNORE_INDEX;
+        const float scale = 1.0f / (float)valid;
+        for (int i = 0; i < 2; i++) {
+            struct mode M;
+            mode_get(i, &M);
+            float *z = hrand(&rng, nv, 3.0);
+            void *d_z = dx_from(&M, z, nv);
+            int32_t *d_tgt = di_from(&M, tgt, N);
+            float *d_loss = df_poisoned(&M, N), *d_lse = df_poisoned(&M, N);
+            M.g->cross_entropy_fused(d_loss, d_lse, d_z, d_tgt, N, V, scale);
+            float *loss = hf_of(&M, d_loss, N), *lse = hf_of(&M, d_lse, N), *dz = hx_of(&M, d_z, nv);
+
+            /* the invalid row: NaN, then set aside */
+            bool nan_row = isnan(loss[bad]);
+            for (int v = 0; v < V; v++) nan_row = nan_row && isnan(dz[(size_t)bad * V + v]);
+            cr_expect(nan_row, "[%s] cross_entropy fused V=%d: a target outside [0, V) gives NaN", M.name, V);
+            char what[96];
+            loss[bad] = 0.0f, lse[bad] = 0.0f;
+            for (int v = 0; v < V; v++) dz[(size_t)bad * V + v] = 0.0f;
+
+            float *loss_ref = fnew(N), *lse_ref = fnew(N), *dz_ref = hdup(z, nv);
+            M.c->cross_entropy_forward(loss_ref, lse_ref, z, tgt_ref, N, V);
+            M.c->cross_entropy_backward(dz_ref, dz_ref, lse_ref, tgt_ref, N, V, scale);
+            snprintf(what, sizeof what, "cross_entropy fused V=%d loss", V);
+            check_close(&M, what, loss, loss_ref, N, TOL_F32);
+            snprintf(what, sizeof what, "cross_entropy fused V=%d lse", V);
+            check_close(&M, what, lse, lse_ref, N, TOL_F32);
+            snprintf(what, sizeof what, "cross_entropy fused V=%d dlogits", V);
+            check_close(&M, what, dz, dz_ref, nv, M.tol);
+
+            M.g->free(d_z), M.g->free(d_tgt), M.g->free(d_loss), M.g->free(d_lse);
+            free(z), free(loss), free(lse), free(dz), free(loss_ref), free(lse_ref), free(dz_ref);
+        }
+        free(tgt), free(tgt_ref);
+    }
+}
+
 /* ---------------------------------------------------------------- adamw */
 
 Test(gpu, adamw)
