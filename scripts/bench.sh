@@ -148,7 +148,7 @@ for name, r, key in (("moetrain 1 GPU", one, "tok_s_per_gpu"), ("moetrain 2 GPU 
         continue
     mfu = r.get("mfu", r.get("model_tflops", 0) * 1e12 / 989e12 if "model_tflops" in r else -1)
     mem = r.get("peak_gib", r.get("peak_mem_gib", 0))
-    ratio = f"{t / b:.2f}x" if b else "-"
+    ratio = f"{t / b:.3f}x" if b else "-"
     print(f"{name:<34}{t:>12.0f}{100 * mfu:>7.1f}%{mem:>10.1f}{ratio:>13}")
 PY
 echo "moetrain 1 GPU time split (profiled step): ${split:-unavailable}" | tee -a "$OUT/summary.txt"
@@ -167,7 +167,7 @@ if t is None:
     print(f"headline: unavailable, the 1-GPU run {one.get('error', 'did not run')} ({gpu}, {day})")
 else:
     mfu = f"{100 * one['mfu']:.1f}%" if one.get("mfu", -1) >= 0 else "n/a"
-    ratio, note = (f"{t / b:.2f}x", "") if b else ("n/a x", ", baseline not run")
+    ratio, note = (f"{t / b:.3f}x", "") if b else ("n/a x", ", baseline not run")
     print(f"headline: {t:.0f} tok/s, {mfu} MFU, {ratio} compiled PyTorch ({gpu}, {day}{note})")
 PY
 case "${res[moetrain_1gpu]}" in *error*) exit 1 ;; esac
