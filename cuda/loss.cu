@@ -27,6 +27,24 @@ __device__ __forceinline__ void lse_merge(float &m, float &s, float m2, float s2
     m = mn;
 }
 
+/* eight more values into a running (max, Σ exp(z − max)) pair */
+__device__ __forceinline__ void lse_fold8(float &m, float &s, const float (&f)[8])
+{
+    float vm = f[0];
+#pragma unroll
+    for (int j = 1; j < 8; j++) vm = fmaxf(vm, f[j]);
+    if (vm > m) { s *= __expf(m - vm); m = vm; }
+#pragma unroll
+    for (int j = 0; j < 8; j++) s += __expf(f[j] - m);
+}
+
+/* the gradient of eight logits from element e0 on: sc·(exp(z − l) − onehot) */
+__device__ __forceinline__ void ce_grad8(float (&f)[8], float sc, float l, int e0, int tgt)
+{
+#pragma unroll
+    for (int j = 0; j < 8; j++) f[j] = sc * (__expf(f[j] - l) - (e0 + j == tgt ? 1.0f : 0.0f));
+}
+
 template <typename T>
 __global__ void __launch_bounds__(CE_BLOCK)
 ce_fwd_kernel(float *losses, float *lse, const T *logits, const int32_t *targets, int V, bool vec)
@@ -43,12 +61,7 @@ ce_fwd_kernel(float *losses, float *lse, const T *logits, const int32_t *targets
         for (int i = threadIdx.x; i < V / 8; i += CE_BLOCK) {
             float f[8];
             load8f(z + 8 * i, f);
-            float vm = f[0];
-#pragma unroll
-            for (int j = 1; j < 8; j++) vm = fmaxf(vm, f[j]);
-            if (vm > m) { s *= __expf(m - vm); m = vm; }
-#pragma unroll
-            for (int j = 0; j < 8; j++) s += __expf(f[j] - m);
+            lse_fold8(m, s, f);
         }
     } else {
         for (int i = threadIdx.x; i < V; i += CE_BLOCK) {
@@ -89,9 +102,7 @@ ce_bwd_kernel(T *dlogits, const T *logits, const float *lse, const int32_t *targ
         for (int i = threadIdx.x; i < V / 8; i += CE_BLOCK) {
             float f[8];
             load8f(z + 8 * i, f);
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-                f[j] = sc * (__expf(f[j] - l) - (8 * i + j == tgt ? 1.0f : 0.0f));
+            ce_grad8(f, sc, l, 8 * i, tgt);
             store8f(dz + 8 * i, f);
         }
     } else {
@@ -203,12 +214,7 @@ ce_fused_kernel(float *losses, float *lse, T *logits, const int32_t *targets, in
         for (int i = threadIdx.x; i < end; i += blockDim.x) {
             float f[8];
             load8f(zs + c * CE + 8 * i, f);
-            float vm = f[0];
-#pragma unroll
-            for (int j = 1; j < 8; j++) vm = fmaxf(vm, f[j]);
-            if (vm > m) { s *= __expf(m - vm); m = vm; }
-#pragma unroll
-            for (int j = 0; j < 8; j++) s += __expf(f[j] - m);
+            lse_fold8(m, s, f);
         }
     }
     const float z_tgt = mine && threadIdx.x == 0 ? to_f(zs[tgt - base]) : 0.0f; /* before any write */
@@ -250,8 +256,7 @@ ce_fused_kernel(float *losses, float *lse, T *logits, const int32_t *targets, in
         for (int i = threadIdx.x; i < len / 8; i += blockDim.x) {
             float f[8];
             load8f(zs + c * CE + 8 * i, f);
-#pragma unroll
-            for (int j = 0; j < 8; j++) f[j] = sc * (__expf(f[j] - li) - (e0 + 8 * i + j == tgt ? 1.0f : 0.0f));
+            ce_grad8(f, sc, li, e0 + 8 * i, tgt);
             store8f(zs + c * CE + 8 * i, f);
         }
         fence_proxy_async(); /* the gradient, written by threads, for the bulk copy's reads */

@@ -635,6 +635,17 @@ Test(gpu, elementwise_unaligned)
 
 /* ---------------------------------------------------------------- cross-entropy */
 
+/* random targets in [0, V), one in six ignored; returns how many are labelled */
+static int ce_targets(mt_rng *rng, int32_t *tgt, int N, int V)
+{
+    int valid = 0;
+    for (int n = 0; n < N; n++) {
+        tgt[n] = irand(rng, 6) == 0 ? MT_IGNORE_INDEX : irand(rng, V);
+        valid += tgt[n] != MT_IGNORE_INDEX;
+    }
+    return valid;
+}
+
 /* V = 5000 takes the 16-byte vector path in both dtypes, V = 4099 the scalar one */
 Test(gpu, cross_entropy)
 {
@@ -646,12 +657,7 @@ Test(gpu, cross_entropy)
         const int V = Vs[vi];
         const size_t nv = (size_t)N * V;
         int32_t tgt[N];
-        int valid = 0;
-        for (int n = 0; n < N; n++) {
-            tgt[n] = irand(&rng, 6) == 0 ? MT_IGNORE_INDEX : irand(&rng, V);
-            valid += tgt[n] != MT_IGNORE_INDEX;
-        }
-        const float scale = 1.0f / (float)valid;
+        const float scale = 1.0f / (float)ce_targets(&rng, tgt, N, V);
         for (int i = 0; i < 2; i++) {
             struct mode M;
             mode_get(i, &M);
@@ -698,15 +704,10 @@ Test(gpu, cross_entropy_fused)
         const int V = Vs[vi], N = Ns[vi], bad = N / 2;
         const size_t nv = (size_t)N * V;
         int32_t *tgt = mt_malloc((size_t)N * sizeof *tgt), *tgt_ref = mt_malloc((size_t)N * sizeof *tgt_ref);
-        int valid = 0;
-        for (int n = 0; n < N; n++) {
-            tgt[n] = irand(&rng, 6) == 0 ? MT_IGNORE_INDEX : irand(&rng, V);
-            if (n == 1) tgt[n] = V - 1; /* the last slice's last element */
-            valid += tgt[n] != MT_IGNORE_INDEX;
-            tgt_ref[n] = tgt[n];
-        }
+        const float scale = 1.0f / (float)ce_targets(&rng, tgt, N, V);
+        tgt[1] = V - 1; /* the last slice's last element */
+        memcpy(tgt_ref, tgt, (size_t)N * sizeof *tgt);
         tgt[bad] = V + 3, tgt_ref[bad] = MT_IGNORE_INDEX;
-        const float scale = 1.0f / (float)valid;
         for (int i = 0; i < 2; i++) {
             struct mode M;
             mode_get(i, &M);
