@@ -5,9 +5,9 @@
 #include "common.h"
 #include "env_flag.h"
 
-bool step_stats_applies(int pp, int stage_group_size)
+bool step_stats_applies(int pp)
 {
-    return pp == 1 && stage_group_size == 1 && !mt_env_flag("MT_STEP_SYNC");
+    return pp == 1 && !mt_env_flag("MT_STEP_SYNC");
 }
 
 void step_stats_init(struct step_stats *s, const struct model *m, int n_micro)
@@ -40,6 +40,11 @@ void step_stats_arm(struct step_stats *s, struct model *m, int micro)
 void step_stats_disarm(struct model *m)
 {
     m->defer_losses = m->defer_stats = NULL;
+}
+
+float *step_stats_router_device(struct step_stats *s, int micro)
+{
+    return s->stats ? s->stats + (size_t)micro * s->L * 2 * s->E : NULL;
 }
 
 void step_stats_fetch(struct step_stats *s, int n_micro)

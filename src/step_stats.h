@@ -1,12 +1,15 @@
 /* A training step's losses and router statistics without a host wait per micro-step.
  *
- * Where one rank holds a whole stage (no data-parallel or EP peers to sum the router statistics
- * with, no pipeline), train.c arms this before each micro-step's forward: the forward copies its
+ * Without a pipeline, train.c arms this before each micro-step's forward: the forward copies its
  * per-token losses and router statistics to device buffers of the step (model.defer_losses /
- * defer_stats), the aux loss's gradient is computed on the device (ops.h aux_grad_from_stats), and
- * the host fetches everything once, after the step's last backward, for the metrics. The sums are
- * made on the host in the same order as the per-micro-step path, so the step's loss, aux loss and
- * expert loads are the same bits either way. MT_STEP_SYNC=1 keeps the per-micro-step path. */
+ * defer_stats); train.c sums the statistics over the stage's ranks (data-parallel and EP peers)
+ * with the backend's collective, queued on the device, and the aux loss's gradient is computed
+ * there (ops.h aux_grad_from_stats); the host fetches everything once, after the step's last
+ * backward, for the metrics. The host sums in the same order as the per-micro-step path, so on the
+ * CPU backend (MPI either way) the step's loss, aux loss and expert loads are the same bits; on
+ * GPUs the statistics' sum over ranks is NCCL's instead of MPI's (the routing-probability sums may
+ * differ in the last bits; the expert counts are exact). MT_STEP_SYNC=1 keeps the per-micro-step
+ * path, which a pipeline always takes (its stages sum their layers' statistics as they go). */
 #ifndef MT_STEP_STATS_H
 #define MT_STEP_STATS_H
 
@@ -23,9 +26,8 @@ struct step_stats {
     float *stats_h;
 };
 
-/* Whether the deferred path applies to a run: one stage (pp 1) whose group is this rank alone, and
- * MT_STEP_SYNC not set. */
-bool step_stats_applies(int pp, int stage_group_size);
+/* Whether the deferred path applies to a run: one stage (pp 1) and MT_STEP_SYNC not set. */
+bool step_stats_applies(int pp);
 void step_stats_init(struct step_stats *s, const struct model *m, int n_micro);
 void step_stats_free(struct step_stats *s);
 /* Points m's forward at micro-step `micro`'s slots (arm) or back at the host path (disarm). */
@@ -36,5 +38,8 @@ void step_stats_fetch(struct step_stats *s, int n_micro);
 /* Micro-step `micro`'s loss sum over its tokens (fp64, token order) and its statistics [L, 2, E]. */
 double step_stats_ce_sum(const struct step_stats *s, int micro);
 const float *step_stats_router(const struct step_stats *s, int micro);
+/* Micro-step `micro`'s statistics on the device [L, 2, E] (NULL without experts), for the sum over
+ * the stage and the aux gradient before its backward. */
+float *step_stats_router_device(struct step_stats *s, int micro);
 
 #endif

@@ -419,8 +419,8 @@ int cmd_train(const struct cli *a)
     if (piped) pt.aux_fixed = aux_global ? aux_dp : NULL;
     struct step_guard guard;
     step_guard_init(&guard, tc);
-    /* one rank a stage, no pipeline: no host wait per micro-step (src/step_stats.h) */
-    const bool deferred = step_stats_applies(mesh.d.pp, stage_h->size);
+    /* no pipeline: no host wait per micro-step for the statistics (src/step_stats.h) */
+    const bool deferred = step_stats_applies(mesh.d.pp);
     struct step_stats ss = {0};
     if (deferred) step_stats_init(&ss, &m, n_micro);
 
@@ -453,10 +453,13 @@ int cmd_train(const struct cli *a)
             valid_local += o.n_valid;
             const float *aux_host = use_aux ? aux_dp : NULL;
             if (deferred) {
-                /* the aux gradient from this micro-step's statistics, on the device */
+                /* the stage's sums of this micro-step's statistics and the aux gradient from them,
+                 * on the device (the backend's comm: queued, no host wait) */
                 step_stats_disarm(&m);
+                float *st = step_stats_router_device(&ss, micro);
+                if (st && stage->size > 1) comm_all_reduce_sum(stage, st, nstat, COMM_F32);
                 if (use_aux && !aux_global) {
-                    be->aux_grad_from_stats(m.aux_dp, m.stats, L, E, coef / n_micro,
+                    be->aux_grad_from_stats(m.aux_dp, st, L, E, coef / n_micro,
                                             (double)m.n_moe_layers * (double)tokens_micro_global);
                     m.aux_dp_ready = true;
                     aux_host = NULL;

@@ -133,26 +133,41 @@ Test(train, aux_grad_from_stats_is_the_host_formula)
     for (int e = 0; e < E; e++) cr_expect(got[e] == want[e], "expert %d: %.9g vs %.9g", e, (double)got[e], (double)want[e]);
 }
 
-/* src/step_stats.h: one rank fetching the step's losses and router statistics once at the step's
- * end (and the aux gradient made by the backend) trains bit for bit as the per-micro-step host
- * path (MT_STEP_SYNC=1): loss, aux loss, gradient norm and expert loads of every step. */
-Test(train, step_statistics_at_the_step_end_change_nothing, .timeout = 300)
+/* src/step_stats.h: fetching the step's losses and router statistics once at the step's end (the
+ * statistics summed over the stage's ranks by the backend's collective, the aux gradient made by
+ * the backend) trains bit for bit as the per-micro-step host path (MT_STEP_SYNC=1): loss, aux loss,
+ * gradient norm and expert loads of every step, on one rank, two data-parallel ranks and EP = 2. */
+Test(train, step_statistics_at_the_step_end_change_nothing, .timeout = 600)
 {
-    char cmd[1024], *out = NULL;
-    snprintf(cmd, sizeof cmd, "for v in 0 1; do MT_STEP_SYNC=$v timeout 240 %s/moetrain train configs/tiny.yaml --backend cpu "
-             "--set train.steps=3 --set log.metrics=/tmp/mt_ss_$v.jsonl > /dev/null || exit 1; done", tu_build());
-    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
-    free(out);
-    const char *fields[] = {"loss", "ce_loss", "aux_loss", "grad_norm", "load_max", "load_cv"};
-    for (int f = 0; f < 6; f++) {
-        double a[4], b[4];
-        cr_assert_eq(tu_read_metric("/tmp/mt_ss_0.jsonl", fields[f], a, 4), 3);
-        cr_assert_eq(tu_read_metric("/tmp/mt_ss_1.jsonl", fields[f], b, 4), 3);
-        for (int i = 0; i < 3; i++) cr_expect(a[i] == b[i], "%s step %d: %.17g vs %.17g", fields[f], i + 1, a[i], b[i]);
+    const struct {
+        int np;
+        const char *tag, *opts;
+    } runs[] = {{1, "one", ""},
+                {2, "dp2", ""},
+                {2, "ep2", "--set parallel.expert_parallel_size=2"}};
+    for (size_t r = 0; r < sizeof runs / sizeof runs[0]; r++) {
+        char cmd[1024], *out = NULL, m0[64], m1[64];
+        snprintf(m0, sizeof m0, "/tmp/mt_ss_%s_0.jsonl", runs[r].tag);
+        snprintf(m1, sizeof m1, "/tmp/mt_ss_%s_1.jsonl", runs[r].tag);
+        snprintf(cmd, sizeof cmd,
+                 "for v in 0 1; do MT_STEP_SYNC=$v timeout 240 %s -np %d %s/moetrain train configs/tiny.yaml "
+                 "--backend cpu --set train.steps=3 --set log.metrics=/tmp/mt_ss_%s_$v.jsonl %s > /dev/null || exit 1; "
+                 "done",
+                 tu_mpirun(), runs[r].np, tu_build(), runs[r].tag, runs[r].opts);
+        cr_assert_eq(tu_run(cmd, &out), 0, "%s: %s", runs[r].tag, out);
+        free(out);
+        const char *fields[] = {"loss", "ce_loss", "aux_loss", "grad_norm", "load_max", "load_cv"};
+        for (int f = 0; f < 6; f++) {
+            double a[4], b[4];
+            cr_assert_eq(tu_read_metric(m0, fields[f], a, 4), 3);
+            cr_assert_eq(tu_read_metric(m1, fields[f], b, 4), 3);
+            for (int i = 0; i < 3; i++)
+                cr_expect(a[i] == b[i], "%s: %s step %d: %.17g vs %.17g", runs[r].tag, fields[f], i + 1, a[i], b[i]);
+        }
+        cr_expect(tu_read_metric(m0, "aux_loss", (double[4]){0}, 4) == 3, "%s: aux loss logged", runs[r].tag);
+        unlink(m0);
+        unlink(m1);
     }
-    cr_expect(tu_read_metric("/tmp/mt_ss_0.jsonl", "aux_loss", (double[4]){0}, 4) == 3, "aux loss logged");
-    unlink("/tmp/mt_ss_0.jsonl");
-    unlink("/tmp/mt_ss_1.jsonl");
 }
 
 Test(train, bias_update_moves_toward_balance)
