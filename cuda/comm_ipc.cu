@@ -2,6 +2,7 @@
 #include "cuda_common.cuh"
 #include "comm_ipc.cuh"
 
+#include <cudaTypedefs.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -10,9 +11,10 @@ struct ipc_a2a {
     int rank, size;
     unsigned char **win;       /* [size] every rank's window as mapped here; win[rank] is ours */
     size_t *cap;               /* [size] bytes of each rank's window (0: none yet) */
-    cudaEvent_t ready, done;   /* ours, interprocess */
-    cudaEvent_t *peer_ready;   /* [size] the other ranks' events, opened here (ours at [rank]) */
-    cudaEvent_t *peer_done;    /* [size] */
+    uint32_t *flags;           /* [2 size] ours: ready_from[size], arrived_from[size] (epochs) */
+    uint32_t **peer_flags;     /* [size] every rank's flags as mapped here; [rank] is ours */
+    uint32_t epoch;            /* calls so far, the same on every rank */
+    cudaEvent_t ready;         /* our send data exists (compute stream) */
     cudaStream_t *copy;        /* [size] one copy stream per destination */
     cudaEvent_t *copied;       /* [size] end of the copy to each destination */
     int64_t *meta;             /* [size][1 + 2 size] every rank's {window bytes needed, offset of
@@ -20,6 +22,45 @@ struct ipc_a2a {
 };
 
 enum { GROW_ALIGN = 2 << 20 };
+
+/* stream memory operations, through the runtime's driver entry points (no link against libcuda) */
+static PFN_cuStreamWaitValue32_v11070 wait_value32;
+static PFN_cuStreamWriteValue32_v11070 write_value32;
+
+static bool memops_found(void)
+{
+    void *w = NULL, *v = NULL;
+    cudaDriverEntryPointQueryResult qw, qv;
+    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &w, 12000, cudaEnableDefault, &qw) != cudaSuccess ||
+        cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &v, 12000, cudaEnableDefault, &qv) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    if (qw != cudaDriverEntryPointSuccess || qv != cudaDriverEntryPointSuccess || !w || !v) return false;
+    wait_value32 = (PFN_cuStreamWaitValue32_v11070)w;
+    write_value32 = (PFN_cuStreamWriteValue32_v11070)v;
+    return true;
+}
+
+static void memop_check(CUresult r, const char *what, int peer)
+{
+    if (r != CUDA_SUCCESS)
+        mt_fatal("all-to-all: %s (flag of rank %d) failed: CUresult %d", what, peer, (int)r);
+}
+
+/* stream waits until flags[i] >= epoch (wrap-safe: the driver compares the signed difference) */
+static void flag_wait(cudaStream_t s, const uint32_t *flag, uint32_t epoch, int peer)
+{
+    memop_check(wait_value32((CUstream)s, (CUdeviceptr)flag, epoch, CU_STREAM_WAIT_VALUE_GEQ),
+                "cuStreamWaitValue32", peer);
+}
+
+/* stream writes epoch to a flag, after a fence that makes its earlier writes (the copy) visible */
+static void flag_set(cudaStream_t s, uint32_t *flag, uint32_t epoch, int peer)
+{
+    memop_check(write_value32((CUstream)s, (CUdeviceptr)flag, epoch, CU_STREAM_WRITE_VALUE_DEFAULT),
+                "cuStreamWriteValue32", peer);
+}
 
 /* every rank's GPU, identified by PCI bus id so that ranks with different CUDA_VISIBLE_DEVICES
  * agree; true when this process can map each of them (the same GPU, or peer access over NVLink or
@@ -55,7 +96,7 @@ struct ipc_a2a *ipc_a2a_create(MPI_Comm mpi)
     MT_CHECK_MPI(MPI_Comm_size(node, &node_size));
     MT_CHECK_MPI(MPI_Comm_free(&node));
     const char *env = getenv("MT_COMM_IPC");
-    int ok = node_size == size && !(env && !strcmp(env, "0"));
+    int ok = node_size == size && !(env && !strcmp(env, "0")) && memops_found();
     int all_ok = 0;
     MT_CHECK_MPI(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, mpi));
     if (all_ok) {
@@ -70,27 +111,23 @@ struct ipc_a2a *ipc_a2a_create(MPI_Comm mpi)
     x->size = size;
     x->win = (unsigned char **)mt_calloc((size_t)size, sizeof *x->win);
     x->cap = (size_t *)mt_calloc((size_t)size, sizeof *x->cap);
-    x->peer_ready = (cudaEvent_t *)mt_calloc((size_t)size, sizeof(cudaEvent_t));
-    x->peer_done = (cudaEvent_t *)mt_calloc((size_t)size, sizeof(cudaEvent_t));
+    x->peer_flags = (uint32_t **)mt_calloc((size_t)size, sizeof *x->peer_flags);
     x->copy = (cudaStream_t *)mt_calloc((size_t)size, sizeof(cudaStream_t));
     x->copied = (cudaEvent_t *)mt_calloc((size_t)size, sizeof(cudaEvent_t));
     x->meta = (int64_t *)mt_malloc((size_t)size * (1 + 2 * (size_t)size) * sizeof(int64_t));
 
-    const unsigned flags = cudaEventDisableTiming | cudaEventInterprocess;
-    CUDA_CHECK(cudaEventCreateWithFlags(&x->ready, flags));
-    CUDA_CHECK(cudaEventCreateWithFlags(&x->done, flags));
-    cudaIpcEventHandle_t mine[2], *all = (cudaIpcEventHandle_t *)mt_malloc((size_t)size * sizeof mine);
-    CUDA_CHECK(cudaIpcGetEventHandle(&mine[0], x->ready));
-    CUDA_CHECK(cudaIpcGetEventHandle(&mine[1], x->done));
-    MT_CHECK_MPI(MPI_Allgather(mine, (int)sizeof mine, MPI_BYTE, all, (int)sizeof mine, MPI_BYTE, mpi));
+    CUDA_CHECK(cudaEventCreateWithFlags(&x->ready, cudaEventDisableTiming));
+    CUDA_CHECK(cudaMalloc((void **)&x->flags, 2 * (size_t)size * sizeof(uint32_t)));
+    CUDA_CHECK(cudaMemset(x->flags, 0, 2 * (size_t)size * sizeof(uint32_t)));
+    CUDA_CHECK(cudaDeviceSynchronize()); /* zeroed before any peer can write a flag */
+    cudaIpcMemHandle_t mine, *all = (cudaIpcMemHandle_t *)mt_malloc((size_t)size * sizeof mine);
+    CUDA_CHECK(cudaIpcGetMemHandle(&mine, x->flags));
+    MT_CHECK_MPI(MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all, (int)sizeof mine, MPI_BYTE, mpi));
     for (int d = 0; d < size; d++) {
-        if (d == rank) {
-            x->peer_ready[d] = x->ready;
-            x->peer_done[d] = x->done;
-        } else {
-            CUDA_CHECK(cudaIpcOpenEventHandle(&x->peer_ready[d], all[2 * d]));
-            CUDA_CHECK(cudaIpcOpenEventHandle(&x->peer_done[d], all[2 * d + 1]));
-        }
+        if (d == rank)
+            x->peer_flags[d] = x->flags;
+        else
+            CUDA_CHECK(cudaIpcOpenMemHandle((void **)&x->peer_flags[d], all[d], cudaIpcMemLazyEnablePeerAccess));
         CUDA_CHECK(cudaStreamCreateWithFlags(&x->copy[d], cudaStreamNonBlocking));
         CUDA_CHECK(cudaEventCreateWithFlags(&x->copied[d], cudaEventDisableTiming));
     }
@@ -163,7 +200,11 @@ const void *ipc_a2a_run(struct ipc_a2a *x, const size_t *recv_bytes, const void 
         total += (int64_t)recv_bytes[s];
     }
     mine[0] = total;
+    const uint32_t e = ++x->epoch;
+    /* everything queued before, the readers of our window included, is done: peers may write it */
     CUDA_CHECK(cudaEventRecord(x->ready, g_cuda.stream));
+    for (int d = 0; d < P; d++)
+        if (d != me) flag_set(g_cuda.stream, x->peer_flags[d] + me, e, d);
     MT_CHECK_MPI(MPI_Allgather(mine, (int)row, MPI_INT64_T, x->meta, (int)row, MPI_INT64_T, x->mpi));
 
     bool grows = false;
@@ -185,17 +226,18 @@ const void *ipc_a2a_run(struct ipc_a2a *x, const size_t *recv_bytes, const void 
         const int d = (me + i) % P; /* start with the next rank: no window is everyone's first */
         const int64_t *m = x->meta + (size_t)d * row;
         CUDA_CHECK(cudaStreamWaitEvent(x->copy[d], x->ready, 0));
-        if (d != me) CUDA_CHECK(cudaStreamWaitEvent(x->copy[d], x->peer_ready[d], 0));
+        if (d != me) flag_wait(x->copy[d], x->flags + d, e, d); /* d's window is free */
         if (send_bytes[d])
             CUDA_CHECK(cudaMemcpyAsync(x->win[d] + m[1 + me], (const unsigned char *)send + send_off[d],
                                        send_bytes[d], cudaMemcpyDeviceToDevice, x->copy[d]));
+        if (d != me) flag_set(x->copy[d], x->peer_flags[d] + P + me, e, d); /* landed in d's window */
         CUDA_CHECK(cudaEventRecord(x->copied[d], x->copy[d]));
     }
-    for (int d = 0; d < P; d++)
-        if (d != me) CUDA_CHECK(cudaStreamWaitEvent(x->copy[me], x->copied[d], 0));
-    CUDA_CHECK(cudaEventRecord(x->done, x->copy[me]));
-    MT_CHECK_MPI(MPI_Barrier(x->mpi)); /* every rank's `done` is recorded before anyone waits on it */
-    for (int d = 0; d < P; d++) CUDA_CHECK(cudaStreamWaitEvent(g_cuda.stream, x->peer_done[d], 0));
+    /* our send buffer is read (every copied[d]) and every block for us has landed */
+    for (int d = 0; d < P; d++) {
+        CUDA_CHECK(cudaStreamWaitEvent(g_cuda.stream, x->copied[d], 0));
+        if (d != me) flag_wait(g_cuda.stream, x->flags + P + d, e, d);
+    }
     return x->win[me];
 }
 
@@ -206,20 +248,19 @@ void ipc_a2a_free(struct ipc_a2a *x)
     for (int d = 0; d < x->size; d++) {
         if (d == x->rank) continue;
         if (x->win[d]) CUDA_CHECK(cudaIpcCloseMemHandle(x->win[d]));
-        CUDA_CHECK(cudaEventDestroy(x->peer_ready[d]));
-        CUDA_CHECK(cudaEventDestroy(x->peer_done[d]));
+        CUDA_CHECK(cudaIpcCloseMemHandle(x->peer_flags[d]));
     }
-    MT_CHECK_MPI(MPI_Barrier(x->mpi)); /* unmapped and detached everywhere before anything is freed */
+    MT_CHECK_MPI(MPI_Barrier(x->mpi)); /* unmapped everywhere before anything is freed */
     if (x->win[x->rank]) {
         mem_track_free(x->win[x->rank]);
         CUDA_CHECK(cudaFree(x->win[x->rank]));
     }
+    CUDA_CHECK(cudaFree(x->flags));
     for (int d = 0; d < x->size; d++) {
         CUDA_CHECK(cudaStreamDestroy(x->copy[d]));
         CUDA_CHECK(cudaEventDestroy(x->copied[d]));
     }
     CUDA_CHECK(cudaEventDestroy(x->ready));
-    CUDA_CHECK(cudaEventDestroy(x->done));
-    free(x->win), free(x->cap), free(x->peer_ready), free(x->peer_done), free(x->copy);
-    free(x->copied), free(x->meta), free(x);
+    free(x->win), free(x->cap), free(x->peer_flags), free(x->copy), free(x->copied), free(x->meta);
+    free(x);
 }

@@ -4,13 +4,17 @@
  * SMs: the transfer runs beside compute kernels, and between two H200s it moves 363 GB/s per
  * direction where NCCL's point-to-point kernels reach 277; docs/benchmarks.md).
  *
- * Ordering across processes uses interprocess CUDA events and two host synchronisations per call:
- *   1. each rank records `ready` on its compute stream (its send data exists; every op queued
- *      before, including the reader of the previous call's window, is ahead of it) and the ranks
- *      exchange where each sender's block goes (MPI_Allgather of offsets, also a barrier);
- *   2. each copy stream waits for its own `ready` and the destination's, copies, and the rank
- *      records `done` after all its copies; an MPI_Barrier guarantees every `done` is recorded;
- *   3. the compute stream waits for every rank's `done`: all blocks for this rank have landed.
+ * Ordering across processes uses flags in device memory that every rank has mapped, written and
+ * waited on by stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32), so the host
+ * never waits for a peer's GPU. Call number e (the same on every rank):
+ *   1. each rank's compute stream, once everything queued before it is done (the reader of the
+ *      previous call's window included), writes e into ready_from[me] of every peer, and the ranks
+ *      exchange where each sender's block goes (MPI_Allgather of offsets, on the host);
+ *   2. the copy stream to rank d waits for the compute stream (the send data) and for
+ *      ready_from[d] >= e in our flags, copies, and writes e into arrived_from[me] of d's flags
+ *      (the write is fenced behind the copy);
+ *   3. the compute stream waits for its own copies (the send buffer is free again) and for
+ *      arrived_from[s] >= e from every peer s: all blocks for this rank have landed.
  * A window grows (all ranks together, after draining every stream) when a call needs more than it
  * holds; growth is rare (receive sizes settle in the first steps) and keeps 25% headroom. */
 #ifndef MT_COMM_IPC_CUH
@@ -22,7 +26,8 @@
 struct ipc_a2a;
 
 /* Collective over `mpi`. NULL (on every rank alike) when the group spans hosts, a pair of its
- * GPUs cannot map each other's memory, or MT_COMM_IPC=0 is set on any rank. */
+ * GPUs cannot map each other's memory, the driver lacks stream memory operations, or
+ * MT_COMM_IPC=0 is set on any rank. */
 struct ipc_a2a *ipc_a2a_create(MPI_Comm mpi);
 
 /* Collective. send has send_bytes[d] bytes for rank d, packed in rank order; returns this rank's

@@ -110,8 +110,9 @@ a2a=""
 if [ "$ngpu" -ge 2 ]; then
     echo "bench: dispatch all-to-all micro-benchmark on 2 GPUs ..."
     make --no-print-directory BUILD="$BUILD" "$BUILD/tools/bench_alltoall" > /dev/null
-    # two lines: the MoE layer's path (all_to_all_inbox) and NCCL's all_to_all_v
-    a2a=$(mpirun --oversubscribe --bind-to none -np 2 "$BUILD/tools/bench_alltoall" 8192 20 2>&1 | tail -2)
+    # three lines: the MoE layer's path (all_to_all_inbox) one call at a time and back to back,
+    # and NCCL's all_to_all_v
+    a2a=$(mpirun --oversubscribe --bind-to none -np 2 "$BUILD/tools/bench_alltoall" 8192 20 2>&1 | tail -3)
     echo "$a2a" | sed 's/^/  /'
 else
     skipped+=("the all-to-all micro-benchmark ($ngpu GPU here)")
