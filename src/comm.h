@@ -94,7 +94,7 @@ size_t comm_dtype_size(enum comm_dtype t);
 static inline enum comm_dtype comm_dtype_of_x(size_t x_size) { return x_size == 4 ? COMM_F32 : COMM_BF16; }
 
 /* Profiling (profile.c): when set, every collective below runs between begin() and end(). */
-void comm_set_timer(void (*begin)(void), void (*end)(void));
+void comm_set_timer(void (*begin)(void), void (*end)(const char *op));
 
 /* Wrap an MPI communicator with the MPI (host memory) implementation. */
 struct comm *comm_mpi_create(MPI_Comm mpi);

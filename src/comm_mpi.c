@@ -399,9 +399,9 @@ void comm_free(struct comm *c)
     free(c);
 }
 
-static void (*timer_begin)(void), (*timer_end)(void);
+static void (*timer_begin)(void), (*timer_end)(const char *);
 
-void comm_set_timer(void (*begin)(void), void (*end)(void))
+void comm_set_timer(void (*begin)(void), void (*end)(const char *op))
 {
     timer_begin = begin;
     timer_end = end;
@@ -413,7 +413,7 @@ void comm_set_timer(void (*begin)(void), void (*end)(void))
         watchdog_collective(__func__, c->size);     \
         if (timer_begin) timer_begin();             \
         call;                                       \
-        if (timer_end) timer_end();                 \
+        if (timer_end) timer_end(__func__);         \
         watchdog_collective(NULL, 0);               \
     } while (0)
 

@@ -53,7 +53,8 @@ static void end_op(enum prof_cat c, const char *name, long key)
 }
 
 static void comm_begin(void) { begin(); }
-static void comm_end(void) { end_op(PROF_COMM, "comm", 0); }
+/* op: the comm.h function that ran, e.g. "comm_all_to_all_inbox", a row of the per-op table */
+static void comm_end(const char *op) { end_op(PROF_COMM, op, 0); }
 
 /* One wrapper per op: W(op, category, key, (params), (args)) for void ops; key (an expression of
  * the params) separates calls of one op on different shapes in the per-op table. */
