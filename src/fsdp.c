@@ -142,7 +142,7 @@ void fsdp_flush(struct fsdp *f)
         if (!f->unit_g[g]) continue;
         for (int u = 0; u < f->p->n_units; u++) {
             struct fsdp_gbuf *gb = &f->unit_g[g][u];
-            if (gb->unit < 0) continue;
+            if (gb->unit < 0 || gb->reducing) continue;   /* reducing: started by the last backward */
             params_reduce_unit_start(f->p, (enum tensor_group)g, u, gb->g, f->stage, &gb->req);
             gb->reducing = true;
             gb->started = ++f->clock;
@@ -218,12 +218,33 @@ static void before_backward(void *ctx, int u)
     start_prefetch(f, u - 1);
 }
 
+/* reduce_grads=step: unit u's dense gradient is final once the step's last backward has passed
+ * it, so its reduce-scatter can run behind the units before it (prefetch's side stream) instead of
+ * in fsdp_flush. Not with a tied head: the head and the embedding add into the same shard elements,
+ * and fsdp_flush's order keeps their sum the bits it was. */
+static bool reduce_now_per_step(const struct fsdp *f, int g, int u)
+{
+    return g == TG_DENSE && f->prefetch && !f->p->m->more_backwards && !p_tied(f) &&
+           f->unit_g[g][u].unit == u && !f->unit_g[g][u].reducing;
+}
+
 static void after_backward(void *ctx, int u)
 {
     struct fsdp *f = ctx;
     finish_prefetch(f);   /* before the reduce-scatter reuses the expert staging */
     for (int g = 0; g < TG_COUNT; g++) {
-        if (!f->dyn_g[g] || f->unit_g[g]) continue;   /* reduce_grads=step: fsdp_flush reduces */
+        if (!f->dyn_g[g]) continue;
+        if (f->unit_g[g]) {   /* reduce_grads=step: fsdp_flush reduces, or now in the last backward */
+            if (reduce_now_per_step(f, g, u)) {
+                struct fsdp_gbuf *gb = &f->unit_g[g][u];
+                params_reduce_unit_start(f->p, (enum tensor_group)g, u, gb->g, f->stage, &gb->req);
+                gb->reducing = true;
+                gb->started = ++f->clock;
+                f->n_reduces++;
+                f->n_reduces_overlapped++;
+            }
+            continue;
+        }
         struct fsdp_gbuf *gb = NULL;
         for (int k = 0; k < f->n_gbufs[g] && !gb; k++)
             if (f->gbuf[g][k].unit == u && !f->gbuf[g][k].reducing) gb = &f->gbuf[g][k];

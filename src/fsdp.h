@@ -16,8 +16,9 @@
  * one; it is finished (and added to the shard) when its buffer is needed again or by fsdp_flush
  * before the gradients are read. The experts' reduction shares the staging with the gathers and
  * stays blocking. With parallel.reduce_grads = step each sharded unit has its own gradient buffer
- * instead, kept bound across the step's micro-steps, and fsdp_flush reduces each unit once. The
- * train loop owns it; the model never sees it. */
+ * instead, kept bound across the step's micro-steps, and each unit is reduced once: with prefetch
+ * the dense units as the step's last backward leaves them (in flight behind the next unit's
+ * backward), the rest in fsdp_flush. The train loop owns it; the model never sees it. */
 #ifndef MT_FSDP_H
 #define MT_FSDP_H
 

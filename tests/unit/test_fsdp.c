@@ -101,7 +101,8 @@ Test(fsdp, the_next_layer_is_gathered_while_this_one_computes, .timeout = 600)
 /* The non-expert reduce-scatter is left in flight behind the next unit's backward with prefetch
  * (every one of them on EP=4, where the experts are not sharded; half on EP=2 x EP_FSDP=2, whose
  * expert reductions stay blocking) and blocks without it; reduce_grads=step keeps each unit's
- * gradients over the step's two micro-steps and reduces them once (half the reductions), also
+ * gradients over the step's two micro-steps and reduces them once (half the reductions; the
+ * non-expert ones started by the step's last backward, in flight behind the next unit's), also
  * with every layer kept gathered (reshard_after_forward=false). The same training each time. */
 Test(fsdp, reduce_scatters_overlap_or_run_once_per_step, .timeout = 900)
 {
@@ -124,6 +125,8 @@ Test(fsdp, reduce_scatters_overlap_or_run_once_per_step, .timeout = 900)
     train(4, 2, opt, &step);
     cr_expect(2 * step.reduces == on.reduces, "reduce_grads=step: %ld reductions, %ld per micro-step", step.reduces,
               on.reduces);
+    cr_expect(2 * step.overlapped == step.reduces, "reduce_grads=step: %ld of %ld left running behind the last "
+              "backward (the non-expert ones)", step.overlapped, step.reduces);
     snprintf(opt, sizeof opt, "%s --set parallel.reduce_grads=step --set parallel.reshard_after_forward=false", b8);
     train(4, 2, opt, &kept);
     cr_expect(kept.gathers < step.gathers, "gathers kept %ld vs resharded %ld", kept.gathers, step.gathers);
