@@ -205,6 +205,42 @@ static const void *exchange_rows(struct model *m, const int64_t *counts_in, cons
     return exchange_in(m, counts_in, send, counts_out, m->H, comm_dtype_of_x(m->be->x_size));
 }
 
+/* Each pair's K expert indices (i32) and weights (f32) to the rank holding its experts, both
+ * arrays in one group of point-to-point transfers (the block to self is a copy): one launch and
+ * one wait instead of an all-to-all each (NCCL: ~38 us a call on two H100s). */
+static void exchange_meta(struct model *m, struct moe_route *r)
+{
+    struct comm *c = m->ep_comm;
+    const int K = m->K;
+    if (!c || c->size == 1) {
+        exchange(m, r->meta_idx, r->recv_counts, m->meta_idx_send, r->send_counts, K, COMM_I32);
+        exchange(m, r->meta_w, r->recv_counts, m->meta_w_send, r->send_counts, K, COMM_F32);
+        return;
+    }
+    struct comm_p2p_op ops[4 * c->size];
+    int n = 0;
+    int64_t so = 0, ro = 0; /* elements before rank s's block in the send / receive arrays */
+    for (int s = 0; s < c->size; s++) {
+        const int64_t ns = r->send_counts[s] * K, nr = r->recv_counts[s] * K;
+        if (s == c->rank) {
+            m->be->copy(r->meta_idx + ro, m->meta_idx_send + so, (size_t)ns * sizeof(int32_t));
+            m->be->copy(r->meta_w + ro, m->meta_w_send + so, (size_t)ns * sizeof(float));
+        } else {
+            if (ns > 0) {
+                ops[n++] = (struct comm_p2p_op){COMM_SEND, s, m->meta_idx_send + so, (size_t)ns, COMM_I32};
+                ops[n++] = (struct comm_p2p_op){COMM_SEND, s, m->meta_w_send + so, (size_t)ns, COMM_F32};
+            }
+            if (nr > 0) {
+                ops[n++] = (struct comm_p2p_op){COMM_RECV, s, r->meta_idx + ro, (size_t)nr, COMM_I32};
+                ops[n++] = (struct comm_p2p_op){COMM_RECV, s, r->meta_w + ro, (size_t)nr, COMM_F32};
+            }
+        }
+        so += ns;
+        ro += nr;
+    }
+    comm_p2p(c, ops, n);
+}
+
 /* Builds the dispatch plan of layer l from the router's top-k (see the file comment). Without
  * pairs the host waits for nothing: the expert offsets stay in backend memory for the expert
  * GEMMs, and the rows are T·k. With pairs the counts cross ranks on the host anyway, and the
@@ -230,8 +266,7 @@ static void route_plan(struct model *m, struct layer_acts *a)
             r->P_recv += r->recv_counts[s];
         }
         moe_ensure_pairs(m, a, r->P_recv);
-        exchange(m, r->meta_idx, r->recv_counts, m->meta_idx_send, r->send_counts, K, COMM_I32);
-        exchange(m, r->meta_w, r->recv_counts, m->meta_w_send, r->send_counts, K, COMM_F32);
+        exchange_meta(m, r);
         be->moe_route_plan(r->meta_idx, r->meta_w, r->exp_src, r->exp_slot, r->expert_off,
                            (int)r->P_recv, nl, K);
         be->download(&r->R_exp, r->expert_off + nl, sizeof(int64_t));
