@@ -14,6 +14,7 @@ struct ipc_a2a {
     uint32_t *flags;           /* [2 size] ours: ready_from[size], arrived_from[size] (epochs) */
     uint32_t **peer_flags;     /* [size] every rank's flags as mapped here; [rank] is ours */
     uint32_t epoch;            /* calls so far, the same on every rank */
+    bool started;              /* ipc_a2a_start ran and ipc_a2a_finish has not yet */
     cudaEvent_t ready;         /* our send data exists (compute stream) */
     cudaStream_t *copy;        /* [size] one copy stream per destination */
     cudaEvent_t *copied;       /* [size] end of the copy to each destination */
@@ -187,9 +188,11 @@ static void grow(struct ipc_a2a *x, const int64_t *need)
     free(all);
 }
 
-const void *ipc_a2a_run(struct ipc_a2a *x, const size_t *recv_bytes, const void *send,
-                        const size_t *send_bytes)
+const void *ipc_a2a_start(struct ipc_a2a *x, const size_t *recv_bytes, const void *send,
+                          const size_t *send_bytes)
 {
+    MT_CHECK(!x->started, "all_to_all_inbox: started while the previous one is still in flight");
+    x->started = true;
     const int P = x->size, me = x->rank;
     const size_t row = 1 + 2 * (size_t)P;
     int64_t mine[row];
@@ -233,12 +236,27 @@ const void *ipc_a2a_run(struct ipc_a2a *x, const size_t *recv_bytes, const void 
         if (d != me) flag_set(x->copy[d], x->peer_flags[d] + P + me, e, d); /* landed in d's window */
         CUDA_CHECK(cudaEventRecord(x->copied[d], x->copy[d]));
     }
+    return x->win[me];
+}
+
+void ipc_a2a_finish(struct ipc_a2a *x)
+{
+    MT_CHECK(x->started, "all_to_all_inbox: finished without a start");
+    x->started = false;
+    const int P = x->size, me = x->rank;
     /* our send buffer is read (every copied[d]) and every block for us has landed */
     for (int d = 0; d < P; d++) {
         CUDA_CHECK(cudaStreamWaitEvent(g_cuda.stream, x->copied[d], 0));
-        if (d != me) flag_wait(g_cuda.stream, x->flags + P + d, e, d);
+        if (d != me) flag_wait(g_cuda.stream, x->flags + P + d, x->epoch, d);
     }
-    return x->win[me];
+}
+
+const void *ipc_a2a_run(struct ipc_a2a *x, const size_t *recv_bytes, const void *send,
+                        const size_t *send_bytes)
+{
+    const void *win = ipc_a2a_start(x, recv_bytes, send, send_bytes);
+    ipc_a2a_finish(x);
+    return win;
 }
 
 void ipc_a2a_free(struct ipc_a2a *x)

@@ -36,6 +36,14 @@ struct ipc_a2a *ipc_a2a_create(MPI_Comm mpi);
 const void *ipc_a2a_run(struct ipc_a2a *x, const size_t *recv_bytes, const void *send,
                         const size_t *send_bytes);
 
+/* ipc_a2a_run in two halves, for work that runs on the compute stream while the copies move: start
+ * queues the copies (steps 1-2 above) and returns the window; finish makes the compute stream wait
+ * for them (step 3). Between the two, queued work may touch neither `send` nor the window, and no
+ * other call on x may run. Both collective. */
+const void *ipc_a2a_start(struct ipc_a2a *x, const size_t *recv_bytes, const void *send,
+                          const size_t *send_bytes);
+void ipc_a2a_finish(struct ipc_a2a *x);
+
 /* Collective. */
 void ipc_a2a_free(struct ipc_a2a *x);
 

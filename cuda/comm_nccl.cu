@@ -293,6 +293,7 @@ static void nccl_p2p(struct comm *c, const struct comm_p2p_op *ops, int n)
 struct nccl_p2p_state {
     struct comm_p2p_req host;  /* the MPI twin's request for host buffers */
     cudaEvent_t done;          /* recorded on the side stream after the group */
+    bool ipc;                  /* a started copy-engine inbox exchange instead (ipc_a2a_finish) */
 };
 
 /* A started host-memory twin's request as this comm's (nothing when it ran to completion). */
@@ -413,7 +414,9 @@ static void nccl_p2p_wait(struct comm *c, struct comm_p2p_req *r)
     struct nccl_impl *im = impl_of(c);
     struct nccl_p2p_state *st = (struct nccl_p2p_state *)r->state;
     if (!st) return;
-    if (st->host.state) {
+    if (st->ipc) {
+        ipc_a2a_finish(im->ipc);
+    } else if (st->host.state) {
         im->host->ops->p2p_wait(im->host, &st->host);
     } else {
         CUDA_CHECK(cudaStreamWaitEvent(g_cuda.stream, st->done, 0));
@@ -442,10 +445,34 @@ static void nccl_destroy(struct comm *c)
     c->impl = NULL;
 }
 
+/* The copy-engine inbox exchange's two halves (comm_ipc.cuh); without it, the whole exchange now. */
+static const void *nccl_all_to_all_inbox_start(struct comm *c, const int64_t *recv_counts, const void *send,
+                                               const int64_t *send_counts, enum comm_dtype t,
+                                               struct comm_p2p_req *r)
+{
+    struct nccl_impl *im = impl_of(c);
+    r->state = NULL;
+    if (!im->ipc) return nccl_all_to_all_inbox(c, recv_counts, send, send_counts, t);
+    const size_t es = comm_dtype_size(t);
+    MT_CHECK(total(send_counts, c->size) == 0 || is_device(send),
+             "all_to_all_inbox: the send buffer is not device memory");
+    size_t rb[c->size], sb[c->size];
+    for (int p = 0; p < c->size; p++) {
+        rb[p] = (size_t)recv_counts[p] * es;
+        sb[p] = (size_t)send_counts[p] * es;
+    }
+    const void *win = ipc_a2a_start(im->ipc, rb, send, sb);
+    struct nccl_p2p_state *st = (struct nccl_p2p_state *)mt_calloc(1, sizeof *st);
+    st->ipc = true;
+    r->state = st;
+    return win;
+}
+
 static const struct comm_ops nccl_ops = {
     nccl_all_gather, nccl_reduce_scatter_sum, nccl_all_reduce_sum, nccl_all_to_all_v,
     nccl_all_to_all, nccl_all_to_all_inbox, nccl_p2p, nccl_p2p_start, nccl_all_gather_start,
     nccl_all_to_all_v_start, nccl_reduce_scatter_sum_start, nccl_p2p_wait, nccl_destroy,
+    nccl_all_to_all_inbox_start,
 };
 
 extern "C" struct comm *comm_nccl_create(MPI_Comm mpi)

@@ -87,6 +87,13 @@ struct comm_ops {
     void (*p2p_wait)(struct comm *c, struct comm_p2p_req *r);
     /* optional (NULL for MPI): releases c->impl; comm_free calls it before freeing c */
     void (*destroy)(struct comm *c);
+    /* optional (NULL: all_to_all_inbox runs whole): all_to_all_inbox started now and finished by
+     * p2p_wait, so that compute queued in between runs while the rows move (the NCCL comm's copy
+     * engines between GPUs of one host); in between, queued work may touch neither `send` nor the
+     * returned buffer, and no other inbox exchange on c may start */
+    const void *(*all_to_all_inbox_start)(struct comm *c, const int64_t *recv_counts, const void *send,
+                                          const int64_t *send_counts, enum comm_dtype t,
+                                          struct comm_p2p_req *r);
 };
 
 size_t comm_dtype_size(enum comm_dtype t);
@@ -131,5 +138,10 @@ void comm_reduce_scatter_sum_start(struct comm *c, void *recv, const void *send,
 /* (for a NULL comm the result is `send` itself) */
 const void *comm_all_to_all_inbox(struct comm *c, const int64_t *recv_counts, const void *send,
                                   const int64_t *send_counts, enum comm_dtype t);
+/* The inbox exchange in two halves (ops->all_to_all_inbox_start); the returned rows are there once
+ * comm_p2p_wait has run. A comm without the split (MPI, NCCL across hosts) runs it whole here and
+ * leaves nothing in flight. */
+const void *comm_all_to_all_inbox_start(struct comm *c, const int64_t *recv_counts, const void *send,
+                                        const int64_t *send_counts, enum comm_dtype t, struct comm_p2p_req *r);
 
 #endif

@@ -531,3 +531,13 @@ const void *comm_all_to_all_inbox(struct comm *c, const int64_t *recv_counts, co
     TIMED(r = c->ops->all_to_all_inbox(c, recv_counts, send, send_counts, t));
     return r;
 }
+
+const void *comm_all_to_all_inbox_start(struct comm *c, const int64_t *recv_counts, const void *send,
+                                        const int64_t *send_counts, enum comm_dtype t, struct comm_p2p_req *r)
+{
+    r->state = NULL;
+    if (single(c) || !c->ops->all_to_all_inbox_start) return comm_all_to_all_inbox(c, recv_counts, send, send_counts, t);
+    const void *in;
+    TIMED(in = c->ops->all_to_all_inbox_start(c, recv_counts, send, send_counts, t, r));
+    return in;
+}

@@ -359,20 +359,32 @@ static void combine_rows_backward(struct model *m, struct layer_acts *a)
 
 /* Backward of dispatch_rows: m->d_x_exp (expert-major) -> m->d_t1 = dL/d(norm output) through the
  * experts (overwritten; the router term is added after). Each token's (or pair's) rows are summed
- * in ascending row order: the gather's backward as a unit-weight combine, no scatter. */
-static void dispatch_rows_backward(struct model *m, struct layer_acts *a)
+ * in ascending row order: the gather's backward as a unit-weight combine, no scatter. In two
+ * halves: the pair rows leave (with ep > 1), then the token side sums them; work queued between
+ * the two runs while the rows move (the experts' weight gradients, experts_backward). */
+static const void *dispatch_rows_backward_send(struct model *m, struct layer_acts *a, struct comm_p2p_req *req)
 {
     const struct backend *be = m->be;
     const int T = m->T, H = m->H, K = m->K;
     struct moe_route *r = &a->route;
+    req->state = NULL;
     if (!m->pairs) {
         be->moe_combine_forward(m->d_t1, m->d_x_exp, r->exp_slot, m->ones, NULL, T, K, H);
-        return;
+        return NULL;
     }
     /* d_y_exp is free once the expert backward has run */
     be->moe_combine_forward(m->d_y_exp, m->d_x_exp, r->exp_slot, m->ones, NULL, (int)r->P_recv, K, H);
-    const void *d_pairs = exchange_rows(m, r->send_counts, m->d_y_exp, r->recv_counts);
-    be->moe_combine_forward(m->d_t1, d_pairs, r->tok_pair, m->ones, NULL, T, K, H);
+    int64_t in[m->ep], out[m->ep];
+    scale_counts(m, in, out, r->send_counts, r->recv_counts, H);
+    return comm_all_to_all_inbox_start(m->ep_comm, in, m->d_y_exp, out, comm_dtype_of_x(be->x_size), req);
+}
+
+static void dispatch_rows_backward_sum(struct model *m, struct layer_acts *a, const void *d_pairs,
+                                       struct comm_p2p_req *req)
+{
+    if (!m->pairs) return;
+    comm_p2p_wait(m->ep_comm, req);
+    m->be->moe_combine_forward(m->d_t1, d_pairs, a->route.tok_pair, m->ones, NULL, m->T, m->K, m->H);
 }
 
 /* From the layer's top-k (a->topk_idx/topk_w) and norm output (a->m) to the experts' weighted sum
@@ -433,6 +445,11 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
     be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)R, I);
     be->expert_matmul_backward(m->d_x_exp, now ? dw_gu : NULL, m->d_gu, a->x_exp,
                                W(m, TR_EXP_GATE_UP, l), r->expert_off, R, nl, H, 2 * I, fresh);
+    /* parking swaps d_y_exp out before the send half reuses it; the grouped gate_up weight
+     * gradient (reads d_gu and x_exp) runs while d_x_exp's pair rows move to their tokens' ranks */
+    if (stashed) stash_expert_rows(m, a, s);
+    struct comm_p2p_req req;
+    const void *d_pairs = dispatch_rows_backward_send(m, a, &req);
     if (grouped) {
         for (int k = 0; k < s->pending; k++)
             sets[k] = (struct expert_rows){s->slot[k].d_gu, s->slot[k].x_exp, s->slot[k].off, s->slot[k].rows};
@@ -440,8 +457,7 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
         be->expert_matmul_wgrad_sets(dw_gu, sets, n_sets, nl, H, 2 * I, fresh);
         s->pending = 0;
     }
-    if (stashed) stash_expert_rows(m, a, s);
-    dispatch_rows_backward(m, a);
+    dispatch_rows_backward_sum(m, a, d_pairs, &req);
 }
 
 static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out, const void *resid)
@@ -555,7 +571,9 @@ void moe_dispatch_backward_for_test(struct model *m, int l, const void *d_x_exp,
 {
     struct layer_acts *a = test_layer(m, l);
     copy_in(m, m->d_x_exp, d_x_exp, a->route.R_exp);
-    dispatch_rows_backward(m, a);
+    struct comm_p2p_req req;
+    const void *d_pairs = dispatch_rows_backward_send(m, a, &req);
+    dispatch_rows_backward_sum(m, a, d_pairs, &req);
     copy_in(m, dx, m->d_t1, m->T);
 }
 

@@ -254,7 +254,8 @@ void moe_exchange_forward(struct model *m, struct layer_acts *a, int l, void *ou
 }
 
 /* From m->d_h (dL/d out) to m->d_t1 (dL/d norm output through the experts) and m->d_topk_w, as
- * combine_rows_backward, the expert backward and dispatch_rows_backward in moe.c, chunk by chunk. */
+ * combine_rows_backward, the expert backward and dispatch_rows_backward_send/_sum in moe.c, chunk
+ * by chunk. */
 void moe_exchange_backward(struct model *m, struct layer_acts *a, int l)
 {
     const struct backend *be = m->be;

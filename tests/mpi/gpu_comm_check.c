@@ -256,7 +256,9 @@ static void suite(const struct backend *g, struct comm *hc, struct comm *dc, con
  * device copy of the inbox into its own result buffer, at sizes that grow and shrink (the window
  * is regrown in the middle of the queue). A protocol that let a peer write the next round into a
  * window still being read, or let the copy start before every block landed, shows up as wrong
- * bytes. Every round is compared with MPI's all_to_all_v of the same data. */
+ * bytes. Every third round goes through comm_all_to_all_inbox_start and comm_p2p_wait with other
+ * work queued between them (a copy that read the window before the wait would see old bytes).
+ * Every round is compared with MPI's all_to_all_v of the same data. */
 static void inbox_suite(const struct backend *g, struct comm *hc, struct comm *dc, const char *tag,
                         int seed)
 {
@@ -291,11 +293,22 @@ static void inbox_suite(const struct backend *g, struct comm *hc, struct comm *d
         type[k] = t;
         free(send);
     }
+    const size_t busy_bytes = 64u << 20; /* work queued between a start and its wait */
+    void *busy = g->alloc(busy_bytes);
     g->sync();
     for (int k = 0; k < ROUNDS; k++) {
-        const void *in = dc->ops->all_to_all_inbox(dc, rc[k], dsend[k], sc[k], type[k]);
+        const void *in;
+        if (k % 3 == 2) {
+            struct comm_p2p_req req;
+            in = comm_all_to_all_inbox_start(dc, rc[k], dsend[k], sc[k], type[k], &req);
+            g->zero(busy, busy_bytes);
+            comm_p2p_wait(dc, &req);
+        } else {
+            in = dc->ops->all_to_all_inbox(dc, rc[k], dsend[k], sc[k], type[k]);
+        }
         g->copy(out[k], in, rtot[k] * comm_dtype_size(type[k]));
     }
+    g->free(busy);
     for (int k = 0; k < ROUNDS; k++) {
         void *got = host_of(g, out[k], rtot[k] * comm_dtype_size(type[k]));
         char op[64];
