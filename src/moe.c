@@ -17,156 +17,16 @@
  * Each token's k choices are re-sorted by ascending expert id before anything uses them, so the
  * combine adds expert outputs in ascending expert order (transformers' eager order; across ranks
  * the per-rank partial sums are added in rank order, so meshes agree to rounding). */
-#include <stdlib.h>
-#include <string.h>
-
 #include "common.h"
-#include "mem_track.h"
 #include "layer.h"
 #include "model.h"
+#include "moe_buffers.h"
 #include "moe_exchange.h"
 #include "route_replay.h"
 #include "router_opts.h"
 
 static void *W(const struct model *m, enum tensor_role r, int l) { return model_weight(m, tensor_lookup(&m->tt, r, l)); }
 static float *G(const struct model *m, enum tensor_role r, int l) { return model_grad(m, tensor_lookup(&m->tt, r, l)); }
-
-static void regrow(const struct model *m, void **p, int64_t elems, size_t elem_size)
-{
-    if (*p) m->be->free(*p);
-    *p = m->be->alloc((size_t)MT_MAX(elems, 1) * elem_size);
-}
-
-/* One set of expert-side buffers ([rows, H] in and out, [rows, 2I] gate|up, [rows, I] SwiGLU)
- * grown to hold R rows: exactly with ep = 1 (R is always T·k), with 25% headroom otherwise (the
- * rows a rank receives change every step). gu/act also serve dense layers: [T, 2 Id], [T, Id]. */
-static void grow_expert_rows(const struct model *m, void **x, void **y, void **gu, void **act,
-                             int64_t *cap_rows, int64_t R)
-{
-    if (R <= *cap_rows) return;
-    const int64_t H = m->H, I = m->I, cap = !m->pairs ? R : R + R / 4 + 16;
-    const size_t xs = m->be->x_size;
-    regrow(m, x, cap * H, xs);
-    regrow(m, y, cap * H, xs);
-    regrow(m, gu, MT_MAX(cap * 2 * I, (int64_t)m->T * 2 * m->Id), xs);
-    regrow(m, act, MT_MAX(cap * I, (int64_t)m->T * m->Id), xs);
-    *cap_rows = cap;
-}
-
-/* ---- parallel.expert_wgrad_pairs (model.h struct expert_wgrad_stash) */
-
-static void swap_ptr(void **a, void **b)
-{
-    void *t = *a;
-    *a = *b;
-    *b = t;
-}
-
-/* Parks layer l's expert rows of this micro-step (inputs from the layer's activations, output
- * gradients from the backward scratch) in the stash's next slot, by swapping buffers: the layer and
- * the scratch get the slot's, grown first to at least their capacities, sized by grow_expert_rows'
- * rules. */
-static void stash_expert_rows(struct model *m, struct layer_acts *a, struct expert_wgrad_stash *s)
-{
-    const int64_t H = m->H, I = m->I, T = m->T, Id = m->Id;
-    const size_t xs = m->be->x_size;
-    struct expert_rows_parked *p = &s->slot[s->pending];
-    enum mem_cat was = mem_track_set(MEM_ACTS);
-    if (!p->off) p->off = m->be->alloc(((size_t)m->n_local_experts + 1) * sizeof(int64_t));
-    if (p->cap_rows < a->cap_rows) {
-        regrow(m, &p->x_exp, a->cap_rows * H, xs);
-        regrow(m, &p->act, MT_MAX(a->cap_rows * I, T * Id), xs);
-    }
-    if (p->d_cap_rows < m->d_cap_rows) {
-        regrow(m, &p->d_gu, MT_MAX(m->d_cap_rows * 2 * I, T * 2 * Id), xs);
-        regrow(m, &p->d_y_exp, m->d_cap_rows * H, xs);
-    }
-    mem_track_set(was);
-    swap_ptr(&p->x_exp, &a->x_exp);
-    swap_ptr(&p->act, &a->act);
-    swap_ptr(&p->d_gu, &m->d_gu);
-    swap_ptr(&p->d_y_exp, &m->d_y_exp);
-    p->cap_rows = a->cap_rows;
-    p->d_cap_rows = m->d_cap_rows;
-    m->be->copy(p->off, a->route.expert_off, (size_t)(m->n_local_experts + 1) * sizeof(int64_t));
-    p->rows = a->route.R_exp;
-    s->pending++;
-}
-
-void model_enable_expert_wgrad_groups(struct model *m, int n_layers, int n_group, int group)
-{
-    MT_CHECK(m->moe_chunks == 1, "parallel.expert_wgrad_pairs needs parallel.moe_chunks 1");
-    MT_CHECK(group >= 2 && group <= MT_WGRAD_MAX_SETS, "expert wgrad groups of %d micro-steps (2 to %d)",
-             group, MT_WGRAD_MAX_SETS);
-    if (m->wstash) return;
-    m->wstash = mt_calloc((size_t)MT_MAX(m->L, 1), sizeof *m->wstash);
-    /* the stage's first n_layers MoE layers, of which the first n_group take whole groups; the
-     * slots' buffers come at first use */
-    for (int l = m->st.layer0, n = 0; l < m->st.layer1 && n < n_layers; l++)
-        if (config_layer_is_moe(&m->cfg, l)) {
-            m->wstash[l].n_slots = n < n_group ? group - 1 : 1;
-            n++;
-        }
-}
-
-void model_enable_expert_wgrad_pairs(struct model *m, int n_layers)
-{
-    model_enable_expert_wgrad_groups(m, n_layers, 0, 2);
-}
-
-void model_free_expert_wgrad_pairs(struct model *m)
-{
-    if (!m->wstash) return;
-    for (int l = 0; l < m->L; l++)
-        for (int k = 0; k < MT_WGRAD_MAX_SETS - 1; k++) {
-            struct expert_rows_parked *p = &m->wstash[l].slot[k];
-            void *bufs[] = {p->x_exp, p->act, p->d_gu, p->d_y_exp, p->off};
-            for (int i = 0; i < 5; i++)
-                if (bufs[i]) m->be->free(bufs[i]);
-        }
-    free(m->wstash);
-    m->wstash = NULL;
-}
-
-bool model_expert_wgrad_pending(const struct model *m)
-{
-    for (int l = 0; m->wstash && l < m->L; l++)
-        if (m->wstash[l].pending) return true;
-    return false;
-}
-
-/* Expert-side rows: layer buffers for R rows (and the shared backward scratch too). */
-void moe_ensure_rows(struct model *m, struct layer_acts *a, int64_t R)
-{
-    enum mem_cat was = mem_track_set(MEM_ACTS);
-    grow_expert_rows(m, &a->x_exp, &a->y_exp, &a->gu, &a->act, &a->cap_rows, R);
-    mem_track_set(MEM_BUFFERS);
-    grow_expert_rows(m, &m->d_x_exp, &m->d_y_exp, &m->d_gu, &m->d_act, &m->d_cap_rows, R);
-    mem_track_set(was);
-}
-
-/* Receiver-side pair arrays for P pairs (m->pairs), and unit weights for P·k slots. */
-void moe_ensure_pairs(struct model *m, struct layer_acts *a, int64_t P)
-{
-    const int64_t K = m->K;
-    struct moe_route *r = &a->route;
-    enum mem_cat was = mem_track_set(MEM_BUFFERS);
-    if (P > r->cap_pairs) {
-        int64_t cap = P + P / 4 + 16;
-        regrow(m, (void **)&r->meta_idx, cap * K, sizeof(int32_t));
-        regrow(m, (void **)&r->meta_w, cap * K, sizeof(float));
-        regrow(m, (void **)&r->exp_slot, cap * K, sizeof(int32_t));
-        regrow(m, (void **)&r->exp_src, cap * K, sizeof(int32_t));
-        r->cap_pairs = cap;
-    }
-    if (P > m->d_cap_pairs) {
-        int64_t cap = P + P / 4 + 16;
-        regrow(m, (void **)&m->d_w_recv, cap * K, sizeof(float));
-        m->d_cap_pairs = cap;
-    }
-    model_ensure_ones(m, P * K);
-    mem_track_set(was);
-}
 
 /* row counts per rank -> element counts, for rows of `width` elements */
 static void scale_counts(const struct model *m, int64_t *in, int64_t *out, const int64_t *counts_in,
@@ -447,7 +307,7 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
                                W(m, TR_EXP_GATE_UP, l), r->expert_off, R, nl, H, 2 * I, fresh);
     /* parking swaps d_y_exp out before the send half reuses it; the grouped gate_up weight
      * gradient (reads d_gu and x_exp) runs while d_x_exp's pair rows move to their tokens' ranks */
-    if (stashed) stash_expert_rows(m, a, s);
+    if (stashed) moe_stash_expert_rows(m, a, s);
     struct comm_p2p_req req;
     const void *d_pairs = dispatch_rows_backward_send(m, a, &req);
     if (grouped) {

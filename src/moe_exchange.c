@@ -15,6 +15,7 @@
 #include "common.h"
 #include "mem_track.h"
 #include "model.h"
+#include "moe_buffers.h"
 #include "moe_exchange.h"
 #include "moe_timeline.h"
 

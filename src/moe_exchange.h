@@ -31,9 +31,7 @@ struct moe_chunk {
 void moe_exchange_forward(struct model *m, struct layer_acts *a, int l, void *out, const void *resid);
 void moe_exchange_backward(struct model *m, struct layer_acts *a, int l);
 
-/* moe.c's helpers the chunked path shares */
-void moe_ensure_rows(struct model *m, struct layer_acts *a, int64_t R);
-void moe_ensure_pairs(struct model *m, struct layer_acts *a, int64_t P);
+/* moe.c's count exchange, which the chunked path shares */
 void moe_exchange_counts(struct model *m, int64_t *recv_counts, const int64_t *send_counts);
 
 #endif
