@@ -40,6 +40,7 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 
+#include <stdlib.h>
 #include <string.h>
 
 namespace {
@@ -155,12 +156,26 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                 const int e = p.e_base + ti.e, nb = min(BN / 32, (p.N - ti.ni * BN + 31) / 32);
                 mbar_arrive(free_bar);
                 mbar_wait(staged_bar, ph);
+                /* Every CTA of a balanced launch stages its tile at about the same moment; issued
+                 * at once, the adds (128 KB read and written in DRAM a CTA) hold up the next
+                 * tile's operand loads. Spread over part of the next tile's MMAs (its K blocks
+                 * times the 512 clocks a K block's 2.1 MFLOP take at the SM's peak), they share
+                 * DRAM with them. A clock measured per tile misleads where experts have a few
+                 * rows (a K block's tile is all epilogue). */
+                const long long now = clock64();
+                long long gap = 0;
+                if (p.dw_pace && t + (int)gridDim.x < total) {
+                    const int nk_next = k_blocks<KIND>(p, decode<KIND>(p, tile_start, t + gridDim.x));
+                    gap = 512ll * nk_next * p.dw_pace / 1000 / nb;
+                }
                 for (int b = 0; b < nb; b++) {
+                    if (b && gap)
+                        while (clock64() < now + b * gap) __nanosleep(64);
                     const uint32_t src = staging + b * (BM * 128);
                     if (p.overwrite) tma_store_3d(&p.map_out, src, ti.ni * BN + 32 * b, ti.mi * BM, e);
                     else tma_reduce_add_3d(&p.map_out, src, ti.ni * BN + 32 * b, ti.mi * BM, e);
+                    bulk_commit();
                 }
-                bulk_commit();
                 bulk_wait_read();
                 ph ^= 1;
             }
@@ -383,6 +398,20 @@ bool supported(int I, int O, int64_t R, const void *a, const void *b, const void
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+/* wgrad's dw_pace: 1000 spreads a tile's adds over the next tile's MMA time at the tensor cores'
+ * peak rate (about two thirds of what it takes in a step); MT_GG_DW_PACE (0-4000, 0 = all at
+ * once) overrides it, for measuring */
+int dw_pace(void)
+{
+    static int pace = -1;
+    if (pace < 0) {
+        const char *env = getenv("MT_GG_DW_PACE");
+        pace = env ? atoi(env) : 1000;
+        if (pace < 0 || pace > 4000) pace = 0;
+    }
+    return pace;
+}
+
 /* The tile schedule is built by every CTA from the device offsets, so the host never waits for
  * the routing; the grid is one CTA an SM unless fewer tiles are possible (a CTA without tiles
  * exits). R: the rows the row matrices hold (an upper bound on the tiles). ma/mb/off: n_sets row
@@ -406,6 +435,7 @@ void launch(int n_sets, const CUtensorMap *ma, const CUtensorMap *mb, const int6
     p.out = out;
     p.M = M, p.N = N, p.K = K;
     p.overwrite = overwrite;
+    p.dw_pace = dw_pace();
     p.tiles_m = KIND == KIND_WGRAD ? (int)cdiv(M, BM) : 0;
     for (int e0 = 0; e0 < n_exp; e0 += MAX_EXPERTS) {
         const int ne = n_exp - e0 < MAX_EXPERTS ? n_exp - e0 : MAX_EXPERTS;

@@ -56,6 +56,8 @@ struct gg_params {
     void *out;          /* bf16 [R, N] (forward, dgrad) or fp32 dw [n_exp, M, N] (wgrad) */
     int M, N, K;        /* wgrad: M = O, N = I; forward/dgrad: N, K (M is the expert's rows) */
     int overwrite;      /* wgrad: dw = acc (dw not read; experts with no rows get zero tiles) */
+    int dw_pace;        /* wgrad: the dw warp spreads a tile's adds over this many thousandths of
+                         * the next tile's MMA time at the SM's peak (0: all at once) */
     int n_exp, e_base;  /* experts [e_base, e_base + n_exp) in this launch (n_exp <= MAX_EXPERTS) */
     int tiles_m;        /* row tiles an expert: wgrad ceil(M / BM); 0: ceil(its rows / BM) */
     /* device: each row set's n_exp + 1 absolute row offsets (from expert e_base on); each CTA

@@ -383,6 +383,7 @@ static int run_bench(int reps)
     bench("balanced", bal, g, 6, dw0, reps);
     bench("skewed (Zipf-like)", skew, g, 6, dw0, reps);
     bench_groups("balanced", bal, g, 6, reps);
+    bench_groups("skewed (Zipf-like)", skew, g, 6, reps);
 
     for (int i = 0; i < 6; i++)
         for (int j = 0; j < 2; j++) CUDA_CALL(cudaFree(g[i].out[j]));
