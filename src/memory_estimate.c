@@ -345,7 +345,7 @@ void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dim
         return;
     }
     /* auto: once every layer pairs, groups of MT_WGRAD_AUTO_GROUP in as many of them (each
-     * stage's first ones) as keep the peak within MT_PAIRS_MEM_SHARE. A pair halves a layer's dw
+     * stage's first ones) as keep the peak within MT_GROUP_MEM_SHARE. A pair halves a layer's dw
      * traffic for one parked micro-step; a group of 4 halves it again for two more, so pairs
      * everywhere come first. Only with ep 1, where a parked micro-step's size is exact: with EP
      * the rows a rank receives can pass the estimate's 25% headroom, and a group multiplies
@@ -356,7 +356,7 @@ void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dim
     int k_fit = 0;
     for (int k = 1; k <= c->model.num_hidden_layers; k++) {
         c->parallel.wgrad_group_layers = k;
-        if (estimate_peak_bytes(c, d, keep_copy) > MT_PAIRS_MEM_SHARE * device_bytes) break;
+        if (estimate_peak_bytes(c, d, keep_copy) > MT_GROUP_MEM_SHARE * device_bytes) break;
         k_fit = k;
     }
     c->parallel.wgrad_group_layers = k_fit == c->model.num_hidden_layers ? MT_MAX_LAYERS : k_fit;

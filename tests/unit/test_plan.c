@@ -597,7 +597,7 @@ Test(plan, expert_wgrad_pairs_stash_and_auto_layers)
 
 /* parallel.expert_wgrad_group: a layer grouping g micro-steps parks g - 1 (no more than the step
  * has, less one); auto groups 4 once every MoE layer pairs, in as many layers as keep the peak
- * within MT_PAIRS_MEM_SHARE; set by hand it applies to every pairing layer and counts in auto's
+ * within MT_GROUP_MEM_SHARE; set by hand it applies to every pairing layer and counts in auto's
  * choice of pairing layers. The hand model: 3 MoE layers, 8 micro-steps. */
 Test(plan, expert_wgrad_group_stash_and_auto_layers)
 {
@@ -626,18 +626,22 @@ Test(plan, expert_wgrad_group_stash_and_auto_layers)
     c.train.global_batch_size = 16;
     tensor_table_free(&tt);
 
-    /* auto: pairs everywhere first (3 stashes), then one layer at a time to 3 stashes */
+    /* auto: pairs everywhere first (3 stashes, within MT_PAIRS_MEM_SHARE), then one layer at a
+     * time to 3 stashes within MT_GROUP_MEM_SHARE. On this small model the 5% between the two
+     * shares holds every group wherever the pairs fit, so these cases pair every layer by hand. */
     c.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
     c.parallel.expert_wgrad_group = 0;
     c.parallel.wgrad_group_layers = 0;
     const double base = estimate_peak_bytes(&c, &d, true);
-    estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 3.5 * stash) / MT_PAIRS_MEM_SHARE);
+    c.parallel.expert_wgrad_pairs = MT_TRI_TRUE;
+    estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 4.5 * stash) / MT_GROUP_MEM_SHARE);
     cr_assert(c.parallel.expert_wgrad_pairs == MT_TRI_TRUE && c.parallel.wgrad_pair_layers == MT_MAX_LAYERS);
     cr_assert_eq(c.parallel.wgrad_group_layers, 0, "no room for a group");
-    c.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
-    estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 7.5 * stash) / MT_PAIRS_MEM_SHARE);
+    estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 7.5 * stash) / MT_GROUP_MEM_SHARE);
     cr_assert_eq(c.parallel.wgrad_group, 4);
     cr_assert_eq(c.parallel.wgrad_group_layers, 2, "3 + 2 x 2 stashes fit, 3 + 3 x 2 do not");
+    cr_assert_gt(base + 7 * stash, MT_PAIRS_MEM_SHARE * (base + 7.5 * stash) / MT_GROUP_MEM_SHARE,
+                 "the pairs' share alone would not hold the two groups");
     c.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
     estimate_resolve_expert_wgrad_pairs(&c, &d, true, 1e15);
     cr_assert_eq(c.parallel.wgrad_group_layers, MT_MAX_LAYERS, "every layer fits");
