@@ -1,0 +1,383 @@
+/* GPU parity tests (suite "gpu"), the expert GEMMs: expert_matmul forward and backward (cuBLAS
+ * and the grouped Hopper kernel, incl. skewed and empty experts), the grouped weight gradient over
+ * several row sets, and MT_FORCE_SM80 taking the sm_80 paths -- against the fp32 CPU reference
+ * (src/cpu/) on the same fresh random inputs, in both CUDA modes. Method, tolerances and exact
+ * checks: gpu_ops_util.h.
+ *
+ * Without a CUDA device (backend_cuda returns NULL) every test reports itself skipped; with
+ * MT_REQUIRE_GPU=1 (scripts/test-gpu.sh) that is a failure instead. */
+#include <criterion/criterion.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "env_flag.h"
+#include "gpu_ops_util.h"
+#include "ops.h"
+
+#ifdef MT_HAVE_CUDA
+#include "../../cuda/grouped_gemm.cuh"
+#endif
+
+/* ---------------------------------------------------------------- expert matmul */
+
+/* expert offsets in the GPU backend's memory (ops.h: off is backend memory) */
+static int64_t *doff_from(const struct mode *M, const int64_t *off, int n_exp)
+{
+    int64_t *d = M->g->alloc(((size_t)n_exp + 1) * sizeof *d);
+    M->g->upload(d, off, ((size_t)n_exp + 1) * sizeof *d);
+    return d;
+}
+
+Test(gpu, expert_matmul)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 111);
+    enum { NE = 6, I = 256, O = 192 };
+    const int rows[NE] = {40, 0, 17, 64, 0, 35}; /* experts 1 and 4 get no rows */
+    int64_t off[NE + 1] = {0};
+    for (int e = 0; e < NE; e++) off[e + 1] = off[e] + rows[e];
+    const int R = (int)off[NE];
+    const size_t ri = (size_t)R * I, ro = (size_t)R * O, wn = (size_t)NE * O * I;
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        float *in = hrand(&rng, ri, 1.0), *w = hrand(&rng, wn, 0.05), *dout = hrand(&rng, ro, 1.0);
+        void *d_in = dx_from(&M, in, ri), *d_w = dx_from(&M, w, wn), *d_dout = dx_from(&M, dout, ro);
+
+        int64_t *d_off = doff_from(&M, off, NE);
+        void *d_out = dx_poisoned(&M, ro);
+        M.g->expert_matmul_forward(d_out, d_in, d_w, d_off, R, NE, I, O);
+        float *out = hx_of(&M, d_out, ro), *ref = fnew(ro);
+        M.c->expert_matmul_forward(ref, in, w, off, R, NE, I, O);
+        check_close(&M, "expert_matmul forward", out, ref, ro, M.tol);
+
+        float *dw0 = hrand(&rng, wn, 1.0), *dw_ref = hdup(dw0, wn);
+        float *d_dw = df_from(&M, dw0, wn);
+        void *d_din = dx_poisoned(&M, ri);
+        M.g->expert_matmul_backward(d_din, d_dw, d_dout, d_in, d_w, d_off, R, NE, I, O, false);
+        float *din = hx_of(&M, d_din, ri), *dw = hf_of(&M, d_dw, wn), *din_ref = fnew(ri);
+        M.c->expert_matmul_backward(din_ref, dw_ref, dout, in, w, off, R, NE, I, O, false);
+        check_close(&M, "expert_matmul backward din", din, din_ref, ri, M.tol);
+        float *add = diff(dw, dw0, wn), *add_ref = diff(dw_ref, dw0, wn);
+        check_close(&M, "expert_matmul backward dw (added)", add, add_ref, wn, M.tol);
+        for (int e = 0; e < NE; e++)
+            if (rows[e] == 0) {
+                const size_t o = (size_t)e * O * I;
+                check_exact(&M, "expert_matmul empty expert keeps dw", dw + o, dw0 + o,
+                            (size_t)O * I * sizeof(float));
+            }
+
+        M.g->free(d_in), M.g->free(d_w), M.g->free(d_dout), M.g->free(d_out), M.g->free(d_dw);
+        M.g->free(d_din), M.g->free(d_off);
+        free(in), free(w), free(dout), free(out), free(ref), free(dw0), free(dw_ref), free(din);
+        free(dw), free(din_ref), free(add), free(add_ref);
+    }
+}
+
+/* The grouped Hopper kernel behind the bf16 expert_matmul (cuda/grouped_gemm.cu), case by case:
+ * every output is checked per expert, so a tile that reads or writes a neighbour's rows (the
+ * ragged edges: 0, 1, 127, 129 rows; the wgrad K loop stopping at the expert's end) shows even
+ * when the neighbour is much larger. w_off shifts the weights off 16-byte alignment, which the
+ * kernel does not take for forward and dgrad (cuBLAS does the work then). In bf16 mode the
+ * kernel is also called directly: it must accept exactly the cases `kernel` (forward, dgrad) and
+ * `kernel_wgrad` say, and give the same bits as the backend op (the same deterministic kernel).
+ * dw tolerance: fp32 sums of exact products of bf16 values, differing from the CPU only in
+ * order, ~1e-6; 1e-4 in both modes. */
+static void grouped_case(const struct mode *M, mt_rng *rng, const char *tag, int NE, const int *rows,
+                         int I, int O, int w_off, bool kernel, bool kernel_wgrad)
+{
+    char what[128];
+    int64_t *off = mt_calloc((size_t)NE + 1, sizeof *off);
+    for (int e = 0; e < NE; e++) off[e + 1] = off[e] + rows[e];
+    const int R = (int)off[NE];
+    const size_t ri = (size_t)R * I, ro = (size_t)R * O, wn = (size_t)NE * O * I;
+    const size_t xs = M->g->x_size;
+    float *in = hrand(rng, ri, 1.0), *wfull = hrand(rng, wn + w_off, 0.05), *dout = hrand(rng, ro, 1.0);
+    void *d_in = dx_from(M, in, ri), *d_dout = dx_from(M, dout, ro);
+    void *d_wfull = dx_from(M, wfull, wn + w_off);
+    const float *w = wfull + w_off;
+    const void *d_w = (const char *)d_wfull + (size_t)w_off * xs;
+
+    int64_t *d_off = doff_from(M, off, NE);
+
+    /* forward */
+    void *d_out = dx_poisoned(M, ro);
+    M->g->expert_matmul_forward(d_out, d_in, d_w, d_off, R, NE, I, O);
+    float *out = hx_of(M, d_out, ro), *ref = fnew(ro);
+    M->c->expert_matmul_forward(ref, in, w, off, R, NE, I, O);
+
+    /* backward: din overwritten, dw accumulated onto random values */
+    float *dw0 = hrand(rng, wn, 1.0), *dw_ref = hdup(dw0, wn);
+    float *d_dw = df_from(M, dw0, wn);
+    void *d_din = dx_poisoned(M, ri);
+    M->g->expert_matmul_backward(d_din, d_dw, d_dout, d_in, d_w, d_off, R, NE, I, O, false);
+    float *din = hx_of(M, d_din, ri), *dw = hf_of(M, d_dw, wn), *din_ref = fnew(ri);
+    M->c->expert_matmul_backward(din_ref, dw_ref, dout, in, w, off, R, NE, I, O, false);
+    float *add = diff(dw, dw0, wn), *add_ref = diff(dw_ref, dw0, wn);
+
+    double e_out = 0.0, e_din = 0.0, e_dw = 0.0;
+    bool empty_kept = true;
+    for (int e = 0; e < NE; e++) {
+        const size_t oi = (size_t)e * O * I;
+        if (rows[e] == 0) {
+            empty_kept = empty_kept && memcmp(dw + oi, dw0 + oi, (size_t)O * I * sizeof(float)) == 0;
+            continue;
+        }
+        const double a = rel_err(out + off[e] * O, ref + off[e] * O, (size_t)rows[e] * O);
+        const double b = rel_err(din + off[e] * I, din_ref + off[e] * I, (size_t)rows[e] * I);
+        const double c = rel_err(add + oi, add_ref + oi, (size_t)O * I);
+        cr_expect(a <= M->tol && b <= M->tol && c <= TOL_F32_LONG,
+                  "grouped %s [%s] expert %d (%d rows): rel err out %.2e din %.2e dw %.2e", tag,
+                  M->name, e, rows[e], a, b, c);
+        e_out = fmax(e_out, a), e_din = fmax(e_din, b), e_dw = fmax(e_dw, c);
+    }
+    fprintf(stderr, "gpu %s grouped %-36s worst expert: out %.2e din %.2e dw %.2e\n", M->name, tag,
+            e_out, e_din, e_dw);
+    snprintf(what, sizeof what, "grouped %s: empty experts keep dw", tag);
+    fprintf(stderr, "gpu %s %-44s %s\n", M->name, what, empty_kept ? "bit-exact" : "DIFFERS");
+    cr_expect(empty_kept, "%s [%s]", what, M->name);
+
+    /* dw alone (din NULL): a second backward adds the same gradient again */
+    M->g->expert_matmul_backward(NULL, d_dw, d_dout, d_in, d_w, d_off, R, NE, I, O, false);
+    float *dw2 = hf_of(M, d_dw, wn), *add2 = diff(dw2, dw, wn);
+    snprintf(what, sizeof what, "grouped %s: dw += again (din NULL)", tag);
+    check_close(M, what, add2, add_ref, wn, TOL_F32_LONG);
+    float *din_again = hx_of(M, d_din, ri);
+    snprintf(what, sizeof what, "grouped %s: din NULL leaves din", tag);
+    check_exact(M, what, din_again, din, ri * sizeof(float));
+
+    /* dw_overwrite into NaN: the same bits as adding onto zeros, zeros for experts with no rows */
+    float *zeros = fnew(wn), *nans = fnew(wn);
+    for (size_t i = 0; i < wn; i++) nans[i] = NAN;
+    float *d_dwz = df_from(M, zeros, wn), *d_dwo = df_from(M, nans, wn);
+    M->g->expert_matmul_backward(NULL, d_dwz, d_dout, d_in, d_w, d_off, R, NE, I, O, false);
+    M->g->expert_matmul_backward(NULL, d_dwo, d_dout, d_in, d_w, d_off, R, NE, I, O, true);
+    float *dwz = hf_of(M, d_dwz, wn), *dwo = hf_of(M, d_dwo, wn);
+    snprintf(what, sizeof what, "grouped %s: dw overwrite = zeros + add", tag);
+    check_exact(M, what, dwo, dwz, wn * sizeof(float));
+    snprintf(what, sizeof what, "grouped %s: dw overwrite (vs CPU)", tag);
+    check_close(M, what, dwo, add_ref, wn, TOL_F32_LONG);
+    M->g->free(d_dwz), M->g->free(d_dwo);
+    free(zeros), free(nans), free(dwz), free(dwo);
+
+#ifdef MT_HAVE_CUDA
+    if (xs == 2) {
+        /* on the sm_80 path (not a 9.0 device, or MT_FORCE_SM80=1) the kernel declines them all */
+        kernel = kernel && grouped_gemm_available();
+        kernel_wgrad = kernel_wgrad && grouped_gemm_available();
+        void *d_out2 = dx_poisoned(M, ro), *d_din2 = dx_poisoned(M, ri);
+        float *d_dw2 = df_from(M, dw0, wn);
+        const bool f = grouped_gemm_forward(d_out2, d_in, d_w, d_off, R, NE, I, O);
+        const bool g = grouped_gemm_dgrad(d_din2, d_dout, d_w, d_off, R, NE, I, O);
+        const bool h = grouped_gemm_wgrad(d_dw2, d_dout, d_in, d_off, R, NE, I, O, false);
+        cr_expect(f == kernel && g == kernel && h == kernel_wgrad,
+                  "grouped %s: kernel took fwd %d dgrad %d wgrad %d, expected %d %d %d", tag, f, g,
+                  h, kernel, kernel, kernel_wgrad);
+        if (kernel && kernel_wgrad) {
+            float *out2 = hx_of(M, d_out2, ro), *din2 = hx_of(M, d_din2, ri), *dw3 = hf_of(M, d_dw2, wn);
+            snprintf(what, sizeof what, "grouped %s: direct call = op (fwd)", tag);
+            check_exact(M, what, out2, out, ro * sizeof(float));
+            snprintf(what, sizeof what, "grouped %s: direct call = op (dgrad)", tag);
+            check_exact(M, what, din2, din, ri * sizeof(float));
+            snprintf(what, sizeof what, "grouped %s: direct call = op (wgrad)", tag);
+            check_exact(M, what, dw3, dw, wn * sizeof(float));
+            free(out2), free(din2), free(dw3);
+        }
+        M->g->free(d_out2), M->g->free(d_din2), M->g->free(d_dw2);
+    }
+#endif
+
+    M->g->free(d_in), M->g->free(d_wfull), M->g->free(d_dout), M->g->free(d_out), M->g->free(d_dw);
+    M->g->free(d_din), M->g->free(d_off);
+    free(off), free(in), free(wfull), free(dout), free(out), free(ref), free(dw0), free(dw_ref);
+    free(din), free(dw), free(din_ref), free(add), free(add_ref), free(dw2), free(add2), free(din_again);
+}
+
+Test(gpu, expert_matmul_grouped)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 115);
+    /* tile edges: 128 rows per tile, 32 rows per wgrad K block, 256 columns per tile */
+    const int edges[] = {0, 1, 127, 129, 300, 0, 64, 65};
+    const int odd[] = {70, 0, 1, 200, 33};
+    const int few[] = {5, 0, 40};
+    enum { MANY = 300 }; /* more experts than the schedule kernel's threads take one each of */
+    int many[MANY];
+    for (int e = 0; e < MANY; e++) many[e] = irand(&rng, 5);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        grouped_case(&M, &rng, "tile edges 256->512", 8, edges, 256, 512, 0, true, true);
+        grouped_case(&M, &rng, "I, O not /64 (200->136)", 5, odd, 200, 136, 0, true, true);
+        grouped_case(&M, &rng, "300 experts 64->72", MANY, many, 64, 72, 0, true, true);
+        /* dw 904 x 1032 (ragged both ways), 40 wgrad tiles an expert, 240 in all: some CTAs run
+         * two, so the ring's stages and phases carry over from one tile to the next */
+        grouped_case(&M, &rng, "many tiles 1032->904", 8, edges, 1032, 904, 0, true, true);
+        grouped_case(&M, &rng, "I, O not /8 (fallback)", 3, few, 100, 60, 0, false, false);
+        {
+            /* no rows at all (an EP rank nobody routed to): overwriting still zeroes every dw */
+            enum { NE0 = 3, I0 = 64, O0 = 72 };
+            const int64_t off0[NE0 + 1] = {0, 0, 0, 0};
+            int64_t *d_off0 = doff_from(&M, off0, NE0);
+            const size_t wn0 = (size_t)NE0 * O0 * I0;
+            float *nans = fnew(wn0), *zeros = fnew(wn0);
+            for (size_t k = 0; k < wn0; k++) nans[k] = NAN;
+            float *d_dw0 = df_from(&M, nans, wn0);
+            void *d_x0 = dx_poisoned(&M, (size_t)O0 * I0);
+            M.g->expert_matmul_backward(NULL, d_dw0, d_x0, d_x0, d_x0, d_off0, 0, NE0, I0, O0, true);
+            float *dw0 = hf_of(&M, d_dw0, wn0);
+            check_exact(&M, "grouped, no rows: dw overwrite gives zeros", dw0, zeros, wn0 * sizeof(float));
+            M.g->free(d_dw0), M.g->free(d_x0), M.g->free(d_off0);
+            free(nans), free(zeros), free(dw0);
+        }
+        /* wgrad does not read w, so only forward and dgrad fall back */
+        grouped_case(&M, &rng, "unaligned w (fallback)", 3, few, 64, 64, 1, false, true);
+    }
+}
+
+/* expert_matmul_wgrad_sets (several micro-steps' rows in one weight-gradient pass,
+ * parallel.expert_wgrad_pairs / expert_wgrad_group) against the CPU's one backward add per set, per
+ * expert: rows of some sets only, of all, of none (kept bit-exact when adding, zeros when
+ * overwriting), ragged tile and K-block edges in each set, and whole sets empty. Tolerance
+ * TOL_F32_LONG (fp32 sums of exact bf16 products, only the order differs). In bf16 mode on Hopper
+ * the grouped kernel must take the call itself. rows[s][e]: set s's rows of expert e. */
+static void wgrad_sets_case(const struct mode *M, mt_rng *rng, const char *tag, int NE, int NS,
+                            const int *const *rows, int I, int O)
+{
+    char what[160];
+    struct expert_rows g_sets[MT_WGRAD_MAX_SETS], c_sets[MT_WGRAD_MAX_SETS];
+    int64_t *off[MT_WGRAD_MAX_SETS], *d_off[MT_WGRAD_MAX_SETS];
+    float *in[MT_WGRAD_MAX_SETS], *dout[MT_WGRAD_MAX_SETS];
+    void *d_in[MT_WGRAD_MAX_SETS], *d_dout[MT_WGRAD_MAX_SETS];
+    const size_t wn = (size_t)NE * O * I;
+    for (int k = 0; k < NS; k++) {
+        off[k] = mt_calloc((size_t)NE + 1, sizeof *off[k]);
+        for (int e = 0; e < NE; e++) off[k][e + 1] = off[k][e] + rows[k][e];
+        const size_t r = (size_t)off[k][NE];
+        in[k] = hrand(rng, MT_MAX(r, 1) * I, 1.0), dout[k] = hrand(rng, MT_MAX(r, 1) * O, 1.0);
+        d_in[k] = dx_from(M, in[k], MT_MAX(r, 1) * I), d_dout[k] = dx_from(M, dout[k], MT_MAX(r, 1) * O);
+        d_off[k] = doff_from(M, off[k], NE);
+        g_sets[k] = (struct expert_rows){d_dout[k], d_in[k], d_off[k], (int64_t)r};
+        c_sets[k] = (struct expert_rows){dout[k], in[k], off[k], (int64_t)r};
+    }
+    int *rows_all = mt_calloc((size_t)NE, sizeof *rows_all);
+    for (int e = 0; e < NE; e++)
+        for (int k = 0; k < NS; k++) rows_all[e] += rows[k][e];
+
+    /* adding onto random dw */
+    float *dw0 = hrand(rng, wn, 1.0), *dw_ref = hdup(dw0, wn);
+    float *d_dw = df_from(M, dw0, wn);
+    M->g->expert_matmul_wgrad_sets(d_dw, g_sets, NS, NE, I, O, false);
+    M->c->expert_matmul_wgrad_sets(dw_ref, c_sets, NS, NE, I, O, false);
+    float *dw = hf_of(M, d_dw, wn), *add = diff(dw, dw0, wn), *add_ref = diff(dw_ref, dw0, wn);
+    double worst = 0;
+    bool empty_kept = true;
+    for (int e = 0; e < NE; e++) {
+        const size_t oi = (size_t)e * O * I;
+        if (rows_all[e] == 0) {
+            empty_kept = empty_kept && memcmp(dw + oi, dw0 + oi, (size_t)O * I * sizeof(float)) == 0;
+            continue;
+        }
+        const double err = rel_err(add + oi, add_ref + oi, (size_t)O * I);
+        cr_expect(err <= TOL_F32_LONG, "wgrad %d sets %s [%s] expert %d (%d rows): rel err %.2e", NS, tag, M->name, e,
+                  rows_all[e], err);
+        worst = fmax(worst, err);
+    }
+    fprintf(stderr, "gpu %s wgrad %d sets %-34s worst expert dw %.2e; no-row experts %s\n", M->name, NS, tag, worst,
+            empty_kept ? "kept bit-exact" : "CHANGED");
+    cr_expect(empty_kept, "wgrad %d sets %s [%s]: experts with no rows in any set changed", NS, tag, M->name);
+
+    /* overwriting NaN: the CPU's zeros + the adds, zeros for experts with no rows */
+    float *nans = fnew(wn);
+    for (size_t i = 0; i < wn; i++) nans[i] = NAN;
+    float *zref = fnew(wn);
+    float *d_dwo = df_from(M, nans, wn);
+    M->g->expert_matmul_wgrad_sets(d_dwo, g_sets, NS, NE, I, O, true);
+    M->c->expert_matmul_wgrad_sets(zref, c_sets, NS, NE, I, O, true);
+    float *dwo = hf_of(M, d_dwo, wn);
+    snprintf(what, sizeof what, "wgrad %d sets %s: overwrite (vs CPU)", NS, tag);
+    check_close(M, what, dwo, zref, wn, TOL_F32_LONG);
+    for (int e = 0; e < NE; e++)
+        if (rows_all[e] == 0) {
+            snprintf(what, sizeof what, "wgrad %d sets %s: overwrite gives zeros to expert %d", NS, tag, e);
+            check_exact(M, what, dwo + (size_t)e * O * I, zref + (size_t)e * O * I, (size_t)O * I * sizeof(float));
+        }
+
+#ifdef MT_HAVE_CUDA
+    if (M->g->x_size == 2 && grouped_gemm_available()) {
+        float *d_dw3 = df_from(M, dw0, wn);
+        const bool took = grouped_gemm_wgrad_sets(d_dw3, g_sets, NS, NE, I, O, false);
+        const bool want = I % 8 == 0 && O % 8 == 0; /* what the kernel handles (grouped_gemm.cuh) */
+        cr_expect(took == want, "wgrad %d sets %s: the grouped kernel took it: %d, expected %d", NS, tag, took, want);
+        float *dw3 = hf_of(M, d_dw3, wn);
+        snprintf(what, sizeof what, "wgrad %d sets %s: direct call = op", NS, tag);
+        if (took) check_exact(M, what, dw3, dw, wn * sizeof(float));
+        M->g->free(d_dw3);
+        free(dw3);
+    }
+#endif
+    for (int k = 0; k < NS; k++) {
+        M->g->free(d_in[k]), M->g->free(d_dout[k]), M->g->free(d_off[k]);
+        free(off[k]), free(in[k]), free(dout[k]);
+    }
+    M->g->free(d_dw), M->g->free(d_dwo);
+    free(rows_all), free(dw0), free(dw_ref);
+    free(dw), free(add), free(add_ref), free(nans), free(zref), free(dwo);
+}
+
+Test(gpu, expert_matmul_wgrad_sets)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 131);
+    /* two sets: experts 1 and 5 have no rows in either; 3 set a only; 0 set b only */
+    const int a[] = {0, 0, 127, 129, 300, 0, 64, 65};
+    const int b[] = {65, 0, 1, 0, 200, 0, 63, 128};
+    const int c[] = {31, 0, 0, 33, 0, 0, 1, 97};
+    const int d[] = {0, 0, 40, 0, 0, 0, 128, 2};
+    const int none[] = {0, 0, 0, 0, 0, 0, 0, 0};
+    enum { MANY = 300 };
+    int many[4][MANY];
+    for (int k = 0; k < 4; k++)
+        for (int e = 0; e < MANY; e++) many[k][e] = irand(&rng, 5);
+    const int *ab[] = {a, b}, *ba[] = {b, a}, *a_[] = {a, none}, *_b[] = {none, b}, *__[] = {none, none};
+    const int *many2[] = {many[0], many[1]}, *many4[] = {many[0], many[1], many[2], many[3]};
+    const int *abc[] = {a, b, c}, *abcd[] = {a, b, c, d}, *a_c_[] = {a, none, c, none}, *_bcd[] = {none, b, c, d};
+    const int *one[] = {b};
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        wgrad_sets_case(&M, &rng, "edges 256->512", 8, 2, ab, 256, 512);
+        wgrad_sets_case(&M, &rng, "many tiles 1032->904", 8, 2, ab, 1032, 904);
+        wgrad_sets_case(&M, &rng, "I, O not /64 (200->136)", 8, 2, ba, 200, 136);
+        wgrad_sets_case(&M, &rng, "300 experts 64->72", MANY, 2, many2, 64, 72);
+        wgrad_sets_case(&M, &rng, "second set empty", 8, 2, a_, 256, 128);
+        wgrad_sets_case(&M, &rng, "first set empty", 8, 2, _b, 256, 128);
+        wgrad_sets_case(&M, &rng, "I, O not /8 (fallback)", 8, 2, ab, 100, 60);
+        wgrad_sets_case(&M, &rng, "no rows at all", 8, 2, __, 64, 72);
+        wgrad_sets_case(&M, &rng, "one set", 8, 1, one, 256, 128);
+        wgrad_sets_case(&M, &rng, "edges 256->512", 8, 3, abc, 256, 512);
+        wgrad_sets_case(&M, &rng, "many tiles 1032->904", 8, 4, abcd, 1032, 904);
+        wgrad_sets_case(&M, &rng, "sets 2 and 4 empty", 8, 4, a_c_, 200, 136);
+        wgrad_sets_case(&M, &rng, "first of four empty", 8, 4, _bcd, 256, 128);
+        wgrad_sets_case(&M, &rng, "300 experts 64->72", MANY, 4, many4, 64, 72);
+        wgrad_sets_case(&M, &rng, "I, O not /8 (fallback)", 8, 4, abcd, 100, 60);
+    }
+}
+
+/* MT_FORCE_SM80=1 (make test-gpu's sm_80 pass) must really take the sm_80 paths on a Hopper GPU,
+ * or that pass would test the Hopper kernels twice. */
+Test(gpu, force_sm80_declines_the_hopper_kernels)
+{
+    struct mode M;
+    mode_get(1, &M);
+#ifdef MT_HAVE_CUDA
+    const bool forced = mt_env_flag("MT_FORCE_SM80");
+    fprintf(stderr, "gpu MT_FORCE_SM80=%d: Hopper grouped GEMM %s\n", forced,
+            grouped_gemm_available() ? "on" : "off (cuBLAS)");
+    if (forced) cr_expect(!grouped_gemm_available(), "MT_FORCE_SM80=1 but the Hopper kernel runs");
+#endif
+}
