@@ -37,6 +37,9 @@
  *          elementwise steps, and give the same bits as these mma.sync kernels (measured at the
  *          bench shape, D = 128 and 64): 1.98 ms against 3.59 ms on an H100 at B=2 S=4096 Hq=32/4
  *          D=128 (347 against 191 TFLOPS, counting 2.5× the forward's causal FLOPs).
+ *          On Hopper by default (ATTN_BWD_DS) pass (2) also stores each dSᵀ tile (bf16, 1 GiB at
+ *          that shape, in memory the caller lends or a scratch buffer) and pass (3) reads them
+ *          back: dQ += dS·K only, 5 products, the same bits (H200: 1.38 ms against 1.54).
  * Heavy blocks first: the tile index is the slow grid dimension and runs from the longest causal
  * rows (forward, dQ: the last query tiles; dK/dV: the first key tiles) to the shortest.
  *
@@ -65,7 +68,15 @@ extern "C" bool attention_tc_backward(void *dq, void *dk, void *dv, const void *
                                       const void *k, const void *v, const void *out,
                                       const float *lse, int B, int S, int Hq, int Hkv, int D)
 {
-    return tc_backward(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, nullptr);
+    return tc_backward(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, nullptr, nullptr, 0);
+}
+
+extern "C" bool attention_tc_backward_work(void *dq, void *dk, void *dv, const void *dout,
+                                           const void *q, const void *k, const void *v,
+                                           const void *out, const float *lse, int B, int S, int Hq,
+                                           int Hkv, int D, void *work, size_t work_bytes)
+{
+    return tc_backward(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, nullptr, work, work_bytes);
 }
 
 extern "C" void attention_simt_forward(void *out, float *lse, const void *q, const void *k,
@@ -96,10 +107,11 @@ void cu_attention_tc_forward(void *out, float *lse, const void *q, const void *k
 template <typename T>
 void cu_attention_tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
                               const void *k, const void *v, const void *out, const float *lse,
-                              int B, int S, int Hq, int Hkv, int D, const int32_t *seg)
+                              int B, int S, int Hq, int Hkv, int D, const int32_t *seg, void *work,
+                              size_t work_bytes)
 {
     if (std::is_same<T, bf16>::value &&
-        tc_backward(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, seg))
+        tc_backward(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, seg, work, work_bytes))
         return;
     cu_attention_backward<T>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, seg);
 }
@@ -113,8 +125,8 @@ template void cu_attention_tc_forward<bf16>(void *, float *, const void *, const
 template void cu_attention_tc_backward<float>(void *, void *, void *, const void *, const void *,
                                               const void *, const void *, const void *,
                                               const float *, int, int, int, int, int,
-                                              const int32_t *);
+                                              const int32_t *, void *, size_t);
 template void cu_attention_tc_backward<bf16>(void *, void *, void *, const void *, const void *,
                                              const void *, const void *, const void *,
                                              const float *, int, int, int, int, int,
-                                             const int32_t *);
+                                             const int32_t *, void *, size_t);

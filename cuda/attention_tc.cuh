@@ -15,6 +15,7 @@
 #define MT_CUDA_ATTENTION_TC_CUH
 
 #include <stdbool.h>
+#include <stddef.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -27,6 +28,13 @@ bool attention_tc_forward(void *out, float *lse, const void *q, const void *k, c
 bool attention_tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
                            const void *k, const void *v, const void *out, const float *lse, int B,
                            int S, int Hq, int Hkv, int D);
+/* the same with work (work_bytes) lent for the stored dS tiles (used when at least
+ * attention_tc_ds_bytes; else the backend's scratch) */
+bool attention_tc_backward_work(void *dq, void *dk, void *dv, const void *dout, const void *q,
+                                const void *k, const void *v, const void *out, const float *lse,
+                                int B, int S, int Hq, int Hkv, int D, void *work, size_t work_bytes);
+/* the bytes the stored dS tiles of a backward take */
+size_t attention_tc_ds_bytes(int B, int S, int Hq);
 
 void attention_simt_forward(void *out, float *lse, const void *q, const void *k, const void *v,
                             int B, int S, int Hq, int Hkv, int D);
@@ -48,10 +56,13 @@ int attention_tc_set_variant(int fwd);
 
 /* Selects the backward kernels for tests and benchmarks: variant = dkdv + ATTN_BWD_KINDS·dq, each
  * 0 = the mma.sync kernel, 1 = warp-specialised wgmma (TMA producer warpgroup, two wgmma
- * warpgroups); the default is 1 + 2·1. On a GPU other than sm_90, or with MT_FORCE_SM80=1, the
+ * warpgroups); 1 + 2·1 was the default before ATTN_BWD_DS. On a GPU other than sm_90, or with MT_FORCE_SM80=1, the
  * mma.sync kernels run whatever is selected. All give the same bits.
  * Out-of-range values change nothing. Returns the previous one. Not thread-safe. */
 enum { ATTN_BWD_KINDS = 2 };
+/* ... and ATTN_BWD_DS (the default on Hopper): the warp-specialised passes with 5 products, the
+ * dK/dV pass storing each dS tile (bf16) for the dQ pass (attention_tc_ds_bytes of scratch) */
+enum { ATTN_BWD_DS = ATTN_BWD_KINDS * ATTN_BWD_KINDS, ATTN_BWD_VARIANTS };
 int attention_tc_set_bwd_variant(int variant);
 
 #ifdef __cplusplus
@@ -66,7 +77,8 @@ void cu_attention_tc_forward(void *out, float *lse, const void *q, const void *k
 template <typename T>
 void cu_attention_tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
                               const void *k, const void *v, const void *out, const float *lse,
-                              int B, int S, int Hq, int Hkv, int D, const int32_t *seg);
+                              int B, int S, int Hq, int Hkv, int D, const int32_t *seg, void *work,
+                              size_t work_bytes);
 #endif
 
 #endif

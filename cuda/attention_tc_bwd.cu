@@ -259,6 +259,10 @@ tc_bwd_dq_kernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dout, const bf1
  *            replaced: 1.84, with one warp-specialised pass 1.71 / 1.67)
  *   D = 64:  mma.sync 1.98, warp-specialised 1.04 (cp.async wgmma 1.31) */
 int g_bwd_dkdv = 1, g_bwd_dq = 1;
+/* ATTN_BWD_DS: the warp-specialised passes with dS stored between them (attn_tma_bwd_ds), 5
+ * products instead of 7 for 1 GiB of scratch at B=2 S=4096 Hq=32 (the caller's work or
+ * SCRATCH_ATTN_DS). The default on Hopper. */
+bool g_bwd_ds = true;
 
 template <int D, bool DOCS> void dkdv_mma_launch(const attn_bwd_args &a)
 {
@@ -300,7 +304,7 @@ template <int D> void dq_launch(const attn_bwd_args &a, int variant)
 template <int D>
 void tc_bwd_launch(void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
                    const void *v, const void *out, const float *lse, int B, int S, int Hq, int Hkv,
-                   const int32_t *seg)
+                   const int32_t *seg, void *work, size_t work_bytes)
 {
     const float scale = tc_scale(D);
     const size_t rows = (size_t)B * S * Hq;
@@ -311,10 +315,17 @@ void tc_bwd_launch(void *dq, void *dk, void *dv, const void *dout, const void *q
     CUDA_LAUNCH_CHECK("attention tc backward prep");
     const attn_bwd_args a = {(bf16 *)dq, (bf16 *)dk, (bf16 *)dv, (const bf16 *)dout, (const bf16 *)q,
                         (const bf16 *)k, (const bf16 *)v, lse2, delta, B, S, Hq, Hkv, scale,
-                        scale * LOG2E, seg};
+                        scale * LOG2E, seg, nullptr};
     /* the sm_80 path takes mma.sync (variant 0); documents (a.seg) do too: the wgmma kernels know
      * only the causal mask */
     const bool wg = g_cuda.hopper;
+    if (wg && g_bwd_ds && !seg) {
+        attn_bwd_args ad = a;
+        const size_t need = attn_ds_bytes(B, S, Hq);
+        ad.ds = (bf16 *)(work && work_bytes >= need ? work : cuda_scratch(SCRATCH_ATTN_DS, need));
+        attn_tma_bwd_ds(ad, D);
+        return;
+    }
     dkdv_launch<D>(a, wg ? g_bwd_dkdv : 0);
     dq_launch<D>(a, wg ? g_bwd_dq : 0);
 }
@@ -324,20 +335,26 @@ void tc_bwd_launch(void *dq, void *dk, void *dv, const void *dout, const void *q
 /* The backward with optional document ids (seg [B,S] or nullptr: then the mma.sync kernels). */
 bool tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
                  const void *v, const void *out, const float *lse, int B, int S, int Hq, int Hkv,
-                 int D, const int32_t *seg)
+                 int D, const int32_t *seg, void *work, size_t work_bytes)
 {
     const void *ptrs[] = {dq, dk, dv, dout, q, k, v, out};
     if (!tc_handles(B, S, Hq, Hkv, D, ptrs, 8)) return false;
     if (B == 0 || S == 0) return true;
-    if (D == 128) tc_bwd_launch<128>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, seg);
-    else tc_bwd_launch<64>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, seg);
+    if (D == 128) tc_bwd_launch<128>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, seg, work, work_bytes);
+    else tc_bwd_launch<64>(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, seg, work, work_bytes);
     return true;
 }
 
 extern "C" int attention_tc_set_bwd_variant(int variant)
 {
-    const int old = g_bwd_dkdv + ATTN_BWD_KINDS * g_bwd_dq;
-    if (variant >= 0 && variant < ATTN_BWD_KINDS * ATTN_BWD_KINDS)
+    const int old = g_bwd_ds ? ATTN_BWD_DS : g_bwd_dkdv + ATTN_BWD_KINDS * g_bwd_dq;
+    if (variant == ATTN_BWD_DS) {
+        g_bwd_ds = true;
+    } else if (variant >= 0 && variant < ATTN_BWD_KINDS * ATTN_BWD_KINDS) {
+        g_bwd_ds = false;
         g_bwd_dkdv = variant % ATTN_BWD_KINDS, g_bwd_dq = variant / ATTN_BWD_KINDS;
+    }
     return old;
 }
+
+extern "C" size_t attention_tc_ds_bytes(int B, int S, int Hq) { return attn_ds_bytes(B, S, Hq); }

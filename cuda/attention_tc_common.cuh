@@ -18,6 +18,7 @@ struct attn_bwd_args {
     int B, S, Hq, Hkv;
     float scale, scale_log2;
     const int32_t *seg;   /* [B,S] document ids or nullptr; only the mma.sync kernels read it */
+    bf16 *ds;             /* attn_tma_bwd_ds: room for attn_ds_bytes(B, S, Hq) */
 };
 
 /* The forward on wgmma (sm_90a, no document masks), D = 64 or 128, variant 1..4 = (warpgroups per
@@ -33,6 +34,15 @@ void attn_tma_forward(void *out, float *lse, const void *q, const void *k, const
  * producer warpgroup and two wgmma consumer warpgroups per block. */
 void attn_tma_dkdv(const attn_bwd_args &a, int D);
 void attn_tma_dq(const attn_bwd_args &a, int D);
+/* Both passes with 5 products instead of 7: the dK/dV pass also stores every dSᵀ tile (bf16) to
+ * a.ds, and the dQ pass reads them back instead of recomputing S and dP. Same bits as the others. */
+void attn_tma_bwd_ds(const attn_bwd_args &a, int D);
+/* the bytes a.ds needs: the 64 × 64 tiles of the causal lower triangle of every (batch, head) */
+inline size_t attn_ds_bytes(int B, int S, int Hq)
+{
+    const size_t nt = (size_t)(S + 63) / 64;
+    return (size_t)B * Hq * (nt * (nt + 1) / 2) * 64 * 64 * sizeof(bf16);
+}
 /* [B][S][H·D] bf16 as a 3-D tensor map with boxes of 64 columns × `rows` rows (the layout of
  * wgmma's 128-byte-swizzle tiles); `what` names the kernel in the error message */
 void attn_head_map(CUtensorMap *m, const void *x, int B, int S, int H, int D, int rows, const char *what);

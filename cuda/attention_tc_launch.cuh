@@ -33,9 +33,11 @@ inline bool tc_handles(int B, int S, int Hq, int Hkv, int D, const void *const *
  * the tensor-core kernels handle. */
 bool tc_forward(void *out, float *lse, const void *q, const void *k, const void *v, int B, int S,
                 int Hq, int Hkv, int D, const int32_t *seg);
-/* The backward with optional document ids (seg [B,S] or nullptr: then the mma.sync kernels). */
+/* The backward with optional document ids (seg [B,S] or nullptr: then the mma.sync kernels);
+ * work (work_bytes, may be null) is memory the caller lends for the stored dS (ATTN_BWD_DS), used
+ * when large enough instead of the backend's own scratch. */
 bool tc_backward(void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
                  const void *v, const void *out, const float *lse, int B, int S, int Hq, int Hkv,
-                 int D, const int32_t *seg);
+                 int D, const int32_t *seg, void *work, size_t work_bytes);
 
 #endif

@@ -25,7 +25,15 @@
  *
  * Each pass recomputes P from q, k and lse: 7 products against FlashAttention-2's 5, whose dQ is
  * summed with atomics across key tiles; here every output element is accumulated by one thread in
- * a fixed order, so the gradients are the same bits run to run (and as the mma.sync kernels'). */
+ * a fixed order, so the gradients are the same bits run to run (and as the mma.sync kernels').
+ * ATTN_BWD_DS (the default) gets to 5 products without atomics: the dK/dV pass also writes each
+ * dSᵀ tile it forms (64 keys × 64 queries, bf16) through a staging tile per warpgroup and one bulk
+ * store (two named barriers a tile: the previous store has read the staging tile; every warp has
+ * written it), and tc_bwd_dq_ds_kernel streams those tiles back with the K tiles for dQ += dS·K.
+ * The tiles are the bytes of a 128-byte-swizzled shared-memory tile, so both copies are single
+ * bulk copies; bf16 dS is what the recomputing dQ pass feeds its MMA too, hence the same bits.
+ * H200, B=2 S=4096 Hq=32/4 D=128: 1.38 ms for both passes against 1.54 (the dS round trip, 1 GiB
+ * each way, is what the dQ pass now waits for). */
 #include "attention_wgmma.cuh"
 
 #include <type_traits>
@@ -35,8 +43,10 @@ namespace {
 struct bwd_tma_params {
     CUtensorMap map_q, map_do, map_k, map_v; /* [B][S][H·D] bf16, boxes of 64 columns × rows */
     bf16 *dq, *dk, *dv;
+    bf16 *ds;        /* the dSᵀ tiles (ds_tile_offset) when the dK/dV pass stores them, else null */
     const float *lse2, *delta;
     int S, Hq, Hkv;
+    int ds_tiles;    /* dS tiles of one (batch, head): nt(nt + 1)/2, nt = ceil(S / 64) */
     float scale, scale_log2;
 };
 
@@ -44,10 +54,33 @@ constexpr int TMA_BWD_THREADS = 384;
 constexpr int DKDV_BK = 128, DKDV_BQ = 64; /* keys per block, queries per streamed tile */
 constexpr int DQ_BQ = 128, DQ_BC = 64;     /* queries per block, keys per streamed tile */
 
-template <int D, int STAGES> constexpr size_t dkdv_tma_smem_bytes()
+constexpr uint32_t DS_TILE_BYTES = 64 * 64 * 2; /* one 64 × 64 bf16 dSᵀ tile */
+
+template <int D, int STAGES, bool STORE_DS> constexpr size_t dkdv_tma_smem_bytes()
 {
     return 1024 + (size_t)2 * DKDV_BK * D * 2 + (size_t)STAGES * 2 * DKDV_BQ * D * 2 +
-           (size_t)STAGES * 2 * DKDV_BQ * sizeof(float) + (2 * STAGES + 1) * 8;
+           (STORE_DS ? 2 * DS_TILE_BYTES : 0) + (size_t)STAGES * 2 * DKDV_BQ * sizeof(float) +
+           (2 * STAGES + 1) * 8;
+}
+template <int D, int STAGES> constexpr size_t dq_ds_smem_bytes()
+{
+    return 1024 + (size_t)STAGES * (DQ_BC * D * 2 + 2 * DS_TILE_BYTES) + (2 * STAGES + 1) * 8;
+}
+
+/* Where the dSᵀ tile of query tile qt and key tile kt (64 each, kt <= qt) of (batch b, head h)
+ * starts, in elements: the tiles of the causal lower triangle, row by row, of each (b, h) in turn.
+ * A tile is the bytes of a 128-byte-swizzled [64 keys][64 queries] shared-memory tile, which is
+ * the MN-major A operand (rows = the k dimension) of dQ += dS·K: it goes from shared memory to
+ * global memory and back in single bulk copies. */
+__device__ __forceinline__ size_t ds_tile_offset(const bwd_tma_params &p, int b, int h, int qt, int kt)
+{
+    return (((size_t)b * p.Hq + h) * p.ds_tiles + (size_t)qt * (qt + 1) / 2 + kt) * (64 * 64);
+}
+
+/* named barrier of one consumer warpgroup (ids 1, 2; 0 is __syncthreads) */
+__device__ __forceinline__ void wg_bar_sync(int wg)
+{
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
 }
 template <int D, int STAGES> constexpr size_t dq_tma_smem_bytes()
 {
@@ -81,7 +114,7 @@ __device__ __forceinline__ void init_ring(uint32_t bars, int stages, uint32_t fu
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
-template <int D, int STAGES>
+template <int D, int STAGES, bool STORE_DS>
 __global__ void __launch_bounds__(TMA_BWD_THREADS, 1)
 tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
 {
@@ -94,7 +127,8 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
     const uint32_t raw = smem_u32(smem_raw);
     const uint32_t Ks = (raw + 1023u) & ~1023u, Vs = Ks + KV_BYTES;
     const uint32_t ring = Vs + KV_BYTES; /* stage s: Q at ring + 2s·T_BYTES, dO after it */
-    float *ls = reinterpret_cast<float *>(smem_raw + (ring + STAGES * 2 * T_BYTES - raw)); /* [STAGES][BQ] */
+    const uint32_t ds_stage = ring + STAGES * 2 * T_BYTES; /* STORE_DS: warpgroup w's dSᵀ tile */
+    float *ls = reinterpret_cast<float *>(smem_raw + (ds_stage + (STORE_DS ? 2 * DS_TILE_BYTES : 0) - raw)); /* [STAGES][BQ] */
     float *dls = ls + STAGES * BQ;
     const uint32_t bars = smem_u32(dls + STAGES * BQ);
     auto full_bar = [&](int s) { return bars + 8u * s; };
@@ -205,6 +239,27 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
 #pragma unroll
             for (int e = 0; e < 4; e++) pt[4 * j + e] *= dp[4 * j + e] - ((e & 1) ? d2.y : d2.x);
         }
+        if constexpr (STORE_DS) {
+            /* the tile's dSᵀ goes out for the dQ pass: into the warpgroup's staging tile once the
+             * previous tile's bulk store has read it, then one bulk store */
+            const uint32_t dst = ds_stage + wg * DS_TILE_BYTES;
+            if (warp == 0 && lane == 0) bulk_wait_read();
+            wg_bar_sync(wg);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    const uint32_t v = pack_bf16(pt[4 * j + 2 * r], pt[4 * j + 2 * r + 1]);
+                    const uint32_t a = dst + (16 * warp + g + 8 * r) * 128 + ((j ^ g) << 4) + 4 * t;
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
+                }
+            fence_proxy_async();
+            wg_bar_sync(wg);
+            if (warp == 0 && lane == 0) {
+                bulk_store(p.ds + ds_tile_offset(p, b, hk * group + gi, q0 / 64, wk0 / 64), dst, DS_TILE_BYTES);
+                bulk_commit();
+            }
+        }
         bwd_product<D, BQ>(dka, pt, Qt, started); /* dK += dSᵀ·Q */
         started = 1;
         pend = it;
@@ -212,6 +267,7 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
     wgmma_wait<0>();
     fence_regs(dka);
     fence_regs(dva);
+    if (STORE_DS && warp == 0 && lane == 0) bulk_wait_all(); /* the staging tile outlives its reads */
     const size_t kstride = (size_t)Hkv * D, at = (size_t)b * S * kstride + (size_t)hk * D + 2 * t;
     bwd_store_rows<D>(p.dk + at, kstride, dka, key0, S, p.scale);
     bwd_store_rows<D>(p.dv + at, kstride, dva, key0, S, 1.0f);
@@ -335,6 +391,88 @@ tc_bwd_dq_tma_kernel(const __grid_constant__ bwd_tma_params p)
 #endif
 }
 
+/* dQ from the stored dS (variant ATTN_BWD_DS): grid (B·Hq, query tiles of 128) heaviest first as
+ * above; consumer warpgroup w owns queries 64w .. and reads, per key tile of 64, its dSᵀ tile (left
+ * by the dK/dV pass) and the K tile: dQ += dS·K, one SS product with both operands MN-major, the
+ * one product of the five left to this pass. Ring stage s: K, then warpgroup 0's and 1's dS tiles;
+ * a tile no query of a warpgroup sees was never stored and is not loaded. */
+template <int D, int STAGES>
+__global__ void __launch_bounds__(TMA_BWD_THREADS, 1)
+tc_bwd_dq_ds_kernel(const __grid_constant__ bwd_tma_params p)
+{
+#ifdef MT_NO_HOPPER_CODE
+    __trap();
+#else
+    constexpr int BQ = DQ_BQ, BC = DQ_BC, NA = D / 2;
+    constexpr uint32_t K_BYTES = BC * D * 2, STAGE_BYTES = K_BYTES + 2 * DS_TILE_BYTES;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u; /* stage s at ring + s·STAGE_BYTES */
+    const uint32_t bars = ring + STAGES * STAGE_BYTES;
+    auto full_bar = [&](int s) { return bars + 8u * s; };
+    auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
+
+    const int S = p.S, Hq = p.Hq;
+    const int nqt = (S + BQ - 1) / BQ;
+    const int qt = nqt - 1 - (int)blockIdx.y;
+    const int bh = blockIdx.x, b = bh / Hq, h = bh - b * Hq, hk = h / (Hq / p.Hkv);
+    const int q0 = qt * BQ;
+    const int nkt = (min(q0 + BQ, S) - 1) / BC + 1;
+    /* warpgroup w's queries see key tile j when j <= its query tile and it has a query < S */
+    auto sees = [&](int w, int j) { return q0 + 64 * w < S && j <= 2 * qt + w; };
+
+    if (threadIdx.x == 0) init_ring(bars, STAGES, 1);
+    __syncthreads();
+
+    const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
+    if (wg == 2) {
+        /* ------------------------------------------------ producer */
+        setmaxnreg_dec<24>();
+        if (threadIdx.x != 256) return;
+        for (int j = 0; j < nkt; j++) {
+            const int st = j % STAGES;
+            const uint32_t Kt = ring + st * STAGE_BYTES, fb = full_bar(st);
+            const bool s0 = sees(0, j), s1 = sees(1, j);
+            mbar_wait(empty_bar(st), ((j / STAGES) & 1) ^ 1);
+            mbar_expect_tx(fb, K_BYTES + (s0 + s1) * DS_TILE_BYTES);
+            for (int c = 0; c < D / 64; c++) tma_3d(Kt + c * (BC * 128), &p.map_k, hk * D + 64 * c, j * BC, b, fb);
+            if (s0) bulk_load(Kt + K_BYTES, p.ds + ds_tile_offset(p, b, h, 2 * qt, j), DS_TILE_BYTES, fb);
+            if (s1) bulk_load(Kt + K_BYTES + DS_TILE_BYTES, p.ds + ds_tile_offset(p, b, h, 2 * qt + 1, j), DS_TILE_BYTES, fb);
+        }
+        return;
+    }
+
+    /* ---------------------------------------------------- consumers */
+    setmaxnreg_inc<240>();
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    const int t = lane & 3;
+    const int row0 = q0 + 64 * wg + 16 * warp + (lane >> 2); /* the thread's rows: row0, row0 + 8 */
+    float acc[NA]; /* started by key tile 0, which every warpgroup with a row < S sees */
+    undef_regs(acc);
+    int pend = -1;
+    for (int j = 0; j < nkt; j++) {
+        const int st = j % STAGES;
+        mbar_wait(full_bar(st), (j / STAGES) & 1);
+        if (!sees(wg, j)) {
+            skip_tile(empty_bar(0), STAGES, st, pend, lane);
+            continue;
+        }
+        const uint32_t Kt = ring + st * STAGE_BYTES, dSt = Kt + K_BYTES + wg * DS_TILE_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++)
+            wgmma_ss_nn<D, 1, 1>(acc, desc_mnmajor<64>(dSt, kk), desc_mnmajor<BC>(Kt, kk), j > 0 || kk > 0);
+        wgmma_commit();
+        wgmma_wait<1>(); /* the previous tile's product has retired */
+        if (pend >= 0) release_stage(empty_bar(pend % STAGES), lane);
+        pend = j;
+    }
+    wgmma_wait<0>();
+    fence_regs(acc);
+    const size_t qstride = (size_t)Hq * D;
+    bwd_store_rows<D>(p.dq + (size_t)b * S * qstride + (size_t)h * D + 2 * t, qstride, acc, row0, S, p.scale);
+#endif
+}
+
 bwd_tma_params tma_params(const attn_bwd_args &a, int D, int q_rows, int kv_rows, const char *what)
 {
     bwd_tma_params p;
@@ -346,17 +484,19 @@ bwd_tma_params tma_params(const attn_bwd_args &a, int D, int q_rows, int kv_rows
     p.lse2 = a.lse2, p.delta = a.delta;
     p.S = a.S, p.Hq = a.Hq, p.Hkv = a.Hkv;
     p.scale = a.scale, p.scale_log2 = a.scale_log2;
+    const int nt = (a.S + 63) / 64;
+    p.ds = a.ds, p.ds_tiles = nt * (nt + 1) / 2;
     return p;
 }
 
-template <int D, int STAGES> void dkdv_tma_launch(const attn_bwd_args &a)
+template <int D, int STAGES, bool STORE_DS> void dkdv_tma_launch(const attn_bwd_args &a)
 {
     const bwd_tma_params p = tma_params(a, D, DKDV_BQ, DKDV_BK, "attention backward dk dv (TMA)");
-    constexpr size_t smem = dkdv_tma_smem_bytes<D, STAGES>();
+    constexpr size_t smem = dkdv_tma_smem_bytes<D, STAGES, STORE_DS>();
     static bool opted;
-    smem_opt_in(tc_bwd_dkdv_tma_kernel<D, STAGES>, smem, &opted);
+    smem_opt_in(tc_bwd_dkdv_tma_kernel<D, STAGES, STORE_DS>, smem, &opted);
     const dim3 grid((unsigned)(a.B * a.Hkv), (unsigned)((a.S + DKDV_BK - 1) / DKDV_BK));
-    tc_bwd_dkdv_tma_kernel<D, STAGES><<<grid, TMA_BWD_THREADS, smem, g_cuda.stream>>>(p);
+    tc_bwd_dkdv_tma_kernel<D, STAGES, STORE_DS><<<grid, TMA_BWD_THREADS, smem, g_cuda.stream>>>(p);
     CUDA_LAUNCH_CHECK("attention tc backward dk dv (TMA)");
 }
 
@@ -371,12 +511,29 @@ template <int D, int STAGES> void dq_tma_launch(const attn_bwd_args &a)
     CUDA_LAUNCH_CHECK("attention tc backward dq (TMA)");
 }
 
+template <int D, int STAGES> void dq_ds_launch(const attn_bwd_args &a)
+{
+    const bwd_tma_params p = tma_params(a, D, DQ_BQ, DQ_BC, "attention backward dq from dS (TMA)");
+    constexpr size_t smem = dq_ds_smem_bytes<D, STAGES>();
+    static bool opted;
+    smem_opt_in(tc_bwd_dq_ds_kernel<D, STAGES>, smem, &opted);
+    const dim3 grid((unsigned)(a.B * a.Hq), (unsigned)((a.S + DQ_BQ - 1) / DQ_BQ));
+    tc_bwd_dq_ds_kernel<D, STAGES><<<grid, TMA_BWD_THREADS, smem, g_cuda.stream>>>(p);
+    CUDA_LAUNCH_CHECK("attention tc backward dq from dS (TMA)");
+}
+
 } /* namespace */
 
 void attn_tma_dkdv(const attn_bwd_args &a, int D)
 {
-    if (D == 128) dkdv_tma_launch<128, 4>(a);
-    else dkdv_tma_launch<64, 4>(a);
+    if (D == 128) dkdv_tma_launch<128, 4, false>(a);
+    else dkdv_tma_launch<64, 4, false>(a);
+}
+
+void attn_tma_bwd_ds(const attn_bwd_args &a, int D)
+{
+    if (D == 128) dkdv_tma_launch<128, 4, true>(a), dq_ds_launch<128, 6>(a);
+    else dkdv_tma_launch<64, 4, true>(a), dq_ds_launch<64, 8>(a);
 }
 
 void attn_tma_dq(const attn_bwd_args &a, int D)

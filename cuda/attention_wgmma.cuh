@@ -44,22 +44,25 @@ template <int R> __device__ __forceinline__ uint64_t desc_mnmajor(uint32_t tile,
     return sw128_desc(tile + (uint32_t)kk * 2048, R * 128);
 }
 
-/* d[64×64] (+)= A[64×16] · B[64×16]ᵀ, both K-major in shared memory */
+/* d[64×64] (+)= A[64×16] · B[16×64], both in shared memory, K-major unless TA / TB (then MN-major:
+ * A's 64 rows, B's 64 columns contiguous) */
+template <int TA = 0, int TB = 0>
 __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t da, uint64_t db, int acc)
 {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
                  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-                 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
                    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
                    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "l"(da), "l"(db), "r"(acc));
+                 : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB));
 }
 
-/* d[64×128] (+)= A[64×16] · B[128×16]ᵀ, both K-major in shared memory */
+/* d[64×128] (+)= A[64×16] · B[16×128], both in shared memory, K-major unless TA / TB (as wgmma_ss_n64) */
+template <int TA = 0, int TB = 0>
 __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t da, uint64_t db, int acc)
 {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -68,7 +71,7 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t da, uint6
                  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
                  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
                  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-                 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
                    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -77,15 +80,16 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t da, uint6
                    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
                    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
                    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "l"(da), "l"(db), "r"(acc));
+                 : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB));
 }
 
-/* S (+)= A·Bᵀ over 16 columns with N = 64 or 128 rows of B: the score tile of a key block */
-template <int N>
+/* d (+)= A·B over 16 k with N = 64 or 128: the score tile of a key block (K-major A and B), or
+ * dS·K in the backward's dQ pass (both MN-major) */
+template <int N, int TA = 0, int TB = 0>
 __device__ __forceinline__ void wgmma_ss_nn(float (&d)[N / 2], uint64_t da, uint64_t db, int acc)
 {
-    if constexpr (N == 128) wgmma_ss_n128(d, da, db, acc);
-    else wgmma_ss_n64(d, da, db, acc);
+    if constexpr (N == 128) wgmma_ss_n128<TA, TB>(d, da, db, acc);
+    else wgmma_ss_n64<TA, TB>(d, da, db, acc);
 }
 
 /* d[64×64] (+)= A[64×16] · B[16×64], A in registers (the mma A fragment, warp w of the group

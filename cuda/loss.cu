@@ -152,18 +152,6 @@ void cu_cross_entropy_backward(void *dlogits, const void *logits, const float *l
 enum { CEF_THREADS = 256, CEF_CHUNK = 16384, CEF_MAX_CHUNKS = 7,
        CEF_SLICE = CEF_MAX_CHUNKS * CEF_CHUNK, CEF_MAX_CLUSTER = 8 };
 
-__device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_t bytes, uint32_t bar)
-{
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void bulk_store(void *dst, uint32_t src, uint32_t bytes)
-{
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
-                 : "memory");
-}
-
 /* (max, Σ) of the cluster's CTA `rank`, from its shared memory at our address `a` */
 __device__ __forceinline__ float2 peer_pair(uint32_t a, uint32_t rank)
 {

@@ -109,6 +109,18 @@ __device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap *map, uint32
                  ::"l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(src)
                  : "memory");
 }
+/* global <-> shared without a tensor map: `bytes` (a multiple of 16, both addresses 16-aligned)
+ * copied whole; the load completes on the mbarrier, the store is one bulk group of this thread */
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_t bytes, uint32_t bar)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void bulk_store(void *dst, uint32_t src, uint32_t bytes)
+{
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
+                 : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 /* this thread's bulk stores have read their shared memory (it may be rewritten) */
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }

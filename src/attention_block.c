@@ -33,8 +33,11 @@ void attention_backward(struct model *m, int l)
 
     /* d_t1 = dL/d attn */
     be->matmul_backward(m->d_t1, G(m, TR_O, l), m->d_h, a->attn, W(m, TR_O, l), T, Hq * D, H, false);
+    /* the logits (and the gradient the head wrote over them) are dead until the next forward */
+    void *work = m->st.last ? m->logits : NULL;
+    const size_t work_bytes = work ? (size_t)T * m->V * be->x_size : 0;
     be->attention_backward(m->d_q, m->d_k, m->d_v, m->d_t1, a->q, a->k, a->v, a->attn, a->lse,
-                           m->B, m->S, Hq, Hkv, D, m->seg);
+                           m->B, m->S, Hq, Hkv, D, m->seg, work, work_bytes);
     /* d_t2 = dL/d q_pre, then d_t3 = dL/d a accumulated over q, k, v */
     be->rmsnorm_rope_backward(m->d_t2, G(m, TR_QNORM, l), m->d_q, a->q_pre, W(m, TR_QNORM, l),
                               a->rstd_q, m->pos, T, Hq, D, theta);

@@ -118,7 +118,7 @@ double estimate_activation_bytes(const struct config *c, int layer0, int layer1,
  * expert-side gradient rows (as x_exp, gu, act, y_exp: headroom x T x k rows), and with ep > 1 the
  * sender's pair rows with their metadata and the all-to-all receive window (comm_ipc / NCCL inbox:
  * the rows a rank receives, 25% headroom). MT_MOE_LOOPBACK (a benchmarking switch) is not counted. */
-static double scratch_bytes(const struct config *c)
+static double scratch_bytes(const struct config *c, bool last)
 {
     const struct model_config *m = &c->model;
     const double T = (double)c->train.micro_batch_size * (double)c->train.seq_len;
@@ -136,6 +136,14 @@ static double scratch_bytes(const struct config *c)
         /* parallel.moe_chunks > 1 (moe_exchange.c) receives into its own window instead of the
          * inbox (the same size) and adds one for the routing-weight gradients coming home */
         if (ep > 1 && c->parallel.moe_chunks > 1) b += 1.25 * pairs * k * 4;
+    }
+    /* the bf16 attention backward keeps its dS tiles (64 x 64 of the causal lower triangle of each
+     * sequence and query head) in the logits on the last stage when they fit, elsewhere in a
+     * buffer of its own (cuda/attention_tma_bwd.cu) */
+    if (m->precision != MT_PREC_FP32 && (D == 64 || D == 128)) {
+        const double nt = (double)((c->train.seq_len + 63) / 64);
+        const double ds = (double)c->train.micro_batch_size * Hq * nt * (nt + 1) / 2 * 64 * 64 * 2;
+        if (!last || ds > T * (double)m->vocab_size * act_b) b += ds;
     }
     return b;
 }
@@ -253,7 +261,7 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
     }
     const double transfer = d->pp > 1 ? (double)e->slots * ((e->has_head ? 0 : 1) + (e->has_embed ? 0 : 1)) * T *
                                             m->hidden_size * x : 0;
-    e->buffer_bytes = staging + scratch_bytes(c) + transfer;
+    e->buffer_bytes = staging + scratch_bytes(c, e->has_head) + transfer;
     e->keep_copy = copy;
     e->total_bytes = e->param_bytes + e->grad_bytes + e->master_bytes + e->adam_bytes + e->act_bytes +
                      e->buffer_bytes;

@@ -160,9 +160,12 @@ struct backend {
      * to query i of the same sequence iff j <= i and seg[j] == seg[i]. */
     void (*attention_forward)(void *out, float *lse, const void *q, const void *k, const void *v,
                               int B, int S, int Hq, int Hkv, int D, const int32_t *seg);
+    /* work (work_bytes; may be null): memory free for the duration of the call that the backend
+     * may use as scratch (the CUDA one keeps the dS tiles there when they fit, saving its own) */
     void (*attention_backward)(void *dq, void *dk, void *dv, const void *dout, const void *q,
                                const void *k, const void *v, const void *out, const float *lse,
-                               int B, int S, int Hq, int Hkv, int D, const int32_t *seg);
+                               int B, int S, int Hq, int Hkv, int D, const int32_t *seg,
+                               void *work, size_t work_bytes);
 
     /* Router (docs/router.md): probs = softmax(logits) or sigmoid(logits) (o->sigmoid) in fp32;
      * choice score = probs + bias (bias NULL = none; it changes the selection only); with

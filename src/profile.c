@@ -124,8 +124,9 @@ W(attention_forward, PROF_ATTN, S,
   (o, lse, q, k, v, B, S, Hq, Hkv, D, seg))
 W(attention_backward, PROF_ATTN, S,
   (void *dq, void *dk, void *dv, const void *d, const void *q, const void *k, const void *v,
-   const void *o, const float *lse, int B, int S, int Hq, int Hkv, int D, const int32_t *seg),
-  (dq, dk, dv, d, q, k, v, o, lse, B, S, Hq, Hkv, D, seg))
+   const void *o, const float *lse, int B, int S, int Hq, int Hkv, int D, const int32_t *seg,
+   void *work, size_t work_bytes),
+  (dq, dk, dv, d, q, k, v, o, lse, B, S, Hq, Hkv, D, seg, work, work_bytes))
 W(router_forward, PROF_MOE_ROWS, E,
   (int32_t *ti, float *tw, float *p, const float *l, const float *b, int T, int E, int k,
    const struct router_opts *o),

@@ -11,7 +11,8 @@
  * triangle), backward 2.5× that (the usual convention; the kernels do more: dQ recomputes S, dP).
  * Inputs are random bf16 in [-1, 1) (never zeros). Before timing, the new kernels' outputs are
  * compared with the old ones at the benchmarked shape (each forward kernel: mma.sync 0-2, wgmma 3-6, TMA + wgmma 7-8) (‖new − old‖ / ‖old‖; lse max |diff|).
- * Then every backward kernel choice (attention_tc_set_bwd_variant: dK/dV kernel + 2 × dQ kernel)
+ * Then every backward kernel choice (attention_tc_set_bwd_variant: dK/dV kernel + 2 × dQ kernel,
+ * and ATTN_BWD_DS: the 5-product passes with dS stored between them)
  * is compared with the mma.sync pair (variant 0), run twice (the FNV-1a hash of dq, dk, dv must
  * not change) and timed; the default's hash is printed last, to compare between processes.
  * Timing uses CUDA events on the backend's stream. Without CUDA (or a GPU) it says so, exits 0. */
@@ -225,7 +226,7 @@ static void bwd_variants(int reps, double bwd_flop)
     float *ref[3] = {host_bf16(dq, nq), host_bf16(dk, nk), host_bf16(dv, nk)};
     printf("\n%-24s %8s %8s %9s %9s %9s  %-16s\n", "bwd variant (dkdv+2*dq)", "ms", "TFLOPS",
            "dq err", "dk err", "dv err", "hash");
-    for (int var = 0; var < ATTN_BWD_KINDS * ATTN_BWD_KINDS; var++) {
+    for (int var = 0; var < ATTN_BWD_VARIANTS; var++) {
         attention_tc_set_bwd_variant(var);
         for (int i = 0; i < 3; i++) poison(bufs[i], n[i] * 2);
         run_op(OP_BWD_TC);
@@ -241,8 +242,11 @@ static void bwd_variants(int reps, double bwd_flop)
         const uint64_t h2 = grads_hash();
         const double ms = time_op(OP_BWD_TC, 3, reps);
         char name[32];
-        snprintf(name, sizeof name, "%d (%d + %d*%d)%s", var, var % ATTN_BWD_KINDS, ATTN_BWD_KINDS,
-                 var / ATTN_BWD_KINDS, var == dflt ? " dflt" : "");
+        if (var == ATTN_BWD_DS)
+            snprintf(name, sizeof name, "%d (dS stored)%s", var, var == dflt ? " dflt" : "");
+        else
+            snprintf(name, sizeof name, "%d (%d + %d*%d)%s", var, var % ATTN_BWD_KINDS, ATTN_BWD_KINDS,
+                     var / ATTN_BWD_KINDS, var == dflt ? " dflt" : "");
         printf("%-24s %8.3f %8.1f %9.2e %9.2e %9.2e  %016llx%s\n", name, ms,
                bwd_flop / (ms * 1e-3) / 1e12, err[0], err[1], err[2], (unsigned long long)h1,
                h1 == h2 ? "" : " RERUN DIFFERS");

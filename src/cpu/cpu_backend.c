@@ -107,8 +107,10 @@ static void b_attention_forward(void *out, float *lse, const void *q, const void
 }
 static void b_attention_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
                                  const void *k, const void *v, const void *out, const float *lse,
-                                 int B, int S, int Hq, int Hkv, int D, const int32_t *seg)
+                                 int B, int S, int Hq, int Hkv, int D, const int32_t *seg,
+                                 void *work, size_t work_bytes)
 {
+    (void)work, (void)work_bytes;
     cpu_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, S, Hq, Hkv, D, seg);
 }
 

@@ -45,10 +45,12 @@ static void attention_case_seg(const struct mode *M, mt_rng *rng, int B, int S, 
 
     /* the backward takes the GPU's own forward outputs (out, lse), as the model does */
     void *d_dq = dx_poisoned(M, nq), *d_dk = dx_poisoned(M, nk), *d_dv = dx_poisoned(M, nk);
-    M->g->attention_backward(d_dq, d_dk, d_dv, d_dout, d_q, d_k, d_v, d_out, d_lse, B, S, Hq, Hkv, D, d_seg);
+    M->g->attention_backward(d_dq, d_dk, d_dv, d_dout, d_q, d_k, d_v, d_out, d_lse, B, S, Hq, Hkv, D, d_seg,
+                             NULL, 0);
     float *dq = hx_of(M, d_dq, nq), *dk = hx_of(M, d_dk, nk), *dv = hx_of(M, d_dv, nk);
     float *dq_ref = fnew(nq), *dk_ref = fnew(nk), *dv_ref = fnew(nk);
-    M->c->attention_backward(dq_ref, dk_ref, dv_ref, dout, q, k, v, out_ref, lse_ref, B, S, Hq, Hkv, D, seg);
+    M->c->attention_backward(dq_ref, dk_ref, dv_ref, dout, q, k, v, out_ref, lse_ref, B, S, Hq, Hkv, D, seg,
+                             NULL, 0);
     snprintf(what, sizeof what, "attention backward dq B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
     check_close(M, what, dq, dq_ref, nq, M->tol_long);
     snprintf(what, sizeof what, "attention backward dk B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
@@ -147,6 +149,7 @@ Test(gpu, attention_ragged_small_heads)
  * is ~1e-6 of lse's size (a few units); a wrong scale or mask moves it by O(0.1). */
 #ifdef MT_HAVE_CUDA
 #include "../../cuda/attention_tc.cuh"
+#include "../../cuda/grouped_gemm.cuh" /* grouped_gemm_available: a Hopper device in use */
 
 #define TOL_TC_LSE 1e-3
 
@@ -232,7 +235,8 @@ static void tc_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int
               "attention_tc_backward declined B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
     float *dq = hx_of(M, d_dq, nq), *dk = hx_of(M, d_dk, nk), *dv = hx_of(M, d_dv, nk);
     float *dq_ref = fnew(nq), *dk_ref = fnew(nk), *dv_ref = fnew(nk);
-    M->c->attention_backward(dq_ref, dk_ref, dv_ref, dout, q, k, v, out_ref, lse_ref, B, S, Hq, Hkv, D, NULL);
+    M->c->attention_backward(dq_ref, dk_ref, dv_ref, dout, q, k, v, out_ref, lse_ref, B, S, Hq, Hkv, D, NULL,
+                             NULL, 0);
     snprintf(what, sizeof what, "tc bwd dq B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
     check_tc(M, what, dq, dq_ref, nq);
     snprintf(what, sizeof what, "tc bwd dk B%d S%d H%d/%d D%d", B, S, Hq, Hkv, D);
@@ -285,7 +289,8 @@ Test(gpu, attention_tc_vs_cpu)
 }
 
 /* Every backward kernel choice (attention_tc_set_bwd_variant: mma.sync or the warp-specialised
- * wgmma kernel for each of the dK/dV and dQ passes) against the CPU, rerun bit for bit (tc_case):
+ * wgmma kernel for each of the dK/dV and dQ passes, or the 5-product ATTN_BWD_DS) against the CPU,
+ * rerun bit for bit (tc_case):
  * ragged S against both the 64- and 128-row tiles, grouped and ungrouped heads, D 128 and 64;
  * the pairs of the same kind also on S = 1, exact tiles and a longer S. */
 Test(gpu, attention_tc_bwd_variants)
@@ -295,13 +300,14 @@ Test(gpu, attention_tc_bwd_variants)
     struct mode M;
     mode_get(1, &M);
     const int old = attention_tc_set_bwd_variant(0);
-    for (int var = 0; var < ATTN_BWD_KINDS * ATTN_BWD_KINDS; var++) {
-        fprintf(stderr, "gpu attention tc backward variant %d (dkdv %d, dq %d)\n", var,
-                var % ATTN_BWD_KINDS, var / ATTN_BWD_KINDS);
+    for (int var = 0; var < ATTN_BWD_VARIANTS; var++) {
+        fprintf(stderr, "gpu attention tc backward variant %d (dkdv %d, dq %d%s)\n", var,
+                var % ATTN_BWD_KINDS, var / ATTN_BWD_KINDS % ATTN_BWD_KINDS,
+                var == ATTN_BWD_DS ? ", dS stored" : "");
         attention_tc_set_bwd_variant(var);
         tc_case(&M, &rng, 1, 300, 4, 2, 128, 0);
         tc_case(&M, &rng, 2, 193, 4, 4, 64, 0);
-        if (var % (ATTN_BWD_KINDS + 1) == 0) {
+        if (var % (ATTN_BWD_KINDS + 1) == 0 || var == ATTN_BWD_DS) {
             tc_case(&M, &rng, 1, 1, 2, 1, 128, 0);
             tc_case(&M, &rng, 2, 128, 6, 3, 128, 0);
             tc_case(&M, &rng, 1, 64, 4, 1, 64, 0);
@@ -311,11 +317,13 @@ Test(gpu, attention_tc_bwd_variants)
     attention_tc_set_bwd_variant(old);
 }
 
-/* The warp-specialised backward (attention_tc_set_bwd_variant 1 + 2·1) and the mma.sync one (0)
- * sum every product in the same order (16-wide k steps, one thread per output element), so their
- * gradients must be the same bits: ragged S (TMA zero-fills rows past S, cp.async did so by hand),
- * grouped heads, both head dims, and S long enough for the 4-stage rings to wrap several times.
- * (Off Hopper both run the mma.sync kernels.) */
+/* The warp-specialised backward (attention_tc_set_bwd_variant 1 + 2·1), the 5-product one
+ * (ATTN_BWD_DS, once with its own scratch and once in memory lent by the caller) and the mma.sync
+ * one (0) sum every product in the same order (16-wide k steps, one thread per output element),
+ * so their gradients must be the same bits: ragged S (TMA zero-fills rows past S, cp.async did so
+ * by hand), grouped heads, both head dims, and S long enough for the rings to wrap several times.
+ * The lent memory must hold the dS tiles (written on Hopper) and nothing past them be touched.
+ * (Off Hopper all run the mma.sync kernels.) */
 static void tma_bwd_bits_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int Hkv, int D)
 {
     char what[112];
@@ -328,20 +336,38 @@ static void tma_bwd_bits_case(const struct mode *M, mt_rng *rng, int B, int S, i
     float *d_lse = df_poisoned(M, nl);
     cr_assert(attention_tc_forward(d_out, d_lse, d_q, d_k, d_v, B, S, Hq, Hkv, D));
     void *d_g[3] = {dx_poisoned(M, nq), dx_poisoned(M, nk), dx_poisoned(M, nk)};
-    void *got[2][3];
-    const int variants[2] = {0, 1 + ATTN_BWD_KINDS * 1};
-    for (int r = 0; r < 2; r++) {
+    void *got[4][3];
+    const int variants[4] = {0, 1 + ATTN_BWD_KINDS * 1, ATTN_BWD_DS, ATTN_BWD_DS};
+    const char *names[4] = {"", "tma bwd", "dS-stored bwd", "dS-stored bwd (lent memory)"};
+    const size_t ds_bytes = attention_tc_ds_bytes(B, S, Hq), tail = 4096;
+    void *work = M->g->alloc(ds_bytes + tail);
+    for (int r = 0; r < 4; r++) {
         const int old = attention_tc_set_bwd_variant(variants[r]);
         for (int i = 0; i < 3; i++) poison(M, d_g[i], nb[i]);
-        cr_assert(attention_tc_backward(d_g[0], d_g[1], d_g[2], d_dout, d_q, d_k, d_v, d_out, d_lse,
-                                        B, S, Hq, Hkv, D));
+        if (r == 3) poison(M, work, ds_bytes + tail);
+        cr_assert(attention_tc_backward_work(d_g[0], d_g[1], d_g[2], d_dout, d_q, d_k, d_v, d_out, d_lse,
+                                             B, S, Hq, Hkv, D, r == 3 ? work : NULL, r == 3 ? ds_bytes + tail : 0));
         attention_tc_set_bwd_variant(old);
         for (int i = 0; i < 3; i++) got[r][i] = hraw_of(M, d_g[i], nb[i]);
     }
+    unsigned char *w = hraw_of(M, work, ds_bytes + tail);
+    size_t tiles_touched = 0, tail_touched = 0;
+    for (size_t i = 0; i < ds_bytes; i++) tiles_touched += w[i] != 0xff;
+    for (size_t i = ds_bytes; i < ds_bytes + tail; i++) tail_touched += w[i] != 0xff;
+    cr_expect(tail_touched == 0, "dS-stored bwd wrote %zu bytes past its %zu-byte tiles (B%d S%d H%d)",
+              tail_touched, ds_bytes, B, S, Hq);
+    if (grouped_gemm_available())
+        cr_expect(tiles_touched > 0, "dS-stored bwd left the lent memory untouched on Hopper (B%d S%d H%d)",
+                  B, S, Hq);
+    free(w);
+    M->g->free(work);
     for (int i = 0; i < 3; i++) {
-        snprintf(what, sizeof what, "tma bwd d%c vs mma.sync B%d S%d H%d/%d D%d", "qkv"[i], B, S, Hq, Hkv, D);
-        check_exact(M, what, got[1][i], got[0][i], nb[i]);
-        free(got[0][i]), free(got[1][i]);
+        for (int r = 1; r < 4; r++) {
+            snprintf(what, sizeof what, "%s d%c vs mma.sync B%d S%d H%d/%d D%d", names[r], "qkv"[i], B, S,
+                     Hq, Hkv, D);
+            check_exact(M, what, got[r][i], got[0][i], nb[i]);
+        }
+        for (int r = 0; r < 4; r++) free(got[r][i]);
         M->g->free(d_g[i]);
     }
     M->g->free(d_q), M->g->free(d_k), M->g->free(d_v), M->g->free(d_dout), M->g->free(d_out);
@@ -448,7 +474,7 @@ Test(gpu, attention_backend_uses_tc)
         if (w == 0) {
             M.g->attention_forward(r[w][0], r[w][4], d_q, d_k, d_v, B, S, Hq, Hkv, D, NULL);
             M.g->attention_backward(r[w][1], r[w][2], r[w][3], d_dout, d_q, d_k, d_v, r[w][0],
-                                    r[w][4], B, S, Hq, Hkv, D, NULL);
+                                    r[w][4], B, S, Hq, Hkv, D, NULL, NULL, 0);
         } else {
             cr_assert(attention_tc_forward(r[w][0], r[w][4], d_q, d_k, d_v, B, S, Hq, Hkv, D));
             cr_assert(attention_tc_backward(r[w][1], r[w][2], r[w][3], d_dout, d_q, d_k, d_v,

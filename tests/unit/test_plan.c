@@ -418,3 +418,43 @@ Test(plan, weight_copy_auto_keeps_the_copy_when_it_is_the_smaller)
         cr_expect(!estimate_keep_copy(&c, &d, 1e15), "set by hand: cast");
     }
 }
+
+/* The attention backward's dS tiles (bf16, 64 x 64, the causal lower triangle of every sequence
+ * and query head): counted as scratch on a stage without the head, and on the last stage only
+ * when the logits cannot hold them; never with fp32 or a head_dim the tensor-core kernels skip. */
+Test(plan, attention_ds_scratch_by_hand)
+{
+    struct config c;
+    qwen3_30b_config(&c, 2, 1);
+    c.train.micro_batch_size = 2;
+    struct mesh_dims d;
+    dims(&c, 2, &d);
+    struct tensor_table tt;
+    tensor_table_build(&tt, &c.model);
+    struct stage_estimate s0, s1;
+    /* S 4096: 64 tiles a side, 64 x 65 / 2 = 2080 below the diagonal, x 2 sequences x 32 heads x
+     * 8 KiB = 1040 MiB; the logits (2 x 4096 x 151936 bf16 = 2374 MiB) hold them */
+    const double ds = 2.0 * 32 * 2080 * 8192;
+    cr_assert_float_eq(ds, 1040.0 * 1024 * 1024, 1e-3);
+    estimate_stage(&c, &tt, &d, 0, true, &s0);
+    estimate_stage(&c, &tt, &d, 1, true, &s1);
+    const double xfer = 2.0 * 4096 * 2048 * 2; /* one dL/dh transfer buffer a slot (T x H bf16) */
+    cr_assert_float_eq(s0.buffer_bytes - s0.slots * xfer - (s1.buffer_bytes - s1.slots * xfer), ds, 1.0,
+                       "stage 0 %.0f, stage 1 %.0f (slots %d, %d)", s0.buffer_bytes, s1.buffer_bytes,
+                       s0.slots, s1.slots);
+    /* a vocabulary of 1000: the logits (16 MiB) are too small, both stages count the tiles */
+    struct stage_estimate v0, v1;
+    c.model.vocab_size = 1000;
+    tensor_table_free(&tt);
+    tensor_table_build(&tt, &c.model);
+    estimate_stage(&c, &tt, &d, 0, true, &v0);
+    estimate_stage(&c, &tt, &d, 1, true, &v1);
+    cr_assert_float_eq(v0.buffer_bytes - v0.slots * xfer - (v1.buffer_bytes - v1.slots * xfer), 0.0, 1.0);
+    /* fp32: no tensor-core backward, no tiles on either stage (the transfer buffers in fp32) */
+    struct stage_estimate f0, f1;
+    c.model.precision = MT_PREC_FP32;
+    estimate_stage(&c, &tt, &d, 0, true, &f0);
+    estimate_stage(&c, &tt, &d, 1, true, &f1);
+    cr_assert_float_eq(f0.buffer_bytes - f0.slots * 2 * xfer - (f1.buffer_bytes - f1.slots * 2 * xfer), 0.0, 1.0);
+    tensor_table_free(&tt);
+}
