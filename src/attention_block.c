@@ -31,8 +31,16 @@ void attention_backward(struct model *m, int l)
     const int T = m->T, H = m->H, D = m->D, Hq = m->Hq, Hkv = m->Hkv;
     const float theta = (float)m->cfg.rope_theta;
 
-    /* d_t1 = dL/d attn */
-    be->matmul_backward(m->d_t1, G(m, TR_O, l), m->d_h, a->attn, W(m, TR_O, l), T, Hq * D, H, false);
+    /* d_t1 = dL/d attn; o_proj's weight gradient now, or (model_enable_deferred_o_wgrad) from a
+     * copy of dL/dh_mid once the next MoE layer's exchange is under way */
+    model_run_deferred_wgrad(m);
+    float *dw_o = G(m, TR_O, l);
+    const bool defer = m->o_wgrad_dout && m->more_backwards && dw_o;
+    be->matmul_backward(m->d_t1, defer ? NULL : dw_o, m->d_h, a->attn, W(m, TR_O, l), T, Hq * D, H, false);
+    if (defer) {
+        be->copy(m->o_wgrad_dout, m->d_h, (size_t)T * H * be->x_size);
+        m->deferred = (struct deferred_wgrad){dw_o, m->o_wgrad_dout, a->attn, T, Hq * D, H};
+    }
     /* the logits (and the gradient the head wrote over them) are dead until the next forward */
     void *work = m->st.last ? m->logits : NULL;
     const size_t work_bytes = work ? (size_t)T * m->V * be->x_size : 0;

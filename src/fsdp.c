@@ -326,6 +326,11 @@ void fsdp_init(struct fsdp *f, struct params *p, bool reshard, bool prefetch, bo
     model_set_hooks(p->m, &h);
 }
 
+bool fsdp_dense_grads_persist(const struct fsdp *f)
+{
+    return !f->dyn_g[TG_DENSE] || f->unit_g[TG_DENSE] != NULL;
+}
+
 void fsdp_invalidate(struct fsdp *f)
 {
     finish_prefetch(f);

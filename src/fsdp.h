@@ -84,6 +84,10 @@ struct fsdp {
  * parallel.reduce_grads = step. Installs the hooks on p->m and binds the unsharded groups. */
 void fsdp_init(struct fsdp *f, struct params *p, bool reshard, bool prefetch, bool reduce_per_step);
 void fsdp_free(struct fsdp *f);
+/* Whether a unit's non-expert gradient stays in place from its backward until the step's last
+ * backward (not sharded, or reduce_grads=step with a buffer per unit), so that work adding to it
+ * may run after the unit's after_backward hook in every backward but the last. */
+bool fsdp_dense_grads_persist(const struct fsdp *f);
 /* After the last backward of a step, before its gradients are read: finishes every reduction in
  * flight. */
 void fsdp_flush(struct fsdp *f);

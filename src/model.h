@@ -124,6 +124,14 @@ struct model_stage {
     int n_slots;
 };
 
+/* A weight gradient held back within one backward (model_run_deferred_wgrad): dw [O, I] += doutᵀ ·
+ * in, dout [N, O], in [N, I]; dw NULL = nothing pending */
+struct deferred_wgrad {
+    float *dw;
+    const void *dout, *in;
+    int N, I, O;
+};
+
 struct model {
     const struct backend *be;
     struct model_config cfg;
@@ -155,6 +163,11 @@ struct model {
     /* set by the caller of a backward: another backward of the same optimizer step follows on this
      * stage, so expert weight gradients may wait for it; cleared by every backward */
     bool more_backwards;
+    /* parallel overlap of the o_proj weight gradient (model_enable_deferred_o_wgrad): o_wgrad_dout
+     * [T, H] keeps a layer's dL/d(o_proj output) so that its weight gradient, pending in
+     * `deferred`, runs while the next MoE layer's first backward exchange is in flight; NULL = off */
+    void *o_wgrad_dout;
+    struct deferred_wgrad deferred;
     struct model_unit_hooks hooks;
     /* model_own_weights (tests, verify without params): flat buffers behind wp / gp */
     void *own_w;
@@ -251,6 +264,15 @@ void model_enable_expert_wgrad_pairs(struct model *m, int n_layers);
 void model_enable_expert_wgrad_groups(struct model *m, int n_layers, int n_group, int group);
 void model_free_expert_wgrad_pairs(struct model *m);
 bool model_expert_wgrad_pending(const struct model *m);
+/* Lets a backward that another follows (more_backwards) hold each layer's o_proj weight gradient
+ * back until the next MoE layer's first backward exchange has started (one [T, H] buffer). Only
+ * where a layer's gradient stays put until the step's last backward: not recomputed activations,
+ * gradients not reduced per micro-step (the caller knows); ep > 1 or the loopback, where the
+ * exchange exists. Same bits: the same GEMM on the same inputs, later. */
+void model_enable_deferred_o_wgrad(struct model *m);
+/* Runs the pending deferred weight gradient, if any (the MoE backward while its rows move; every
+ * layer's attention backward and the end of a backward, so that none is ever left behind). */
+void model_run_deferred_wgrad(struct model *m);
 /* The activations of layer l in the current slot: its own, or the shared set holding layer l's
  * input when recomputing. */
 struct layer_acts *model_acts(struct model *m, int l);

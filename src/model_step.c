@@ -132,6 +132,19 @@ void model_arm_loss_gradient(struct model *m, float ce_scale)
 
 void model_disarm_loss_gradient(struct model *m) { m->ce_fused_scale = 0.0f; }
 
+void model_enable_deferred_o_wgrad(struct model *m)
+{
+    if (!m->o_wgrad_dout) m->o_wgrad_dout = m->be->alloc((size_t)m->T * m->H * m->be->x_size);
+}
+
+void model_run_deferred_wgrad(struct model *m)
+{
+    struct deferred_wgrad *d = &m->deferred;
+    if (!d->dw) return;
+    m->be->matmul_backward(NULL, d->dw, d->dout, d->in, NULL, d->N, d->I, d->O, false);
+    d->dw = NULL;
+}
+
 void model_stage_backward(struct model *m, int slot, float ce_scale, const float *aux_dp_host)
 {
     const struct backend *be = m->be;
@@ -170,6 +183,7 @@ void model_stage_backward(struct model *m, int slot, float ce_scale, const float
         attention_backward(m, l);
         hook(m, HOOK_AFTER_BWD, 1 + l);
     }
+    model_run_deferred_wgrad(m);
     if (m->st.first) {
         int emb = weight_index(m, TR_EMBED, -1);
         hook(m, HOOK_BEFORE_BWD, 0);

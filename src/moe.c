@@ -210,7 +210,13 @@ static void combine_rows_backward(struct model *m, struct layer_acts *a)
         return;
     }
     be->gather_rows(m->d_x_send, m->d_h, r->pair_tok, (int)r->P_send, H);
-    const void *d_pairs = exchange_rows(m, r->recv_counts, m->d_x_send, r->send_counts);
+    int64_t in[m->ep], out[m->ep];
+    scale_counts(m, in, out, r->recv_counts, r->send_counts, H);
+    struct comm_p2p_req req = {0};
+    const void *d_pairs = comm_all_to_all_inbox_start(m->ep_comm, in, m->d_x_send, out,
+                                                      comm_dtype_of_x(be->x_size), &req);
+    model_run_deferred_wgrad(m); /* the layer above's o_proj weight gradient, while the rows move */
+    comm_p2p_wait(m->ep_comm, &req);
     be->moe_combine_backward(m->d_y_exp, m->d_w_recv, d_pairs, a->y_exp, r->exp_slot, r->meta_w,
                              (int)r->P_recv, K, H);
     const float *d_w = exchange_in(m, r->send_counts, m->d_w_recv, r->recv_counts, K, COMM_F32);

@@ -26,6 +26,7 @@
 #include "common.h"
 #include "config.h"
 #include "data.h"
+#include "env_flag.h"
 #include "expert_watch.h"
 #include "flops.h"
 #include "fsdp.h"
@@ -308,6 +309,10 @@ int cmd_train(const struct cli *a)
     struct fsdp sharding;
     fsdp_init(&sharding, &p, c.parallel.reshard_after_forward != MT_TRI_FALSE, c.parallel.prefetch,
               c.parallel.reduce_grads == MT_REDUCE_STEP);
+    /* the exchanges exist with pairs; the layer's activations and gradient must outlive its backward */
+    if (m.pairs && E > 0 && !m.recompute && fsdp_dense_grads_persist(&sharding) &&
+        !mt_env_flag("MT_NO_DEFER_O_WGRAD"))
+        model_enable_deferred_o_wgrad(&m);
     if (c.parallel.expert_wgrad_pairs == MT_TRI_TRUE && E > 0)
         model_enable_expert_wgrad_groups(&m, c.parallel.wgrad_pair_layers, c.parallel.wgrad_group_layers,
                                          c.parallel.wgrad_group);
