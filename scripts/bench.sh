@@ -27,18 +27,40 @@ if [ "$LAYERS" != 8 ]; then
     echo "bench: $LAYERS layers instead of the config's 8 ($gpu_name: $((mem_mib / 1024)) GiB; 8 layers need ~108 GiB)"
 fi
 
-# peak device memory of a command: nvidia-smi sampled every 200 ms, max over GPUs and time
+# peak device memory of a command: nvidia-smi sampled every 200 ms, max over GPUs and time; beside
+# it the power draw and SM clock (every 250 ms), since the cards train at their power cap and the
+# clock they keep there differs from card to card (docs/benchmarks.md, twenty-first session)
 run_sampled() {
     local tag=$1; shift
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$OUT/$tag.mem" 2>/dev/null &
     local smi=$!
+    nvidia-smi --query-gpu=power.draw,clocks.sm --format=csv,noheader,nounits -lms 250 > "$OUT/$tag.clk" 2>/dev/null &
+    local clk=$!
     set +e
     "$@" > "$OUT/$tag.log" 2>&1
     local rc=$?
     set -e
-    kill $smi 2>/dev/null || true
-    wait $smi 2>/dev/null || true
+    kill $smi $clk 2>/dev/null || true
+    wait $smi $clk 2>/dev/null || true
     return $rc
+}
+
+# "<median SM MHz> MHz at <median W> W" over the busy samples of a run (power at least half the
+# largest sampled), or nothing
+clock_of() {
+    python3 - "$OUT/$1.clk" <<'PY' 2>/dev/null || true
+import statistics, sys
+rows = []
+for line in open(sys.argv[1]):
+    try:
+        w, mhz = (float(x) for x in line.split(","))
+        rows.append((w, mhz))
+    except ValueError:
+        pass
+busy = [r for r in rows if rows and r[0] >= 0.5 * max(w for w, _ in rows)]
+if busy:
+    print(f"{statistics.median(m for _, m in busy):.0f} MHz at {statistics.median(w for w, _ in busy):.0f} W")
+PY
 }
 
 summary() {  # tag ngpu -> "tok/s per GPU | mfu | peak GiB"
@@ -92,7 +114,8 @@ profiled_split() {  # n log
     mpirun --oversubscribe --bind-to none -np "$1" "$BUILD/moetrain" train "$CONFIG" --set train.steps=3 \
         --set train.global_batch_size=$((16 * $1)) --set parallel.expert_parallel_size="$1" \
         --set log.profile=true "${EXTRA[@]}" > "$2" 2>&1 || true
-    grep '^    time:' "$2" | tail -1 | sed 's/^    time: //'
+    # no time line (a failed run) leaves the split empty instead of ending the script (pipefail)
+    { grep '^    time:' "$2" || true; } | tail -1 | sed 's/^    time: //'
 }
 echo "bench: moetrain on 1 GPU, profiled (every op timed between syncs) ..."
 split=$(profiled_split 1 "$OUT/moetrain_profile.log")
@@ -152,6 +175,8 @@ for name, r, key in (("moetrain 1 GPU", one, "tok_s_per_gpu"), ("moetrain 2 GPU 
     ratio = f"{t / b:.3f}x" if b else "-"
     print(f"{name:<34}{t:>12.0f}{100 * mfu:>7.1f}%{mem:>10.1f}{ratio:>13}")
 PY
+clk1=$(clock_of moetrain_1gpu); clkb=$(clock_of baseline)
+echo "SM clock at the power cap (median, busy samples): moetrain 1 GPU ${clk1:-unavailable}; baseline ${clkb:-unavailable}" | tee -a "$OUT/summary.txt"
 echo "moetrain 1 GPU time split (profiled step): ${split:-unavailable}" | tee -a "$OUT/summary.txt"
 if [ -n "$split2" ]; then echo "moetrain 2 GPUs EP=2 time split (profiled step): $split2" | tee -a "$OUT/summary.txt"; fi
 if [ -n "$a2a" ]; then echo "$a2a" | tee -a "$OUT/summary.txt"; fi

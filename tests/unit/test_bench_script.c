@@ -1,0 +1,108 @@
+/* scripts/bench.sh (`make bench`) on a machine it believes has one GPU: a stand-in nvidia-smi
+ * (one GPU, memory, power and SM clock samples) and a stand-in moetrain (writes metrics lines,
+ * prints a profile split) in a temporary directory on PATH. What issue 18 asks of the script: exit
+ * 0 with one GPU and say what it skipped, one headline line, and (twenty-first session) the clock
+ * the card kept at its power cap, from the busy samples only. A failed 1-GPU run exits 1. */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "../test_util.h"
+
+/* the stand-in's samples: two idle ones, then the busy pair every later sample repeats */
+#define IDLE_W "80.0"
+#define IDLE_MHZ "345"
+#define BUSY_W 695
+#define BUSY_MHZ 1500
+
+static void write_exec(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert(f, "cannot write %s", path);
+    fputs(text, f);
+    fclose(f);
+    cr_assert_eq(chmod(path, 0755), 0);
+}
+
+/* makes dir/bin/nvidia-smi and dir/build/moetrain; the moetrain stand-in writes `tok_s` and `mfu`
+ * into its metrics file, or exits 3 when fail */
+static void stand_ins(const char *dir, int tok_s, double mfu, bool fail)
+{
+    char path[512], text[2048];
+    snprintf(path, sizeof path, "mkdir -p %s/bin %s/build", dir, dir);
+    cr_assert_eq(system(path), 0);
+    snprintf(path, sizeof path, "%s/bin/nvidia-smi", dir);
+    snprintf(text, sizeof text,
+             "#!/bin/bash\n"
+             "case \"$*\" in\n"
+             "  *-L*) echo 'GPU 0: NVIDIA Stand-in (UUID: none)';;\n"
+             "  *--query-gpu=name*) echo 'NVIDIA Stand-in';;\n"
+             "  *memory.total*) echo 143771;;\n"
+             "  *memory.used*) for i in $(seq 1 40); do echo $((1000 * i)); sleep 0.2; done;;\n"
+             "  *power.draw*) echo '%s, %s'; echo '%s, %s';\n"
+             "                for i in $(seq 1 40); do echo '%d.0, %d'; sleep 0.25; done;;\n"
+             "esac\n",
+             IDLE_W, IDLE_MHZ, IDLE_W, IDLE_MHZ, BUSY_W, BUSY_MHZ);
+    write_exec(path, text);
+    snprintf(path, sizeof path, "%s/build/moetrain", dir);
+    snprintf(text, sizeof text,
+             "#!/bin/bash\n"
+             "for a in \"$@\"; do case $a in log.metrics=*) f=${a#log.metrics=};; esac; done\n"
+             "sleep 1.5\n"
+             "%s"
+             "[ -n \"$f\" ] && for i in 1 2 3 4; do\n"
+             "  echo '{\"step_ms\": 700, \"tokens_per_s\": %d, \"mfu\": %.3f, \"loss\": 12.3}' >> $f\n"
+             "done\n"
+             "echo '    time: attention 17%% | other 83%%'\n",
+             fail ? "exit 3\n" : "", tok_s, mfu);
+    write_exec(path, text);
+}
+
+static int run_bench(const char *dir, char **out)
+{
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd,
+             "PATH=%s/bin:$PATH BENCH_OUT=%s/out BENCH_BASELINE=0 BENCH_SM80=0 "
+             "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 bash scripts/bench.sh %s/build",
+             dir, dir, dir);
+    return tu_run(cmd, out);
+}
+
+Test(bench_script, one_gpu_exits_0_with_headline_skips_and_clock, .timeout = 150)
+{
+    char dir[] = "/tmp/mt_bench_script_XXXXXX";
+    cr_assert(mkdtemp(dir));
+    stand_ins(dir, 90000, 0.48, false);
+    char *out = NULL;
+    const int rc = run_bench(dir, &out);
+    cr_expect_eq(rc, 0, "bench.sh exited %d:\n%s", rc, out);
+    cr_expect(strstr(out, "headline: 90000 tok/s, 48.0% MFU, n/a x compiled PyTorch (NVIDIA Stand-in, "),
+              "no headline from the stand-in's metrics:\n%s", out);
+    cr_expect(strstr(out, "skipped: moetrain on 2 GPUs with EP=2 (1 GPU here)"), "%s", out);
+    cr_expect(strstr(out, "skipped: the PyTorch baseline (BENCH_BASELINE=0)"), "%s", out);
+    char want[128];
+    snprintf(want, sizeof want, "moetrain 1 GPU %d MHz at %d W", BUSY_MHZ, BUSY_W);
+    cr_expect(strstr(out, want), "no '%s' (the idle samples must not count):\n%s", want, out);
+    free(out);
+    char rm[600];
+    snprintf(rm, sizeof rm, "rm -rf %s", dir);
+    cr_expect_eq(system(rm), 0);
+}
+
+Test(bench_script, failed_one_gpu_run_exits_1, .timeout = 150)
+{
+    char dir[] = "/tmp/mt_bench_script_XXXXXX";
+    cr_assert(mkdtemp(dir));
+    stand_ins(dir, 90000, 0.48, true);
+    char *out = NULL;
+    const int rc = run_bench(dir, &out);
+    cr_expect_eq(rc, 1, "bench.sh exited %d:\n%s", rc, out);
+    cr_expect(strstr(out, "headline: unavailable, the 1-GPU run failed"), "%s", out);
+    free(out);
+    char rm[600];
+    snprintf(rm, sizeof rm, "rm -rf %s", dir);
+    cr_expect_eq(system(rm), 0);
+}
