@@ -31,15 +31,15 @@ void attention_backward(struct model *m, int l)
     const int T = m->T, H = m->H, D = m->D, Hq = m->Hq, Hkv = m->Hkv;
     const float theta = (float)m->cfg.rope_theta;
 
-    /* d_t1 = dL/d attn; o_proj's weight gradient now, or (model_enable_deferred_o_wgrad) from a
-     * copy of dL/dh_mid once the next MoE layer's exchange is under way */
-    model_run_deferred_wgrad(m);
-    float *dw_o = G(m, TR_O, l);
-    const bool defer = m->o_wgrad_dout && m->more_backwards && dw_o;
+    /* d_t1 = dL/d attn. The o_proj and q_proj weight gradients now, or (model_enable_deferred_wgrads)
+     * from copies of their output gradients once the next MoE layer's exchanges are under way */
+    model_run_deferred_wgrads(m, -1);
+    float *dw_o = G(m, TR_O, l), *dw_q = G(m, TR_Q, l);
+    const bool defer = m->o_wgrad_dout && m->more_backwards && dw_o && dw_q;
     be->matmul_backward(m->d_t1, defer ? NULL : dw_o, m->d_h, a->attn, W(m, TR_O, l), T, Hq * D, H, false);
     if (defer) {
         be->copy(m->o_wgrad_dout, m->d_h, (size_t)T * H * be->x_size);
-        m->deferred = (struct deferred_wgrad){dw_o, m->o_wgrad_dout, a->attn, T, Hq * D, H};
+        model_defer_wgrad(m, &(struct deferred_wgrad){dw_o, m->o_wgrad_dout, a->attn, T, Hq * D, H});
     }
     /* the logits (and the gradient the head wrote over them) are dead until the next forward */
     void *work = m->st.last ? m->logits : NULL;
@@ -49,7 +49,11 @@ void attention_backward(struct model *m, int l)
     /* d_t2 = dL/d q_pre, then d_t3 = dL/d a accumulated over q, k, v */
     be->rmsnorm_rope_backward(m->d_t2, G(m, TR_QNORM, l), m->d_q, a->q_pre, W(m, TR_QNORM, l),
                               a->rstd_q, m->pos, T, Hq, D, theta);
-    be->matmul_backward(m->d_t3, G(m, TR_Q, l), m->d_t2, a->a, W(m, TR_Q, l), T, H, Hq * D, false);
+    be->matmul_backward(m->d_t3, defer ? NULL : dw_q, m->d_t2, a->a, W(m, TR_Q, l), T, H, Hq * D, false);
+    if (defer) {
+        be->copy(m->q_wgrad_dout, m->d_t2, (size_t)T * Hq * D * be->x_size);
+        model_defer_wgrad(m, &(struct deferred_wgrad){dw_q, m->q_wgrad_dout, a->a, T, H, Hq * D});
+    }
     be->rmsnorm_rope_backward(m->d_t2, G(m, TR_KNORM, l), m->d_k, a->k_pre, W(m, TR_KNORM, l),
                               a->rstd_k, m->pos, T, Hkv, D, theta);
     be->matmul2_backward(m->d_t3, G(m, TR_K, l), G(m, TR_V, l), m->d_t2, m->d_v, a->a,

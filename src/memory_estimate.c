@@ -117,7 +117,7 @@ double estimate_activation_bytes(const struct config *c, int layer0, int layer1,
  * temporaries, q/k/v gradients, the router's compute-dtype logits and top-k weight gradients, the
  * expert-side gradient rows (as x_exp, gu, act, y_exp: headroom x T x k rows), and with ep > 1 the
  * sender's pair rows with their metadata and the all-to-all receive window (comm_ipc / NCCL inbox:
- * the rows a rank receives, 25% headroom), with the deferred o_proj gradient's [T, H] copy. The
+ * the rows a rank receives, 25% headroom), with the deferred o/q_proj gradients' copies. The
  * attention backward's dS tiles where the logits cannot hold them. MT_MOE_LOOPBACK (a benchmarking
  * switch) is not counted. */
 static double scratch_bytes(const struct config *c, bool last)
@@ -138,8 +138,8 @@ static double scratch_bytes(const struct config *c, bool last)
         /* parallel.moe_chunks > 1 (moe_exchange.c) receives into its own window instead of the
          * inbox (the same size) and adds one for the routing-weight gradients coming home */
         if (ep > 1 && c->parallel.moe_chunks > 1) b += 1.25 * pairs * k * 4;
-        /* the deferred o_proj weight gradient's dL/dh_mid (model_enable_deferred_o_wgrad) */
-        if (ep > 1) b += T * H * act_b;
+        /* the deferred o_proj and q_proj weight gradients' output gradients (model_enable_deferred_wgrads) */
+        if (ep > 1) b += T * (H + Hq * D) * act_b;
     }
     /* the bf16 attention backward keeps its dS tiles (64 x 64 of the causal lower triangle of each
      * sequence and query head) in the logits on the last stage when they fit, elsewhere in a

@@ -294,7 +294,8 @@ void model_free(struct model *m)
                    m->d_h, m->d_t1, m->d_t2, m->d_t3, m->d_q, m->d_k, m->d_v, m->d_logits_r,
                    m->d_topk_w, m->d_x_send, m->meta_idx_send, m->meta_w_send, m->d_w_recv,
                    m->aux_dp, m->ones, m->d_gu, m->d_act, m->d_x_exp, m->d_y_exp,
-                   m->stats, m->bias, m->x_recv, m->d_w_home, m->o_wgrad_dout};
+                   m->stats, m->bias, m->x_recv, m->d_w_home, m->o_wgrad_dout,
+                   m->q_wgrad_dout};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(dev[i]);
     route_replay_free(m);

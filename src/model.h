@@ -163,11 +163,13 @@ struct model {
     /* set by the caller of a backward: another backward of the same optimizer step follows on this
      * stage, so expert weight gradients may wait for it; cleared by every backward */
     bool more_backwards;
-    /* parallel overlap of the o_proj weight gradient (model_enable_deferred_o_wgrad): o_wgrad_dout
-     * [T, H] keeps a layer's dL/d(o_proj output) so that its weight gradient, pending in
-     * `deferred`, runs while the next MoE layer's first backward exchange is in flight; NULL = off */
-    void *o_wgrad_dout;
-    struct deferred_wgrad deferred;
+    /* weight gradients held back to run under the next MoE layer's backward exchanges
+     * (model_enable_deferred_wgrads; NULL = off): o_wgrad_dout [T, H] keeps a layer's dL/d(o_proj
+     * output), q_wgrad_dout [T, Hq*D] its dL/d(q_proj output); `deferred` holds the pending ones,
+     * oldest first */
+    void *o_wgrad_dout, *q_wgrad_dout;
+    struct deferred_wgrad deferred[2];
+    int n_deferred;
     struct model_unit_hooks hooks;
     /* model_own_weights (tests, verify without params): flat buffers behind wp / gp */
     void *own_w;
@@ -264,15 +266,19 @@ void model_enable_expert_wgrad_pairs(struct model *m, int n_layers);
 void model_enable_expert_wgrad_groups(struct model *m, int n_layers, int n_group, int group);
 void model_free_expert_wgrad_pairs(struct model *m);
 bool model_expert_wgrad_pending(const struct model *m);
-/* Lets a backward that another follows (more_backwards) hold each layer's o_proj weight gradient
- * back until the next MoE layer's first backward exchange has started (one [T, H] buffer). Only
- * where a layer's gradient stays put until the step's last backward: not recomputed activations,
- * gradients not reduced per micro-step (the caller knows); ep > 1 or the loopback, where the
- * exchange exists. Same bits: the same GEMM on the same inputs, later. */
-void model_enable_deferred_o_wgrad(struct model *m);
-/* Runs the pending deferred weight gradient, if any (the MoE backward while its rows move; every
- * layer's attention backward and the end of a backward, so that none is ever left behind). */
-void model_run_deferred_wgrad(struct model *m);
+/* Lets a backward that another follows (more_backwards) hold each layer's o_proj and q_proj weight
+ * gradients back until the next MoE layer's backward exchanges have started (the first, the rows
+ * to the experts: o_proj; the last, the rows home: q_proj), in a [T, H] and a [T, Hq*D] buffer.
+ * Only where a layer's gradient stays put until the step's last backward: not recomputed
+ * activations, gradients not reduced per micro-step (the caller knows); ep > 1 or the loopback,
+ * where the exchanges exist. Same bits: the same GEMMs on the same inputs, later. */
+void model_enable_deferred_wgrads(struct model *m);
+/* Runs up to max (< 0: all) of the pending deferred weight gradients, oldest first (the MoE
+ * backward while its rows move; every layer's attention backward and the end of a backward run
+ * all, so that none is ever left behind). */
+void model_run_deferred_wgrads(struct model *m, int max);
+/* Queues one (attention_block.c) */
+void model_defer_wgrad(struct model *m, const struct deferred_wgrad *d);
 /* The activations of layer l in the current slot: its own, or the shared set holding layer l's
  * input when recomputing. */
 struct layer_acts *model_acts(struct model *m, int l);

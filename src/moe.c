@@ -215,7 +215,7 @@ static void combine_rows_backward(struct model *m, struct layer_acts *a)
     struct comm_p2p_req req = {0};
     const void *d_pairs = comm_all_to_all_inbox_start(m->ep_comm, in, m->d_x_send, out,
                                                       comm_dtype_of_x(be->x_size), &req);
-    model_run_deferred_wgrad(m); /* the layer above's o_proj weight gradient, while the rows move */
+    model_run_deferred_wgrads(m, 1); /* the layer above's o_proj weight gradient, while the rows move */
     comm_p2p_wait(m->ep_comm, &req);
     be->moe_combine_backward(m->d_y_exp, m->d_w_recv, d_pairs, a->y_exp, r->exp_slot, r->meta_w,
                              (int)r->P_recv, K, H);
@@ -316,6 +316,7 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
     if (stashed) moe_stash_expert_rows(m, a, s);
     struct comm_p2p_req req;
     const void *d_pairs = dispatch_rows_backward_send(m, a, &req);
+    if (m->pairs) model_run_deferred_wgrads(m, 1); /* the layer above's q_proj weight gradient */
     if (grouped) {
         for (int k = 0; k < s->pending; k++)
             sets[k] = (struct expert_rows){s->slot[k].d_gu, s->slot[k].x_exp, s->slot[k].off, s->slot[k].rows};

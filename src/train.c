@@ -311,8 +311,8 @@ int cmd_train(const struct cli *a)
               c.parallel.reduce_grads == MT_REDUCE_STEP);
     /* the exchanges exist with pairs; the layer's activations and gradient must outlive its backward */
     if (m.pairs && E > 0 && !m.recompute && fsdp_dense_grads_persist(&sharding) &&
-        !mt_env_flag("MT_NO_DEFER_O_WGRAD"))
-        model_enable_deferred_o_wgrad(&m);
+        !mt_env_flag("MT_NO_DEFERRED_WGRAD"))
+        model_enable_deferred_wgrads(&m);
     if (c.parallel.expert_wgrad_pairs == MT_TRI_TRUE && E > 0)
         model_enable_expert_wgrad_groups(&m, c.parallel.wgrad_pair_layers, c.parallel.wgrad_group_layers,
                                          c.parallel.wgrad_group);

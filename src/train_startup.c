@@ -54,8 +54,8 @@ void train_print_startup(const struct config *c, const struct mesh *mesh, const 
                ng ? ", expert_wgrad_group" : "", fits ? "; what fits" : "");
     }
     if (m->o_wgrad_dout)
-        printf("  overlap     o_proj weight gradients deferred under the next MoE layer's backward exchange, "
-               "all micro-steps but the last (MT_NO_DEFER_O_WGRAD=1: off)\n");
+        printf("  overlap     o_proj and q_proj weight gradients deferred under the next MoE layer's backward "
+               "exchanges, all micro-steps but the last (MT_NO_DEFERRED_WGRAD=1: off)\n");
     printf("  batch       %d sequences x %d tokens per step = %d micro-steps x %d ranks x %d\n",
            c->train.global_batch_size, c->train.seq_len, n_micro, mesh->d.S,
            c->train.micro_batch_size);

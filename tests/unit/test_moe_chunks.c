@@ -235,21 +235,21 @@ Test(moe_chunks, bad_switch_values_are_refused, .timeout = 120)
     free(out);
 }
 
-/* The o_proj weight gradient held back under the next MoE layer's first backward exchange
- * (model_enable_deferred_o_wgrad) is the same GEMM on the same inputs, later: the run keeps every
- * printed digit against MT_NO_DEFER_O_WGRAD=1. EP = 2, reduce_grads=step and 2 micro-steps (the
+/* The o_proj and q_proj weight gradients held back under the next MoE layer's backward exchanges
+ * (model_enable_deferred_wgrads) are the same GEMMs on the same inputs, later: the run keeps every
+ * printed digit against MT_NO_DEFERRED_WGRAD=1. EP = 2, reduce_grads=step and 2 micro-steps (the
  * deferral needs a later backward in the step); the startup line must say it was on. A dropped
  * deferred gradient changes step 1's grad_norm (checked by hand when this test was written). */
-Test(moe_chunks, train_deferred_o_wgrad_changes_no_bit, .timeout = 300)
+Test(moe_chunks, train_deferred_wgrads_change_no_bit, .timeout = 300)
 {
     double l_on[STEPS], g_on[STEPS], l_off[STEPS], g_off[STEPS];
     const char *mesh = "--set parallel.expert_parallel_size=2 --set parallel.reduce_grads=step "
                        "--set train.micro_batch_size=2";
     char *out = train(2, "", mesh, "defer_on", l_on, g_on);
-    cr_expect(strstr(out, "o_proj weight gradients deferred") != NULL, "deferral not on:\n%s", out);
+    cr_expect(strstr(out, "q_proj weight gradients deferred") != NULL, "deferral not on:\n%s", out);
     free(out);
-    out = train(2, "MT_NO_DEFER_O_WGRAD=1", mesh, "defer_off", l_off, g_off);
-    cr_expect(strstr(out, "o_proj weight gradients deferred") == NULL, "MT_NO_DEFER_O_WGRAD=1 left it on:\n%s", out);
+    out = train(2, "MT_NO_DEFERRED_WGRAD=1", mesh, "defer_off", l_off, g_off);
+    cr_expect(strstr(out, "weight gradients deferred") == NULL, "MT_NO_DEFERRED_WGRAD=1 left it on:\n%s", out);
     free(out);
     for (int s = 0; s < STEPS; s++) {
         cr_expect_eq(l_on[s], l_off[s], "step %d loss %.9g vs %.9g", s + 1, l_on[s], l_off[s]);
