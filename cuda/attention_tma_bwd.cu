@@ -274,6 +274,24 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
 #endif
 }
 
+/* What a block of a dQ pass covers: (batch b, query head h of kv head hk), the queries q0 ..
+ * q0 + DQ_BQ - 1 of query tile qt (the last tiles first: the longest causal rows), and the key
+ * tiles of DQ_BC that reach its last query (nkt) */
+struct dq_block {
+    int b, h, hk, qt, q0, nkt;
+};
+__device__ __forceinline__ dq_block dq_block_of(const bwd_tma_params &p)
+{
+    dq_block k;
+    k.qt = (p.S + DQ_BQ - 1) / DQ_BQ - 1 - (int)blockIdx.y;
+    k.b = (int)blockIdx.x / p.Hq;
+    k.h = (int)blockIdx.x - k.b * p.Hq;
+    k.hk = k.h / (p.Hq / p.Hkv);
+    k.q0 = k.qt * DQ_BQ;
+    k.nkt = (min(k.q0 + DQ_BQ, p.S) - 1) / DQ_BC + 1;
+    return k;
+}
+
 template <int D, int STAGES>
 __global__ void __launch_bounds__(TMA_BWD_THREADS, 1)
 tc_bwd_dq_tma_kernel(const __grid_constant__ bwd_tma_params p)
@@ -292,11 +310,8 @@ tc_bwd_dq_tma_kernel(const __grid_constant__ bwd_tma_params p)
     const uint32_t q_bar = bars + 16u * STAGES;
 
     const int S = p.S, Hq = p.Hq;
-    const int nqt = (S + BQ - 1) / BQ;
-    const int qt = nqt - 1 - (int)blockIdx.y;
-    const int bh = blockIdx.x, b = bh / Hq, h = bh - b * Hq, hk = h / (Hq / p.Hkv);
-    const int q0 = qt * BQ;
-    const int nkt = (min(q0 + BQ, S) - 1) / BC + 1;
+    const dq_block blk = dq_block_of(p);
+    const int b = blk.b, h = blk.h, hk = blk.hk, q0 = blk.q0, nkt = blk.nkt;
 
     if (threadIdx.x == 0) init_ring(bars, STAGES, 1);
     __syncthreads();
@@ -403,7 +418,7 @@ tc_bwd_dq_ds_kernel(const __grid_constant__ bwd_tma_params p)
 #ifdef MT_NO_HOPPER_CODE
     __trap();
 #else
-    constexpr int BQ = DQ_BQ, BC = DQ_BC, NA = D / 2;
+    constexpr int BC = DQ_BC, NA = D / 2;
     constexpr uint32_t K_BYTES = BC * D * 2, STAGE_BYTES = K_BYTES + 2 * DS_TILE_BYTES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u; /* stage s at ring + s·STAGE_BYTES */
@@ -412,11 +427,8 @@ tc_bwd_dq_ds_kernel(const __grid_constant__ bwd_tma_params p)
     auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
 
     const int S = p.S, Hq = p.Hq;
-    const int nqt = (S + BQ - 1) / BQ;
-    const int qt = nqt - 1 - (int)blockIdx.y;
-    const int bh = blockIdx.x, b = bh / Hq, h = bh - b * Hq, hk = h / (Hq / p.Hkv);
-    const int q0 = qt * BQ;
-    const int nkt = (min(q0 + BQ, S) - 1) / BC + 1;
+    const dq_block blk = dq_block_of(p);
+    const int qt = blk.qt, b = blk.b, h = blk.h, hk = blk.hk, q0 = blk.q0, nkt = blk.nkt;
     /* warpgroup w's queries see key tile j when j <= its query tile and it has a query < S */
     auto sees = [&](int w, int j) { return q0 + 64 * w < S && j <= 2 * qt + w; };
 
@@ -489,37 +501,30 @@ bwd_tma_params tma_params(const attn_bwd_args &a, int D, int q_rows, int kv_rows
     return p;
 }
 
+/* one launch of KERNEL over grid (its shared memory opted into at the first) */
+template <auto KERNEL> void launch(size_t smem, dim3 grid, const bwd_tma_params &p)
+{
+    static bool opted;
+    smem_opt_in(KERNEL, smem, &opted);
+    KERNEL<<<grid, TMA_BWD_THREADS, smem, g_cuda.stream>>>(p);
+    CUDA_LAUNCH_CHECK("attention backward (TMA)");
+}
+
+/* dK/dV over key tiles of DKDV_BK per (batch, kv head) */
 template <int D, int STAGES, bool STORE_DS> void dkdv_tma_launch(const attn_bwd_args &a)
 {
-    const bwd_tma_params p = tma_params(a, D, DKDV_BQ, DKDV_BK, "attention backward dk dv (TMA)");
-    constexpr size_t smem = dkdv_tma_smem_bytes<D, STAGES, STORE_DS>();
-    static bool opted;
-    smem_opt_in(tc_bwd_dkdv_tma_kernel<D, STAGES, STORE_DS>, smem, &opted);
-    const dim3 grid((unsigned)(a.B * a.Hkv), (unsigned)((a.S + DKDV_BK - 1) / DKDV_BK));
-    tc_bwd_dkdv_tma_kernel<D, STAGES, STORE_DS><<<grid, TMA_BWD_THREADS, smem, g_cuda.stream>>>(p);
-    CUDA_LAUNCH_CHECK("attention tc backward dk dv (TMA)");
+    launch<tc_bwd_dkdv_tma_kernel<D, STAGES, STORE_DS>>(
+        dkdv_tma_smem_bytes<D, STAGES, STORE_DS>(), dim3((unsigned)(a.B * a.Hkv), (unsigned)((a.S + DKDV_BK - 1) / DKDV_BK)),
+        tma_params(a, D, DKDV_BQ, DKDV_BK, "attention backward dk dv (TMA)"));
 }
 
-template <int D, int STAGES> void dq_tma_launch(const attn_bwd_args &a)
+/* dQ over query tiles of DQ_BQ per (batch, query head), recomputing (DS false) or from dS */
+template <int D, int STAGES, bool DS> void dq_tma_launch(const attn_bwd_args &a)
 {
+    const dim3 grid((unsigned)(a.B * a.Hq), (unsigned)((a.S + DQ_BQ - 1) / DQ_BQ));
     const bwd_tma_params p = tma_params(a, D, DQ_BQ, DQ_BC, "attention backward dq (TMA)");
-    constexpr size_t smem = dq_tma_smem_bytes<D, STAGES>();
-    static bool opted;
-    smem_opt_in(tc_bwd_dq_tma_kernel<D, STAGES>, smem, &opted);
-    const dim3 grid((unsigned)(a.B * a.Hq), (unsigned)((a.S + DQ_BQ - 1) / DQ_BQ));
-    tc_bwd_dq_tma_kernel<D, STAGES><<<grid, TMA_BWD_THREADS, smem, g_cuda.stream>>>(p);
-    CUDA_LAUNCH_CHECK("attention tc backward dq (TMA)");
-}
-
-template <int D, int STAGES> void dq_ds_launch(const attn_bwd_args &a)
-{
-    const bwd_tma_params p = tma_params(a, D, DQ_BQ, DQ_BC, "attention backward dq from dS (TMA)");
-    constexpr size_t smem = dq_ds_smem_bytes<D, STAGES>();
-    static bool opted;
-    smem_opt_in(tc_bwd_dq_ds_kernel<D, STAGES>, smem, &opted);
-    const dim3 grid((unsigned)(a.B * a.Hq), (unsigned)((a.S + DQ_BQ - 1) / DQ_BQ));
-    tc_bwd_dq_ds_kernel<D, STAGES><<<grid, TMA_BWD_THREADS, smem, g_cuda.stream>>>(p);
-    CUDA_LAUNCH_CHECK("attention tc backward dq from dS (TMA)");
+    if constexpr (DS) launch<tc_bwd_dq_ds_kernel<D, STAGES>>(dq_ds_smem_bytes<D, STAGES>(), grid, p);
+    else launch<tc_bwd_dq_tma_kernel<D, STAGES>>(dq_tma_smem_bytes<D, STAGES>(), grid, p);
 }
 
 } /* namespace */
@@ -532,12 +537,12 @@ void attn_tma_dkdv(const attn_bwd_args &a, int D)
 
 void attn_tma_bwd_ds(const attn_bwd_args &a, int D)
 {
-    if (D == 128) dkdv_tma_launch<128, 4, true>(a), dq_ds_launch<128, 6>(a);
-    else dkdv_tma_launch<64, 4, true>(a), dq_ds_launch<64, 8>(a);
+    if (D == 128) dkdv_tma_launch<128, 4, true>(a), dq_tma_launch<128, 6, true>(a);
+    else dkdv_tma_launch<64, 4, true>(a), dq_tma_launch<64, 8, true>(a);
 }
 
 void attn_tma_dq(const attn_bwd_args &a, int D)
 {
-    if (D == 128) dq_tma_launch<128, 4>(a);
-    else dq_tma_launch<64, 4>(a);
+    if (D == 128) dq_tma_launch<128, 4, false>(a);
+    else dq_tma_launch<64, 4, false>(a);
 }

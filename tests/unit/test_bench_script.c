@@ -61,23 +61,28 @@ static void stand_ins(const char *dir, int tok_s, double mfu, bool fail)
     write_exec(path, text);
 }
 
-static int run_bench(const char *dir, char **out)
+/* bench.sh against fresh stand-ins (moetrain failing or not) in a temporary directory, removed
+ * after; returns the exit status, *out the output */
+static int run_bench(bool fail, char **out)
 {
+    char dir[] = "/tmp/mt_bench_script_XXXXXX";
+    cr_assert(mkdtemp(dir));
+    stand_ins(dir, 90000, 0.48, fail);
     char cmd[2048];
     snprintf(cmd, sizeof cmd,
              "PATH=%s/bin:$PATH BENCH_OUT=%s/out BENCH_BASELINE=0 BENCH_SM80=0 "
              "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 bash scripts/bench.sh %s/build",
              dir, dir, dir);
-    return tu_run(cmd, out);
+    const int rc = tu_run(cmd, out);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    cr_expect_eq(system(cmd), 0);
+    return rc;
 }
 
 Test(bench_script, one_gpu_exits_0_with_headline_skips_and_clock, .timeout = 150)
 {
-    char dir[] = "/tmp/mt_bench_script_XXXXXX";
-    cr_assert(mkdtemp(dir));
-    stand_ins(dir, 90000, 0.48, false);
     char *out = NULL;
-    const int rc = run_bench(dir, &out);
+    const int rc = run_bench(false, &out);
     cr_expect_eq(rc, 0, "bench.sh exited %d:\n%s", rc, out);
     cr_expect(strstr(out, "headline: 90000 tok/s, 48.0% MFU, n/a x compiled PyTorch (NVIDIA Stand-in, "),
               "no headline from the stand-in's metrics:\n%s", out);
@@ -87,22 +92,13 @@ Test(bench_script, one_gpu_exits_0_with_headline_skips_and_clock, .timeout = 150
     snprintf(want, sizeof want, "moetrain 1 GPU %d MHz at %d W", BUSY_MHZ, BUSY_W);
     cr_expect(strstr(out, want), "no '%s' (the idle samples must not count):\n%s", want, out);
     free(out);
-    char rm[600];
-    snprintf(rm, sizeof rm, "rm -rf %s", dir);
-    cr_expect_eq(system(rm), 0);
 }
 
 Test(bench_script, failed_one_gpu_run_exits_1, .timeout = 150)
 {
-    char dir[] = "/tmp/mt_bench_script_XXXXXX";
-    cr_assert(mkdtemp(dir));
-    stand_ins(dir, 90000, 0.48, true);
     char *out = NULL;
-    const int rc = run_bench(dir, &out);
+    const int rc = run_bench(true, &out);
     cr_expect_eq(rc, 1, "bench.sh exited %d:\n%s", rc, out);
     cr_expect(strstr(out, "headline: unavailable, the 1-GPU run failed"), "%s", out);
     free(out);
-    char rm[600];
-    snprintf(rm, sizeof rm, "rm -rf %s", dir);
-    cr_expect_eq(system(rm), 0);
 }
