@@ -32,7 +32,7 @@ void attention_backward(struct model *m, int l)
     const float theta = (float)m->cfg.rope_theta;
 
     /* d_t1 = dL/d attn. The o_proj and q_proj weight gradients now, or (model_enable_deferred_wgrads)
-     * from copies of their output gradients once the next MoE layer's exchanges are under way */
+     * from their output gradients, kept aside, once the next MoE layer's exchanges are under way */
     model_run_deferred_wgrads(m, -1);
     float *dw_o = G(m, TR_O, l), *dw_q = G(m, TR_Q, l);
     const bool defer = m->o_wgrad_dout && m->more_backwards && dw_o && dw_q;
@@ -46,14 +46,13 @@ void attention_backward(struct model *m, int l)
     const size_t work_bytes = work ? (size_t)T * m->V * be->x_size : 0;
     be->attention_backward(m->d_q, m->d_k, m->d_v, m->d_t1, a->q, a->k, a->v, a->attn, a->lse,
                            m->B, m->S, Hq, Hkv, D, m->seg, work, work_bytes);
-    /* d_t2 = dL/d q_pre, then d_t3 = dL/d a accumulated over q, k, v */
-    be->rmsnorm_rope_backward(m->d_t2, G(m, TR_QNORM, l), m->d_q, a->q_pre, W(m, TR_QNORM, l),
+    /* dL/d q_pre (into the deferred gradient's own buffer when deferring, d_t2 otherwise), then
+     * d_t3 = dL/d a accumulated over q, k, v */
+    void *d_qpre = defer ? m->q_wgrad_dout : m->d_t2;
+    be->rmsnorm_rope_backward(d_qpre, G(m, TR_QNORM, l), m->d_q, a->q_pre, W(m, TR_QNORM, l),
                               a->rstd_q, m->pos, T, Hq, D, theta);
-    be->matmul_backward(m->d_t3, defer ? NULL : dw_q, m->d_t2, a->a, W(m, TR_Q, l), T, H, Hq * D, false);
-    if (defer) {
-        be->copy(m->q_wgrad_dout, m->d_t2, (size_t)T * Hq * D * be->x_size);
-        model_defer_wgrad(m, &(struct deferred_wgrad){dw_q, m->q_wgrad_dout, a->a, T, H, Hq * D});
-    }
+    be->matmul_backward(m->d_t3, defer ? NULL : dw_q, d_qpre, a->a, W(m, TR_Q, l), T, H, Hq * D, false);
+    if (defer) model_defer_wgrad(m, &(struct deferred_wgrad){dw_q, d_qpre, a->a, T, H, Hq * D});
     be->rmsnorm_rope_backward(m->d_t2, G(m, TR_KNORM, l), m->d_k, a->k_pre, W(m, TR_KNORM, l),
                               a->rstd_k, m->pos, T, Hkv, D, theta);
     be->matmul2_backward(m->d_t3, G(m, TR_K, l), G(m, TR_V, l), m->d_t2, m->d_v, a->a,
