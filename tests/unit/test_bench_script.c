@@ -1,4 +1,4 @@
-/* scripts/bench.sh (`make bench`) on a machine it believes has one GPU: a stand-in nvidia-smi
+/* scripts/bench.sh (`make bench`) and scripts/ab-train.sh on a machine it believes has one GPU: a stand-in nvidia-smi
  * (one GPU, memory, power and SM clock samples) and a stand-in moetrain (writes metrics lines,
  * prints a profile split) in a temporary directory on PATH. What issue 18 asks of the script: exit
  * 0 with one GPU and say what it skipped, one headline line, and (twenty-first session) the clock
@@ -28,7 +28,8 @@ static void write_exec(const char *path, const char *text)
 }
 
 /* makes dir/bin/nvidia-smi and dir/build/moetrain; the moetrain stand-in writes `tok_s` and `mfu`
- * into its metrics file, or exits 3 when fail */
+ * into its metrics file (step_ms $STANDIN_MS or 700, loss $STANDIN_LOSS or 12.3), or exits 3 when
+ * fail */
 static void stand_ins(const char *dir, int tok_s, double mfu, bool fail)
 {
     char path[512], text[2048];
@@ -41,11 +42,14 @@ static void stand_ins(const char *dir, int tok_s, double mfu, bool fail)
              "  *-L*) echo 'GPU 0: NVIDIA Stand-in (UUID: none)';;\n"
              "  *--query-gpu=name*) echo 'NVIDIA Stand-in';;\n"
              "  *memory.total*) echo 143771;;\n"
+             "  *memory.used,power.draw*) echo '1000, %s, %s'; echo '2000, %s, %s';\n"
+             "                for i in $(seq 1 40); do echo \"$((2000 + 1000 * i)), %d.0, %d\"; sleep 0.25; done;;\n"
              "  *memory.used*) for i in $(seq 1 40); do echo $((1000 * i)); sleep 0.2; done;;\n"
              "  *power.draw*) echo '%s, %s'; echo '%s, %s';\n"
              "                for i in $(seq 1 40); do echo '%d.0, %d'; sleep 0.25; done;;\n"
              "esac\n",
-             IDLE_W, IDLE_MHZ, IDLE_W, IDLE_MHZ, BUSY_W, BUSY_MHZ);
+             IDLE_W, IDLE_MHZ, IDLE_W, IDLE_MHZ, BUSY_W, BUSY_MHZ, IDLE_W, IDLE_MHZ, IDLE_W, IDLE_MHZ, BUSY_W,
+             BUSY_MHZ);
     write_exec(path, text);
     snprintf(path, sizeof path, "%s/build/moetrain", dir);
     snprintf(text, sizeof text,
@@ -54,7 +58,8 @@ static void stand_ins(const char *dir, int tok_s, double mfu, bool fail)
              "sleep 1.5\n"
              "%s"
              "[ -n \"$f\" ] && for i in 1 2 3 4; do\n"
-             "  echo '{\"step_ms\": 700, \"tokens_per_s\": %d, \"mfu\": %.3f, \"loss\": 12.3}' >> $f\n"
+             "  echo \"{\\\"step_ms\\\": ${STANDIN_MS:-700}, \\\"tokens_per_s\\\": %d, \\\"mfu\\\": %.3f, "
+             "\\\"loss\\\": ${STANDIN_LOSS:-12.3}}\" >> $f\n"
              "done\n"
              "echo '    time: attention 17%% | other 83%%'\n",
              fail ? "exit 3\n" : "", tok_s, mfu);
@@ -100,5 +105,43 @@ Test(bench_script, failed_one_gpu_run_exits_1, .timeout = 150)
     const int rc = run_bench(true, &out);
     cr_expect_eq(rc, 1, "bench.sh exited %d:\n%s", rc, out);
     cr_expect(strstr(out, "headline: unavailable, the 1-GPU run failed"), "%s", out);
+    free(out);
+}
+
+/* scripts/ab-train.sh against the stand-ins: alternating runs, the medians, the relative change,
+ * the clock of the busy samples, and whether the losses agree */
+static int run_ab(const char *env_a, const char *env_b, int rounds, char **out)
+{
+    char dir[] = "/tmp/mt_ab_script_XXXXXX";
+    cr_assert(mkdtemp(dir));
+    stand_ins(dir, 90000, 0.48, false);
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "PATH=%s/bin:$PATH BUILD=%s/build AB_OUT=%s/out AB_ROUNDS=%d timeout 120 "
+             "bash scripts/ab-train.sh '%s' '%s'", dir, dir, dir, rounds, env_a, env_b);
+    const int rc = tu_run(cmd, out);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    cr_expect_eq(system(cmd), 0);
+    return rc;
+}
+
+Test(bench_script, ab_train_medians_change_and_same_losses, .timeout = 150)
+{
+    char *out = NULL;
+    const int rc = run_ab("", "STANDIN_MS=693", 2, &out);
+    cr_expect_eq(rc, 0, "ab-train.sh exited %d:\n%s", rc, out);
+    cr_expect(strstr(out, "A 700.0 ms, B 693.0 ms: B is -1.00% against A"), "%s", out);
+    cr_expect(strstr(out, "losses: the same in every run"), "%s", out);
+    char want[64];
+    snprintf(want, sizeof want, "%8d  STANDIN_MS=693", BUSY_MHZ);
+    cr_expect(strstr(out, want), "no busy clock '%s':\n%s", want, out);
+    free(out);
+}
+
+Test(bench_script, ab_train_reports_different_losses, .timeout = 150)
+{
+    char *out = NULL;
+    const int rc = run_ab("", "STANDIN_LOSS=12.4", 1, &out);
+    cr_expect_eq(rc, 0, "ab-train.sh exited %d:\n%s", rc, out);
+    cr_expect(strstr(out, "losses: DIFFER between runs"), "%s", out);
     free(out);
 }

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# A/B of two environments on the same build: short trains, alternating A, B, A, B, ... so that a
+# card's drift hits both sides alike. For switches that keep the bits (MT_ATTN_BWD_RECOMPUTE=1,
+# MT_NO_DEFERRED_WGRAD=1, ...): it says whether every run printed the same losses.
+#   scripts/ab-train.sh "A_VAR=1 ..." "B_VAR=1 ..."     ("" = the default environment)
+# AB_CONFIG (configs/bench-qwen3-30b-8l.yaml), AB_STEPS (8), AB_ROUNDS (2), AB_NP (1 rank per GPU;
+# > 1 runs under mpirun), AB_SET (more arguments, e.g. "--set model.num_hidden_layers=4"),
+# AB_OUT (build/ab), BUILD (build). Step time: the median of steps 3 onwards of each run.
+set -uo pipefail
+[ $# -eq 2 ] || { echo "usage: scripts/ab-train.sh \"A env\" \"B env\"" >&2; exit 2; }
+BUILD=${BUILD:-build}
+CONFIG=${AB_CONFIG:-configs/bench-qwen3-30b-8l.yaml}
+STEPS=${AB_STEPS:-8}
+ROUNDS=${AB_ROUNDS:-2}
+NP=${AB_NP:-1}
+OUT=${AB_OUT:-$BUILD/ab}
+mkdir -p "$OUT"
+envs=("$1" "$2")
+launch=()
+[ "$NP" -gt 1 ] && launch=(mpirun --oversubscribe --bind-to none -np "$NP")
+failed=0
+for r in $(seq 1 "$ROUNDS"); do
+    for side in 0 1; do
+        [ "$side" = 1 ] && tag="$OUT/B_$r" || tag="$OUT/A_$r"
+        rm -f "$tag.jsonl"
+        nvidia-smi --query-gpu=memory.used,power.draw,clocks.sm --format=csv,noheader,nounits -lms 250 \
+            > "$tag.smi" 2>/dev/null &
+        smi=$!
+        # shellcheck disable=SC2086 # the environment is a list of words on purpose
+        env ${envs[$side]} "${launch[@]}" "$BUILD/moetrain" train "$CONFIG" --set train.steps="$STEPS" \
+            --set log.metrics="$tag.jsonl" ${AB_SET:-} > "$tag.log" 2>&1
+        rc=$?
+        kill $smi 2>/dev/null; wait $smi 2>/dev/null
+        if [ $rc -ne 0 ]; then echo "ab: ${tag##*/} failed (rc $rc), see $tag.log"; failed=1; fi
+    done
+done
+python3 - "$OUT" "$ROUNDS" "$1" "$2" <<'PY'
+import json, statistics, sys
+out, rounds, env_a, env_b = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+def run(tag):
+    try:
+        rows = [json.loads(l) for l in open(f"{out}/{tag}.jsonl")]
+    except OSError:
+        return None
+    steady = rows[2:] or rows
+    mem, mhz = 0.0, []
+    try:
+        for line in open(f"{out}/{tag}.smi"):
+            f = [x.strip() for x in line.split(",")]
+            try:
+                mem = max(mem, float(f[0]) / 1024)
+                mhz.append((float(f[1]), float(f[2])))
+            except (ValueError, IndexError):
+                pass
+    except OSError:
+        pass
+    busy = [m for w, m in mhz if mhz and w >= 0.5 * max(w for w, _ in mhz)]
+    return {"ms": statistics.median(r["step_ms"] for r in steady), "losses": [r["loss"] for r in rows],
+            "mem": mem, "mhz": statistics.median(busy) if busy else None}
+res = {s: [run(f"{s}_{r}") for r in range(1, rounds + 1)] for s in "AB"}
+print(f"{'run':<6}{'step ms':>10}{'peak GiB':>10}{'SM MHz':>8}  env")
+for s, env in (("A", env_a), ("B", env_b)):
+    for r, x in enumerate(res[s], 1):
+        if x is None:
+            print(f"{s}_{r:<4}{'failed':>10}")
+            continue
+        mhz = f"{x['mhz']:.0f}" if x["mhz"] else "-"
+        print(f"{s}_{r:<4}{x['ms']:>10.1f}{x['mem']:>10.1f}{mhz:>8}  {env or '(default)'}")
+ok = [x for s in "AB" for x in res[s] if x]
+if all(res[s] and all(res[s]) for s in "AB"):
+    a = statistics.median(x["ms"] for x in res["A"])
+    b = statistics.median(x["ms"] for x in res["B"])
+    print(f"A {a:.1f} ms, B {b:.1f} ms: B is {100 * (b - a) / a:+.2f}% against A")
+if ok:
+    same = all(x["losses"] == ok[0]["losses"] for x in ok)
+    print("losses: the same in every run" if same else "losses: DIFFER between runs")
+PY
+exit $failed
