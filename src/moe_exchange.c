@@ -269,6 +269,9 @@ void moe_exchange_backward(struct model *m, struct layer_acts *a, int l)
     void *d_pairs = m->pairs ? recv_rows(m, r->P_recv) : m->d_h;
     float *d_w = m->pairs ? recv_w(m, r->P_send * K) : NULL;
     if (m->pairs) send_pairs(m, a, &ch[0], m->d_h, d_pairs, &there[0], "dispatch_bwd");
+    /* the layer above's deferred weight gradients (model_enable_deferred_wgrads) under the first
+     * chunk's rows on their way out, and under the last ones' on their way home */
+    if (m->pairs) model_run_deferred_wgrads(m, 1);
     for (int c = 0; c < n; c++) {
         const struct moe_chunk *x = &ch[c];
         const int64_t rk = x->recv0 * K;
@@ -295,6 +298,7 @@ void moe_exchange_backward(struct model *m, struct layer_acts *a, int l)
                                 NULL, (int)x->P_recv, K, H);
         return_pairs(m, a, x, sums, &back[c], "combine_bwd");
     }
+    if (m->pairs) model_run_deferred_wgrads(m, -1);
     for (int c = 0; m->pairs && c < n; c++) {
         const struct moe_chunk *x = &ch[c];
         const int64_t tk = (int64_t)x->t0 * K;

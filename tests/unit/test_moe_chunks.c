@@ -240,19 +240,30 @@ Test(moe_chunks, bad_switch_values_are_refused, .timeout = 120)
  * printed digit against MT_NO_DEFERRED_WGRAD=1. EP = 2, reduce_grads=step and 2 micro-steps (the
  * deferral needs a later backward in the step); the startup line must say it was on. A dropped
  * deferred gradient changes step 1's grad_norm (checked by hand when this test was written). */
-Test(moe_chunks, train_deferred_wgrads_change_no_bit, .timeout = 300)
+static void deferred_vs_in_place(int chunks)
 {
     double l_on[STEPS], g_on[STEPS], l_off[STEPS], g_off[STEPS];
-    const char *mesh = "--set parallel.expert_parallel_size=2 --set parallel.reduce_grads=step "
-                       "--set train.micro_batch_size=2";
-    char *out = train(2, "", mesh, "defer_on", l_on, g_on);
+    char mesh[256], tag[32];
+    snprintf(mesh, sizeof mesh, "--set parallel.expert_parallel_size=2 --set parallel.reduce_grads=step "
+             "--set train.micro_batch_size=2 --set parallel.moe_chunks=%d", chunks);
+    snprintf(tag, sizeof tag, "defer_on_%d", chunks);
+    char *out = train(2, "", mesh, tag, l_on, g_on);
     cr_expect(strstr(out, "q_proj weight gradients deferred") != NULL, "deferral not on:\n%s", out);
     free(out);
-    out = train(2, "MT_NO_DEFERRED_WGRAD=1", mesh, "defer_off", l_off, g_off);
+    snprintf(tag, sizeof tag, "defer_off_%d", chunks);
+    out = train(2, "MT_NO_DEFERRED_WGRAD=1", mesh, tag, l_off, g_off);
     cr_expect(strstr(out, "weight gradients deferred") == NULL, "MT_NO_DEFERRED_WGRAD=1 left it on:\n%s", out);
     free(out);
     for (int s = 0; s < STEPS; s++) {
-        cr_expect_eq(l_on[s], l_off[s], "step %d loss %.9g vs %.9g", s + 1, l_on[s], l_off[s]);
-        cr_expect_eq(g_on[s], g_off[s], "step %d grad_norm %.9g vs %.9g", s + 1, g_on[s], g_off[s]);
+        cr_expect_eq(l_on[s], l_off[s], "%d chunk(s): step %d loss %.9g vs %.9g", chunks, s + 1, l_on[s], l_off[s]);
+        cr_expect_eq(g_on[s], g_off[s], "%d chunk(s): step %d grad_norm %.9g vs %.9g", chunks, s + 1, g_on[s],
+                     g_off[s]);
     }
+}
+
+/* ... with one exchange a layer (moe.c) and in chunks (moe_exchange.c) */
+Test(moe_chunks, train_deferred_wgrads_change_no_bit, .timeout = 300)
+{
+    deferred_vs_in_place(1);
+    deferred_vs_in_place(2);
 }
