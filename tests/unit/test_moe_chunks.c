@@ -267,3 +267,15 @@ Test(moe_chunks, train_deferred_wgrads_change_no_bit, .timeout = 300)
     deferred_vs_in_place(1);
     deferred_vs_in_place(2);
 }
+
+/* where each layer's gradient is reduce-scattered right after its backward (reduce_grads=
+ * micro_step), a deferred gradient would miss its reduction: the deferral stays off */
+Test(moe_chunks, no_deferred_wgrads_with_per_micro_step_reduction, .timeout = 120)
+{
+    double l[STEPS], g[STEPS];
+    char *out = train(2, "", "--set parallel.expert_parallel_size=2 --set parallel.reduce_grads=micro_step "
+                      "--set train.micro_batch_size=2", "defer_micro", l, g);
+    cr_expect(strstr(out, "gradients reduce-scattered every micro-step") != NULL, "%s", out);
+    cr_expect(strstr(out, "weight gradients deferred") == NULL, "deferred with per-micro-step reduction:\n%s", out);
+    free(out);
+}
