@@ -132,31 +132,6 @@ void model_arm_loss_gradient(struct model *m, float ce_scale)
 
 void model_disarm_loss_gradient(struct model *m) { m->ce_fused_scale = 0.0f; }
 
-void model_enable_deferred_wgrads(struct model *m)
-{
-    const size_t x = m->be->x_size;
-    if (!m->o_wgrad_dout) m->o_wgrad_dout = m->be->alloc((size_t)m->T * m->H * x);
-    if (!m->q_wgrad_dout) m->q_wgrad_dout = m->be->alloc((size_t)m->T * m->Hq * m->D * x);
-}
-
-void model_defer_wgrad(struct model *m, const struct deferred_wgrad *d)
-{
-    const int cap = (int)(sizeof m->deferred / sizeof m->deferred[0]);
-    MT_CHECK(m->n_deferred < cap, "model_defer_wgrad: %d weight gradients already wait", m->n_deferred);
-    m->deferred[m->n_deferred++] = *d;
-}
-
-void model_run_deferred_wgrads(struct model *m, int max)
-{
-    int n = max < 0 || max > m->n_deferred ? m->n_deferred : max;
-    for (int i = 0; i < n; i++) {
-        const struct deferred_wgrad *d = &m->deferred[i];
-        m->be->matmul_backward(NULL, d->dw, d->dout, d->in, NULL, d->N, d->I, d->O, false);
-    }
-    for (int i = n; i < m->n_deferred; i++) m->deferred[i - n] = m->deferred[i];
-    m->n_deferred -= n;
-}
-
 void model_stage_backward(struct model *m, int slot, float ce_scale, const float *aux_dp_host)
 {
     const struct backend *be = m->be;
