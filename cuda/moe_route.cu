@@ -177,7 +177,7 @@ static int *counts_zeroed(int n)
 static const int *counts_to_host(const int *counts, int n)
 {
     static int *h;
-    if (!h) CUDA_CHECK(cudaMallocHost(&h, (ROUTE_MAX_E + 1) * sizeof(int)));
+    if (!h) CUDA_CHECK(cudaMallocHost(&h, (2 * ROUTE_MAX_E + 1) * sizeof(int)));
     CUDA_CHECK(cudaMemcpyAsync(h, counts, (size_t)n * sizeof(int), cudaMemcpyDeviceToHost,
                                g_cuda.stream));
     return h;
@@ -213,11 +213,14 @@ void cu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32
 
 /* ---------------------------------------------------------------- pair plan */
 
+/* counts [ep + 1]: pairs per rank, then the bad ids; choices [ep]: choices per rank (the expert rows
+ * the rank will hold) */
 __global__ void pair_sort_count_kernel(int32_t *topk_idx, float *topk_w, int *counts, int *chunk_hist,
-                                       int T, int ep, int n_local, int k)
+                                       int *choices, int T, int ep, int n_local, int k)
 {
-    extern __shared__ int hist[]; /* [ep + 1] */
-    for (int d = threadIdx.x; d <= ep; d += blockDim.x) hist[d] = 0;
+    extern __shared__ int hist[]; /* [ep + 1] pairs and bad ids, then [ep] choices */
+    int *chist = hist + ep + 1;
+    for (int d = threadIdx.x; d <= 2 * ep; d += blockDim.x) hist[d] = 0;
     __syncthreads();
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t < T) {
@@ -226,13 +229,18 @@ __global__ void pair_sort_count_kernel(int32_t *topk_idx, float *topk_w, int *co
         sort_token(topk_idx, topk_w, t, k, idx, w);
         const int E = ep * n_local;
         for (int j = 0; j < k; j++) {
-            if (idx[j] < 0 || idx[j] >= E) atomicAdd(&hist[ep], 1);
-            else if (j == 0 || idx[j] / n_local != idx[j - 1] / n_local)
-                atomicAdd(&hist[idx[j] / n_local], 1);
+            if (idx[j] < 0 || idx[j] >= E) {
+                atomicAdd(&hist[ep], 1);
+                continue;
+            }
+            if (j == 0 || idx[j] / n_local != idx[j - 1] / n_local) atomicAdd(&hist[idx[j] / n_local], 1);
+            atomicAdd(&chist[idx[j] / n_local], 1);
         }
     }
     __syncthreads();
     publish_hist(hist, ep, counts, chunk_hist);
+    for (int d = threadIdx.x; d < ep; d += blockDim.x)
+        if (chist[d]) atomicAdd(&choices[d], chist[d]);
 }
 
 /* grid (ep, chunks): the tokens of chunk blockIdx.y using rank d, in order, get pairs
@@ -275,22 +283,23 @@ pair_rows_kernel(const int32_t *topk_idx, const float *topk_w, const int *counts
 }
 
 void cu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int32_t *tok_pair,
-                      int32_t *meta_idx, float *meta_w, int32_t *w_map, int64_t *count_host, int T,
-                      int ep, int n_local, int k)
+                      int32_t *meta_idx, float *meta_w, int32_t *w_map, int64_t *count_host,
+                      int64_t *rows_host, int T, int ep, int n_local, int k)
 {
-    MT_CHECK(T >= 0 && ep > 0 && ep <= ROUTE_MAX_E && n_local > 0 && k > 0 && k <= ROUTE_MAX_K,
+    /* ep <= ROUTE_MAX_E / 2: the count kernel's two histograms fit the default 48 KB of shared memory */
+    MT_CHECK(T >= 0 && ep > 0 && ep <= ROUTE_MAX_E / 2 && n_local > 0 && k > 0 && k <= ROUTE_MAX_K,
              "moe_pair_plan: unsupported shape T=%d ep=%d n_local=%d k=%d", T, ep, n_local, k);
     MT_CHECK((int64_t)T * k * k <= INT32_MAX, "moe_pair_plan: %lld slots overflow int32",
              (long long)T * k * k);
-    int *counts = counts_zeroed(ep + 1);
+    int *counts = counts_zeroed(2 * ep + 1); /* pairs, bad ids, then choices per rank */
     int *chunk_hist = chunk_hist_for(ep, T);
     if (T > 0) {
         pair_sort_count_kernel<<<(T + ROUTE_THREADS - 1) / ROUTE_THREADS, ROUTE_THREADS,
-                                 (size_t)(ep + 1) * sizeof(int), g_cuda.stream>>>(
-            topk_idx, topk_w, counts, chunk_hist, T, ep, n_local, k);
+                                 (size_t)(2 * ep + 1) * sizeof(int), g_cuda.stream>>>(
+            topk_idx, topk_w, counts, chunk_hist, counts + ep + 1, T, ep, n_local, k);
         CUDA_LAUNCH_CHECK("moe pair sort/count");
     }
-    const int *h = counts_to_host(counts, ep + 1);
+    const int *h = counts_to_host(counts, 2 * ep + 1);
     if (T > 0) {
         pair_rows_kernel<<<rows_grid(ep, T), ROUTE_THREADS, 0, g_cuda.stream>>>(
             topk_idx, topk_w, counts, chunk_hist, pair_tok, tok_pair, meta_idx, meta_w, w_map, T, ep,
@@ -299,7 +308,7 @@ void cu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int32
     }
     CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
     MT_CHECK(h[ep] == 0, "router chose %d expert ids outside [0, %d)", h[ep], ep * n_local);
-    for (int d = 0; d < ep; d++) count_host[d] = h[d];
+    for (int d = 0; d < ep; d++) count_host[d] = h[d], rows_host[d] = h[ep + 1 + d];
 }
 
 /* ---------------------------------------------------------------- fp32 gather */

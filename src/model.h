@@ -24,7 +24,7 @@ struct moe_route {
     int64_t *recv_counts;    /* host [ep]: pairs received from each EP rank */
     int64_t P_send, P_recv;  /* pairs sent and received */
     int64_t R_exp;           /* expert-side rows, expert_off[n_local]: T·k without pairs (the
-                              * router fills every slot), downloaded with them */
+                              * router fills every slot), with them the count exchange's sum */
     /* sender side, ep > 1 */
     int32_t *pair_tok;       /* dev [T * min(k, ep)]: token of each sent pair (rank, token order) */
     int32_t *tok_pair;       /* dev [T, k]: pair of choice j's rank at its first choice, else -1 */

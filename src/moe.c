@@ -17,6 +17,8 @@
  * Each token's k choices are re-sorted by ascending expert id before anything uses them, so the
  * combine adds expert outputs in ascending expert order (transformers' eager order; across ranks
  * the per-rank partial sums are added in rank order, so meshes agree to rounding). */
+#include <string.h>
+
 #include "common.h"
 #include "layer.h"
 #include "model.h"
@@ -117,9 +119,10 @@ static void route_plan(struct model *m, struct layer_acts *a)
         r->send_counts[0] = r->recv_counts[0] = r->P_send = r->P_recv = T;
         r->R_exp = (int64_t)T * K;
     } else {
+        int64_t send_rows[ep];
         be->moe_pair_plan(a->topk_idx, a->topk_w, r->pair_tok, r->tok_pair, m->meta_idx_send,
-                          m->meta_w_send, r->w_map, r->send_counts, T, ep, nl, K);
-        moe_exchange_counts(m, r->recv_counts, r->send_counts);
+                          m->meta_w_send, r->w_map, r->send_counts, send_rows, T, ep, nl, K);
+        r->R_exp = moe_exchange_counts(m, r->recv_counts, r->send_counts, send_rows);
         r->P_send = r->P_recv = 0;
         for (int s = 0; s < ep; s++) {
             r->P_send += r->send_counts[s];
@@ -127,21 +130,30 @@ static void route_plan(struct model *m, struct layer_acts *a)
         }
         moe_ensure_pairs(m, a, r->P_recv);
         exchange_meta(m, r);
+        /* its expert_off[nl] is R_exp, which the counts brought: nothing to read back */
         be->moe_route_plan(r->meta_idx, r->meta_w, r->exp_src, r->exp_slot, r->expert_off,
                            (int)r->P_recv, nl, K);
-        be->download(&r->R_exp, r->expert_off + nl, sizeof(int64_t));
     }
     moe_ensure_rows(m, a, r->R_exp);
 }
 
-/* counts are host data: exchange them over MPI whatever backend moves the rows */
-void moe_exchange_counts(struct model *m, int64_t *recv_counts, const int64_t *send_counts)
+/* counts are host data: exchange them over MPI whatever backend moves the rows. Each rank's pair
+ * count travels with the expert rows those pairs make (moe_pair_plan rows_host), so the receiver
+ * knows its row count (returned) without reading its route plan back. */
+int64_t moe_exchange_counts(struct model *m, int64_t *recv_counts, const int64_t *send_counts,
+                            const int64_t *send_rows)
 {
     if (!m->ep_comm) {
         recv_counts[0] = send_counts[0];
-        return;
+        return send_rows[0];
     }
-    MT_CHECK_MPI(MPI_Alltoall(send_counts, 1, MPI_INT64_T, recv_counts, 1, MPI_INT64_T, m->ep_comm->mpi));
+    const int ep = m->ep;
+    int64_t out[2 * ep], in[2 * ep], rows = 0;
+    memset(out, 0, sizeof out); /* the loop fills it; cleared so that the compiler sees it set */
+    for (int s = 0; s < ep; s++) out[2 * s] = send_counts[s], out[2 * s + 1] = send_rows[s];
+    MT_CHECK_MPI(MPI_Alltoall(out, 2, MPI_INT64_T, in, 2, MPI_INT64_T, m->ep_comm->mpi));
+    for (int s = 0; s < ep; s++) recv_counts[s] = in[2 * s], rows += in[2 * s + 1];
+    return rows;
 }
 
 /* out = resid + the dense MLP of the normed rows */

@@ -115,10 +115,11 @@ static void plan(struct model *m, struct layer_acts *a)
         if (!m->pairs) {
             x->P_send = x->P_recv = x->send_counts[0] = x->recv_counts[0] = x->T;
         } else {
+            int64_t send_rows[ep];
             be->moe_pair_plan(a->topk_idx + tk, a->topk_w + tk, r->pair_tok + pair0, r->tok_pair + tk,
                               m->meta_idx_send + pair0 * K, m->meta_w_send + pair0 * K, r->w_map + tk,
-                              x->send_counts, x->T, ep, nl, K);
-            moe_exchange_counts(m, x->recv_counts, x->send_counts);
+                              x->send_counts, send_rows, x->T, ep, nl, K);
+            x->R = moe_exchange_counts(m, x->recv_counts, x->send_counts, send_rows);
             x->P_send = x->P_recv = 0;
             for (int s = 0; s < ep; s++) {
                 x->P_send += x->send_counts[s];
@@ -144,9 +145,8 @@ static void plan(struct model *m, struct layer_acts *a)
         be->moe_route_plan(r->meta_idx + rk, r->meta_w + rk, r->exp_src + row0, r->exp_slot + rk,
                            x->expert_off, (int)x->P_recv, m->pairs ? nl : E, K);
         x->row0 = row0;
-        /* the next chunk's rows start after this one's: with pairs their count comes down */
-        if (m->pairs) be->download(&x->R, x->expert_off + nl, sizeof(int64_t));
-        else x->R = x->P_recv * K;
+        /* the next chunk's rows start after this one's (with pairs, R came with the counts) */
+        if (!m->pairs) x->R = x->P_recv * K;
         row0 += x->R;
     }
     r->R_exp = row0;

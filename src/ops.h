@@ -220,12 +220,15 @@ struct backend {
      *   meta_idx[p, s] / meta_w[p, s] = the pair's s-th choice as a LOCAL expert id and its
      *   weight, ascending, then MT_NO_EXPERT / 0 up to k;
      *   w_map[t, j] = p·k + s, where choice j sits in its pair's slots;
-     *   count_host[d] (HOST [ep]) = pairs for rank d; waits. An id outside [0, ep·n_local) is fatal. */
+     *   count_host[d] (HOST [ep]) = pairs for rank d, rows_host[d] (HOST [ep]) = the choices on
+     *   rank d's experts (the expert rows its pairs make there, so that the receiver knows its
+     *   row count without reading its route plan back); waits. An id outside [0, ep·n_local) is
+     *   fatal. */
     void (*moe_pair_plan)(int32_t *topk_idx /*[T,k]*/, float *topk_w /*[T,k]*/,
                           int32_t *pair_tok /*[<= T*min(k,ep)]*/, int32_t *tok_pair /*[T,k]*/,
                           int32_t *meta_idx /*[P,k]*/, float *meta_w /*[P,k]*/,
-                          int32_t *w_map /*[T,k]*/, int64_t *count_host /*[ep]*/, int T, int ep,
-                          int n_local, int k);
+                          int32_t *w_map /*[T,k]*/, int64_t *count_host /*[ep]*/,
+                          int64_t *rows_host /*[ep]*/, int T, int ep, int n_local, int k);
     /* out[i] = in[idx[i]] for i < n, fp32 values (index bookkeeping of routing weights) */
     void (*gather_f32)(float *out, const float *in, const int32_t *idx, int n);
 

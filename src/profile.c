@@ -148,8 +148,8 @@ W(moe_route_plan, PROF_MOE_ROWS, E,
   (ti, tw, sr, sl, off, T, E, k))
 W(moe_pair_plan, PROF_MOE_ROWS, ep,
   (int32_t *ti, float *tw, int32_t *pt, int32_t *tp, int32_t *mi, float *mw, int32_t *wm,
-   int64_t *c, int T, int ep, int nl, int k),
-  (ti, tw, pt, tp, mi, mw, wm, c, T, ep, nl, k))
+   int64_t *c, int64_t *rc, int T, int ep, int nl, int k),
+  (ti, tw, pt, tp, mi, mw, wm, c, rc, T, ep, nl, k))
 W(gather_f32, PROF_MOE_ROWS, 0, (float *o, const float *i, const int32_t *idx, int n), (o, i, idx, n))
 W(gather_rows, PROF_MOE_ROWS, R, (void *o, const void *i, const int32_t *idx, int R, int H),
   (o, i, idx, R, H))

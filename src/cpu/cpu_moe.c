@@ -52,17 +52,19 @@ void cpu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int3
 }
 
 void cpu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int32_t *tok_pair,
-                       int32_t *meta_idx, float *meta_w, int32_t *w_map, int64_t *count, int T,
-                       int ep, int n_local, int k)
+                       int32_t *meta_idx, float *meta_w, int32_t *w_map, int64_t *count,
+                       int64_t *rows, int T, int ep, int n_local, int k)
 {
     const int E = ep * n_local;
     memset(count, 0, (size_t)ep * sizeof *count);
+    memset(rows, 0, (size_t)ep * sizeof *rows);
     for (int t = 0; t < T; t++) {
         int32_t *idx = topk_idx + (size_t)t * k;
         sort_choices(idx, topk_w + (size_t)t * k, k);
         for (int j = 0; j < k; j++) {
             MT_CHECK(idx[j] >= 0 && idx[j] < E, "router chose expert %d of %d", (int)idx[j], E);
             if (j == 0 || idx[j] / n_local != idx[j - 1] / n_local) count[idx[j] / n_local]++;
+            rows[idx[j] / n_local]++;
         }
     }
     int64_t *fill = mt_malloc((size_t)ep * sizeof *fill);

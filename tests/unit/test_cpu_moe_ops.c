@@ -523,10 +523,10 @@ Test(cpu_ops, pair_plan_and_route_plan_follow_their_definition)
     mt_rng_seed(&rng, 31);
     int32_t idx[T * K], pt[T * K], tp[T * K], wm[T * K], mi[T * K * K];
     float w[T * K], mw[T * K * K];
-    int64_t cnt[EP];
+    int64_t cnt[EP], rows_for[EP];
     plan_routing(&rng, idx, w, T, EP * NL, K);
-    cpu_moe_pair_plan(idx, w, pt, tp, mi, mw, wm, cnt, T, EP, NL, K);
-    int64_t P = 0, want[EP] = {0};
+    cpu_moe_pair_plan(idx, w, pt, tp, mi, mw, wm, cnt, rows_for, T, EP, NL, K);
+    int64_t P = 0, want[EP] = {0}, want_rows[EP] = {0};
     for (int t = 0; t < T; t++) {
         bool uses[EP] = {false};
         for (int j = 0; j < K; j++) {
@@ -538,11 +538,13 @@ Test(cpu_ops, pair_plan_and_route_plan_follow_their_definition)
             cr_expect_eq(pt[wm[i] / K], t);
             cr_expect_eq(tp[i], uses[d] ? -1 : wm[i] / K);
             uses[d] = true;
+            want_rows[d]++;
         }
         for (int d = 0; d < EP; d++) want[d] += uses[d];
     }
     for (int d = 0; d < EP; d++) {
         cr_expect_eq(cnt[d], want[d], "rank %d", d);
+        cr_expect_eq(rows_for[d], want_rows[d], "rank %d's expert rows", d);
         P += cnt[d];
     }
     for (int64_t p = 1; p < P; p++) {
@@ -583,4 +585,8 @@ Test(cpu_ops, pair_plan_and_route_plan_follow_their_definition)
             if (r > off[e]) cr_expect_lt(src[r - 1], (int32_t)p);
         }
     cr_expect_eq(rows, off[NL]);
+    /* what the senders' row counts promise the receiver (moe_exchange_counts) is its plan's rows */
+    int64_t promised = 0;
+    for (int d = 0; d < EP; d++) promised += rows_for[d];
+    cr_expect_eq(promised, off[NL]);
 }

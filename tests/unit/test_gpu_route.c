@@ -116,16 +116,21 @@ static void pair_case(const struct backend *g, mt_rng *rng, int T, int ep, int n
     int32_t *c_wm = mt_malloc(tk * 4);
     float *c_mw = mt_malloc(pk * 4);
     int64_t *c_cnt = mt_malloc((size_t)ep * 8), *g_cnt = mt_malloc((size_t)ep * 8);
-    c->moe_pair_plan(c_idx, c_w, c_pt, c_tp, c_mi, c_mw, c_wm, c_cnt, T, ep, nl, k);
+    int64_t *c_rows = mt_malloc((size_t)ep * 8), *g_rows = mt_malloc((size_t)ep * 8);
+    c->moe_pair_plan(c_idx, c_w, c_pt, c_tp, c_mi, c_mw, c_wm, c_cnt, c_rows, T, ep, nl, k);
     int32_t *d_idx = g->alloc(tk * 4), *d_pt = g->alloc(P * 4), *d_tp = g->alloc(tk * 4);
     int32_t *d_mi = g->alloc(pk * 4), *d_wm = g->alloc(tk * 4);
     float *d_w = g->alloc(tk * 4), *d_mw = g->alloc(pk * 4);
     g->upload(d_idx, idx, tk * 4);
     g->upload(d_w, w, tk * 4);
-    g->moe_pair_plan(d_idx, d_w, d_pt, d_tp, d_mi, d_mw, d_wm, g_cnt, T, ep, nl, k);
+    g->moe_pair_plan(d_idx, d_w, d_pt, d_tp, d_mi, d_mw, d_wm, g_cnt, g_rows, T, ep, nl, k);
     int64_t pairs = 0;
     for (int d = 0; d < ep; d++) pairs += c_cnt[d];
     cr_expect(!memcmp(g_cnt, c_cnt, (size_t)ep * 8), "T=%d ep=%d: pair counts differ", T, ep);
+    cr_expect(!memcmp(g_rows, c_rows, (size_t)ep * 8), "T=%d ep=%d: expert-row counts differ", T, ep);
+    int64_t choices = 0;
+    for (int d = 0; d < ep; d++) choices += c_rows[d];
+    cr_expect_eq(choices, (int64_t)T * k, "T=%d ep=%d: every choice is some rank's expert row", T, ep);
     int32_t *h = mt_malloc(pk * 4);
     float *hf = mt_malloc(pk * 4);
     g->download(h, d_idx, tk * 4);
@@ -162,7 +167,7 @@ static void pair_case(const struct backend *g, mt_rng *rng, int T, int ep, int n
     g->free(d_idx), g->free(d_pt), g->free(d_tp), g->free(d_mi), g->free(d_wm), g->free(d_w);
     g->free(d_mw);
     free(idx), free(c_idx), free(w), free(c_w), free(c_pt), free(c_tp), free(c_mi), free(c_wm);
-    free(c_mw), free(c_cnt), free(g_cnt), free(h), free(hf), free(back);
+    free(c_mw), free(c_cnt), free(g_cnt), free(c_rows), free(g_rows), free(h), free(hf), free(back);
 }
 
 Test(gpu, moe_pair_plan)
