@@ -279,3 +279,36 @@ Test(moe_chunks, no_deferred_wgrads_with_per_micro_step_reduction, .timeout = 12
     cr_expect(strstr(out, "weight gradients deferred") == NULL, "deferred with per-micro-step reduction:\n%s", out);
     free(out);
 }
+
+/* calls a step of the profile table's `download` row in a run's output (-1: no such row) */
+static int download_calls(const char *out)
+{
+    const char *p = strstr(out, "\n    download ");
+    int calls = -1;
+    if (p && sscanf(p, " download %*d %d", &calls) != 1) calls = -1;
+    return calls;
+}
+
+/* Issue 18's "no host synchronisation in the step except the metrics", as far as it goes: with
+ * EP = 2 (one exchange a layer, or in chunks) a step downloads no more than on one rank (the
+ * metrics); the expert-row count comes with the pair counts instead of being read back from each
+ * MoE layer's route plan. The pair counts themselves still cross on the host (moe_pair_plan
+ * waits). */
+Test(moe_chunks, ep2_step_downloads_only_what_one_rank_does, .timeout = 200)
+{
+    double l[STEPS], g[STEPS];
+    char *one = train(1, "", "--set log.profile=true --set train.micro_batch_size=4", "dl1", l, g);
+    const int base = download_calls(one);
+    cr_assert_gt(base, 0, "no download row in the profile:\n%s", one);
+    free(one);
+    for (int chunks = 1; chunks <= 2; chunks++) {
+        char extra[256], tag[16];
+        snprintf(extra, sizeof extra, "--set parallel.expert_parallel_size=2 --set train.micro_batch_size=2 "
+                 "--set log.profile=true --set parallel.moe_chunks=%d", chunks);
+        snprintf(tag, sizeof tag, "dl2_%d", chunks);
+        char *out = train(2, "", extra, tag, l, g);
+        cr_expect_eq(download_calls(out), base, "EP=2, %d chunk(s): %d downloads a step against %d on one rank:\n%s",
+                     chunks, download_calls(out), base, out);
+        free(out);
+    }
+}
