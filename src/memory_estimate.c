@@ -138,8 +138,10 @@ static double scratch_bytes(const struct config *c, bool last)
         /* parallel.moe_chunks > 1 (moe_exchange.c) receives into its own window instead of the
          * inbox (the same size) and adds one for the routing-weight gradients coming home */
         if (ep > 1 && c->parallel.moe_chunks > 1) b += 1.25 * pairs * k * 4;
-        /* the deferred o_proj and q_proj weight gradients' output gradients (model_enable_deferred_wgrads) */
-        if (ep > 1) b += T * (H + Hq * D) * act_b;
+        /* the deferred o_proj and q_proj weight gradients' output gradients (model_enable_deferred_wgrads:
+         * where gradients stay put over the step and activations are not recomputed) */
+        if (ep > 1 && !c->train.activation_checkpointing && c->parallel.reduce_grads != MT_REDUCE_MICRO_STEP)
+            b += T * (H + Hq * D) * act_b;
     }
     /* the bf16 attention backward keeps its dS tiles (64 x 64 of the causal lower triangle of each
      * sequence and query head) in the logits on the last stage when they fit, elsewhere in a
