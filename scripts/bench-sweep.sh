@@ -22,7 +22,33 @@ nvidia-smi -L > /dev/null 2>&1 || { echo "bench-sweep: no GPU here"; exit 1; }
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 day=$(date -u +%Y-%m-%d)
-[ -f "$OUT/sweep.tsv" ] || printf 'date\tgpu\tmodel\tlayers\tseq\tmicro_batch\tmoetrain_tok_s\tmoetrain_mfu\tbaseline_tok_s\tratio\n' > "$OUT/sweep.tsv"
+[ -f "$OUT/sweep.tsv" ] || printf 'date\tgpu\tmodel\tlayers\tseq\tmicro_batch\tmoetrain_tok_s\tmoetrain_mfu\tbaseline_tok_s\tratio\tmoetrain_mhz\tbaseline_mhz\n' > "$OUT/sweep.tsv"
+
+# a command with the GPU's power and SM clock sampled every 250 ms into $1.clk (the cards train at
+# their power cap, at clocks that differ from card to card: docs/benchmarks.md, twenty-first session)
+clocked() {
+    local clk=$1.clk; shift
+    nvidia-smi --query-gpu=power.draw,clocks.sm --format=csv,noheader,nounits -lms 250 > "$clk" 2>/dev/null &
+    local smi=$!
+    "$@"
+    local rc=$?
+    kill $smi 2>/dev/null; wait $smi 2>/dev/null
+    return $rc
+}
+
+busy_mhz() {  # the median SM clock over the samples drawing at least half the largest power, or -
+    python3 - "$1" <<'PY' 2>/dev/null || echo -
+import statistics, sys
+rows = []
+for line in open(sys.argv[1]):
+    try:
+        rows.append(tuple(float(x) for x in line.split(",")))
+    except ValueError:
+        pass
+busy = [m for w, m in rows if w >= 0.5 * max(r[0] for r in rows)] if rows else []
+print(f"{statistics.median(busy):.0f}" if busy else "-")
+PY
+}
 
 median_tok_s() {  # metrics.jsonl -> "tok/s mfu" over the steps after the first two
     python3 - "$1" <<'PY'
@@ -54,7 +80,7 @@ for shape in $SHAPES; do
     tag="${model}_l${layers}_s${seq}_b${mb}"
     echo "bench-sweep: $tag: moetrain ..."
     mt="-" mfu="-" base="-" ratio="-"
-    if timeout "$TIMEOUT" mpirun --oversubscribe --bind-to none -np 1 "$BUILD/moetrain" train "$CONFIG" \
+    if clocked "$OUT/$tag.moetrain" timeout "$TIMEOUT" mpirun --oversubscribe --bind-to none -np 1 "$BUILD/moetrain" train "$CONFIG" \
             "${shape_set[@]}" --set model.num_hidden_layers="$layers" --set model.max_position_embeddings="$seq" \
             --set train.seq_len="$seq" --set train.micro_batch_size="$mb" --set train.global_batch_size="$gbs" \
             --set train.steps="$STEPS" --set log.metrics="$OUT/$tag.jsonl" > "$OUT/$tag.moetrain.log" 2>&1; then
@@ -64,27 +90,28 @@ for shape in $SHAPES; do
     fi
     if [ "${SWEEP_BASELINE:-1}" = 0 ]; then
         echo "bench-sweep: $tag: PyTorch baseline not run (SWEEP_BASELINE=0)"
-    elif echo "bench-sweep: $tag: PyTorch baseline ..." && timeout "$TIMEOUT" env "${base_env[@]}" LAYERS="$layers" SEQ="$seq" BATCH="$mb" ACCUM=$(( gbs / mb )) \
+    elif echo "bench-sweep: $tag: PyTorch baseline ..." && clocked "$OUT/$tag.baseline" timeout "$TIMEOUT" env "${base_env[@]}" LAYERS="$layers" SEQ="$seq" BATCH="$mb" ACCUM=$(( gbs / mb )) \
             python3 tools/hf_baseline.py > "$OUT/$tag.baseline.log" 2>&1; then
         base=$(tail -1 "$OUT/$tag.baseline.log" | python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["tok_s"])')
     else
         echo "  baseline failed or timed out: $(tail -1 "$OUT/$tag.baseline.log")"
     fi
     if [ "$mt" != - ] && [ "$base" != - ]; then ratio=$(python3 -c "print(f'{$mt / $base:.2f}')"); fi
-    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$day" "$gpu_name" "$model" "$layers" "$seq" "$mb" "$mt" "$mfu" "$base" "$ratio" >> "$OUT/sweep.tsv"
-    echo "  moetrain $mt tok/s (MFU $mfu), baseline $base tok/s: ${ratio}x"
+    mhz_mt=$(busy_mhz "$OUT/$tag.moetrain.clk"); mhz_base=$(busy_mhz "$OUT/$tag.baseline.clk")
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$day" "$gpu_name" "$model" "$layers" "$seq" "$mb" "$mt" "$mfu" "$base" "$ratio" "$mhz_mt" "$mhz_base" >> "$OUT/sweep.tsv"
+    echo "  moetrain $mt tok/s (MFU $mfu, $mhz_mt MHz), baseline $base tok/s ($mhz_base MHz): ${ratio}x"
     [ "$mt" != - ] && ran=$((ran + 1))
 done
 
 python3 - "$OUT/sweep.tsv" <<'PY' | tee "$OUT/sweep.md"
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1]), delimiter="\t"))
-print("| date | GPU | model | layers | seq | micro-batch | moetrain tok/s | MFU | compiled PyTorch tok/s | ratio |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print("| date | GPU | model | layers | seq | micro-batch | moetrain tok/s | MFU | compiled PyTorch tok/s | ratio | SM MHz (moetrain / baseline) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 f = lambda v, fmt: fmt.format(float(v)) if v not in ("-", "", "-1") else "-"
 for r in rows:
     print(f"| {r['date']} | {r['gpu']} | {r['model']} | {r['layers']} | {r['seq']} | {r['micro_batch']} | "
           f"{f(r['moetrain_tok_s'], '{:,.0f}')} | {f(r['moetrain_mfu'], '{:.1%}')} | {f(r['baseline_tok_s'], '{:,.0f}')} | "
-          f"{r['ratio']}{'x' if r['ratio'] != '-' else ''} |")
+          f"{r['ratio']}{'x' if r['ratio'] != '-' else ''} | {r.get('moetrain_mhz') or '-'} / {r.get('baseline_mhz') or '-'} |")
 PY
 [ "$ran" -gt 0 ]

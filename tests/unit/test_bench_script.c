@@ -145,3 +145,25 @@ Test(bench_script, ab_train_reports_different_losses, .timeout = 150)
     cr_expect(strstr(out, "losses: DIFFER between runs"), "%s", out);
     free(out);
 }
+
+/* scripts/bench-sweep.sh (`make bench-sweep`) with one shape and no baseline: a row with the
+ * stand-in's tokens/s and the busy clock, exit 0 */
+Test(bench_script, sweep_row_with_clock, .timeout = 150)
+{
+    char dir[] = "/tmp/mt_sweep_script_XXXXXX";
+    cr_assert(mkdtemp(dir));
+    stand_ins(dir, 90000, 0.48, false);
+    char cmd[2048], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "PATH=%s/bin:$PATH BENCH_OUT=%s/out SWEEP_BASELINE=0 SWEEP_SHAPES=30b:1:1024:8 "
+             "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 bash scripts/bench-sweep.sh %s/build",
+             dir, dir, dir);
+    const int rc = tu_run(cmd, &out);
+    cr_expect_eq(rc, 0, "bench-sweep.sh exited %d:\n%s", rc, out);
+    char want[160];
+    snprintf(want, sizeof want, "| 30b | 1 | 1024 | 8 | 90,000 | 48.0%% | - | - | %d / - |", BUSY_MHZ);
+    cr_expect(strstr(out, want), "no row '%s':\n%s", want, out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    cr_expect_eq(system(cmd), 0);
+}
