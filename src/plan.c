@@ -347,8 +347,9 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
     fprintf(f, "  acts = activations saved for backward by the stage's layers for the micro-batches in flight "
             "(%d x %d tokens each; 1F1B keeps min(pp - stage, micro-steps)), plus logits on the last stage%s\n",
             c->train.micro_batch_size, c->train.seq_len, pairs);
-    fprintf(f, "  buffers = expert all-gather / reduce-scatter staging, the backward's scratch, pipeline "
-            "transfer buffers\n");
+    fprintf(f, "  buffers = expert all-gather / reduce-scatter staging, the backward's scratch (with it the "
+            "attention backward's dS tiles where the logits cannot hold them, and with ep > 1 the held-back "
+            "o/q_proj gradients), pipeline transfer buffers\n");
 
     print_groups(f, d);
     print_ep_node_warning(f, d, node_of_rank);
