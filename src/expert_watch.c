@@ -23,6 +23,19 @@ void expert_watch_free(struct expert_watch *w)
     memset(w, 0, sizeof *w);
 }
 
+double expert_watch_rank_load_max(const double *tok, int E, int ep)
+{
+    const int per = E / ep;
+    double total = 0, busiest = 0;
+    for (int r = 0; r < ep; r++) {
+        double sum = 0;
+        for (int e = r * per; e < (r + 1) * per; e++) sum += tok[e];
+        total += sum;
+        busiest = sum > busiest ? sum : busiest;
+    }
+    return total > 0 ? busiest / (total / ep) : 1.0;
+}
+
 const char *expert_watch_step(struct expert_watch *w, const double *tok)
 {
     const int E = w->E;

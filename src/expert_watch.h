@@ -28,4 +28,9 @@ void expert_watch_free(struct expert_watch *w);
  * it has come back under). One line names the first layer and expert and counts the others. */
 const char *expert_watch_step(struct expert_watch *w, const double *tok);
 
+/* With expert parallelism each EP rank holds experts [r E/ep, (r+1) E/ep) and waits at every
+ * exchange for the busiest: the routed tokens of the busiest rank's experts over the mean rank's,
+ * from one layer's counts tok[E] (1 = balanced; 1 when nothing was routed). ep must divide E. */
+double expert_watch_rank_load_max(const double *tok, int E, int ep);
+
 #endif

@@ -101,14 +101,15 @@ void metrics_print_config(const struct config *c, const char *metrics_path)
 void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool print)
 {
     if (mt_rank() != 0) return;
-    double lmin = INFINITY, lmax = 0;
+    double lmin = INFINITY, lmax = 0, ep_max = 0;
     for (int l = 0; l < s->n_layers; l++) {
         lmin = fmin(lmin, s->load_min[l]);
         lmax = fmax(lmax, s->load_max[l]);
+        if (s->ep_load_max) ep_max = fmax(ep_max, s->ep_load_max[l]);
     }
     const bool warn = s->warning && *s->warning;
     if (print || warn || s->skipped) {
-        char eta[32], mfu[16], load[48] = "", extra[192] = "", when[16] = "", tok[32], mem[32];
+        char eta[32], mfu[16], load[64] = "", extra[192] = "", when[16] = "", tok[32], mem[32];
         size_t x = 0;
         fmt_count(tok, sizeof tok, (double)s->tokens_seen, " tok");
         x += (size_t)snprintf(extra + x, sizeof extra - x, " | %s", tok);
@@ -124,7 +125,10 @@ void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool pri
         fmt_eta(eta, sizeof eta, s->eta_s);
         if (s->mfu >= 0) snprintf(mfu, sizeof mfu, "%5.1f%%", 100 * s->mfu);
         else snprintf(mfu, sizeof mfu, "   n/a");
-        if (s->n_layers > 0) snprintf(load, sizeof load, " | load %.2f-%.2f", lmin, lmax);
+        if (s->n_layers > 0) {
+            int at = snprintf(load, sizeof load, " | load %.2f-%.2f", lmin, lmax);
+            if (s->ep_load_max) snprintf(load + at, sizeof load - (size_t)at, " | ep load %.2f", ep_max);
+        }
         printf("step %*d/%d | loss %.4f | aux %.4f | gnorm %.3f | lr %.2e | %.0f tok/s | mfu %s | "
                "%.0f ms%s%s | eta %s%s%s%s%s\n",
                (int)floor(log10(s->steps)) + 1, s->step, s->steps, s->loss, s->aux_loss, s->grad_norm,
@@ -161,9 +165,10 @@ void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool pri
         fprintf(f, ", \"peak_mem_rank\": %d", s->peak_mem_rank);
     }
     if (warn) fprintf(f, ", \"warning\": \"%s\"", s->warning); /* expert_watch.c writes no quotes */
-    const char *names[3] = {"load_min", "load_max", "load_cv"};
-    const double *vals[3] = {s->load_min, s->load_max, s->load_cv};
-    for (int k = 0; k < 3; k++) {
+    const char *names[4] = {"load_min", "load_max", "load_cv", "ep_load_max"};
+    const double *vals[4] = {s->load_min, s->load_max, s->load_cv, s->ep_load_max};
+    for (int k = 0; k < 4; k++) {
+        if (!vals[k]) continue;
         fprintf(f, ", \"%s\": [", names[k]);
         for (int l = 0; l < s->n_layers; l++) {
             if (l) fputs(", ", f);

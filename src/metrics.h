@@ -20,6 +20,8 @@ struct step_metrics {
     double eta_s;
     int n_layers;         /* MoE layers reported in load_* */
     const double *load_min, *load_max, *load_cv; /* [n_layers]: tokens per expert / mean */
+    const double *ep_load_max;    /* [n_layers]: busiest EP rank's routed tokens / the mean rank's
+                                   * (expert_watch_rank_load_max); NULL with one EP rank */
     int n_experts;
     const double *expert_tokens;  /* [n_layers, n_experts]: routed tokens this step, whole job */
     const double *time_split;     /* [PROF_COUNT] seconds by category (rank 0), NULL = not profiled */

@@ -123,7 +123,7 @@ void balance_bias_update(float *bias, const double *counts, const struct model_c
 
 /* Expert-load summary per MoE layer from the global per-layer counts of a step. */
 static void load_summary(const struct model *m, const double *counts /*[L, E]*/, double *mn,
-                         double *mx, double *cv, double *tok /*[n_moe, E]*/)
+                         double *mx, double *cv, double *ep_max /*NULL with ep 1*/, double *tok /*[n_moe, E]*/)
 {
     const int E = m->E;
     int k = 0;
@@ -145,6 +145,7 @@ static void load_summary(const struct model *m, const double *counts /*[L, E]*/,
         mn[k] = lo;
         mx[k] = hi;
         cv[k] = sqrt(sq / E);
+        if (ep_max) ep_max[k] = expert_watch_rank_load_max(c, E, m->ep);
         k++;
     }
 }
@@ -345,6 +346,7 @@ int cmd_train(const struct cli *a)
     double *layer_counts = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(double));
     double *lmin = mt_calloc((size_t)L + 1, sizeof(double)), *lmax = mt_calloc((size_t)L + 1, sizeof(double));
     double *lcv = mt_calloc((size_t)L + 1, sizeof(double));
+    double *ep_lmax = m.ep > 1 ? mt_calloc((size_t)L + 1, sizeof(double)) : NULL;
     double *tok = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(double));
     const double flops_tok = flops_train_per_token(&c.model, tc->seq_len);
     const bool aux_global = use_aux && tc->aux_loss_scope == MT_AUX_GLOBAL_BATCH;
@@ -455,7 +457,7 @@ int cmd_train(const struct cli *a)
         double ce = sums[0] / n_valid_global, aux = aux_global ? aux_step : aux_sum / n_micro;
         int n_moe = 0;
         if (E > 0) {
-            load_summary(&m, layer_counts, lmin, lmax, lcv, tok);
+            load_summary(&m, layer_counts, lmin, lmax, lcv, ep_lmax, tok);
             n_moe = m.n_moe_layers;
         }
         double elapsed = mt_now() - t_start;
@@ -466,7 +468,7 @@ int cmd_train(const struct cli *a)
             .aux_loss = aux, .grad_norm = gnorm, .lr = lr, .tokens_per_s = tps,
             .mfu = be->peak_flops > 0 ? tps * flops_tok / (be->peak_flops * mesh.d.world) : -1,
             .step_ms = 1e3 * step_s, .eta_s = avg * (tc->steps - step), .n_layers = n_moe,
-            .load_min = lmin, .load_max = lmax, .load_cv = lcv, .n_experts = E, .expert_tokens = tok,
+            .load_min = lmin, .load_max = lmax, .load_cv = lcv, .ep_load_max = ep_lmax, .n_experts = E, .expert_tokens = tok,
             .time_split = c.log.profile ? split : NULL, .wall_time = metrics_wall_clock(),
             .tokens_seen = (int64_t)step * tc->global_batch_size * tc->seq_len, .val_loss = NAN,
             .warning = E > 0 ? expert_watch_step(&watch, tok) : NULL,
@@ -522,7 +524,7 @@ int cmd_train(const struct cli *a)
     watchdog_stop();
     metrics_close(&ml);
     step_batch_free(&sb); validation_close(val);
-    free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv);
+    free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv); free(ep_lmax);
     free(tok); free(bias_h);
     if (piped) pipe_train_free(&pt);
     comm_free(pp); comm_free(ends); comm_free(pp_h);

@@ -51,7 +51,9 @@ static inline int tu_read_metric(const char *path, const char *field, double *va
     int n = 0;
     while (n < cap && fgets(line, sizeof line, f)) {
         const char *k = strstr(line, key);
-        if (k) vals[n++] = strtod(k + strlen(key), NULL);
+        if (!k) continue;
+        k += strlen(key);
+        vals[n++] = strtod(k + (*k == '['), NULL); /* an array (per layer): its first value */
     }
     fclose(f);
     return n;

@@ -296,6 +296,19 @@ Test(router, collapse_and_overload_warnings_name_layer_and_expert)
     expert_watch_free(&w);
 }
 
+/* The busiest EP rank's routed tokens over the mean rank's, from per-expert counts: experts
+ * [r E/ep, (r+1) E/ep) belong to rank r. */
+Test(router, ep_rank_load_is_the_busiest_ranks_share)
+{
+    const double tok[8] = {4, 4, 2, 6, 1, 1, 3, 3}; /* ep 2: ranks 16 and 8, mean 12; ep 4: 8 8 2 6 */
+    cr_expect_float_eq(expert_watch_rank_load_max(tok, 8, 2), 16.0 / 12.0, 1e-15);
+    cr_expect_float_eq(expert_watch_rank_load_max(tok, 8, 4), 8.0 / 6.0, 1e-15);
+    cr_expect_float_eq(expert_watch_rank_load_max(tok, 8, 1), 1.0, 1e-15);
+    cr_expect_float_eq(expert_watch_rank_load_max(tok, 8, 8), 6.0 / 3.0, 1e-15);
+    const double idle[4] = {0, 0, 0, 0};
+    cr_expect_float_eq(expert_watch_rank_load_max(idle, 4, 2), 1.0, 0);
+}
+
 /* ---- aux_loss_scope: global_batch ------------------------------------------------------------- */
 
 static void train_run(const char *tag, int np, int ep, int mb, const char *extra)
@@ -517,7 +530,7 @@ Test(router, routing_file_mismatches_are_one_line_errors, .timeout = 300)
 }
 
 /* The warnings reach the step line and the metrics file; round-robin routing loads every expert
- * equally (load 1.00-1.00 on the step line). */
+ * equally (load 1.00-1.00 on the step line), and so every EP rank (ep load 1.00, shown with EP only). */
 Test(router, warnings_and_forced_balance_in_a_run, .timeout = 120)
 {
     char cmd[1024], *out = NULL;
@@ -532,6 +545,13 @@ Test(router, warnings_and_forced_balance_in_a_run, .timeout = 120)
     cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
     cr_expect(strstr(out, "load 1.00-1.00"), "%s", out);
     cr_expect(!strstr(out, "WARNING"), "%s", out);
+    cr_expect(!strstr(out, "ep load"), "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "timeout 100 %s -np 2 %s/moetrain train configs/tiny.yaml --backend cpu "
+             "--set train.steps=1 --set parallel.expert_parallel_size=2 --set model.debug_force_balance=true",
+             tu_mpirun(), tu_build());
+    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+    cr_expect(strstr(out, "load 1.00-1.00 | ep load 1.00 |"), "%s", out);
     free(out);
     tu_run("rm -f /tmp/mt_warn.jsonl", NULL);
 }

@@ -2,6 +2,7 @@
  * binary: verify on the transformers fixture, a loss that falls on the synthetic corpus, and the
  * mesh invariance of design.md (same losses and final parameters on every mesh). */
 #include <criterion/criterion.h>
+#include <jansson.h>
 #include <math.h>
 #include <unistd.h>
 
@@ -137,6 +138,37 @@ Test(train, aux_grad_from_stats_is_the_host_formula)
  * statistics summed over the stage's ranks by the backend's collective, the aux gradient made by
  * the backend) trains bit for bit as the per-micro-step host path (MT_STEP_SYNC=1): loss, aux loss,
  * gradient norm and expert loads of every step, on one rank, two data-parallel ranks and EP = 2. */
+/* Every line's ep_load_max[l] is the busiest of the ep ranks' sums of expert_tokens[l] (experts
+ * [r E/ep, (r+1) E/ep) on rank r) over their mean, recomputed here from the logged counts. */
+static void check_ep_load_against_expert_tokens(const char *path, int ep)
+{
+    FILE *f = fopen(path, "r");
+    cr_assert(f, "%s", path);
+    static char line[1 << 20];
+    int lines = 0;
+    while (fgets(line, sizeof line, f)) {
+        json_error_t je;
+        json_t *o = json_loads(line, 0, &je);
+        cr_assert(o, "%s: %s", path, je.text);
+        json_t *ep_load = json_object_get(o, "ep_load_max"), *tok = json_object_get(o, "expert_tokens");
+        cr_assert(json_array_size(ep_load) > 0 && json_array_size(tok) == json_array_size(ep_load));
+        for (size_t l = 0; l < json_array_size(tok); l++) {
+            json_t *row = json_array_get(tok, l);
+            const size_t E = json_array_size(row), per = E / (size_t)ep;
+            double sums[8] = {0}, total = 0, busiest = 0;
+            for (size_t e = 0; e < E; e++) sums[e / per] += json_number_value(json_array_get(row, e));
+            for (int r = 0; r < ep; r++) total += sums[r], busiest = fmax(busiest, sums[r]);
+            const double want = busiest / (total / ep), got = json_number_value(json_array_get(ep_load, l));
+            cr_expect(fabs(got - want) <= 1e-5 * want, "line %d layer %zu: ep_load_max %.8g, from the counts %.8g",
+                      lines + 1, l, got, want);
+        }
+        json_decref(o);
+        lines++;
+    }
+    fclose(f);
+    cr_expect(lines > 0);
+}
+
 Test(train, step_statistics_at_the_step_end_change_nothing, .timeout = 600)
 {
     const struct {
@@ -165,6 +197,13 @@ Test(train, step_statistics_at_the_step_end_change_nothing, .timeout = 600)
                 cr_expect(a[i] == b[i], "%s: %s step %d: %.17g vs %.17g", runs[r].tag, fields[f], i + 1, a[i], b[i]);
         }
         cr_expect(tu_read_metric(m0, "aux_loss", (double[4]){0}, 4) == 3, "%s: aux loss logged", runs[r].tag);
+        /* the busiest EP rank's share: logged with EP only, 1 (balanced) to ep (one rank takes all) */
+        double ep_load[4];
+        const int n_ep_load = tu_read_metric(m0, "ep_load_max", ep_load, 4);
+        cr_expect_eq(n_ep_load, strcmp(runs[r].tag, "ep2") ? 0 : 3, "%s: ep_load_max on %d steps", runs[r].tag, n_ep_load);
+        for (int i = 0; i < n_ep_load; i++)
+            cr_expect(ep_load[i] >= 1 && ep_load[i] <= 2, "%s step %d: ep_load_max %g", runs[r].tag, i + 1, ep_load[i]);
+        if (n_ep_load) check_ep_load_against_expert_tokens(m0, 2);
         unlink(m0);
         unlink(m1);
     }
