@@ -123,7 +123,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
     const uint32_t hdr0 = staged_bar + 8u;
     auto hdr = [&](int s) { return hdr0 + 32u * s; };
     __shared__ int tile_start[MAX_EXPERTS + 1];
-    tile_starts(p, tile_start);
+    __shared__ uint8_t order[MAX_EXPERTS];
+    tile_starts<KIND>(p, tile_start, order, (int *)(smem_raw + (base - smem_u32(smem_raw))));
     const int total = tile_start[p.n_exp];
 
     if (threadIdx.x == 0) {
@@ -152,7 +153,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
              * (docs/benchmarks.md, fourteenth session). */
             uint32_t ph = 0;
             for (int t = blockIdx.x; t < total; t += gridDim.x) {
-                const tile_info ti = decode<KIND>(p, tile_start, t);
+                const tile_info ti = decode<KIND>(p, tile_start, order, t);
                 const int e = p.e_base + ti.e, nb = min(BN / 32, (p.N - ti.ni * BN + 31) / 32);
                 mbar_arrive(free_bar);
                 mbar_wait(staged_bar, ph);
@@ -165,7 +166,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                 const long long now = clock64();
                 long long gap = 0;
                 if (p.dw_pace && t + (int)gridDim.x < total) {
-                    const int nk_next = k_blocks<KIND>(p, decode<KIND>(p, tile_start, t + gridDim.x));
+                    const int nk_next = k_blocks<KIND>(p, decode<KIND>(p, tile_start, order, t + gridDim.x));
                     gap = 512ll * nk_next * p.dw_pace / 1000 / nb;
                 }
                 for (int b = 0; b < nb; b++) {
@@ -186,7 +187,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
         int stage = 0;
         uint32_t phase = 0;
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
-            const tile_info ti = decode<KIND>(p, tile_start, t);
+            const tile_info ti = decode<KIND>(p, tile_start, order, t);
             const int nk = k_blocks<KIND>(p, ti), e = p.e_base + ti.e;
             set_walk walk;
             for (int kb = 0; kb < (nk == 0 ? 1 : nk); kb++) {
@@ -412,6 +413,18 @@ int dw_pace(void)
     return pace;
 }
 
+/* wgrad: heaviest experts first (tile_starts); MT_GG_HEAVY_FIRST=0 keeps the expert order, for
+ * measuring */
+int heavy_first(void)
+{
+    static int on = -1;
+    if (on < 0) {
+        const char *env = getenv("MT_GG_HEAVY_FIRST");
+        on = !(env && !strcmp(env, "0"));
+    }
+    return on;
+}
+
 /* The tile schedule is built by every CTA from the device offsets, so the host never waits for
  * the routing; the grid is one CTA an SM unless fewer tiles are possible (a CTA without tiles
  * exits). R: the rows the row matrices hold (an upper bound on the tiles). ma/mb/off: n_sets row
@@ -436,6 +449,7 @@ void launch(int n_sets, const CUtensorMap *ma, const CUtensorMap *mb, const int6
     p.M = M, p.N = N, p.K = K;
     p.overwrite = overwrite;
     p.dw_pace = dw_pace();
+    p.heavy_first = KIND == KIND_WGRAD && heavy_first();
     p.tiles_m = KIND == KIND_WGRAD ? (int)cdiv(M, BM) : 0;
     for (int e0 = 0; e0 < n_exp; e0 += MAX_EXPERTS) {
         const int ne = n_exp - e0 < MAX_EXPERTS ? n_exp - e0 : MAX_EXPERTS;

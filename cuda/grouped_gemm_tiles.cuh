@@ -43,8 +43,9 @@ template <int KIND> constexpr int smem_bytes_of()
            2 * stages_of<KIND>() * 8 + 2 * 8 /* wgrad: free, staged */ +
            stages_of<KIND>() * 32 /* a tile header per stage */;
 }
-/* beside the dynamic part: the tile starts and a scan's warp totals (tile_starts) */
-constexpr int STATIC_SMEM = (MAX_EXPERTS + 1 + THREADS / 32) * 4;
+/* beside the dynamic part: the tile starts, a scan's warp totals and the expert order (tile_starts) */
+constexpr int STATIC_SMEM = (MAX_EXPERTS + 1 + THREADS / 32) * 4 + MAX_EXPERTS;
+static_assert(MAX_EXPERTS <= 256, "the expert order is one byte an expert");
 static_assert(smem_bytes_of<KIND_WGRAD>() + STATIC_SMEM <= 227 * 1024, "wgrad shared memory exceeds the SM's 227 KB");
 static_assert(smem_bytes_of<KIND_FWD>() + STATIC_SMEM <= 227 * 1024, "shared memory exceeds the SM's 227 KB");
 
@@ -58,6 +59,9 @@ struct gg_params {
     int overwrite;      /* wgrad: dw = acc (dw not read; experts with no rows get zero tiles) */
     int dw_pace;        /* wgrad: the dw warp spreads a tile's adds over this many thousandths of
                          * the next tile's MMA time at the SM's peak (0: all at once) */
+    int heavy_first;    /* wgrad: experts visited in order of falling K blocks, each full round of
+                         * the grid over the tiles in the opposite direction to the one before
+                         * (tile_starts, decode); 0: in expert order */
     int n_exp, e_base;  /* experts [e_base, e_base + n_exp) in this launch (n_exp <= MAX_EXPERTS) */
     int tiles_m;        /* row tiles an expert: wgrad ceil(M / BM); 0: ceil(its rows / BM) */
     /* device: each row set's n_exp + 1 absolute row offsets (from expert e_base on); each CTA
@@ -82,22 +86,52 @@ struct tile_info {
                  * that way) */
 };
 
-/* Every thread of the CTA (THREADS >= MAX_EXPERTS): tile_start[e] = the tiles of the launch's
- * experts before e, tile_start[n_exp] = all of them. An expert has tiles when it has rows in either
- * set, or always when overwriting. Ends with the block's barrier. */
-__device__ void tile_starts(const gg_params &p, int *tile_start /*[MAX_EXPERTS + 1] smem*/)
+/* Every thread of the CTA (THREADS >= MAX_EXPERTS): the order in which the launch's experts are
+ * visited (order[i] = the i-th expert) and tile_start[i] = the tiles of the experts before the
+ * i-th, tile_start[n_exp] = all of them. An expert has tiles when it has rows in any set, or
+ * always when overwriting. Ends with the block's barrier.
+ *
+ * Wgrad (heavy_first): a tile's MMAs take its expert's K blocks, which follow the routing (the
+ * bench's experts get 0-5x the mean rows), and the CTAs take every grid-th tile, so some CTAs drew
+ * several of the heaviest experts' tiles and finished last. Visiting the experts heaviest first
+ * (ties by index) and turning every other full round of the grid (decode) deals the tiles out as
+ * longest-first does, whatever the routing; with equal rows the order is the launch order.
+ * scratch: MAX_EXPERTS ints of shared memory nothing else uses yet. */
+template <int KIND>
+__device__ void tile_starts(const gg_params &p, int *tile_start /*[MAX_EXPERTS + 1] smem*/,
+                            uint8_t *order /*[MAX_EXPERTS] smem*/, int *scratch)
 {
     static_assert(THREADS >= MAX_EXPERTS, "one thread an expert");
     __shared__ int warp_tot[THREADS / 32];
     const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
-    int v = 0;
+    int v = 0, k_total = 0;
     if (e < p.n_exp) {
         const int64_t rows = __ldg(p.off[0] + e + 1) - __ldg(p.off[0] + e);
         bool any = rows > 0 || p.overwrite;
+        k_total = (int)((rows + bk_of<KIND>() - 1) / bk_of<KIND>());
 #pragma unroll
         for (int s = 1; s < MAX_SETS; s++)
-            if (s < p.n_sets) any = any || __ldg(p.off[s] + e + 1) > __ldg(p.off[s] + e);
+            if (s < p.n_sets) {
+                const int64_t rs = __ldg(p.off[s] + e + 1) - __ldg(p.off[s] + e);
+                any = any || rs > 0;
+                k_total += (int)((rs + bk_of<KIND>() - 1) / bk_of<KIND>());
+            }
         if (any) v = (p.tiles_m ? p.tiles_m : (int)((rows + BM - 1) / BM)) * ((p.N + BN - 1) / BN);
+    }
+    if (KIND == KIND_WGRAD && p.heavy_first) {
+        if (e < p.n_exp) scratch[e] = k_total;
+        __syncthreads();
+        int place = 0; /* experts that go before e */
+        for (int j = 0; e < p.n_exp && j < p.n_exp; j++) {
+            const int kj = scratch[j];
+            place += kj > k_total || (kj == k_total && j < e);
+        }
+        __syncthreads(); /* every count read */
+        if (e < p.n_exp) scratch[place] = v, order[place] = (uint8_t)e;
+        __syncthreads();
+        v = e < p.n_exp ? scratch[e] : 0; /* from here on, thread i scans the i-th expert */
+    } else if (e < p.n_exp) {
+        order[e] = (uint8_t)e;
     }
     int x = v; /* inclusive scan within the warp, then over the warps' totals */
     for (int o = 1; o < 32; o <<= 1) {
@@ -120,9 +154,19 @@ __device__ void tile_starts(const gg_params &p, int *tile_start /*[MAX_EXPERTS +
     __syncthreads();
 }
 
-template <int KIND> __device__ __forceinline__ tile_info decode(const gg_params &p, const int *tile_start, int t)
+/* The tile a CTA takes at its slot t (blockIdx.x + k gridDim.x): tile t of the order tile_starts
+ * made, except that with heavy_first every odd full round of the grid runs backwards (CTA b takes
+ * the round's (gridDim.x - 1 - b)-th tile), so a CTA that drew a heavy tile in one round draws a
+ * light one in the next. The last, partial round keeps its order, so every CTA's slots still end
+ * at the first t >= the tile count. */
+template <int KIND>
+__device__ __forceinline__ tile_info decode(const gg_params &p, const int *tile_start, const uint8_t *order, int t)
 {
-    /* the largest e with tile_start[e] <= t: an expert with no tiles shares its start with the
+    if (KIND == KIND_WGRAD && p.heavy_first) {
+        const int g = (int)gridDim.x, round = t / g;
+        if ((round & 1) && (round + 1) * g <= tile_start[p.n_exp]) t = round * g + (g - 1 - (t - round * g));
+    }
+    /* the largest i with tile_start[i] <= t: an expert with no tiles shares its start with the
      * next one, so the search always lands on an expert that has tile t */
     int lo = 0, hi = p.n_exp - 1;
     while (lo < hi) {
@@ -131,11 +175,12 @@ template <int KIND> __device__ __forceinline__ tile_info decode(const gg_params 
         else hi = mid - 1;
     }
     tile_info ti;
-    ti.e = lo;
+    const int e = order[lo];
+    ti.e = e;
 #pragma unroll
     for (int s = 0; s < MAX_SETS; s++) {
-        ti.r0[s] = s < p.n_sets ? (int)__ldg(p.off[s] + lo) : 0;
-        ti.rows[s] = s < p.n_sets ? (int)__ldg(p.off[s] + lo + 1) - ti.r0[s] : 0;
+        ti.r0[s] = s < p.n_sets ? (int)__ldg(p.off[s] + e) : 0;
+        ti.rows[s] = s < p.n_sets ? (int)__ldg(p.off[s] + e + 1) - ti.r0[s] : 0;
     }
     const int local = t - tile_start[lo];
     if (KIND == KIND_WGRAD) {

@@ -347,6 +347,14 @@ Test(gpu, expert_matmul_wgrad_sets)
     const int *many2[] = {many[0], many[1]}, *many4[] = {many[0], many[1], many[2], many[3]};
     const int *abc[] = {a, b, c}, *abcd[] = {a, b, c, d}, *a_c_[] = {a, none, c, none}, *_bcd[] = {none, b, c, d};
     const int *one[] = {b};
+    /* 40 experts of 0-240 rows (every ninth none), 12 tiles each at 520->392: 480 tiles, more than
+     * three rounds of a 132-SM grid, so the grouped kernel's heaviest-first order and its backward
+     * odd rounds (grouped_gemm_tiles.cuh) place every tile once */
+    enum { SKEW = 40 };
+    int skew[2][SKEW];
+    for (int k = 0; k < 2; k++)
+        for (int e = 0; e < SKEW; e++) skew[k][e] = e % 9 == 4 ? 0 : (e * 53 + k * 17) % 241;
+    const int *skew2[] = {skew[0], skew[1]};
     for (int i = 0; i < 2; i++) {
         struct mode M;
         mode_get(i, &M);
@@ -365,6 +373,7 @@ Test(gpu, expert_matmul_wgrad_sets)
         wgrad_sets_case(&M, &rng, "first of four empty", 8, 4, _bcd, 256, 128);
         wgrad_sets_case(&M, &rng, "300 experts 64->72", MANY, 4, many4, 64, 72);
         wgrad_sets_case(&M, &rng, "I, O not /8 (fallback)", 8, 4, abcd, 100, 60);
+        wgrad_sets_case(&M, &rng, "40 skewed experts, 480 tiles 520->392", SKEW, 2, skew2, 520, 392);
     }
 }
 
