@@ -5,6 +5,9 @@
 # (A100) path (MT_FORCE_SM80=1; BENCH_SM80=0 skips it). Prints one table, what it skipped, and a
 # `headline:` line (the 1-GPU run against the baseline; docs/benchmarks.md starts with the latest);
 # logs and JSON lines go to BENCH_OUT (default build/bench). Exits 0 unless the 1-GPU run failed.
+# With 2+ GPUs it also says how the EP=2 run's throughput per GPU compares with one GPU's and how
+# unevenly the routing loaded the two ranks (`ep load`, docs/scaling.md), profiles an EP=2 step and
+# times the all-to-all (BENCH_A2A=0 skips that micro-benchmark).
 set -euo pipefail
 BUILD=${1:-build}
 OUT=${BENCH_OUT:-$BUILD/bench}
@@ -72,7 +75,11 @@ ms = statistics.median(r["step_ms"] for r in steady)
 tps = statistics.median(r["tokens_per_s"] for r in steady) / int(sys.argv[3])
 mfu = statistics.median(r.get("mfu", -1) for r in steady)
 mem = max((int(x) for x in open(sys.argv[2]) if x.strip().isdigit()), default=0) / 1024
-print(json.dumps({"step_ms": ms, "tok_s_per_gpu": tps, "mfu": mfu, "peak_gib": mem, "loss": rows[-1]["loss"]}))
+out = {"step_ms": ms, "tok_s_per_gpu": tps, "mfu": mfu, "peak_gib": mem, "loss": rows[-1]["loss"]}
+ep_load = [max(r["ep_load_max"]) for r in steady if r.get("ep_load_max")]  # with EP: per step, max over layers
+if ep_load:
+    out["ep_load"] = [min(ep_load), max(ep_load)]
+print(json.dumps(out))
 PY
 }
 
@@ -130,7 +137,9 @@ else
 fi
 
 a2a=""
-if [ "$ngpu" -ge 2 ]; then
+if [ "${BENCH_A2A:-1}" = 0 ]; then
+    skipped+=("the all-to-all micro-benchmark (BENCH_A2A=0)")
+elif [ "$ngpu" -ge 2 ]; then
     echo "bench: dispatch all-to-all micro-benchmark on 2 GPUs ..."
     make --no-print-directory BUILD="$BUILD" "$BUILD/tools/bench_alltoall" > /dev/null
     # three lines: the MoE layer's path (all_to_all_inbox) one call at a time and back to back,
@@ -174,6 +183,12 @@ for name, r, key in (("moetrain 1 GPU", one, "tok_s_per_gpu"), ("moetrain 2 GPU 
     mem = r.get("peak_gib", r.get("peak_mem_gib", 0))
     ratio = f"{t / b:.3f}x" if b else "-"
     print(f"{name:<34}{t:>12.0f}{100 * mfu:>7.1f}%{mem:>10.1f}{ratio:>13}")
+t1, t2 = one.get("tok_s_per_gpu"), two.get("tok_s_per_gpu")
+if t1 and t2:
+    load = two.get("ep_load")
+    why = (f"; ep load {load[0]:.2f}-{load[1]:.2f} over the steps (the busiest rank's expert rows over the"
+           " mean rank's: the other waits for it at every exchange)") if load else ""
+    print(f"EP=2 per GPU: {100 * t2 / t1:.1f}% of 1 GPU{why}")
 PY
 clk1=$(clock_of moetrain_1gpu); clkb=$(clock_of baseline)
 echo "SM clock at the power cap (median, busy samples): moetrain 1 GPU ${clk1:-unavailable}; baseline ${clkb:-unavailable}" | tee -a "$OUT/summary.txt"

@@ -27,10 +27,11 @@ static void write_exec(const char *path, const char *text)
     cr_assert_eq(chmod(path, 0755), 0);
 }
 
-/* makes dir/bin/nvidia-smi and dir/build/moetrain; the moetrain stand-in writes `tok_s` and `mfu`
- * into its metrics file (step_ms $STANDIN_MS or 700, loss $STANDIN_LOSS or 12.3), or exits 3 when
- * fail */
-static void stand_ins(const char *dir, int tok_s, double mfu, bool fail)
+/* makes dir/bin/nvidia-smi (ngpu GPUs) and dir/build/moetrain; the moetrain stand-in writes `tok_s`
+ * and `mfu` into its metrics file (step_ms $STANDIN_MS or 700, loss $STANDIN_LOSS or 12.3), or exits
+ * 3 when fail. With parallel.expert_parallel_size=2 (under mpirun, rank 0 writing) it reports 1.9 x
+ * tok_s for the job (95% of one GPU's per GPU) and ep_load_max [1.0i, 1.0] at step i. */
+static void stand_ins_n(const char *dir, int tok_s, double mfu, bool fail, int ngpu)
 {
     char path[512], text[2048];
     snprintf(path, sizeof path, "mkdir -p %s/bin %s/build", dir, dir);
@@ -39,7 +40,7 @@ static void stand_ins(const char *dir, int tok_s, double mfu, bool fail)
     snprintf(text, sizeof text,
              "#!/bin/bash\n"
              "case \"$*\" in\n"
-             "  *-L*) echo 'GPU 0: NVIDIA Stand-in (UUID: none)';;\n"
+             "  *-L*) for g in $(seq 0 %d); do echo \"GPU $g: NVIDIA Stand-in (UUID: none)\"; done;;\n"
              "  *--query-gpu=name*) echo 'NVIDIA Stand-in';;\n"
              "  *memory.total*) echo 143771;;\n"
              "  *memory.used,power.draw*) echo '1000, %s, %s'; echo '2000, %s, %s';\n"
@@ -48,40 +49,54 @@ static void stand_ins(const char *dir, int tok_s, double mfu, bool fail)
              "  *power.draw*) echo '%s, %s'; echo '%s, %s';\n"
              "                for i in $(seq 1 40); do echo '%d.0, %d'; sleep 0.25; done;;\n"
              "esac\n",
-             IDLE_W, IDLE_MHZ, IDLE_W, IDLE_MHZ, BUSY_W, BUSY_MHZ, IDLE_W, IDLE_MHZ, IDLE_W, IDLE_MHZ, BUSY_W,
+             ngpu - 1, IDLE_W, IDLE_MHZ, IDLE_W, IDLE_MHZ, BUSY_W, BUSY_MHZ, IDLE_W, IDLE_MHZ, IDLE_W, IDLE_MHZ, BUSY_W,
              BUSY_MHZ);
     write_exec(path, text);
     snprintf(path, sizeof path, "%s/build/moetrain", dir);
     snprintf(text, sizeof text,
              "#!/bin/bash\n"
-             "for a in \"$@\"; do case $a in log.metrics=*) f=${a#log.metrics=};; esac; done\n"
+             "tok=%d; ep=''\n"
+             "for a in \"$@\"; do case $a in log.metrics=*) f=${a#log.metrics=};;\n"
+             "  parallel.expert_parallel_size=2) tok=$((tok * 19 / 10)); ep=yes;; esac; done\n"
+             "[ \"${OMPI_COMM_WORLD_RANK:-0}\" = 0 ] || f=''\n"
              "sleep 1.5\n"
              "%s"
              "[ -n \"$f\" ] && for i in 1 2 3 4; do\n"
-             "  echo \"{\\\"step_ms\\\": ${STANDIN_MS:-700}, \\\"tokens_per_s\\\": %d, \\\"mfu\\\": %.3f, "
-             "\\\"loss\\\": ${STANDIN_LOSS:-12.3}}\" >> $f\n"
+             "  load=''; [ -n \"$ep\" ] && load=\", \\\"ep_load_max\\\": [1.0$i, 1.0]\"\n"
+             "  echo \"{\\\"step_ms\\\": ${STANDIN_MS:-700}, \\\"tokens_per_s\\\": $tok, \\\"mfu\\\": %.3f, "
+             "\\\"loss\\\": ${STANDIN_LOSS:-12.3}$load}\" >> $f\n"
              "done\n"
              "echo '    time: attention 17%% | other 83%%'\n",
-             fail ? "exit 3\n" : "", tok_s, mfu);
+             tok_s, fail ? "exit 3\n" : "", mfu);
     write_exec(path, text);
 }
 
-/* bench.sh against fresh stand-ins (moetrain failing or not) in a temporary directory, removed
- * after; returns the exit status, *out the output */
-static int run_bench(bool fail, char **out)
+static void stand_ins(const char *dir, int tok_s, double mfu, bool fail)
+{
+    stand_ins_n(dir, tok_s, mfu, fail, 1);
+}
+
+/* bench.sh against fresh stand-ins (moetrain failing or not, ngpu GPUs) in a temporary directory,
+ * removed after; returns the exit status, *out the output */
+static int run_bench_n(bool fail, int ngpu, char **out)
 {
     char dir[] = "/tmp/mt_bench_script_XXXXXX";
     cr_assert(mkdtemp(dir));
-    stand_ins(dir, 90000, 0.48, fail);
+    stand_ins_n(dir, 90000, 0.48, fail, ngpu);
     char cmd[2048];
     snprintf(cmd, sizeof cmd,
-             "PATH=%s/bin:$PATH BENCH_OUT=%s/out BENCH_BASELINE=0 BENCH_SM80=0 "
+             "PATH=%s/bin:$PATH BENCH_OUT=%s/out BENCH_BASELINE=0 BENCH_SM80=0 BENCH_A2A=0 "
              "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 bash scripts/bench.sh %s/build",
              dir, dir, dir);
     const int rc = tu_run(cmd, out);
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     cr_expect_eq(system(cmd), 0);
     return rc;
+}
+
+static int run_bench(bool fail, char **out)
+{
+    return run_bench_n(fail, 1, out);
 }
 
 Test(bench_script, one_gpu_exits_0_with_headline_skips_and_clock, .timeout = 150)
@@ -96,6 +111,19 @@ Test(bench_script, one_gpu_exits_0_with_headline_skips_and_clock, .timeout = 150
     char want[128];
     snprintf(want, sizeof want, "moetrain 1 GPU %d MHz at %d W", BUSY_MHZ, BUSY_W);
     cr_expect(strstr(out, want), "no '%s' (the idle samples must not count):\n%s", want, out);
+    free(out);
+}
+
+/* Two GPUs: the EP=2 run's throughput per GPU against one GPU's (the stand-in's 1.9x job total:
+ * 95.0%) and the range of its ep load over the steady steps (steps 3 and 4: 1.03-1.04) */
+Test(bench_script, two_gpus_compare_ep2_with_one_and_show_ep_load, .timeout = 150)
+{
+    char *out = NULL;
+    const int rc = run_bench_n(false, 2, &out);
+    cr_expect_eq(rc, 0, "bench.sh exited %d:\n%s", rc, out);
+    cr_expect(strstr(out, "EP=2 per GPU: 95.0% of 1 GPU; ep load 1.03-1.04 over the steps"), "%s", out);
+    cr_expect(!strstr(out, "skipped: moetrain on 2 GPUs"), "%s", out);
+    cr_expect(strstr(out, "skipped: the all-to-all micro-benchmark (BENCH_A2A=0)"), "%s", out);
     free(out);
 }
 
