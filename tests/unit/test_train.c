@@ -134,10 +134,6 @@ Test(train, aux_grad_from_stats_is_the_host_formula)
     for (int e = 0; e < E; e++) cr_expect(got[e] == want[e], "expert %d: %.9g vs %.9g", e, (double)got[e], (double)want[e]);
 }
 
-/* src/step_stats.h: fetching the step's losses and router statistics once at the step's end (the
- * statistics summed over the stage's ranks by the backend's collective, the aux gradient made by
- * the backend) trains bit for bit as the per-micro-step host path (MT_STEP_SYNC=1): loss, aux loss,
- * gradient norm and expert loads of every step, on one rank, two data-parallel ranks and EP = 2. */
 /* Every line's ep_load_max[l] is the busiest of the ep ranks' sums of expert_tokens[l] (experts
  * [r E/ep, (r+1) E/ep) on rank r) over their mean, recomputed here from the logged counts. */
 static void check_ep_load_against_expert_tokens(const char *path, int ep)
@@ -169,6 +165,11 @@ static void check_ep_load_against_expert_tokens(const char *path, int ep)
     cr_expect(lines > 0);
 }
 
+/* src/step_stats.h: fetching the step's losses and router statistics once at the step's end (the
+ * statistics summed over the stage's ranks by the backend's collective, the aux gradient made by
+ * the backend) trains bit for bit as the per-micro-step host path (MT_STEP_SYNC=1): loss, aux loss,
+ * gradient norm and expert loads of every step, on one rank, two data-parallel ranks and EP = 2
+ * (with the ep load against the logged expert counts there). */
 Test(train, step_statistics_at_the_step_end_change_nothing, .timeout = 600)
 {
     const struct {
