@@ -10,7 +10,8 @@ Writes into DIR:
   throughput.png     tokens/s and, when the backend knows its peak, MFU against step
   expert_load.png    heatmap layers x experts of the fraction of routed tokens, one panel per
                      chosen step (--steps: step numbers, 'first', 'last'; default first and last)
-  load_balance.png   max / mean expert load of each MoE layer against step
+  load_balance.png   max / mean expert load of each MoE layer against step, and with expert
+                     parallelism the busiest EP rank's load over the mean rank's (ep_load_max)
 --tensorboard also writes the scalars as TensorBoard events, when the tensorboard package is
 installed (it is optional and not in tools/requirements.txt).
 """
@@ -163,6 +164,12 @@ def plot_expert_load(recs, out, steps):
     return path
 
 
+def ep_load(rec):
+    """the busiest EP rank's routed tokens over the mean rank's, max over the layers (EP runs only)"""
+    v = [x for x in rec.get("ep_load_max") or [] if isinstance(x, (int, float))]
+    return max(v) if v else None
+
+
 def plot_balance(recs, out):
     steps, ratios = [], []
     for r in recs:
@@ -179,11 +186,14 @@ def plot_balance(recs, out):
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for layer in range(ratios.shape[1]):
         ax.plot(steps, ratios[:, layer], label=f"MoE layer {layer}", lw=1)
+    ep = [(r["step"], ep_load(r)) for r in recs if ep_load(r) is not None]
+    if ep:  # with EP: every exchange waits for the busiest rank's experts
+        ax.plot([s for s, _ in ep], [v for _, v in ep], "k--", lw=1.5, label="busiest EP rank / mean rank")
     ax.axhline(1.0, color="k", lw=0.5)
     ax.set_xlabel("step")
-    ax.set_ylabel("max / mean tokens per expert")
+    ax.set_ylabel("max / mean routed tokens")
     ax.grid(alpha=0.3)
-    if ratios.shape[1] <= 12:
+    if ratios.shape[1] <= 12 or ep:
         ax.legend(fontsize=7)
     return save(fig, out, "load_balance.png")
 
@@ -205,6 +215,8 @@ def write_tensorboard(recs, tb_dir):
             v = r.get(k)
             if isinstance(v, (int, float)) and math.isfinite(v):
                 w.add_scalar(k, v, r["step"])
+        if ep_load(r) is not None:
+            w.add_scalar("ep_load_max", ep_load(r), r["step"])
     w.close()
     return tb_dir
 

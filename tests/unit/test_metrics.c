@@ -158,6 +158,40 @@ Test(metrics, tensorboard_events_hold_the_jsonl_scalars, .timeout = 180)
         seen++;
     }
     cr_expect_eq(seen, 5, "%d loss events:\n%s", seen, out);
+    cr_expect(!strstr(out, "ep_load_max"), "one EP rank, yet an ep load event:\n%s", out);
+    free(out);
+
+    /* EP=2: an ep_load_max event a step, the largest of the step's per-layer values in the JSONL */
+    snprintf(cmd, sizeof cmd,
+             "rm -rf /tmp/mt_tb && mkdir -p /tmp/mt_tb && timeout 100 %s -np 2 %s/moetrain train configs/tiny.yaml "
+             "--backend cpu --set train.steps=3 --set parallel.expert_parallel_size=2 "
+             "--set log.metrics=/tmp/mt_tb/m.jsonl > /dev/null && "
+             "python3 tools/plot.py /tmp/mt_tb/m.jsonl --out /tmp/mt_tb/png --tensorboard /tmp/mt_tb/tb > /dev/null && "
+             "python3 tests/tools/tb_events.py /tmp/mt_tb/tb",
+             tu_mpirun(), tu_build());
+    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+    double want[3] = {0, 0, 0};
+    FILE *f = fopen("/tmp/mt_tb/m.jsonl", "r");
+    cr_assert(f);
+    static char line[1 << 20];
+    for (int i = 0; i < 3 && fgets(line, sizeof line, f); i++) {
+        json_t *o = json_loads(line, 0, NULL), *a = json_object_get(o, "ep_load_max");
+        cr_assert(json_array_size(a) > 0, "line %d: no ep_load_max", i + 1);
+        for (size_t l = 0; l < json_array_size(a); l++) want[i] = fmax(want[i], json_number_value(json_array_get(a, l)));
+        json_decref(o);
+    }
+    fclose(f);
+    seen = 0;
+    for (const char *ln = out; ln && *ln; ln = strchr(ln, '\n') ? strchr(ln, '\n') + 1 : NULL) {
+        int step = 0;
+        double v = 0;
+        if (sscanf(ln, "ep_load_max %d %lf", &step, &v) != 2) continue;
+        cr_assert(step >= 1 && step <= 3, "event at step %d", step);
+        cr_expect(fabs(v - want[step - 1]) <= 1e-6 * want[step - 1], "step %d: event %.9g, JSONL %.9g", step, v,
+                  want[step - 1]);
+        seen++;
+    }
+    cr_expect_eq(seen, 3, "%d ep_load_max events:\n%s", seen, out);
     free(out);
     tu_run("rm -rf /tmp/mt_tb", NULL);
 }
