@@ -61,8 +61,14 @@ UNIT_UTIL_SRCS := $(wildcard tests/unit/*_util.c)
 UNIT_OBJS := $(UNIT_SRCS:%.c=$(BUILD)/%.o) $(UNIT_UTIL_SRCS:%.c=$(BUILD)/%.o)
 MPI_TEST_SRCS := $(wildcard tests/mpi/*.c)
 MPI_TEST_BINS := $(MPI_TEST_SRCS:tests/mpi/%.c=$(BUILD)/tests/mpi/%)
-TOOL_SRCS := $(wildcard tools/*.c)
+TOOL_SRCS := $(filter-out tools/kernel_trace.c,$(wildcard tools/*.c))
 TOOL_BINS := $(TOOL_SRCS:tools/%.c=$(BUILD)/tools/%)
+# the kernel timeline library (tools/kernel_trace.c, LD_PRELOAD) where CUPTI is installed
+ifneq ($(NVCC),)
+ifneq ($(wildcard $(CUDA_HOME)/include/cupti.h),)
+TOOL_BINS += $(BUILD)/tools/libmt_trace.so
+endif
+endif
 
 .PHONY: all deps data-deps test test-unit test-slurm test-gpu run bench bench-scaling bench-sweep clean check-deps tools fuzz
 all: $(BUILD)/moetrain tools
@@ -90,6 +96,11 @@ $(BUILD)/tests/unit_tests: $(UNIT_OBJS) $(BUILD)/libmoetrain.a
 $(BUILD)/tests/mpi/%: tests/mpi/%.c $(BUILD)/libmoetrain.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $^ $(LDLIBS)
+
+$(BUILD)/tools/libmt_trace.so: tools/kernel_trace.c
+	@mkdir -p $(dir $@)
+	$(CC) -O2 -Wall -Wextra -shared -fPIC -I$(CUDA_HOME)/include -o $@ $< \
+	    -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcupti
 
 $(BUILD)/tools/%: tools/%.c $(BUILD)/libmoetrain.a
 	@mkdir -p $(dir $@)

@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Where a training step's GPU time goes, from tools/kernel_trace.c's CSV (every kernel, copy and
+memset with its GPU start and end).
+
+    python3 tools/trace_gaps.py trace.csv [--step-marker adamw] [--top 40]
+
+Steps are cut after each kernel whose name contains the marker (AdamW: one launch a step, the last
+of its step), and the last complete step is reported: its span, the time at least one kernel or
+copy ran (the union over streams), the idle rest and how it splits into gaps by size, and the
+kernels by total time (each with its calls and mean)."""
+import argparse
+import bisect
+import collections
+import csv
+import re
+import sys
+
+
+def short(name):
+    """a mangled C++ kernel name's function name and first template argument
+    (_ZN12_GLOBAL__N_119grouped_gemm_kernelILi2EEEv... -> grouped_gemm_kernel<2>)"""
+    if not name.startswith("_Z"):
+        return name.split("(")[0][:60]
+    i, parts = 2, []
+    nested = name[i:i + 1] == "N"
+    i += nested
+    while i < len(name) and name[i].isdigit():
+        m = re.match(r"\d+", name[i:])
+        n = int(m.group(0))
+        i += m.end()
+        parts.append(name[i:i + n])
+        i += n
+        if not nested:
+            break
+    label = "::".join(p for p in parts if not p.startswith("_GLOBAL__N")) or name[:60]
+    if name[i:i + 1] == "I":
+        m = re.match(r"L[ijb](\d+)E|(f)|(d)|\d+(__nv_bfloat16)", name[i + 1:])
+        if m:
+            arg = m.group(1) or ("f32" if m.group(2) else "f64" if m.group(3) else "bf16")
+            label += f"<{arg}>"
+    return label
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("csv")
+    ap.add_argument("--step-marker", default="adamw")
+    ap.add_argument("--top", type=int, default=40)
+    a = ap.parse_args()
+    rows = []
+    with open(a.csv) as f:
+        for r in csv.DictReader(f):
+            rows.append((int(r["start_ns"]), int(r["end_ns"]), r["kind"], r["stream"], r["name"]))
+    rows.sort()
+    ends = [i for i, r in enumerate(rows) if r[2] == "K" and a.step_marker in r[4].lower()]
+    if len(ends) < 2:
+        sys.exit(f"trace_gaps: {a.csv}: fewer than two '{a.step_marker}' kernels, no complete step")
+    step = rows[ends[-2] + 1:ends[-1] + 1]
+    t0, t1 = step[0][0], max(r[1] for r in step)
+    span = (t1 - t0) / 1e6
+    busy, gaps = 0, []
+    cs, ce = step[0][0], step[0][1]
+    for s, e, *_ in step[1:]:
+        if s > ce:
+            busy += ce - cs
+            gaps.append(s - ce)
+            cs, ce = s, e
+        else:
+            ce = max(ce, e)
+    busy += ce - cs
+    print(f"last complete step: {len(step)} kernels/copies/memsets over {span:.2f} ms; "
+          f"GPU busy {busy / 1e6:.2f} ms, idle {span - busy / 1e6:.2f} ms in {len(gaps)} gaps")
+    gs = sorted(gaps)
+    for lim_us in (1, 2, 5, 10, 50, 1000):
+        k = bisect.bisect_left(gs, lim_us * 1000)
+        print(f"  gaps under {lim_us:5d} us: {k:6d}, {sum(gs[:k]) / 1e6:8.2f} ms")
+    print("  largest gaps (us):", [round(g / 1e3, 1) for g in gs[-10:]])
+    per_stream = collections.Counter()
+    for s, e, k, st, n in step:
+        per_stream[st] += e - s
+    print("  time per stream (ms):", {k: round(v / 1e6, 2) for k, v in per_stream.most_common()})
+    agg = collections.defaultdict(lambda: [0, 0])
+    for s, e, k, st, n in step:
+        agg[short(n) if k == "K" else n.split(" ")[0]][0] += 1
+        agg[short(n) if k == "K" else n.split(" ")[0]][1] += e - s
+    print(f"  {'ms':>8} {'calls':>6} {'mean us':>8}  kernel")
+    for name, (n, t) in sorted(agg.items(), key=lambda x: -x[1][1])[:a.top]:
+        print(f"  {t / 1e6:8.2f} {n:6d} {t / n / 1e3:8.1f}  {name}")
+
+
+if __name__ == "__main__":
+    main()
