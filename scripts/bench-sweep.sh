@@ -7,7 +7,7 @@
 # SWEEP_SHAPES: space-separated "model:layers:seq:micro_batch" (model 30b = Qwen3-30B-A3B layer
 # shapes, 235b = Qwen3-235B-A22B's: hidden 4096, expert width 1536, 64/4 heads). Layers "auto" =
 # as many as one GPU holds beside moetrain's fp32 master and Adam state (8 of 30B on 141 GB, 4 on
-# 80 GB; 1 of 235B). SWEEP_TIMEOUT: seconds per run (default 300); SWEEP_BASELINE=0 runs moetrain
+# 80 GB; 2 of 235B on 141 GB, 1 on 80 GB). SWEEP_TIMEOUT: seconds per run (default 300); SWEEP_BASELINE=0 runs moetrain
 # only. Exits 0 unless no moetrain run finished.
 set -uo pipefail
 BUILD=${1:-build}
@@ -16,7 +16,7 @@ CONFIG=configs/bench-qwen3-30b-8l.yaml
 STEPS=${SWEEP_STEPS:-6}
 TIMEOUT=${SWEEP_TIMEOUT:-300}
 TOKENS=65536
-SHAPES=${SWEEP_SHAPES:-"30b:auto:4096:2 30b:auto:4096:1 30b:auto:2048:4 30b:auto:1024:8 30b:auto:8192:1 235b:1:4096:1"}
+SHAPES=${SWEEP_SHAPES:-"30b:auto:4096:2 30b:auto:4096:1 30b:auto:2048:4 30b:auto:1024:8 30b:auto:8192:1 235b:auto:4096:1"}
 mkdir -p "$OUT"
 nvidia-smi -L > /dev/null 2>&1 || { echo "bench-sweep: no GPU here"; exit 1; }
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
