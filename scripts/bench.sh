@@ -7,7 +7,9 @@
 # logs and JSON lines go to BENCH_OUT (default build/bench). Exits 0 unless the 1-GPU run failed.
 # With 2+ GPUs it also says how the EP=2 run's throughput per GPU compares with one GPU's and how
 # unevenly the routing loaded the two ranks (`ep load`, docs/scaling.md), profiles an EP=2 step and
-# times the all-to-all (BENCH_A2A=0 skips that micro-benchmark).
+# times the all-to-all (BENCH_A2A=0 skips that micro-benchmark). Where build/tools/libmt_trace.so
+# was built (CUPTI), a traced 4-step run gives the last step's kernel timeline: GPU busy and idle
+# time and the largest kernels (BENCH_TRACE=0 skips it; tools/trace_gaps.py reads the CSV).
 set -euo pipefail
 BUILD=${1:-build}
 OUT=${BENCH_OUT:-$BUILD/bench}
@@ -136,6 +138,34 @@ else
     skipped+=("the profiled EP=2 step ($ngpu GPU here)")
 fi
 
+# The kernel timeline of a 4-step run on 1 GPU (tools/kernel_trace.c, preloaded: the GPU's own
+# timestamps, no synchronisation added): how long the last step kept the GPU busy and idle, and
+# its largest kernels. BENCH_TRACE=0 skips it.
+timeline=""
+trace_lib="$BUILD/tools/libmt_trace.so"
+if [ "${BENCH_TRACE:-1}" = 0 ]; then
+    skipped+=("the kernel timeline (BENCH_TRACE=0)")
+elif [ -f "$trace_lib" ]; then
+    echo "bench: moetrain on 1 GPU, kernel timeline (CUPTI) ..."
+    LD_PRELOAD="$(cd "$(dirname "$trace_lib")" && pwd)/libmt_trace.so" MT_TRACE_OUT="$OUT/timeline.csv" \
+        "$BUILD/moetrain" train "$CONFIG" --set train.steps=4 "${EXTRA[@]}" > "$OUT/moetrain_timeline.log" 2>&1 || true
+    if python3 tools/trace_gaps.py "$OUT/timeline.csv" --top 3 > "$OUT/timeline.txt" 2>&1; then
+        timeline=$(python3 - "$OUT/timeline.txt" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+m = re.search(r"over ([0-9.]+) ms; GPU busy ([0-9.]+) ms, idle ([0-9.]+) ms", text)
+top = re.findall(r"^ +([0-9.]+) +\d+ +[0-9.]+  (.+)$", text, re.M)
+print(f"{m.group(2)} ms busy of {m.group(1)}, idle {m.group(3)} ms; largest: "
+      + ", ".join(f"{name} {ms} ms" for ms, name in top))
+PY
+) || timeline=""
+    fi
+    gzip -f "$OUT/timeline.csv" 2>/dev/null || true
+    echo "  kernel timeline: ${timeline:-unavailable (see $OUT/timeline.txt)}"
+else
+    skipped+=("the kernel timeline (no $trace_lib: CUPTI was not found when it was built)")
+fi
+
 a2a=""
 if [ "${BENCH_A2A:-1}" = 0 ]; then
     skipped+=("the all-to-all micro-benchmark (BENCH_A2A=0)")
@@ -194,6 +224,7 @@ clk1=$(clock_of moetrain_1gpu); clkb=$(clock_of baseline)
 echo "SM clock at the power cap (median, busy samples): moetrain 1 GPU ${clk1:-unavailable}; baseline ${clkb:-unavailable}" | tee -a "$OUT/summary.txt"
 echo "moetrain 1 GPU time split (profiled step): ${split:-unavailable}" | tee -a "$OUT/summary.txt"
 if [ -n "$split2" ]; then echo "moetrain 2 GPUs EP=2 time split (profiled step): $split2" | tee -a "$OUT/summary.txt"; fi
+if [ -n "$timeline" ]; then echo "moetrain 1 GPU kernel timeline (last of 4 steps): $timeline" | tee -a "$OUT/summary.txt"; fi
 if [ -n "$a2a" ]; then echo "$a2a" | tee -a "$OUT/summary.txt"; fi
 for s in "${skipped[@]}"; do echo "skipped: $s" | tee -a "$OUT/summary.txt"; done
 

@@ -17,6 +17,10 @@
 #define IDLE_MHZ "345"
 #define BUSY_W 695
 #define BUSY_MHZ 1500
+/* the stand-in's kernel timeline: a step is a GEMM, an idle gap, then AdamW (ns) */
+#define TRACE_GEMM_NS 9000000
+#define TRACE_GAP_NS 250000
+#define TRACE_ADAM_NS 1500000
 
 static void write_exec(const char *path, const char *text)
 {
@@ -66,8 +70,14 @@ static void stand_ins_n(const char *dir, int tok_s, double mfu, bool fail, int n
              "  echo \"{\\\"step_ms\\\": ${STANDIN_MS:-700}, \\\"tokens_per_s\\\": $tok, \\\"mfu\\\": %.3f, "
              "\\\"loss\\\": ${STANDIN_LOSS:-12.3}$load}\" >> $f\n"
              "done\n"
-             "echo '    time: attention 17%% | other 83%%'\n",
-             tok_s, fail ? "exit 3\n" : "", mfu);
+             "echo '    time: attention 17%% | other 83%%'\n"
+             /* as the preloaded timeline library would: three steps, each a GEMM, a gap and AdamW */
+             "if [ -n \"$MT_TRACE_OUT\" ]; then echo kind,start_ns,end_ns,stream,name > $MT_TRACE_OUT\n"
+             "  for s in 0 1 2; do b=$((s * 20000000))\n"
+             "    echo K,$b,$((b + %d)),7,gemm_kernel >> $MT_TRACE_OUT\n"
+             "    echo K,$((b + %d)),$((b + %d)),7,adamw_kernel >> $MT_TRACE_OUT; done; fi\n",
+             tok_s, fail ? "exit 3\n" : "", mfu, TRACE_GEMM_NS, TRACE_GEMM_NS + TRACE_GAP_NS,
+             TRACE_GEMM_NS + TRACE_GAP_NS + TRACE_ADAM_NS);
     write_exec(path, text);
 }
 
@@ -111,6 +121,40 @@ Test(bench_script, one_gpu_exits_0_with_headline_skips_and_clock, .timeout = 150
     char want[128];
     snprintf(want, sizeof want, "moetrain 1 GPU %d MHz at %d W", BUSY_MHZ, BUSY_W);
     cr_expect(strstr(out, want), "no '%s' (the idle samples must not count):\n%s", want, out);
+    free(out);
+}
+
+/* With build/tools/libmt_trace.so present (a stand-in file: the stand-in moetrain writes the
+ * timeline itself), the summary has the last step's busy and idle time and its largest kernels,
+ * computed from the timeline; without it the bench says it skipped the timeline. */
+Test(bench_script, kernel_timeline_of_the_last_step, .timeout = 150)
+{
+    char dir[] = "/tmp/mt_bench_script_XXXXXX";
+    cr_assert(mkdtemp(dir));
+    stand_ins(dir, 90000, 0.48, false);
+    char cmd[2048], *out = NULL;
+    snprintf(cmd, sizeof cmd, "mkdir -p %s/build/tools && touch %s/build/tools/libmt_trace.so", dir, dir);
+    cr_assert_eq(system(cmd), 0);
+    snprintf(cmd, sizeof cmd,
+             "PATH=%s/bin:$PATH BENCH_OUT=%s/out BENCH_BASELINE=0 BENCH_SM80=0 BENCH_A2A=0 "
+             "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 bash scripts/bench.sh %s/build",
+             dir, dir, dir);
+    const int rc = tu_run(cmd, &out);
+    cr_expect_eq(rc, 0, "bench.sh exited %d:\n%s", rc, out);
+    char want[256];
+    const double busy = (TRACE_GEMM_NS + TRACE_ADAM_NS) / 1e6, span = busy + TRACE_GAP_NS / 1e6;
+    snprintf(want, sizeof want,
+             "moetrain 1 GPU kernel timeline (last of 4 steps): %.2f ms busy of %.2f, idle %.2f ms; "
+             "largest: gemm_kernel %.2f ms, adamw_kernel %.2f ms",
+             busy, span, span - busy, TRACE_GEMM_NS / 1e6, TRACE_ADAM_NS / 1e6);
+    cr_expect(strstr(out, want), "no '%s':\n%s", want, out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    cr_expect_eq(system(cmd), 0);
+
+    cr_expect_eq(run_bench(false, &out), 0);
+    cr_expect(strstr(out, "skipped: the kernel timeline (no ") && !strstr(out, "kernel timeline (last"),
+              "%s", out);
     free(out);
 }
 
