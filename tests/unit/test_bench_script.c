@@ -86,14 +86,19 @@ static void stand_ins(const char *dir, int tok_s, double mfu, bool fail)
     stand_ins_n(dir, tok_s, mfu, fail, 1);
 }
 
-/* bench.sh against fresh stand-ins (moetrain failing or not, ngpu GPUs) in a temporary directory,
- * removed after; returns the exit status, *out the output */
-static int run_bench_n(bool fail, int ngpu, char **out)
+/* bench.sh against fresh stand-ins (moetrain failing or not, ngpu GPUs; trace_lib: a stand-in
+ * build/tools/libmt_trace.so) in a temporary directory, removed after; returns the exit status,
+ * *out the output */
+static int run_bench_n(bool fail, int ngpu, bool trace_lib, char **out)
 {
     char dir[] = "/tmp/mt_bench_script_XXXXXX";
     cr_assert(mkdtemp(dir));
     stand_ins_n(dir, 90000, 0.48, fail, ngpu);
     char cmd[2048];
+    if (trace_lib) {
+        snprintf(cmd, sizeof cmd, "mkdir -p %s/build/tools && touch %s/build/tools/libmt_trace.so", dir, dir);
+        cr_assert_eq(system(cmd), 0);
+    }
     snprintf(cmd, sizeof cmd,
              "PATH=%s/bin:$PATH BENCH_OUT=%s/out BENCH_BASELINE=0 BENCH_SM80=0 BENCH_A2A=0 "
              "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 bash scripts/bench.sh %s/build",
@@ -106,7 +111,7 @@ static int run_bench_n(bool fail, int ngpu, char **out)
 
 static int run_bench(bool fail, char **out)
 {
-    return run_bench_n(fail, 1, out);
+    return run_bench_n(fail, 1, false, out);
 }
 
 Test(bench_script, one_gpu_exits_0_with_headline_skips_and_clock, .timeout = 150)
@@ -129,17 +134,8 @@ Test(bench_script, one_gpu_exits_0_with_headline_skips_and_clock, .timeout = 150
  * computed from the timeline; without it the bench says it skipped the timeline. */
 Test(bench_script, kernel_timeline_of_the_last_step, .timeout = 150)
 {
-    char dir[] = "/tmp/mt_bench_script_XXXXXX";
-    cr_assert(mkdtemp(dir));
-    stand_ins(dir, 90000, 0.48, false);
-    char cmd[2048], *out = NULL;
-    snprintf(cmd, sizeof cmd, "mkdir -p %s/build/tools && touch %s/build/tools/libmt_trace.so", dir, dir);
-    cr_assert_eq(system(cmd), 0);
-    snprintf(cmd, sizeof cmd,
-             "PATH=%s/bin:$PATH BENCH_OUT=%s/out BENCH_BASELINE=0 BENCH_SM80=0 BENCH_A2A=0 "
-             "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 bash scripts/bench.sh %s/build",
-             dir, dir, dir);
-    const int rc = tu_run(cmd, &out);
+    char *out = NULL;
+    const int rc = run_bench_n(false, 1, true, &out);
     cr_expect_eq(rc, 0, "bench.sh exited %d:\n%s", rc, out);
     char want[256];
     const double busy = (TRACE_GEMM_NS + TRACE_ADAM_NS) / 1e6, span = busy + TRACE_GAP_NS / 1e6;
@@ -149,8 +145,6 @@ Test(bench_script, kernel_timeline_of_the_last_step, .timeout = 150)
              busy, span, span - busy, TRACE_GEMM_NS / 1e6, TRACE_ADAM_NS / 1e6);
     cr_expect(strstr(out, want), "no '%s':\n%s", want, out);
     free(out);
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    cr_expect_eq(system(cmd), 0);
 
     cr_expect_eq(run_bench(false, &out), 0);
     cr_expect(strstr(out, "skipped: the kernel timeline (no ") && !strstr(out, "kernel timeline (last"),
@@ -163,7 +157,7 @@ Test(bench_script, kernel_timeline_of_the_last_step, .timeout = 150)
 Test(bench_script, two_gpus_compare_ep2_with_one_and_show_ep_load, .timeout = 150)
 {
     char *out = NULL;
-    const int rc = run_bench_n(false, 2, &out);
+    const int rc = run_bench_n(false, 2, false, &out);
     cr_expect_eq(rc, 0, "bench.sh exited %d:\n%s", rc, out);
     cr_expect(strstr(out, "EP=2 per GPU: 95.0% of 1 GPU; ep load 1.03-1.04 over the steps"), "%s", out);
     cr_expect(!strstr(out, "skipped: moetrain on 2 GPUs"), "%s", out);
