@@ -6,7 +6,8 @@ memset with its GPU start and end).
 
 Steps are cut after each kernel whose name contains the marker (AdamW: one launch a step, the last
 of its step), and the last complete step is reported: its span, the time at least one kernel or
-copy ran (the union over streams), the idle rest and how it splits into gaps by size, and the
+copy ran (the union over streams), the idle rest and how it splits into gaps by size, the time by
+kind of work (KINDS: expert GEMMs, attention, cuBLAS, optimizer, loss, copies, the rest), and the
 kernels by total time (each with its calls and mean)."""
 import argparse
 import bisect
@@ -39,6 +40,26 @@ def short(name):
             arg = m.group(1) or ("f32" if m.group(2) else "f64" if m.group(3) else "bf16")
             label += f"<{arg}>"
     return label
+
+
+# kinds of work by kernel name (the first rule that matches; copies and memsets by record kind)
+KINDS = (
+    ("expert wgrad", r"^grouped_gemm\w*<2>"),
+    ("expert forward/dgrad", r"^grouped_gemm"),
+    ("attention", r"^tc_|^attention|^attn"),
+    ("cuBLAS (projections, router, LM head)", r"^nvjet|^sm90_|^sm80_|^cutlass|^ampere|^gemm"),
+    ("optimizer and gradient norm", r"^adamw|^sumsq"),
+    ("loss", r"^ce_|^cross_entropy"),
+)
+
+
+def kind_of(rec_kind, label):
+    if rec_kind != "K":
+        return "copies and memsets"
+    for name, pattern in KINDS:
+        if re.search(pattern, label):
+            return name
+    return "other kernels (norms, SwiGLU, rows, router, ...)"
 
 
 def main():
@@ -79,6 +100,12 @@ def main():
     for s, e, k, st, n in step:
         per_stream[st] += e - s
     print("  time per stream (ms):", {k: round(v / 1e6, 2) for k, v in per_stream.most_common()})
+    kinds = collections.Counter()
+    for s, e, k, st, n in step:
+        kinds[kind_of(k, short(n) if k == "K" else n)] += e - s
+    print("  by kind (ms, share of the step):")
+    for name, t in kinds.most_common():
+        print(f"  {t / 1e6:8.2f} {100 * t / (t1 - t0):5.1f}%  {name}")
     agg = collections.defaultdict(lambda: [0, 0])
     for s, e, k, st, n in step:
         agg[short(n) if k == "K" else n.split(" ")[0]][0] += 1

@@ -21,7 +21,7 @@ enum { STEPS = 3, PER_STEP = 40 };
 struct expect {
     double span_ms, busy_ms, idle_ms;
     int gaps, norm_calls;
-    double norm_ms;
+    double norm_ms, gemm_ms; /* the rmsnorm kernels' time; the grouped wgrad's, both streams */
 };
 
 /* writes the timeline to path and returns what the last step's report must say */
@@ -36,7 +36,7 @@ static struct expect write_timeline(const char *path, unsigned seed)
     for (int s = 0; s < STEPS; s++) {
         const bool last = s == STEPS - 1;
         const long long step_start = t;
-        long long busy = 0, norm = 0;
+        long long busy = 0, norm = 0, gemm = 0;
         int gaps = 0, norm_calls = 0;
         for (int i = 0; i < PER_STEP; i++) {
             const long long len = 1000 + rand() % 400000, gap = i ? rand() % 5000 : 0;
@@ -45,8 +45,12 @@ static struct expect write_timeline(const char *path, unsigned seed)
             const bool is_norm = i % 3 == 0;
             fprintf(f, "K,%lld,%lld,7,%s\n", t, t + len, is_norm ? NORM : GEMM);
             if (is_norm) norm += len, norm_calls++;
-            if (i == 10) /* another stream's kernel from the middle of this one to 2 us past it */
-                fprintf(f, "K,%lld,%lld,9,%s\n", t + len / 2, t + len + 2000, GEMM), busy += 2000, t += 2000;
+            else gemm += len;
+            if (i == 10) { /* another stream's kernel from the middle of this one to 2 us past it */
+                fprintf(f, "K,%lld,%lld,9,%s\n", t + len / 2, t + len + 2000, GEMM);
+                gemm += len - len / 2 + 2000;
+                busy += 2000, t += 2000;
+            }
             busy += len;
             t += len;
         }
@@ -63,6 +67,7 @@ static struct expect write_timeline(const char *path, unsigned seed)
             ex.gaps = gaps;
             ex.norm_calls = norm_calls;
             ex.norm_ms = norm / 1e6;
+            ex.gemm_ms = gemm / 1e6;
         }
         t += 20000 + rand() % 100000; /* the host's turn between steps */
     }
@@ -102,6 +107,13 @@ Test(trace_tool, report_of_the_last_step_matches_the_timeline, .timeout = 60)
         cr_expect_eq(calls, ex.norm_calls);
         cr_expect_float_eq(ms, ex.norm_ms, 0.006, "%.3f against %.3f", ms, ex.norm_ms);
         cr_expect(strstr(out, "grouped_gemm_kernel<2>"), "%s", out);
+        /* the same kernels by kind: the grouped wgrad's time over both streams */
+        const char *kind = strstr(out, "%  expert wgrad");
+        cr_assert(kind, "%s", out);
+        while (kind > out && kind[-1] != '\n') kind--;
+        double kms;
+        cr_assert_eq(sscanf(kind, "%lf", &kms), 1, "%s", kind);
+        cr_expect_float_eq(kms, ex.gemm_ms, 0.006, "expert wgrad %.3f against %.3f", kms, ex.gemm_ms);
         free(out);
     }
     unlink(path);
