@@ -1,6 +1,8 @@
 /* A kernel timeline without a profiler: preloaded into any CUDA program, CUPTI's activity API
  * records when every kernel, copy and memset ran on the GPU (start and end in ns, stream), which
- * is written to $MT_TRACE_OUT (default kernel_trace.csv) when the program exits:
+ * is written to $MT_TRACE_OUT (default kernel_trace.csv; a "%r" in it becomes the process's MPI
+ * rank, from OMPI_COMM_WORLD_RANK, PMIX_RANK or SLURM_PROCID, so that each rank of an mpirun or
+ * srun job writes its own file) when the program exits:
  *
  *   LD_PRELOAD=build/tools/libmt_trace.so MT_TRACE_OUT=trace.csv build/moetrain train ...
  *   python3 tools/trace_gaps.py trace.csv
@@ -69,10 +71,39 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
     free(buf);
 }
 
+/* the MPI rank the launcher gave this process, "0" without one */
+static const char *launcher_rank(void)
+{
+    static const char *vars[] = {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
+        const char *v = getenv(vars[i]);
+        if (v && *v) return v;
+    }
+    return "0";
+}
+
+/* $MT_TRACE_OUT with each "%r" replaced by the rank */
+static void trace_path(char *buf, size_t cap)
+{
+    const char *spec = getenv("MT_TRACE_OUT");
+    if (!spec || !*spec) spec = "kernel_trace.csv";
+    size_t n = 0;
+    for (const char *c = spec; *c && n + 1 < cap; c++) {
+        if (c[0] == '%' && c[1] == 'r') {
+            n += (size_t)snprintf(buf + n, cap - n, "%s", launcher_rank());
+            c++;
+        } else {
+            buf[n++] = *c;
+        }
+        if (n >= cap) n = cap - 1;
+    }
+    buf[n] = '\0';
+}
+
 __attribute__((constructor)) static void trace_start(void)
 {
-    const char *path = getenv("MT_TRACE_OUT");
-    if (!path || !*path) path = "kernel_trace.csv";
+    char path[4096];
+    trace_path(path, sizeof path);
     out = fopen(path, "w");
     if (!out) {
         fprintf(stderr, "kernel_trace: cannot write %s: nothing is traced\n", path);

@@ -3,7 +3,7 @@
  * overlapping it, three steps cut at the AdamW kernel; the report's busy and idle time, gap count
  * and per-kernel totals against the same quantities computed here from the timeline. And the
  * preload library (where CUPTI was found at build time): without a GPU driver it says in one line
- * that nothing is traced and the program runs on. */
+ * that nothing is traced and the program runs on; a "%r" in its output path becomes the rank. */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -158,4 +158,14 @@ Test(trace_tool, preload_without_a_gpu_says_so_and_the_program_runs, .timeout = 
     fclose(f);
     free(out);
     unlink(path);
+
+    /* "%r" in the path: the launcher's rank, so that every rank of a job writes its own file */
+    char spec[256], ranked[256];
+    snprintf(spec, sizeof spec, "%s_%%r.csv", path);
+    snprintf(ranked, sizeof ranked, "%s_5.csv", path);
+    snprintf(cmd, sizeof cmd, "OMPI_COMM_WORLD_RANK=5 MT_TRACE_OUT='%s' LD_PRELOAD=%s sh -c true 2>&1", spec, lib);
+    cr_expect_eq(tu_run(cmd, &out), 0, "%s", out);
+    free(out);
+    cr_expect_eq(access(ranked, F_OK), 0, "no %s (from %s)", ranked, spec);
+    unlink(ranked);
 }
