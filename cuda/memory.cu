@@ -52,7 +52,7 @@ void cu_upload(void *dst, const void *host_src, size_t bytes)
 }
 
 static int *deferred_dev, *deferred_host; /* the counter and its pinned copy */
-static const char *deferred_what;         /* set while a fetch is queued and unchecked */
+static const char *deferred_what;         /* set while a check is due at the next sync */
 
 int *cu_deferred_error_counter(void)
 {
@@ -64,11 +64,22 @@ int *cu_deferred_error_counter(void)
     return deferred_dev;
 }
 
+/* The counter's copy is queued by the next download or sync, not here: a 4-byte copy to the host
+ * after every MoE layer's route plan held the next kernel back ~9 us each (the kernel timeline,
+ * docs/benchmarks.md, twenty-third session). The counter only grows, so the copy at the sync
+ * sees every bad id counted before it. */
 void cu_deferred_error_fetch(const char *what)
 {
-    CUDA_CHECK(cudaMemcpyAsync(deferred_host, cu_deferred_error_counter(), sizeof(int),
-                               cudaMemcpyDeviceToHost, g_cuda.stream));
+    (void)cu_deferred_error_counter();
     deferred_what = what;
+}
+
+/* queued before the stream drains */
+static void deferred_copy(void)
+{
+    if (deferred_what)
+        CUDA_CHECK(cudaMemcpyAsync(deferred_host, deferred_dev, sizeof(int), cudaMemcpyDeviceToHost,
+                                   g_cuda.stream));
 }
 
 /* after the stream has drained */
@@ -84,12 +95,14 @@ void cu_download(void *host_dst, const void *src, size_t bytes)
 {
     if (bytes)
         CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, g_cuda.stream));
+    deferred_copy();
     CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
     deferred_check();
 }
 
 void cu_sync(void)
 {
+    deferred_copy();
     CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
     deferred_check();
 }

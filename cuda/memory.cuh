@@ -16,9 +16,9 @@ double cu_device_used(void);
 
 /* Bad input that a kernel finds where the host does not wait for it (moe_route_plan's expert ids
  * outside [0, E)): the kernel adds the count of bad items to this device counter, the caller then
- * queues cu_deferred_error_fetch(what) (what: the message; the count is added), and the next
- * cu_download or cu_sync, once the stream has drained, stops the run with that message if the
- * count is not zero. No wait of its own. */
+ * calls cu_deferred_error_fetch(what) (what: the message; the count is added), and the next
+ * cu_download or cu_sync copies the counter and, once the stream has drained, stops the run with
+ * that message if the count is not zero. Nothing of its own on the stream. */
 int *cu_deferred_error_counter(void);
 void cu_deferred_error_fetch(const char *what);
 
