@@ -33,7 +33,8 @@
  * The tiles are the bytes of a 128-byte-swizzled shared-memory tile, so both copies are single
  * bulk copies; bf16 dS is what the recomputing dQ pass feeds its MMA too, hence the same bits.
  * H200, B=2 S=4096 Hq=32/4 D=128: 1.38 ms for both passes against 1.54 (the dS round trip, 1 GiB
- * each way, is what the dQ pass now waits for). */
+ * each way, is what the dQ pass now waits for); 1.36 since that pass reads each K tile once for
+ * two query heads (tc_bwd_dq_ds_kernel). */
 #include "attention_wgmma.cuh"
 
 #include <type_traits>
@@ -62,9 +63,9 @@ template <int D, int STAGES, bool STORE_DS> constexpr size_t dkdv_tma_smem_bytes
            (STORE_DS ? 2 * DS_TILE_BYTES : 0) + (size_t)STAGES * 2 * DKDV_BQ * sizeof(float) +
            (2 * STAGES + 1) * 8;
 }
-template <int D, int STAGES> constexpr size_t dq_ds_smem_bytes()
+template <int D, int STAGES, int HEADS> constexpr size_t dq_ds_smem_bytes()
 {
-    return 1024 + (size_t)STAGES * (DQ_BC * D * 2 + 2 * DS_TILE_BYTES) + (2 * STAGES + 1) * 8;
+    return 1024 + (size_t)STAGES * (DQ_BC * D * 2 + 2 * HEADS * DS_TILE_BYTES) + (2 * STAGES + 1) * 8;
 }
 
 /* Where the dSᵀ tile of query tile qt and key tile kt (64 each, kt <= qt) of (batch b, head h)
@@ -274,18 +275,19 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
 #endif
 }
 
-/* What a block of a dQ pass covers: (batch b, query head h of kv head hk), the queries q0 ..
- * q0 + DQ_BQ - 1 of query tile qt (the last tiles first: the longest causal rows), and the key
- * tiles of DQ_BC that reach its last query (nkt) */
+/* What a block of a dQ pass covers: (batch b, query heads h .. h + HEADS - 1 of kv head hk), the
+ * queries q0 .. q0 + DQ_BQ - 1 of query tile qt (the last tiles first: the longest causal rows),
+ * and the key tiles of DQ_BC that reach its last query (nkt) */
 struct dq_block {
     int b, h, hk, qt, q0, nkt;
 };
-__device__ __forceinline__ dq_block dq_block_of(const bwd_tma_params &p)
+template <int HEADS> __device__ __forceinline__ dq_block dq_block_of(const bwd_tma_params &p)
 {
     dq_block k;
+    const int head_blocks = p.Hq / HEADS;
     k.qt = (p.S + DQ_BQ - 1) / DQ_BQ - 1 - (int)blockIdx.y;
-    k.b = (int)blockIdx.x / p.Hq;
-    k.h = (int)blockIdx.x - k.b * p.Hq;
+    k.b = (int)blockIdx.x / head_blocks;
+    k.h = ((int)blockIdx.x - k.b * head_blocks) * HEADS;
     k.hk = k.h / (p.Hq / p.Hkv);
     k.q0 = k.qt * DQ_BQ;
     k.nkt = (min(k.q0 + DQ_BQ, p.S) - 1) / DQ_BC + 1;
@@ -310,7 +312,7 @@ tc_bwd_dq_tma_kernel(const __grid_constant__ bwd_tma_params p)
     const uint32_t q_bar = bars + 16u * STAGES;
 
     const int S = p.S, Hq = p.Hq;
-    const dq_block blk = dq_block_of(p);
+    const dq_block blk = dq_block_of<1>(p);
     const int b = blk.b, h = blk.h, hk = blk.hk, q0 = blk.q0, nkt = blk.nkt;
 
     if (threadIdx.x == 0) init_ring(bars, STAGES, 1);
@@ -406,20 +408,30 @@ tc_bwd_dq_tma_kernel(const __grid_constant__ bwd_tma_params p)
 #endif
 }
 
-/* dQ from the stored dS (variant ATTN_BWD_DS): grid (B·Hq, query tiles of 128) heaviest first as
- * above; consumer warpgroup w owns queries 64w .. and reads, per key tile of 64, its dSᵀ tile (left
- * by the dK/dV pass) and the K tile: dQ += dS·K, one SS product with both operands MN-major, the
- * one product of the five left to this pass. Ring stage s: K, then warpgroup 0's and 1's dS tiles;
- * a tile no query of a warpgroup sees was never stored and is not loaded. */
-template <int D, int STAGES>
+/* dQ from the stored dS (variant ATTN_BWD_DS): grid (B·Hq / HEADS, query tiles of 128) heaviest
+ * first as above, each block HEADS query heads of one kv head. Per key tile of 64 it reads the K
+ * tile and the dSᵀ tiles the dK/dV pass left: dQ += dS·K, one SS product with both operands
+ * MN-major, the one product of the five left to this pass. A unit is 64 query rows of one head
+ * (one 64-row dSᵀ tile a key tile, one accumulator); consumer warpgroup w owns HEADS of them:
+ * HEADS 1, the rows 64w .. of head h; HEADS 2, all 128 rows of head h + w. Ring stage s: K, then
+ * the units' dS tiles, warpgroup 0's first; a tile no query of a unit sees was never stored and is
+ * not loaded.
+ *
+ * Why two heads: the pass is bound by what the SMs load, 1 GiB of dS from memory and, with one
+ * head a block, as many bytes of K again from L2 (every query tile re-reads its kv head's K). Two
+ * heads of a kv group share each K tile, so K is a third of the bytes instead of half. The sums
+ * run in the same order either way (each accumulator over the key tiles, then the 4 k-steps):
+ * the same bits. */
+template <int D, int STAGES, int HEADS>
 __global__ void __launch_bounds__(TMA_BWD_THREADS, 1)
 tc_bwd_dq_ds_kernel(const __grid_constant__ bwd_tma_params p)
 {
 #ifdef MT_NO_HOPPER_CODE
     __trap();
 #else
+    static_assert(HEADS == 1 || HEADS == 2, "a warpgroup owns one or two 64-row units");
     constexpr int BC = DQ_BC, NA = D / 2;
-    constexpr uint32_t K_BYTES = BC * D * 2, STAGE_BYTES = K_BYTES + 2 * DS_TILE_BYTES;
+    constexpr uint32_t K_BYTES = BC * D * 2, STAGE_BYTES = K_BYTES + 2 * HEADS * DS_TILE_BYTES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u; /* stage s at ring + s·STAGE_BYTES */
     const uint32_t bars = ring + STAGES * STAGE_BYTES;
@@ -427,10 +439,13 @@ tc_bwd_dq_ds_kernel(const __grid_constant__ bwd_tma_params p)
     auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
 
     const int S = p.S, Hq = p.Hq;
-    const dq_block blk = dq_block_of(p);
+    const dq_block blk = dq_block_of<HEADS>(p);
     const int qt = blk.qt, b = blk.b, h = blk.h, hk = blk.hk, q0 = blk.q0, nkt = blk.nkt;
-    /* warpgroup w's queries see key tile j when j <= its query tile and it has a query < S */
-    auto sees = [&](int w, int j) { return q0 + 64 * w < S && j <= 2 * qt + w; };
+    /* unit u of warpgroup w: its head and which 64-row half of the query tile it holds */
+    auto head_of = [&](int w, int u) { return HEADS == 1 ? h : h + w; };
+    auto half_of = [&](int w, int u) { return HEADS == 1 ? w : u; };
+    /* a half's queries see key tile j when j <= its 64-row tile and it has a query < S */
+    auto sees = [&](int half, int j) { return q0 + 64 * half < S && j <= 2 * qt + half; };
 
     if (threadIdx.x == 0) init_ring(bars, STAGES, 1);
     __syncthreads();
@@ -443,12 +458,18 @@ tc_bwd_dq_ds_kernel(const __grid_constant__ bwd_tma_params p)
         for (int j = 0; j < nkt; j++) {
             const int st = j % STAGES;
             const uint32_t Kt = ring + st * STAGE_BYTES, fb = full_bar(st);
-            const bool s0 = sees(0, j), s1 = sees(1, j);
+            int tiles = 0;
+            for (int w = 0; w < 2; w++)
+                for (int u = 0; u < HEADS; u++) tiles += sees(half_of(w, u), j);
             mbar_wait(empty_bar(st), ((j / STAGES) & 1) ^ 1);
-            mbar_expect_tx(fb, K_BYTES + (s0 + s1) * DS_TILE_BYTES);
+            mbar_expect_tx(fb, K_BYTES + tiles * DS_TILE_BYTES);
             for (int c = 0; c < D / 64; c++) tma_3d(Kt + c * (BC * 128), &p.map_k, hk * D + 64 * c, j * BC, b, fb);
-            if (s0) bulk_load(Kt + K_BYTES, p.ds + ds_tile_offset(p, b, h, 2 * qt, j), DS_TILE_BYTES, fb);
-            if (s1) bulk_load(Kt + K_BYTES + DS_TILE_BYTES, p.ds + ds_tile_offset(p, b, h, 2 * qt + 1, j), DS_TILE_BYTES, fb);
+            for (int w = 0; w < 2; w++)
+                for (int u = 0; u < HEADS; u++)
+                    if (sees(half_of(w, u), j))
+                        bulk_load(Kt + K_BYTES + (w * HEADS + u) * DS_TILE_BYTES,
+                                  p.ds + ds_tile_offset(p, b, head_of(w, u), 2 * qt + half_of(w, u), j),
+                                  DS_TILE_BYTES, fb);
         }
         return;
     }
@@ -457,31 +478,66 @@ tc_bwd_dq_ds_kernel(const __grid_constant__ bwd_tma_params p)
     setmaxnreg_inc<240>();
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int t = lane & 3;
-    const int row0 = q0 + 64 * wg + 16 * warp + (lane >> 2); /* the thread's rows: row0, row0 + 8 */
-    float acc[NA]; /* started by key tile 0, which every warpgroup with a row < S sees */
-    undef_regs(acc);
-    int pend = -1;
-    for (int j = 0; j < nkt; j++) {
-        const int st = j % STAGES;
-        mbar_wait(full_bar(st), (j / STAGES) & 1);
-        if (!sees(wg, j)) {
-            skip_tile(empty_bar(0), STAGES, st, pend, lane);
-            continue;
-        }
-        const uint32_t Kt = ring + st * STAGE_BYTES, dSt = Kt + K_BYTES + wg * DS_TILE_BYTES;
-        wgmma_fence();
+    float acc[HEADS][NA]; /* each started by key tile 0, which every unit with a row < S sees */
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++)
-            wgmma_ss_nn<D, 1, 1>(acc, desc_mnmajor<64>(dSt, kk), desc_mnmajor<BC>(Kt, kk), j > 0 || kk > 0);
-        wgmma_commit();
-        wgmma_wait<1>(); /* the previous tile's product has retired */
-        if (pend >= 0) release_stage(empty_bar(pend % STAGES), lane);
-        pend = j;
+    for (int u = 0; u < HEADS; u++) undef_regs(acc[u]);
+    int pend = -1;
+    /* key tiles [j0, j1), each into the units of MASK (bit u: unit u). Which units take a tile is
+     * a loop's template argument, not a branch around the MMAs: ptxas serialises every wgmma of a
+     * kernel where one sits in a path it cannot prove uniform (C7520). */
+    auto take = [&](auto mask, int j0, int j1) {
+        constexpr int MASK = decltype(mask)::value;
+        for (int j = j0; j < j1; j++) {
+            const int st = j % STAGES;
+            mbar_wait(full_bar(st), (j / STAGES) & 1);
+            const uint32_t Kt = ring + st * STAGE_BYTES;
+            wgmma_fence();
+#pragma unroll
+            for (int u = 0; u < HEADS; u++)
+                if ((MASK >> u) & 1) {
+                    const uint32_t dSt = Kt + K_BYTES + (wg * HEADS + u) * DS_TILE_BYTES;
+#pragma unroll
+                    for (int kk = 0; kk < 4; kk++)
+                        wgmma_ss_nn<D, 1, 1>(acc[u], desc_mnmajor<64>(dSt, kk), desc_mnmajor<BC>(Kt, kk),
+                                             j > 0 || kk > 0);
+                }
+            wgmma_commit();
+            wgmma_wait<1>(); /* the previous tile's products have retired */
+            if (pend >= 0) release_stage(empty_bar(pend % STAGES), lane);
+            pend = j;
+        }
+    };
+    /* the tiles each unit sees are a prefix [0, seen(u)) of the block's; a later unit's is longer
+     * unless its rows are all past S */
+    auto seen = [&](int u) {
+        const int half = half_of(wg, u);
+        return q0 + 64 * half < S ? min(2 * qt + half + 1, nkt) : 0;
+    };
+    int j = 0;
+    if constexpr (HEADS == 1) {
+        take(std::integral_constant<int, 1>{}, 0, seen(0));
+        j = seen(0);
+    } else {
+        const int n0 = seen(0), n1 = seen(1), both = min(n0, n1);
+        take(std::integral_constant<int, 3>{}, 0, both);
+        take(std::integral_constant<int, 1>{}, both, n0);
+        j = max(both, n0);
+        take(std::integral_constant<int, 2>{}, j, n1);
+        j = max(j, n1);
+    }
+    for (; j < nkt; j++) { /* seen by none of this warpgroup's units */
+        mbar_wait(full_bar(j % STAGES), (j / STAGES) & 1);
+        skip_tile(empty_bar(0), STAGES, j % STAGES, pend, lane);
     }
     wgmma_wait<0>();
-    fence_regs(acc);
     const size_t qstride = (size_t)Hq * D;
-    bwd_store_rows<D>(p.dq + (size_t)b * S * qstride + (size_t)h * D + 2 * t, qstride, acc, row0, S, p.scale);
+#pragma unroll
+    for (int u = 0; u < HEADS; u++) {
+        fence_regs(acc[u]);
+        const int row0 = q0 + 64 * half_of(wg, u) + 16 * warp + (lane >> 2); /* and row0 + 8 */
+        bwd_store_rows<D>(p.dq + (size_t)b * S * qstride + (size_t)head_of(wg, u) * D + 2 * t, qstride, acc[u],
+                          row0, S, p.scale);
+    }
 #endif
 }
 
@@ -518,13 +574,27 @@ template <int D, int STAGES, bool STORE_DS> void dkdv_tma_launch(const attn_bwd_
         tma_params(a, D, DKDV_BQ, DKDV_BK, "attention backward dk dv (TMA)"));
 }
 
-/* dQ over query tiles of DQ_BQ per (batch, query head), recomputing (DS false) or from dS */
-template <int D, int STAGES, bool DS> void dq_tma_launch(const attn_bwd_args &a)
+/* dQ over query tiles of DQ_BQ per (batch, query head), recomputing */
+template <int D, int STAGES> void dq_tma_launch(const attn_bwd_args &a)
 {
     const dim3 grid((unsigned)(a.B * a.Hq), (unsigned)((a.S + DQ_BQ - 1) / DQ_BQ));
-    const bwd_tma_params p = tma_params(a, D, DQ_BQ, DQ_BC, "attention backward dq (TMA)");
-    if constexpr (DS) launch<tc_bwd_dq_ds_kernel<D, STAGES>>(dq_ds_smem_bytes<D, STAGES>(), grid, p);
-    else launch<tc_bwd_dq_tma_kernel<D, STAGES>>(dq_tma_smem_bytes<D, STAGES>(), grid, p);
+    launch<tc_bwd_dq_tma_kernel<D, STAGES>>(dq_tma_smem_bytes<D, STAGES>(), grid,
+                                            tma_params(a, D, DQ_BQ, DQ_BC, "attention backward dq (TMA)"));
+}
+
+/* dQ from dS over query tiles of DQ_BQ per (batch, HEADS query heads) */
+template <int D, int STAGES, int HEADS> void dq_ds_launch(const attn_bwd_args &a)
+{
+    const dim3 grid((unsigned)(a.B * a.Hq / HEADS), (unsigned)((a.S + DQ_BQ - 1) / DQ_BQ));
+    launch<tc_bwd_dq_ds_kernel<D, STAGES, HEADS>>(dq_ds_smem_bytes<D, STAGES, HEADS>(), grid,
+                                                  tma_params(a, D, DQ_BQ, DQ_BC, "attention backward dq from dS (TMA)"));
+}
+
+/* two query heads a block where a kv head has an even number of them (the same bits as one;
+ * H200, B=2 S=4096 Hq=32/4 D=128, in the training step: 341 us a call against 362) */
+bool dq_two_heads(const attn_bwd_args &a)
+{
+    return (a.Hq / a.Hkv) % 2 == 0;
 }
 
 } /* namespace */
@@ -537,12 +607,20 @@ void attn_tma_dkdv(const attn_bwd_args &a, int D)
 
 void attn_tma_bwd_ds(const attn_bwd_args &a, int D)
 {
-    if (D == 128) dkdv_tma_launch<128, 4, true>(a), dq_tma_launch<128, 6, true>(a);
-    else dkdv_tma_launch<64, 4, true>(a), dq_tma_launch<64, 8, true>(a);
+    const bool two = dq_two_heads(a);
+    if (D == 128) {
+        dkdv_tma_launch<128, 4, true>(a);
+        if (two) dq_ds_launch<128, 4, 2>(a);
+        else dq_ds_launch<128, 6, 1>(a);
+    } else {
+        dkdv_tma_launch<64, 4, true>(a);
+        if (two) dq_ds_launch<64, 5, 2>(a);
+        else dq_ds_launch<64, 8, 1>(a);
+    }
 }
 
 void attn_tma_dq(const attn_bwd_args &a, int D)
 {
-    if (D == 128) dq_tma_launch<128, 4, false>(a);
-    else dq_tma_launch<64, 4, false>(a);
+    if (D == 128) dq_tma_launch<128, 4>(a);
+    else dq_tma_launch<64, 4>(a);
 }

@@ -323,6 +323,8 @@ Test(gpu, attention_tc_bwd_variants)
  * so their gradients must be the same bits: ragged S (TMA zero-fills rows past S, cp.async did so
  * by hand), grouped heads, both head dims, and S long enough for the rings to wrap several times.
  * The lent memory must hold the dS tiles (written on Hopper) and nothing past them be touched.
+ * The dQ pass from dS takes two query heads a block where a kv head has an even number of them
+ * (8/2, 2/1, 8/1, 4/2 below) and one otherwise (4/4, 6/2).
  * (Off Hopper all run the mma.sync kernels.) */
 static void tma_bwd_bits_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int Hkv, int D)
 {
@@ -386,6 +388,7 @@ Test(gpu, attention_tma_bwd_same_bits_as_mma_sync)
     tma_bwd_bits_case(&M, &rng, 1, 1, 2, 1, 128);
     tma_bwd_bits_case(&M, &rng, 1, 1111, 8, 1, 128);
     tma_bwd_bits_case(&M, &rng, 2, 512, 4, 2, 64);
+    tma_bwd_bits_case(&M, &rng, 1, 449, 6, 2, 128);
 }
 
 /* Cases the tensor-core kernels leave to attention.cu: they must decline without touching
