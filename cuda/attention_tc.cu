@@ -46,7 +46,8 @@
  * Files: this one holds the entry points (attention_tc.cuh) and the bf16-or-fp32 choice;
  * attention_tc_fwd.cu the mma.sync forward kernel and the choice of forward; attention_tma_fwd.cu
  * and attention_wgmma_fwd.cu the wgmma forwards; attention_tc_bwd.cu the backward's prep, the
- * mma.sync dK/dV and dQ kernels and the launch; attention_tma_bwd.cu the wgmma backward;
+ * mma.sync dK/dV and dQ kernels and the launch; attention_tma_bwd.cu and attention_tma_dq.cu the
+ * wgmma backward;
  * attention_tc_common.cuh the device helpers (tile loads, ldmatrix/mma fragments) they share;
  * attention_wgmma.cuh the wgmma ones; attention_tc_launch.cuh the host-side
  * checks and the two launchers' declarations. */

@@ -1,5 +1,5 @@
 /* Internal to the tensor-core attention (cuda/attention_tc_fwd.cu: forward; attention_tc_bwd.cu:
- * mma.sync backward; attention_tma_bwd.cu: the backward on wgmma): tile constants, PTX wrappers, tile
+ * mma.sync backward; attention_tma_bwd.cu, attention_tma_dq.cu: the backward on wgmma): tile constants, PTX wrappers, tile
  * loads and the mma.sync fragment helpers they use, and the backward's arguments. attention_tc.cu's
  * header comment says how the kernels work. Everything but attn_bwd_args and the two wgmma entry
  * points is file-local (an unnamed namespace) in each including file. */
@@ -30,8 +30,8 @@ void attn_wgmma_forward(void *out, float *lse, const void *q, const void *k, con
  * (128, 2, warpgroup), (128, 3, warpgroup), (64, 4, warpgroup). */
 void attn_tma_forward(void *out, float *lse, const void *q, const void *k, const void *v, int B,
                       int S, int Hq, int Hkv, int D, float scale, int variant);
-/* The warp-specialised backward passes (attention_tma_bwd.cu, sm_90a, causal only): a TMA
- * producer warpgroup and two wgmma consumer warpgroups per block. */
+/* The warp-specialised backward passes (attention_tma_bwd.cu, attention_tma_dq.cu; sm_90a, causal
+ * only): a TMA producer warpgroup and two wgmma consumer warpgroups per block. */
 void attn_tma_dkdv(const attn_bwd_args &a, int D);
 void attn_tma_dq(const attn_bwd_args &a, int D);
 /* Both passes with 5 products instead of 7: the dK/dV pass also stores every dSᵀ tile (bf16) to

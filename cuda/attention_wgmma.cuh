@@ -1,5 +1,5 @@
-/* Internal to the attention kernels on the Hopper warpgroup MMA (attention_tma_bwd.cu: the
- * backward's dK/dV and dQ passes; attention_tma_fwd.cu and attention_wgmma_fwd.cu: the forward):
+/* Internal to the attention kernels on the Hopper warpgroup MMA (attention_tma_bwd.cu and
+ * attention_tma_dq.cu: the backward's dK/dV and dQ passes; attention_tma_fwd.cu and attention_wgmma_fwd.cu: the forward):
  * the wgmma shapes they issue, the 128-byte-swizzle descriptors of their [rows][D] bf16 tiles, the
  * swizzled tile load, the register tricks that keep ptxas from serialising the MMAs, and the steps
  * the kernels share (the forward's softmax and row store, the backward's products and stores).
