@@ -5,7 +5,7 @@
 
 #include "pipeline_forward.h"
 #include "route_replay.h"
-#include "train.h"
+#include "step_maths.h"
 
 double aux_global_prepass(struct model *m, const struct aux_prepass *a, int step, double coef,
                           float *aux_dp)

@@ -6,7 +6,7 @@
 
 #include "checkpoint.h"
 #include "common.h"
-#include "train.h"
+#include "step_maths.h"
 
 void run_note_resume(const char *dir, const struct config *c, int start_step)
 {

@@ -46,46 +46,13 @@
 #include "router_opts.h"
 #include "run_notes.h"
 #include "step_guard.h"
+#include "step_maths.h"
 #include "step_stats.h"
-#include "train.h"
 #include "train_startup.h"
 #include "train_check.h"
 #include "train_data.h"
 #include "train_pipeline.h"
 #include "watchdog.h"
-
-double train_lr_at(const struct train_config *t, int step)
-{
-    if (t->warmup_steps > 0 && step <= t->warmup_steps) return t->lr * step / t->warmup_steps;
-    int decay_steps = t->steps - t->warmup_steps;
-    if (decay_steps <= 0) return t->lr;
-    double progress = (double)(step - t->warmup_steps) / decay_steps;
-    if (progress > 1) progress = 1;
-    return t->min_lr + 0.5 * (t->lr - t->min_lr) * (1 + cos(M_PI * progress));
-}
-
-void aux_from_stats(const float *stats, int n_layers_all, const struct model_config *mc,
-                    int64_t tokens, double *aux, double *count_out /*[E] or NULL*/)
-{
-    const int E = mc->num_experts;
-    double *cnt = mt_calloc((size_t)E, sizeof(double)), *ps = mt_calloc((size_t)E, sizeof(double));
-    int n_moe = 0;
-    for (int l = 0; l < n_layers_all; l++) {
-        if (!config_layer_is_moe(mc, l)) continue;
-        n_moe++;
-        const float *st = stats + (size_t)l * 2 * E;
-        for (int e = 0; e < E; e++) {
-            ps[e] += st[e];
-            cnt[e] += st[E + e];
-        }
-    }
-    double rows = (double)n_moe * (double)tokens, a = 0;
-    for (int e = 0; e < E; e++) a += (cnt[e] / rows) * (ps[e] / rows);
-    *aux = n_moe > 0 ? E * a : 0;
-    if (count_out) memcpy(count_out, cnt, (size_t)E * sizeof(double));
-    free(cnt);
-    free(ps);
-}
 
 /* One micro-step's router statistics [L, 2, E] into the step's aux-loss sum and expert loads
  * (layer_counts [L, E]); cnt [E] gets the micro-step's expert counts over the layers. */
@@ -98,27 +65,6 @@ static void add_router_stats(const float *stats, const struct model_config *mc, 
     *aux_sum += aux_m;
     for (int l = 0; l < L; l++)
         for (int e = 0; e < E; e++) layer_counts[(size_t)l * E + e] += stats[(size_t)l * 2 * E + E + e];
-}
-
-void aux_grad_from_counts(const double *count, int E, int n_moe, int64_t tokens, double scale,
-                          float *aux_dp)
-{
-    double rows = (double)n_moe * (double)tokens;
-    for (int e = 0; e < E; e++) aux_dp[e] = (float)(scale * E * count[e] / (rows * rows));
-}
-
-void balance_bias_update(float *bias, const double *counts, const struct model_config *mc, double rate)
-{
-    const int E = mc->num_experts;
-    for (int l = 0; l < mc->num_hidden_layers; l++) {
-        if (!config_layer_is_moe(mc, l)) continue;
-        double mean = 0;
-        for (int e = 0; e < E; e++) mean += counts[(size_t)l * E + e] / E;
-        for (int e = 0; e < E; e++) {
-            double d = mean - counts[(size_t)l * E + e];
-            bias[(size_t)l * E + e] += (float)(rate * ((d > 0) - (d < 0)));
-        }
-    }
 }
 
 /* Expert-load summary per MoE layer from the global per-layer counts of a step. */
@@ -178,7 +124,7 @@ static void agree_or_exit(const struct mesh *mesh, bool ok, const char *err)
 /* train.weight_copy: keep the shard's compute copy unless told not to, or (auto) unless the plan
  * with it does not fit the device's memory (known on the GPU only; with fp32 compute the copy is the
  * master itself and costs nothing). */
-bool train_keep_weight_copy(const struct config *c, const struct mesh_dims *d, const struct backend *be)
+static bool train_keep_weight_copy(const struct config *c, const struct mesh_dims *d, const struct backend *be)
 {
     if (be->x_size == sizeof(float) && c->train.weight_copy == MT_COPY_AUTO) return true;
     return estimate_keep_copy(c, d, be->mem_bytes);

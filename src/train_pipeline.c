@@ -9,11 +9,11 @@
 #include "train_data.h"
 #include "pipeline.h"
 #include "route_replay.h"
-#include "train.h"
+#include "step_maths.h"
 
 double pipe_aux_pooled(const double *psum, const double *count, int E, int n_moe, int64_t tokens)
 {
-    /* the arithmetic of aux_from_stats (train.c), operation for operation */
+    /* the arithmetic of aux_from_stats (step_maths.c), operation for operation */
     double rows = (double)n_moe * (double)tokens, a = 0;
     for (int e = 0; e < E; e++) a += (count[e] / rows) * (psum[e] / rows);
     return n_moe > 0 ? E * a : 0;

@@ -20,7 +20,7 @@
 #include "model_step.h"
 #include "params.h"
 #include "safetensors.h"
-#include "train.h"
+#include "step_maths.h"
 
 /* One compared tensor: ‖ours − ref‖ and ‖ref‖. */
 struct cmp {

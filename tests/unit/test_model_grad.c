@@ -33,7 +33,7 @@
 #include "model_step.h"
 #include "ops.h"
 #include "params.h"
-#include "train.h"
+#include "step_maths.h"
 #include "small_model.h"
 
 #define GB 2

@@ -9,7 +9,7 @@
 #include "common.h"
 #include "config.h"
 #include "pipeline.h"
-#include "train.h"
+#include "step_maths.h"
 #include "train_pipeline.h"
 #include "../test_util.h"
 

@@ -17,7 +17,7 @@
 #include "router_opts.h"
 #include "../test_util.h"
 #include "small_model.h"
-#include "train.h"
+#include "step_maths.h"
 
 /* ---- train_router / freeze_router ------------------------------------------------------------- */
 

@@ -11,7 +11,7 @@
 #include "flops.h"
 #include "ops.h"
 #include "safetensors.h"
-#include "train.h"
+#include "step_maths.h"
 
 #define FIXTURE "tests/fixtures/qwen3moe-tiny"
 

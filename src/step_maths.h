@@ -1,6 +1,8 @@
-/* Pieces of the training step that tests and verify share. */
-#ifndef MT_TRAIN_H
-#define MT_TRAIN_H
+/* The training step's arithmetic that the loop, the pipeline schedule, verify and the tests share:
+ * the learning-rate schedule, transformers' load-balancing loss from the router statistics and
+ * its gradient, and the aux-loss-free bias update. */
+#ifndef MT_STEP_MATHS_H
+#define MT_STEP_MATHS_H
 
 #include <stdint.h>
 
@@ -17,12 +19,6 @@ void aux_from_stats(const float *stats, int n_layers_all, const struct model_con
 /* d(scale · aux)/dP[row, e] = scale · E · count_e / rows², the same for every row. */
 void aux_grad_from_counts(const double *count, int E, int n_moe, int64_t tokens, double scale,
                           float *aux_dp);
-
-struct backend;
-struct mesh_dims;
-/* Whether the rank keeps a compute-dtype copy of its shard (train.weight_copy; auto decides by the
- * memory plan against the device's memory). */
-bool train_keep_weight_copy(const struct config *c, const struct mesh_dims *d, const struct backend *be);
 
 /* Aux-loss-free balancing: per MoE layer, bias[l, e] += rate · sign(mean load − load[l, e]) from
  * the step's global token counts counts[l, e]; the bias shifts expert selection only. */
