@@ -15,10 +15,10 @@
 #include "config.h"
 #include "data.h"
 #include "model.h"
-#include "train_data.h"
+#include "step_batch.h"
 
 struct aux_prepass {
-    const struct step_batch *batch;   /* the step's micro-batches, loaded (train_data.h) */
+    const struct step_batch *batch;   /* the step's micro-batches, loaded (step_batch.h) */
     struct comm *stage_h;       /* host statistics all-reduce over the stage's ranks */
     int64_t tokens_micro_global;
     /* pp > 1: the backend's and a host comm of this rank's pipeline; the pre-pass is then a

@@ -1,7 +1,7 @@
 /* A forward-only pass of one step's micro-batches through a pipeline (pp > 1): every micro-batch
  * goes through the stages in order (pipe_schedule_forward_only), its activations sent stage to
  * stage, no backward. The global-batch aux pre-pass (aux_scope.h) uses it for the whole step's
- * expert counts, the validation pass (train_data.h) for the held-out loss. It borrows the 1F1B
+ * expert counts, the validation pass (validation.h) for the held-out loss. It borrows the 1F1B
  * slots, so it runs when no micro-batch of a training step is in flight. */
 #ifndef MT_PIPELINE_FORWARD_H
 #define MT_PIPELINE_FORWARD_H
@@ -11,7 +11,7 @@
 
 #include "comm.h"
 #include "model.h"
-#include "train_data.h"
+#include "step_batch.h"
 
 struct pipe_forward {
     struct model *m;            /* one stage (model_init_stage) */

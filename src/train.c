@@ -46,12 +46,13 @@
 #include "router_opts.h"
 #include "run_notes.h"
 #include "step_guard.h"
+#include "step_batch.h"
 #include "step_maths.h"
 #include "step_stats.h"
 #include "train_startup.h"
 #include "train_check.h"
-#include "train_data.h"
 #include "train_pipeline.h"
+#include "validation.h"
 #include "watchdog.h"
 
 /* One micro-step's router statistics [L, 2, E] into the step's aux-loss sum and expert loads

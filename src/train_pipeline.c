@@ -6,7 +6,7 @@
 
 #include "common.h"
 #include "data.h"
-#include "train_data.h"
+#include "step_batch.h"
 #include "pipeline.h"
 #include "route_replay.h"
 #include "step_maths.h"

@@ -1,7 +1,7 @@
 /* What the training loop feeds the model from the data layer: one optimizer step's micro-batches
- * with their labels and document boundaries (step_batch), and the held-out validation pass. */
-#ifndef MT_TRAIN_DATA_H
-#define MT_TRAIN_DATA_H
+ * with their labels and document boundaries. */
+#ifndef MT_STEP_BATCH_H
+#define MT_STEP_BATCH_H
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -36,21 +36,5 @@ void step_batch_load(struct step_batch *b, const struct data_source *src, int64_
  * runs model_forward with its ids and labels. */
 void step_batch_forward(const struct step_batch *b, int micro, struct model *m,
                         struct model_step_out *out);
-
-/* Validation (data.validation_path); validation_open returns NULL when none is configured and
- * exits with a one-line error on every rank when the files are bad. */
-struct validation;
-struct validation *validation_open(const struct config *c, int n_micro, int dp_rank, int dp_size);
-void validation_close(struct validation *v);
-bool validation_due(const struct validation *v, int step);
-/* Mean cross-entropy over data.validation_batches global batches (forward only: no gradients;
- * the router statistics that model_forward leaves in m->stats_h are overwritten by the next
- * training micro-batch before anything reads them; a routing replay is off during the passes).
- * pp: NULL for a whole model, else the backend's comm of this rank's pipeline, and the batches
- * run as a forward-only pass through the stages (pipeline_forward.h). All ranks call it
- * together; world sums. */
-double validation_run(struct validation *v, struct model *m, struct comm *dp_comm, struct comm *world,
-                      struct comm *pp);
-const char *validation_describe(const struct validation *v);
 
 #endif
