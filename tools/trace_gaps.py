@@ -2,13 +2,21 @@
 """Where a training step's GPU time goes, from tools/kernel_trace.c's CSV (every kernel, copy and
 memset with its GPU start and end).
 
-    python3 tools/trace_gaps.py trace.csv [--step-marker adamw] [--top 40]
+    python3 tools/trace_gaps.py trace.csv [--step-marker adamw] [--top 40] [--peer other_rank.csv]
 
 Steps are cut after each kernel whose name contains the marker (AdamW: one launch a step, the last
 of its step), and the last complete step is reported: its span, the time at least one kernel or
 copy ran (the union over streams), the idle rest and how it splits into gaps by size, the time by
 kind of work (KINDS: expert GEMMs, attention, cuBLAS, optimizer, loss, copies, the rest), and the
-kernels by total time (each with its calls and mean)."""
+kernels by total time (each with its calls and mean).
+
+--peer: another rank's timeline of the same job (an EP run traced with %r in MT_TRACE_OUT). Each
+idle gap of this rank's step is split by what the peer's GPU did meanwhile: running kernels (this
+rank waited for the peer's work: an exchange with a rank that had more to do) or idle too (both
+waited: the host, a synchronisation, launch latency). CUPTI's timestamps share one clock across
+the processes of a host; the report prints how far apart the two ranks' step ends are.
+
+Exit status 1 with a one-line error naming the file when a timeline has no complete step."""
 import argparse
 import bisect
 import collections
@@ -62,33 +70,74 @@ def kind_of(rec_kind, label):
     return "other kernels (norms, SwiGLU, rows, router, ...)"
 
 
+def read_timeline(path):
+    rows = []
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            rows.append((int(r["start_ns"]), int(r["end_ns"]), r["kind"], r["stream"], r["name"]))
+    rows.sort()
+    return rows
+
+
+def step_ends(rows, marker):
+    """indices of the step-marker kernels"""
+    return [i for i, r in enumerate(rows) if r[2] == "K" and marker in r[4].lower()]
+
+
+def busy_intervals(rows):
+    """the union of the records' [start, end) as sorted disjoint intervals"""
+    out = []
+    for s, e, *_ in rows:
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def overlap(a0, a1, intervals, ends):
+    """time of [a0, a1) covered by the sorted disjoint intervals (ends: their ends, in order)"""
+    i = bisect.bisect_right(ends, a0)
+    t = 0
+    while i < len(intervals) and intervals[i][0] < a1:
+        t += min(a1, intervals[i][1]) - max(a0, intervals[i][0])
+        i += 1
+    return t
+
+
+def peer_report(path, marker, t0, t1, gap_spans, own_end):
+    rows = read_timeline(path)
+    ends = step_ends(rows, marker)
+    if not ends:
+        sys.exit(f"trace_gaps: {path}: no '{marker}' kernel, no step to compare")
+    peer_end = min((rows[i][1] for i in ends), key=lambda e: abs(e - own_end))
+    peer_busy = busy_intervals([r for r in rows if r[1] > t0 and r[0] < t1])
+    peer_ends = [iv[1] for iv in peer_busy]
+    waited = sum(overlap(g0, g1, peer_busy, peer_ends) for g0, g1 in gap_spans)
+    idle = sum(g1 - g0 for g0, g1 in gap_spans)
+    print(f"  against {path}: of the {idle / 1e6:.2f} ms idle, {waited / 1e6:.2f} ms while the peer's GPU "
+          f"ran kernels (waiting for its work), {(idle - waited) / 1e6:.2f} ms while it idled too "
+          f"(both waiting); the two step ends are {abs(own_end - peer_end) / 1e3:.1f} us apart")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
     ap.add_argument("--step-marker", default="adamw")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--peer", help="another rank's timeline of the same job")
     a = ap.parse_args()
-    rows = []
-    with open(a.csv) as f:
-        for r in csv.DictReader(f):
-            rows.append((int(r["start_ns"]), int(r["end_ns"]), r["kind"], r["stream"], r["name"]))
-    rows.sort()
-    ends = [i for i, r in enumerate(rows) if r[2] == "K" and a.step_marker in r[4].lower()]
+    rows = read_timeline(a.csv)
+    ends = step_ends(rows, a.step_marker)
     if len(ends) < 2:
         sys.exit(f"trace_gaps: {a.csv}: fewer than two '{a.step_marker}' kernels, no complete step")
     step = rows[ends[-2] + 1:ends[-1] + 1]
     t0, t1 = step[0][0], max(r[1] for r in step)
     span = (t1 - t0) / 1e6
-    busy, gaps = 0, []
-    cs, ce = step[0][0], step[0][1]
-    for s, e, *_ in step[1:]:
-        if s > ce:
-            busy += ce - cs
-            gaps.append(s - ce)
-            cs, ce = s, e
-        else:
-            ce = max(ce, e)
-    busy += ce - cs
+    merged = busy_intervals(step)
+    busy = sum(e - s for s, e in merged)
+    gap_spans = [(merged[i][1], merged[i + 1][0]) for i in range(len(merged) - 1)]
+    gaps = [g1 - g0 for g0, g1 in gap_spans]
     print(f"last complete step: {len(step)} kernels/copies/memsets over {span:.2f} ms; "
           f"GPU busy {busy / 1e6:.2f} ms, idle {span - busy / 1e6:.2f} ms in {len(gaps)} gaps")
     gs = sorted(gaps)
@@ -96,6 +145,8 @@ def main():
         k = bisect.bisect_left(gs, lim_us * 1000)
         print(f"  gaps under {lim_us:5d} us: {k:6d}, {sum(gs[:k]) / 1e6:8.2f} ms")
     print("  largest gaps (us):", [round(g / 1e3, 1) for g in gs[-10:]])
+    if a.peer:
+        peer_report(a.peer, a.step_marker, t0, t1, gap_spans, rows[ends[-1]][1])
     per_stream = collections.Counter()
     for s, e, k, st, n in step:
         per_stream[st] += e - s

@@ -3,7 +3,8 @@
  * overlapping it, three steps cut at the AdamW kernel; the report's busy and idle time, gap count
  * and per-kernel totals against the same quantities computed here from the timeline. And the
  * preload library (where CUPTI was found at build time): without a GPU driver it says in one line
- * that nothing is traced and the program runs on; a "%r" in its output path becomes the rank. */
+ * that nothing is traced and the program runs on; a "%r" in its output path becomes the rank. With
+ * --peer, the idle time split by what another rank's timeline did meanwhile. */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -117,6 +118,99 @@ Test(trace_tool, report_of_the_last_step_matches_the_timeline, .timeout = 60)
         free(out);
     }
     unlink(path);
+}
+
+/* --peer: rank A's idle gaps in its last step split by whether rank B's GPU ran meanwhile. Both
+ * timelines random (A: kernels and gaps, three steps cut at AdamW; B: one stream of kernels and
+ * gaps over the same time, its AdamW 7 us after A's); the split against the overlap computed here
+ * interval by interval. */
+enum { PEER_KERNELS = 30, MAX_B = 4096 };
+static long long llmax(long long a, long long b) { return a > b ? a : b; }
+static long long llmin(long long a, long long b) { return a < b ? a : b; }
+
+Test(trace_tool, peer_split_of_the_idle_time_matches_the_two_timelines, .timeout = 60)
+{
+    char pa[] = "/tmp/mt_trace_a_XXXXXX", pb[] = "/tmp/mt_trace_b_XXXXXX";
+    int fd = mkstemp(pa);
+    cr_assert(fd >= 0);
+    close(fd);
+    fd = mkstemp(pb);
+    cr_assert(fd >= 0);
+    close(fd);
+    for (unsigned seed = 11; seed <= 13; seed++) {
+        srand(seed);
+        FILE *fa = fopen(pa, "w");
+        cr_assert(fa);
+        fprintf(fa, "kind,start_ns,end_ns,stream,name\n");
+        long long t = 1000000, gap0[PEER_KERNELS + 1], gap1[PEER_KERNELS + 1], adam_end[STEPS];
+        int n_gaps = 0;
+        for (int st = 0; st < STEPS; st++) {
+            n_gaps = 0;
+            for (int i = 0; i <= PEER_KERNELS; i++) {
+                const long long gap = i ? 2000 + rand() % 60000 : 0, len = 1000 + rand() % 90000;
+                if (gap) gap0[n_gaps] = t, gap1[n_gaps] = t + gap, n_gaps++;
+                t += gap;
+                fprintf(fa, "K,%lld,%lld,7,%s\n", t, t + len, i == PEER_KERNELS ? ADAM : NORM);
+                t += len;
+            }
+            adam_end[st] = t;
+            t += 50000;
+        }
+        fclose(fa);
+        /* B: kernels and gaps from before A's first record to after its last */
+        static long long b0[MAX_B], b1[MAX_B];
+        int nb = 0;
+        FILE *fb = fopen(pb, "w");
+        cr_assert(fb);
+        fprintf(fb, "kind,start_ns,end_ns,stream,name\n");
+        long long u = 900000;
+        int next_adam = 0;
+        while (u < t + 100000 && nb < MAX_B - 1) {
+            u += rand() % 30000;
+            const long long len = 500 + rand() % 40000;
+            if (next_adam < STEPS && u + len >= adam_end[next_adam] + 7000 - 3000) {
+                /* B's AdamW ends 7 us after A's */
+                const long long s0 = llmax(u, adam_end[next_adam] + 7000 - 3000);
+                b0[nb] = s0, b1[nb] = adam_end[next_adam] + 7000;
+                fprintf(fb, "K,%lld,%lld,3,%s\n", b0[nb], b1[nb], ADAM);
+                u = b1[nb++];
+                next_adam++;
+                continue;
+            }
+            b0[nb] = u, b1[nb] = u + len;
+            fprintf(fb, "K,%lld,%lld,3,%s\n", b0[nb], b1[nb], GEMM);
+            u = b1[nb++];
+        }
+        fclose(fb);
+        double idle = 0, waited = 0;
+        for (int g = 0; g < n_gaps; g++) {
+            idle += (double)(gap1[g] - gap0[g]);
+            for (int j = 0; j < nb; j++) {
+                const long long o0 = llmax(gap0[g], b0[j]), o1 = llmin(gap1[g], b1[j]);
+                if (o1 > o0) waited += (double)(o1 - o0);
+            }
+        }
+        char cmd[512], *out = NULL;
+        snprintf(cmd, sizeof cmd, "python3 tools/trace_gaps.py %s --peer %s 2>&1", pa, pb);
+        cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+        const char *line = strstr(out, "  against ");
+        cr_assert(line, "%s", out);
+        line = strstr(line, ": of the ");
+        cr_assert(line, "%s", out);
+        double r_idle, r_waited, r_both, apart;
+        cr_assert_eq(sscanf(line, ": of the %lf ms idle, %lf ms while the peer's GPU ran kernels (waiting for its "
+                                  "work), %lf ms while it idled too (both waiting); the two step ends are %lf us apart",
+                            &r_idle, &r_waited, &r_both, &apart), 4, "%s", line);
+        cr_expect_float_eq(r_idle, idle / 1e6, 0.006, "idle %.3f against %.3f", r_idle, idle / 1e6);
+        cr_expect_float_eq(r_waited, waited / 1e6, 0.006, "waited %.3f against %.3f", r_waited, waited / 1e6);
+        cr_expect_float_eq(r_both, (idle - waited) / 1e6, 0.011, "both idle %.3f against %.3f", r_both,
+                           (idle - waited) / 1e6);
+        cr_expect(waited > 0 && waited < idle, "the case splits the idle time: %.0f of %.0f ns", waited, idle);
+        cr_expect_float_eq(apart, 7.0, 0.06, "step ends %.2f us apart, expected 7", apart);
+        free(out);
+    }
+    unlink(pa);
+    unlink(pb);
 }
 
 Test(trace_tool, a_timeline_without_two_steps_fails_naming_the_file, .timeout = 30)
