@@ -16,14 +16,20 @@ static void regrow(const struct model *m, void **p, int64_t elems, size_t elem_s
     *p = m->be->alloc((size_t)MT_MAX(elems, 1) * elem_size);
 }
 
+int64_t moe_capacity(int64_t need, int64_t mean)
+{
+    const int64_t base = need > mean ? need : mean;
+    return base + base / 4 + 16;
+}
+
 /* One set of expert-side buffers ([rows, H] in and out, [rows, 2I] gate|up, [rows, I] SwiGLU)
- * grown to hold R rows: exactly with ep = 1 (R is always T·k), with 25% headroom otherwise (the
- * rows a rank receives change every step). gu/act also serve dense layers: [T, 2 Id], [T, Id]. */
+ * grown to hold R rows: exactly with ep = 1 (R is always T·k), else moe_capacity of the mean T·k
+ * (the rows a rank receives change every step). gu/act also serve dense layers: [T, 2 Id], [T, Id]. */
 static void grow_expert_rows(const struct model *m, void **x, void **y, void **gu, void **act,
                              int64_t *cap_rows, int64_t R)
 {
     if (R <= *cap_rows) return;
-    const int64_t H = m->H, I = m->I, cap = !m->pairs ? R : R + R / 4 + 16;
+    const int64_t H = m->H, I = m->I, cap = !m->pairs ? R : moe_capacity(R, (int64_t)m->T * m->K);
     const size_t xs = m->be->x_size;
     regrow(m, x, cap * H, xs);
     regrow(m, y, cap * H, xs);
@@ -121,11 +127,11 @@ void moe_ensure_rows(struct model *m, struct layer_acts *a, int64_t R)
 
 void moe_ensure_pairs(struct model *m, struct layer_acts *a, int64_t P)
 {
-    const int64_t K = m->K;
+    const int64_t K = m->K, mean = (int64_t)m->T * MT_MIN(m->K, m->ep);
     struct moe_route *r = &a->route;
     enum mem_cat was = mem_track_set(MEM_BUFFERS);
     if (P > r->cap_pairs) {
-        int64_t cap = P + P / 4 + 16;
+        int64_t cap = moe_capacity(P, mean);
         regrow(m, (void **)&r->meta_idx, cap * K, sizeof(int32_t));
         regrow(m, (void **)&r->meta_w, cap * K, sizeof(float));
         regrow(m, (void **)&r->exp_slot, cap * K, sizeof(int32_t));
@@ -133,7 +139,7 @@ void moe_ensure_pairs(struct model *m, struct layer_acts *a, int64_t P)
         r->cap_pairs = cap;
     }
     if (P > m->d_cap_pairs) {
-        int64_t cap = P + P / 4 + 16;
+        int64_t cap = moe_capacity(P, mean);
         regrow(m, (void **)&m->d_w_recv, cap * K, sizeof(float));
         m->d_cap_pairs = cap;
     }

@@ -10,6 +10,13 @@ struct expert_wgrad_stash;
 
 /* Expert-side rows: layer buffers for R rows (and the shared backward scratch too). */
 void moe_ensure_rows(struct model *m, struct layer_acts *a, int64_t R);
+/* The capacity a buffer that needs `need` rows (or pairs) is grown to, with ep > 1: 25% over the
+ * larger of the need and the mean a rank receives (T·k rows, T·min(k, ep) pairs), which is what
+ * the memory plan counts. Sized from the mean at the first use, the buffers are not grown again
+ * (a synchronising free and allocation, ~ms each, in the middle of a step) until a rank's rows
+ * pass 1.25x the mean; sized from the first micro-step's need, they grew each time the routing set
+ * a new maximum (EP=2 bench step 4: 82.5 -> 83 GB and idle gaps of 8-12 ms on both GPUs). */
+int64_t moe_capacity(int64_t need, int64_t mean);
 /* Receiver-side pair arrays for P pairs (m->pairs), and unit weights for P·k slots. */
 void moe_ensure_pairs(struct model *m, struct layer_acts *a, int64_t P);
 /* Parks layer a's expert rows of this micro-step (inputs from the layer's activations, output

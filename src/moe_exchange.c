@@ -22,29 +22,33 @@
 static void *W(const struct model *m, enum tensor_role r, int l) { return model_weight(m, tensor_lookup(&m->tt, r, l)); }
 static float *G(const struct model *m, enum tensor_role r, int l) { return model_grad(m, tensor_lookup(&m->tt, r, l)); }
 
-static void *grow(struct model *m, void *p, int64_t *cap, int64_t need, size_t elem)
+/* p grown to hold `need` elements, sized by moe_capacity against `mean` (the same unit) */
+static void *grow(struct model *m, void *p, int64_t *cap, int64_t need, int64_t mean, size_t elem)
 {
     if (need <= *cap) return p;
     if (p) m->be->free(p);
-    *cap = need + need / 4 + 16;
+    *cap = moe_capacity(need, mean);
     enum mem_cat was = mem_track_set(MEM_BUFFERS);
     p = m->be->alloc((size_t)*cap * elem);
     mem_track_set(was);
     return p;
 }
 
+/* the pairs a rank sends or receives on average: each token's to each rank its top-k reach */
+static int64_t mean_pairs(const struct model *m) { return (int64_t)m->T * MT_MIN(m->K, m->ep); }
+
 /* The window the pair rows land in, for P pairs (one per model: a layer's transfers have all
  * finished when it returns) */
 static void *recv_rows(struct model *m, int64_t P)
 {
-    m->x_recv = grow(m, m->x_recv, &m->x_recv_cap, P * m->H, m->be->x_size);
+    m->x_recv = grow(m, m->x_recv, &m->x_recv_cap, P * m->H, mean_pairs(m) * m->H, m->be->x_size);
     return m->x_recv;
 }
 
 /* backward: the routing-weight gradients coming home, n floats */
 static float *recv_w(struct model *m, int64_t n)
 {
-    m->d_w_home = grow(m, m->d_w_home, &m->d_w_home_cap, n, sizeof(float));
+    m->d_w_home = grow(m, m->d_w_home, &m->d_w_home_cap, n, mean_pairs(m) * m->K, sizeof(float));
     return m->d_w_home;
 }
 

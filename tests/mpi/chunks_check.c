@@ -7,7 +7,8 @@
  * dispatch, expert SwiGLU, combine) and its backward on the same routing, inputs and output
  * gradient, twice (two routings, so the plans and buffers are rebuilt). The layer output, the
  * input gradient and the routing-weight gradients must be bit-identical; the experts' weight
- * gradients (summed chunk by chunk, so in another order) within 1e-5 of the largest.
+ * gradients (summed chunk by chunk, so in another order) within 1e-5 of the largest. On the pair
+ * path the expert-row buffers must hold 1.25x the mean rows a rank receives from the start.
  * Each rank has 7 + 4·rank tokens (odd: no chunk count divides them evenly).
  * Cases: spread (2 of 8 experts, hashed), skew (the second half of each rank's tokens all go to
  * the last rank's experts: with 2 chunks every rank's second chunk sends to that rank alone),
@@ -230,6 +231,13 @@ int main(int argc, char **argv)
         run(&chk, c, round, me, K, &b);
         if (corrupt && me == N - 1) b.out[T * HID / 2] = nextafterf(b.out[T * HID / 2], INFINITY);
         if (chunks > 1 && !chk.layers[LAYER].route.chunks) PROBLEM("no chunk plan: the chunked path did not run");
+        /* the expert-row buffers are sized from the mean rows a rank receives (T·k), not from the
+         * first routing's: a rank that got fewer would grow them again (a synchronising free and
+         * allocation) as soon as its rows passed the first count */
+        const int64_t mean = (int64_t)T * K, want_cap = mean + mean / 4 + 16; /* moe_buffers.h */
+        if (chk.pairs && chk.layers[LAYER].cap_rows < want_cap)
+            PROBLEM("round %d: expert-row buffers hold %lld rows, fewer than %lld (1.25x the mean %lld, + 16)", round,
+                    (long long)chk.layers[LAYER].cap_rows, (long long)want_cap, (long long)mean);
         float big = 0;
         for (int64_t i = 0; i < (int64_t)T * HID; i++) big = fmaxf(big, fabsf(a.out[i]));
         if (!(big > 0)) PROBLEM("round %d: the reference output is all zero (the check would prove nothing)", round);
