@@ -9,7 +9,9 @@
 # unevenly the routing loaded the two ranks (`ep load`, docs/scaling.md), profiles an EP=2 step and
 # times the all-to-all (BENCH_A2A=0 skips that micro-benchmark). Where build/tools/libmt_trace.so
 # was built (CUPTI), a traced 4-step run gives the last step's kernel timeline: GPU busy and idle
-# time and the largest kernels (BENCH_TRACE=0 skips it; tools/trace_gaps.py reads the CSV).
+# time and the largest kernels (BENCH_TRACE=0 skips it; tools/trace_gaps.py reads the CSV); with
+# 2+ GPUs a traced EP=2 run gives each rank's idle time, split into the part while the other rank's
+# GPU ran (waiting for its work) and the part both idled (host waits, latencies).
 set -euo pipefail
 BUILD=${1:-build}
 OUT=${BENCH_OUT:-$BUILD/bench}
@@ -142,6 +144,7 @@ fi
 # timestamps, no synchronisation added): how long the last step kept the GPU busy and idle, and
 # its largest kernels. BENCH_TRACE=0 skips it.
 timeline=""
+timeline2=""
 trace_lib="$BUILD/tools/libmt_trace.so"
 if [ "${BENCH_TRACE:-1}" = 0 ]; then
     skipped+=("the kernel timeline (BENCH_TRACE=0)")
@@ -162,6 +165,31 @@ PY
     fi
     gzip -f "$OUT/timeline.csv" 2>/dev/null || true
     echo "  kernel timeline: ${timeline:-unavailable (see $OUT/timeline.txt)}"
+    if [ "$ngpu" -ge 2 ]; then
+        echo "bench: moetrain on 2 GPUs with EP=2, kernel timelines (CUPTI) ..."
+        mpirun --oversubscribe --bind-to none -np 2 -x LD_PRELOAD="$(cd "$(dirname "$trace_lib")" && pwd)/libmt_trace.so" \
+            -x MT_TRACE_OUT="$OUT/timeline_ep2_%r.csv" "$BUILD/moetrain" train "$CONFIG" --set train.steps=4 \
+            --set train.global_batch_size=32 --set parallel.expert_parallel_size=2 "${EXTRA[@]}" \
+            > "$OUT/moetrain_timeline_ep2.log" 2>&1 || true
+        for r in 0 1; do
+            python3 tools/trace_gaps.py "$OUT/timeline_ep2_$r.csv" --top 3 --peer "$OUT/timeline_ep2_$((1 - r)).csv" \
+                > "$OUT/timeline_ep2_$r.txt" 2>&1 || true
+        done
+        timeline2=$(python3 - "$OUT/timeline_ep2_0.txt" "$OUT/timeline_ep2_1.txt" <<'PY'
+import re, sys
+parts = []
+for r, path in enumerate(sys.argv[1:]):
+    text = open(path).read()
+    m = re.search(r"over ([0-9.]+) ms; GPU busy [0-9.]+ ms, idle ([0-9.]+) ms", text)
+    p = re.search(r"of the [0-9.]+ ms idle, ([0-9.]+) ms while the peer's GPU ran kernels .*?, ([0-9.]+) ms while it idled", text)
+    span = f" of {m.group(1)}" if r == 0 else ""
+    parts.append(f"rank {r} idle {m.group(2)} ms{span} ({p.group(1)} while rank {1 - r} ran, {p.group(2)} both idle)")
+print("; ".join(parts))
+PY
+) || timeline2=""
+        gzip -f "$OUT"/timeline_ep2_*.csv 2>/dev/null || true
+        echo "  EP=2 kernel timelines: ${timeline2:-unavailable (see $OUT/timeline_ep2_0.txt)}"
+    fi
 else
     skipped+=("the kernel timeline (no $trace_lib: CUPTI was not found when it was built)")
 fi
@@ -225,6 +253,7 @@ echo "SM clock at the power cap (median, busy samples): moetrain 1 GPU ${clk1:-u
 echo "moetrain 1 GPU time split (profiled step): ${split:-unavailable}" | tee -a "$OUT/summary.txt"
 if [ -n "$split2" ]; then echo "moetrain 2 GPUs EP=2 time split (profiled step): $split2" | tee -a "$OUT/summary.txt"; fi
 if [ -n "$timeline" ]; then echo "moetrain 1 GPU kernel timeline (last of 4 steps): $timeline" | tee -a "$OUT/summary.txt"; fi
+if [ -n "$timeline2" ]; then echo "moetrain 2 GPUs EP=2 kernel timelines (last of 4 steps): $timeline2" | tee -a "$OUT/summary.txt"; fi
 if [ -n "$a2a" ]; then echo "$a2a" | tee -a "$OUT/summary.txt"; fi
 for s in "${skipped[@]}"; do echo "skipped: $s" | tee -a "$OUT/summary.txt"; done
 

@@ -21,6 +21,7 @@
 #define TRACE_GEMM_NS 9000000
 #define TRACE_GAP_NS 250000
 #define TRACE_ADAM_NS 1500000
+#define TRACE_EP_LATE_NS 100000 /* rank 1's GEMM runs this much longer at EP=2 */
 
 static void write_exec(const char *path, const char *text)
 {
@@ -71,12 +72,15 @@ static void stand_ins_n(const char *dir, int tok_s, double mfu, bool fail, int n
              "\\\"loss\\\": ${STANDIN_LOSS:-12.3}$load}\" >> $f\n"
              "done\n"
              "echo '    time: attention 17%% | other 83%%'\n"
-             /* as the preloaded timeline library would: three steps, each a GEMM, a gap and AdamW */
-             "if [ -n \"$MT_TRACE_OUT\" ]; then echo kind,start_ns,end_ns,stream,name > $MT_TRACE_OUT\n"
+             /* as the preloaded timeline library would (%%r: the rank): three steps, each a GEMM, a
+              * gap and AdamW; at EP=2 rank 1's GEMM runs into the gap by TRACE_EP_LATE_NS */
+             "if [ -n \"$MT_TRACE_OUT\" ]; then tf=${MT_TRACE_OUT//%%r/${OMPI_COMM_WORLD_RANK:-0}}; late=0\n"
+             "  [ -n \"$ep\" ] && [ \"${OMPI_COMM_WORLD_RANK:-0}\" = 1 ] && late=%d\n"
+             "  echo kind,start_ns,end_ns,stream,name > $tf\n"
              "  for s in 0 1 2; do b=$((s * 20000000))\n"
-             "    echo K,$b,$((b + %d)),7,gemm_kernel >> $MT_TRACE_OUT\n"
-             "    echo K,$((b + %d)),$((b + %d)),7,adamw_kernel >> $MT_TRACE_OUT; done; fi\n",
-             tok_s, fail ? "exit 3\n" : "", mfu, TRACE_GEMM_NS, TRACE_GEMM_NS + TRACE_GAP_NS,
+             "    echo K,$b,$((b + %d + late)),7,gemm_kernel >> $tf\n"
+             "    echo K,$((b + %d)),$((b + %d)),7,adamw_kernel >> $tf; done; fi\n",
+             tok_s, fail ? "exit 3\n" : "", mfu, TRACE_EP_LATE_NS, TRACE_GEMM_NS, TRACE_GEMM_NS + TRACE_GAP_NS,
              TRACE_GEMM_NS + TRACE_GAP_NS + TRACE_ADAM_NS);
     write_exec(path, text);
 }
@@ -162,6 +166,25 @@ Test(bench_script, two_gpus_compare_ep2_with_one_and_show_ep_load, .timeout = 15
     cr_expect(strstr(out, "EP=2 per GPU: 95.0% of 1 GPU; ep load 1.03-1.04 over the steps"), "%s", out);
     cr_expect(!strstr(out, "skipped: moetrain on 2 GPUs"), "%s", out);
     cr_expect(strstr(out, "skipped: the all-to-all micro-benchmark (BENCH_A2A=0)"), "%s", out);
+    free(out);
+}
+
+/* Two GPUs and the timeline library: each EP=2 rank's idle time split against the other's timeline
+ * (the stand-in's rank 1 runs its GEMM TRACE_EP_LATE_NS into the gap, so rank 0 waits that long
+ * for it and both idle the rest) */
+Test(bench_script, two_gpus_ep2_timelines_split_the_idle_time, .timeout = 150)
+{
+    char *out = NULL;
+    const int rc = run_bench_n(false, 2, true, &out);
+    cr_expect_eq(rc, 0, "bench.sh exited %d:\n%s", rc, out);
+    const double gap = TRACE_GAP_NS / 1e6, late = TRACE_EP_LATE_NS / 1e6;
+    const double span = (TRACE_GEMM_NS + TRACE_GAP_NS + TRACE_ADAM_NS) / 1e6;
+    char want[512];
+    snprintf(want, sizeof want,
+             "moetrain 2 GPUs EP=2 kernel timelines (last of 4 steps): rank 0 idle %.2f ms of %.2f (%.2f while "
+             "rank 1 ran, %.2f both idle); rank 1 idle %.2f ms (0.00 while rank 0 ran, %.2f both idle)",
+             gap, span, late, gap - late, gap - late, gap - late);
+    cr_expect(strstr(out, want), "no '%s':\n%s", want, out);
     free(out);
 }
 
