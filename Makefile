@@ -75,8 +75,11 @@ all: $(BUILD)/moetrain tools
 
 tools: $(TOOL_BINS)
 
+# rebuilt from scratch: `ar r` never drops a member, so a source file split or removed would leave
+# its old object (and its old symbols) in the archive
 $(BUILD)/libmoetrain.a: $(LIB_OBJS) $(CU_OBJS)
 	@mkdir -p $(dir $@)
+	@rm -f $@
 	ar rcs $@ $^
 
 $(BUILD)/moetrain: $(BUILD)/src/main.o $(BUILD)/libmoetrain.a
