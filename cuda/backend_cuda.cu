@@ -80,6 +80,7 @@ template <typename T> static struct backend make_table(double peak)
     b.aux_grad_from_stats = cu_aux_grad_from_stats;
     b.moe_route_plan = cu_moe_route_plan;
     b.moe_pair_plan = cu_moe_pair_plan;
+    b.moe_rows_cap = cu_moe_rows_cap;
     b.gather_f32 = cu_gather_f32;
     b.gather_rows = cu_gather_rows<T>;
     b.gather_rows_backward = cu_gather_rows_backward<T>;

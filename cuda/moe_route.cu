@@ -248,11 +248,12 @@ __global__ void pair_sort_count_kernel(int32_t *topk_idx, float *topk_w, int *co
 __global__ void __launch_bounds__(ROUTE_THREADS)
 pair_rows_kernel(const int32_t *topk_idx, const float *topk_w, const int *counts, const int *chunk_hist,
                  int32_t *pair_tok, int32_t *tok_pair, int32_t *meta_idx, float *meta_w, int32_t *w_map,
-                 int T, int ep, int n_local, int k)
+                 int T, int ep, int n_local, int k, int block)
 {
     __shared__ int warp_tot[ROUTE_THREADS / 32];
     const int d = blockIdx.x;
-    const int base = chunk_base(counts, chunk_hist, d, ep, warp_tot);
+    const int base = block ? d * block + block_sum(chunk_hist + d, (int)blockIdx.y, ep + 1, warp_tot)
+                           : chunk_base(counts, chunk_hist, d, ep, warp_tot);
     const int t = (int)blockIdx.y * ROUTE_THREADS + threadIdx.x;
     int j0 = k, j1 = k;
     if (t < T) {
@@ -282,10 +283,28 @@ pair_rows_kernel(const int32_t *topk_idx, const float *topk_w, const int *counts
     }
 }
 
+/* grid (ep, blocks): the padding after rank d's pairs in its block of the fixed layout; the
+ * first thread adds the bad ids to the deferred error counter */
+__global__ void pair_pad_kernel(const int *counts, int32_t *pair_tok, int32_t *meta_idx, float *meta_w,
+                                int *bad, int ep, int k, int block)
+{
+    const int d = blockIdx.x;
+    if (d == 0 && blockIdx.y == 0 && threadIdx.x == 0 && counts[ep]) atomicAdd(bad, counts[ep]);
+    for (int i = counts[d] + (int)(blockIdx.y * blockDim.x + threadIdx.x); i < block;
+         i += (int)(gridDim.y * blockDim.x)) {
+        const size_t p = (size_t)d * block + i;
+        pair_tok[p] = 0;
+        for (int s = 0; s < k; s++) meta_idx[p * k + s] = MT_NO_EXPERT, meta_w[p * k + s] = 0.0f;
+    }
+}
+
 void cu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int32_t *tok_pair,
                       int32_t *meta_idx, float *meta_w, int32_t *w_map, int64_t *count_host,
-                      int64_t *rows_host, int T, int ep, int n_local, int k)
+                      int64_t *rows_host, int T, int ep, int n_local, int k, int block)
 {
+    MT_CHECK(block == 0 || (block >= T && (int64_t)block * ep * k <= INT32_MAX),
+             "moe_pair_plan: blocks of %d pairs for %d tokens on %d ranks", block, T, ep);
+    MT_CHECK(block > 0 || (count_host && rows_host), "moe_pair_plan: the packed layout returns its counts");
     /* ep <= ROUTE_MAX_E / 2: the count kernel's two histograms fit the default 48 KB of shared memory */
     MT_CHECK(T >= 0 && ep > 0 && ep <= ROUTE_MAX_E / 2 && n_local > 0 && k > 0 && k <= ROUTE_MAX_K,
              "moe_pair_plan: unsupported shape T=%d ep=%d n_local=%d k=%d", T, ep, n_local, k);
@@ -299,16 +318,59 @@ void cu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int32
             topk_idx, topk_w, counts, chunk_hist, counts + ep + 1, T, ep, n_local, k);
         CUDA_LAUNCH_CHECK("moe pair sort/count");
     }
-    const int *h = counts_to_host(counts, 2 * ep + 1);
+    const int *h = count_host ? counts_to_host(counts, 2 * ep + 1) : NULL;
     if (T > 0) {
         pair_rows_kernel<<<rows_grid(ep, T), ROUTE_THREADS, 0, g_cuda.stream>>>(
             topk_idx, topk_w, counts, chunk_hist, pair_tok, tok_pair, meta_idx, meta_w, w_map, T, ep,
-            n_local, k);
+            n_local, k, block);
         CUDA_LAUNCH_CHECK("moe pair rows");
+    }
+    if (block) {
+        pair_pad_kernel<<<dim3((unsigned)ep, (unsigned)MT_MAX(1, MT_MIN(64, block / 1024))), 256, 0, g_cuda.stream>>>(
+            counts, pair_tok, meta_idx, meta_w, cu_deferred_error_counter(), ep, k, block);
+        CUDA_LAUNCH_CHECK("moe pair padding");
+    }
+    if (!h) { /* the fixed layout: nothing to wait for; a bad id stops the run at the next download */
+        cu_deferred_error_fetch("moe_pair_plan: the router chose expert ids outside [0, num_experts)");
+        return;
     }
     CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
     MT_CHECK(h[ep] == 0, "router chose %d expert ids outside [0, %d)", h[ep], ep * n_local);
     for (int d = 0; d < ep; d++) count_host[d] = h[d], rows_host[d] = h[ep + 1 + d];
+}
+
+/* ---------------------------------------------------------------- rows held to a capacity */
+
+/* every thread: slots past the capacity become empty, and rows past the used ones lose their
+ * source; block 0 also records the need and cuts the offsets (the slot pass reads no offset, and
+ * min(off[n_exp], cap) is the same before and after the cut, so nothing races) */
+__global__ void rows_cap_kernel(int64_t *off, int32_t *src_row, int32_t *slot_row, int64_t *need_out,
+                                int n_slots, int n_exp, int64_t cap)
+{
+    const int64_t used = off[n_exp] < cap ? off[n_exp] : cap;
+    for (int64_t r = used + blockIdx.x * blockDim.x + threadIdx.x; r < cap; r += (int64_t)gridDim.x * blockDim.x)
+        src_row[r] = -1;
+    if (blockIdx.x == 0) {
+        const int64_t need = off[n_exp];
+        __syncthreads(); /* every thread of block 0 has read off[n_exp] before one is cut */
+        if (threadIdx.x == 0 && need > 0)
+            atomicMax((unsigned long long *)need_out, (unsigned long long)need);
+        if (threadIdx.x == 0 && need > cap) atomicAdd((unsigned long long *)need_out + 1, 1ull);
+        if (need > cap)
+            for (int e = threadIdx.x; e <= n_exp; e += blockDim.x) off[e] = off[e] < cap ? off[e] : cap;
+    }
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n_slots; i += gridDim.x * blockDim.x)
+        if (slot_row[i] >= cap) slot_row[i] = -1;
+}
+
+void cu_moe_rows_cap(int64_t *off, int32_t *src_row, int32_t *slot_row, int64_t *need, int n_slots, int n_exp,
+                     int64_t cap)
+{
+    MT_CHECK(n_slots >= 0 && n_exp > 0 && cap >= 0, "moe_rows_cap: %d slots, %d experts, capacity %lld",
+             n_slots, n_exp, (long long)cap);
+    const int blocks = MT_MAX(1, MT_MIN((n_slots + 255) / 256, 1024));
+    rows_cap_kernel<<<blocks, 256, 0, g_cuda.stream>>>(off, src_row, slot_row, need, n_slots, n_exp, cap);
+    CUDA_LAUNCH_CHECK("moe_rows_cap");
 }
 
 /* ---------------------------------------------------------------- fp32 gather */

@@ -3,14 +3,20 @@
  * read and its gradients written by one thread, so dgu may alias gu.
  *
  * When I is a multiple of 8 and the pointers are 16-byte aligned each thread takes a chunk of 8
- * pairs (16-byte loads and stores in bf16); otherwise one pair per thread. */
+ * pairs (16-byte loads and stores in bf16); otherwise one pair per thread. With a row bound in
+ * device memory (ops.h) the grid covers R rows and each thread stops at the bound. */
 #include "swiglu.cuh"
 
 enum { SW_BLOCK = 256 };
 
-template <typename T> __global__ void swiglu_fwd_kernel(T *out, const T *gu, int R, int I)
+__device__ __forceinline__ int bounded(int R, const int64_t *rows)
 {
-    const size_t n = (size_t)R * I;
+    return rows && *rows < R ? (int)*rows : R;
+}
+
+template <typename T> __global__ void swiglu_fwd_kernel(T *out, const T *gu, int R, int I, const int64_t *rows)
+{
+    const size_t n = (size_t)bounded(R, rows) * I;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / I, c = i - r * I;
@@ -19,9 +25,9 @@ template <typename T> __global__ void swiglu_fwd_kernel(T *out, const T *gu, int
     }
 }
 
-template <typename T> __global__ void swiglu_bwd_kernel(T *dgu, const T *dout, const T *gu, int R, int I)
+template <typename T> __global__ void swiglu_bwd_kernel(T *dgu, const T *dout, const T *gu, int R, int I, const int64_t *rows)
 {
-    const size_t n = (size_t)R * I;
+    const size_t n = (size_t)bounded(R, rows) * I;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / I, c = i - r * I;
@@ -35,9 +41,9 @@ template <typename T> __global__ void swiglu_bwd_kernel(T *dgu, const T *dout, c
 }
 
 /* the vector kernels: chunk i of nci = I / 8 per row */
-template <typename T> __global__ void swiglu_fwd_vec_kernel(T *out, const T *gu, int R, int I)
+template <typename T> __global__ void swiglu_fwd_vec_kernel(T *out, const T *gu, int R, int I, const int64_t *rows)
 {
-    const size_t nci = (size_t)(I >> 3), n = (size_t)R * nci;
+    const size_t nci = (size_t)(I >> 3), n = (size_t)bounded(R, rows) * nci;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / nci, c = (i - r * nci) * 8;
@@ -52,9 +58,9 @@ template <typename T> __global__ void swiglu_fwd_vec_kernel(T *out, const T *gu,
 }
 
 template <typename T>
-__global__ void swiglu_bwd_vec_kernel(T *dgu, const T *dout, const T *gu, int R, int I)
+__global__ void swiglu_bwd_vec_kernel(T *dgu, const T *dout, const T *gu, int R, int I, const int64_t *rows)
 {
-    const size_t nci = (size_t)(I >> 3), n = (size_t)R * nci;
+    const size_t nci = (size_t)(I >> 3), n = (size_t)bounded(R, rows) * nci;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / nci, c = (i - r * nci) * 8;
@@ -75,39 +81,40 @@ __global__ void swiglu_bwd_vec_kernel(T *dgu, const T *dout, const T *gu, int R,
     }
 }
 
-template <typename T> void cu_swiglu_forward(void *out, const void *gu, int R, int I)
+template <typename T> void cu_swiglu_forward(void *out, const void *gu, int R, int I, const int64_t *rows)
 {
     MT_CHECK(R >= 0 && I >= 0, "swiglu: bad shape R=%d I=%d", R, I);
     if ((size_t)R * I == 0) return;
     if (I % 8 == 0 && aligned16(out) && aligned16(gu)) {
         const size_t n = (size_t)R * (I / 8);
         swiglu_fwd_vec_kernel<T><<<cuda_grid(n, SW_BLOCK), SW_BLOCK, 0, g_cuda.stream>>>(
-            (T *)out, (const T *)gu, R, I);
+            (T *)out, (const T *)gu, R, I, rows);
         CUDA_LAUNCH_CHECK("swiglu forward");
         return;
     }
     swiglu_fwd_kernel<T><<<cuda_grid((size_t)R * I, SW_BLOCK), SW_BLOCK, 0, g_cuda.stream>>>(
-        (T *)out, (const T *)gu, R, I);
+        (T *)out, (const T *)gu, R, I, rows);
     CUDA_LAUNCH_CHECK("swiglu forward");
 }
 
-template <typename T> void cu_swiglu_backward(void *dgu, const void *dout, const void *gu, int R, int I)
+template <typename T> void cu_swiglu_backward(void *dgu, const void *dout, const void *gu, int R, int I,
+                                               const int64_t *rows)
 {
     MT_CHECK(R >= 0 && I >= 0, "swiglu backward: bad shape R=%d I=%d", R, I);
     if ((size_t)R * I == 0) return;
     if (I % 8 == 0 && aligned16(dgu) && aligned16(dout) && aligned16(gu)) {
         const size_t n = (size_t)R * (I / 8);
         swiglu_bwd_vec_kernel<T><<<cuda_grid(n, SW_BLOCK), SW_BLOCK, 0, g_cuda.stream>>>(
-            (T *)dgu, (const T *)dout, (const T *)gu, R, I);
+            (T *)dgu, (const T *)dout, (const T *)gu, R, I, rows);
         CUDA_LAUNCH_CHECK("swiglu backward");
         return;
     }
     swiglu_bwd_kernel<T><<<cuda_grid((size_t)R * I, SW_BLOCK), SW_BLOCK, 0, g_cuda.stream>>>(
-        (T *)dgu, (const T *)dout, (const T *)gu, R, I);
+        (T *)dgu, (const T *)dout, (const T *)gu, R, I, rows);
     CUDA_LAUNCH_CHECK("swiglu backward");
 }
 
-template void cu_swiglu_forward<float>(void *, const void *, int, int);
-template void cu_swiglu_forward<bf16>(void *, const void *, int, int);
-template void cu_swiglu_backward<float>(void *, const void *, const void *, int, int);
-template void cu_swiglu_backward<bf16>(void *, const void *, const void *, int, int);
+template void cu_swiglu_forward<float>(void *, const void *, int, int, const int64_t *);
+template void cu_swiglu_forward<bf16>(void *, const void *, int, int, const int64_t *);
+template void cu_swiglu_backward<float>(void *, const void *, const void *, int, int, const int64_t *);
+template void cu_swiglu_backward<bf16>(void *, const void *, const void *, int, int, const int64_t *);

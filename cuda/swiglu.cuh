@@ -4,7 +4,8 @@
 
 #include "cuda_common.cuh"
 
-template <typename T> void cu_swiglu_forward(void *out, const void *gu, int R, int I);
-template <typename T> void cu_swiglu_backward(void *dgu, const void *dout, const void *gu, int R, int I);
+template <typename T> void cu_swiglu_forward(void *out, const void *gu, int R, int I, const int64_t *rows);
+template <typename T> void cu_swiglu_backward(void *dgu, const void *dout, const void *gu, int R, int I,
+                                               const int64_t *rows);
 
 #endif

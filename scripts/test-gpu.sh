@@ -20,6 +20,8 @@
 #                 TRAIN_BF16_TOL = 1e-2 (measured 1.5e-5 over 5 steps)
 #   train fp32, CPU vs 1 GPU: per-step loss within TRAIN_FP32_TOL = 1e-3 (measured 0 at the 8
 #                 digits the metrics file keeps)
+#   train bf16, 2 GPUs EP=2: the fixed MoE exchange (parallel.moe_fixed_exchange, auto on), with and
+#                 without forced re-runs, against the counted one: identical losses
 #   train bf16 / fp32 with parallel.moe_chunks (MT_MOE_LOOPBACK=1 on 1 GPU; EP=2 on 2): TRAIN_BF16_TOL
 #                 against 1 chunk, TRAIN_FP32_TOL against the CPU (not yet run on a GPU)
 #   train bf16 with parallel.expert_wgrad_pairs (auto: on) vs off on 1 GPU: TRAIN_BF16_TOL; fp32 with
@@ -183,6 +185,24 @@ if [ "$NGPU" -ge 2 ]; then
         --set parallel.expert_parallel_size=2 --set log.metrics="$LOG/train_2gpu_ep2_bf16.jsonl"
     compare_losses "losses 1 GPU vs 2 GPUs EP=2, bf16 (tol $TRAIN_BF16_TOL)" \
         "$LOG/train_2gpu_ep2_bf16.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+    # the run above takes the fixed MoE exchange (auto; no host waits); the counted one, and the
+    # fixed one forced to re-run steps (expert rows held to 0.3x the mean), give the same bits
+    run_step "train bf16, 2 GPUs, EP=2, moe_fixed_exchange=false" "$LOG/train_2gpu_ep2_bf16_counted.log" \
+        $MPIRUN -np 2 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+        --set parallel.expert_parallel_size=2 --set parallel.moe_fixed_exchange=false \
+        --set log.metrics="$LOG/train_2gpu_ep2_bf16_counted.jsonl"
+    compare_losses "losses EP=2 fixed vs counted exchange, bf16 (identical)" \
+        "$LOG/train_2gpu_ep2_bf16.jsonl" "$LOG/train_2gpu_ep2_bf16_counted.jsonl" 0
+    run_step "train bf16, 2 GPUs, EP=2, expert rows outgrown" "$LOG/train_2gpu_ep2_bf16_rerun.log" \
+        $MPIRUN -np 2 -x MT_MOE_ROW_CAPACITY=0.3 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+        --set parallel.expert_parallel_size=2 --set log.metrics="$LOG/train_2gpu_ep2_bf16_rerun.jsonl"
+    if grep -q "running the step again" "$LOG/train_2gpu_ep2_bf16_rerun.log"; then
+        record "EP=2 step re-run when the expert rows outgrow their capacity" PASS
+    else
+        record "EP=2 step re-run when the expert rows outgrow their capacity" "FAIL (no re-run in train_2gpu_ep2_bf16_rerun.log)"
+    fi
+    compare_losses "losses EP=2 re-run steps vs counted exchange, bf16 (identical)" \
+        "$LOG/train_2gpu_ep2_bf16_rerun.jsonl" "$LOG/train_2gpu_ep2_bf16_counted.jsonl" 0
     # on a GPU with room the auto FSDP settings keep every layer gathered and reduce once a step:
     # the memory-lean path (per-micro-step reduce-scatter left in flight on the side stream,
     # layers gathered per use) by hand

@@ -63,6 +63,7 @@ void config_defaults(struct config *c)
     c->parallel.prefetch = true;
     c->parallel.reduce_grads = MT_REDUCE_AUTO;
     c->parallel.moe_chunks = 1;
+    c->parallel.moe_fixed_exchange = MT_TRI_AUTO;
     c->parallel.backend = MT_BACKEND_AUTO;
 
     struct train_config *t = &c->train;

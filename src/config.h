@@ -77,6 +77,8 @@ struct parallel_config {
     bool prefetch;                /* gather the next layer while this one computes (FSDP) */
     enum mt_reduce_grads reduce_grads; /* micro_step | step | auto (FSDP) */
     int moe_chunks;               /* MoE exchange in this many chunks overlapping the expert GEMMs */
+    enum mt_tri moe_fixed_exchange; /* MoE exchange without host waits (model.h fixed_exchange);
+                                     * auto: on with ep > 1, moe_chunks 1 and no pipeline */
     enum mt_tri expert_wgrad_pairs; /* two micro-steps' expert weight gradients in one GEMM (model.h
                                      * struct expert_wgrad_stash); auto: on a GPU where it fits */
     int wgrad_pair_layers;        /* not a key: with expert_wgrad_pairs true, how many of each stage's

@@ -92,6 +92,7 @@ const struct cfg_key cfg_keys[] = {
     BOOL("parallel", "prefetch", parallel.prefetch),
     ENUM("parallel", "reduce_grads", parallel.reduce_grads, reduce_grads_names),
     INT("parallel", "moe_chunks", parallel.moe_chunks, POS),
+    TRI("parallel", "moe_fixed_exchange", parallel.moe_fixed_exchange),
     TRI("parallel", "expert_wgrad_pairs", parallel.expert_wgrad_pairs),
     INT("parallel", "expert_wgrad_group", parallel.expert_wgrad_group, CFG_LO | CFG_HI, 0, 4),
 

@@ -94,6 +94,14 @@ bool cfg_validate(struct loader *L)
            "expert_wgrad_pairs", "parallel", "moe_chunks",
            "parallel.expert_wgrad_pairs: true needs parallel.moe_chunks: 1 (the chunked exchange runs "
            "its own expert backward)");
+    CHECK2(c->parallel.moe_fixed_exchange != MT_TRI_TRUE || c->parallel.moe_chunks == 1, "parallel",
+           "moe_fixed_exchange", "parallel", "moe_chunks",
+           "parallel.moe_fixed_exchange: true needs parallel.moe_chunks: 1 (the chunked exchange sizes "
+           "its transfers from the counts)");
+    CHECK2(c->parallel.moe_fixed_exchange != MT_TRI_TRUE || c->parallel.pipeline_parallel_size == 1, "parallel",
+           "moe_fixed_exchange", "parallel", "pipeline_parallel_size",
+           "parallel.moe_fixed_exchange: true needs parallel.pipeline_parallel_size: 1 (a pipelined "
+           "step cannot be run again when an MoE layer outgrows its rows)");
     CHECK2(c->parallel.expert_wgrad_group != 1, "parallel", "expert_wgrad_group", "parallel",
            "expert_wgrad_group",
            "parallel.expert_wgrad_group is 2, 3 or 4 micro-steps, or 0 (auto); to never group set "

@@ -11,6 +11,8 @@ extern "C" {
 #endif
 
 bool mt_env_flag(const char *name);
+/* A positive number from the environment; unset or empty: fallback; anything else a user error. */
+double mt_env_positive(const char *name, double fallback);
 
 #ifdef __cplusplus
 }

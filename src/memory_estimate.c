@@ -132,8 +132,14 @@ static double scratch_bytes(const struct config *c, bool last)
     double b = T * (H + 3 * wide + (Hq + 2 * Hkv) * D) * act_b;
     b += T * (2 * (double)m->intermediate_size + m->intermediate_size) * act_b;
     if (E > 0) {
-        const double headroom = ep > 1 ? 1.25 : 1.0, pairs = T * (k < ep ? k : ep);
-        b += T * E * act_b + T * k * 4 + headroom * T * k * (2 * H + 3 * I) * act_b;
+        /* the fixed exchange (model.h fixed_exchange) sends every rank a block of T pairs */
+        const bool fixed = c->parallel.moe_fixed_exchange != MT_TRI_FALSE && c->parallel.moe_chunks == 1 &&
+                           c->parallel.pipeline_parallel_size == 1;
+        const double headroom = ep > 1 ? 1.25 : 1.0, pairs = T * (k < ep && !fixed ? k : ep);
+        /* the fixed exchange's pair sums need ep·T rows of the expert-side scratch where that is more
+         * (its gu and act are as wide as the rows it holds) */
+        const double exp_rows = fixed && ep > 1 && ep > headroom * k ? T * ep : headroom * T * k;
+        b += T * E * act_b + T * k * 4 + exp_rows * (2 * H + 3 * I) * act_b;
         if (ep > 1) b += pairs * (H * act_b + 8 * k) + 1.25 * pairs * H * act_b + pairs * 1.25 * k * 4;
         /* parallel.moe_chunks > 1 (moe_exchange.c) receives into its own window instead of the
          * inbox (the same size) and adds one for the routing-weight gradients coming home */

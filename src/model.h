@@ -24,7 +24,8 @@ struct moe_route {
     int64_t *recv_counts;    /* host [ep]: pairs received from each EP rank */
     int64_t P_send, P_recv;  /* pairs sent and received */
     int64_t R_exp;           /* expert-side rows, expert_off[n_local]: T·k without pairs (the
-                              * router fills every slot), with them the count exchange's sum */
+                              * router fills every slot), with them the count exchange's sum; in
+                              * the fixed exchange the capacity rows_cap (>= expert_off[n_local]) */
     /* sender side, ep > 1 */
     int32_t *pair_tok;       /* dev [T * min(k, ep)]: token of each sent pair (rank, token order) */
     int32_t *tok_pair;       /* dev [T, k]: pair of choice j's rank at its first choice, else -1 */
@@ -147,6 +148,16 @@ struct model {
      * run through the same exchange with itself, to time it on one device) */
     bool pairs;
     int moe_chunks;             /* parallel.moe_chunks: > 1 = the overlapped exchange, moe_exchange.c */
+    /* The one-chunk exchange without host waits (model_enable_fixed_exchange, parallel.
+     * moe_fixed_exchange): while rows_by_capacity is set (the caller arms it around the forwards
+     * whose overflow it checks), each rank sends every rank a block of T pairs, padding included,
+     * and each layer's expert-side rows are held to its rows_cap, so that the host never reads a
+     * count back; rows_need (dev [L, 2], ops.h moe_rows_cap) keeps the most rows each layer needed
+     * and how many of its plans were cut. Off: the pair counts come to the host and cross over MPI
+     * (one wait a layer). */
+    bool fixed_exchange, rows_by_capacity;
+    int64_t *rows_cap;          /* host [L]: expert-side rows layer l may use (its buffers hold at least this) */
+    int64_t *rows_need;         /* dev [L, 2] */
 
     /* tensor i's working weight (compute dtype; for an expert tensor the local experts
      * [n_local, d1, d2]) and fp32 gradient; NULL while unbound or not on this stage */
@@ -257,6 +268,19 @@ void model_set_hooks(struct model *m, const struct model_unit_hooks *h);
  * and nothing else, so that it need not be zeroed if marked fresh; if so, marks the layer fresh
  * and returns true. work_numel: the unit's working elements. */
 bool model_skip_expert_grad_zeroing(struct model *m, int unit, int64_t work_numel);
+/* The fixed exchange (fixed_exchange above): grows the sender-side pair buffers to ep blocks of T
+ * and sets every layer's rows_cap to 25% over the mean rows a rank receives (T·k), or `fraction` of
+ * the mean when > 0 (MT_MOE_ROW_CAPACITY, a testing switch that forces re-run steps). Needs pairs
+ * and moe_chunks 1. */
+void model_enable_fixed_exchange(struct model *m, double fraction);
+/* After an armed step's forwards (one download): need[l] (host [L]) = the rows layer l needed where
+ * one of its route plans was cut, else 0; rows_need is zeroed again. Returns whether any was cut. */
+bool model_fixed_exchange_overflow(struct model *m, int64_t *need);
+/* For the step's re-run: every layer gets room for 25% over the largest need[l]. Not each layer its
+ * own: the bench's fresh router (2x H200, 2026-11-28) then made other layers outgrow 1.25x the mean
+ * in 3 of the next 5 steps, each a re-run (EP=2 at 72% of one GPU instead of 96%). */
+void model_fixed_exchange_grow(struct model *m, const int64_t *need);
+
 /* parallel.expert_wgrad_pairs (struct expert_wgrad_stash): enable makes the stage's first n_layers
  * MoE layers pair (stash records; their buffers grow at first use; needs moe_chunks 1); pending: a
  * stash still holds a micro-step whose expert weight gradients are not in dw (an error at a step's

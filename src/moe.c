@@ -30,6 +30,13 @@
 static void *W(const struct model *m, enum tensor_role r, int l) { return model_weight(m, tensor_lookup(&m->tt, r, l)); }
 static float *G(const struct model *m, enum tensor_role r, int l) { return model_grad(m, tensor_lookup(&m->tt, r, l)); }
 
+/* the expert-side rows a layer uses, in backend memory (its route plan's last offset): R_exp
+ * itself, but for the fixed exchange's plans, whose R_exp is the buffers' capacity */
+static const int64_t *used_rows(const struct model *m, const struct moe_route *r)
+{
+    return r->expert_off + m->n_local_experts;
+}
+
 /* row counts per rank -> element counts, for rows of `width` elements */
 static void scale_counts(const struct model *m, int64_t *in, int64_t *out, const int64_t *counts_in,
                          const int64_t *counts_out, int64_t width)
@@ -105,9 +112,11 @@ static void exchange_meta(struct model *m, struct moe_route *r)
 
 /* Builds the dispatch plan of layer l from the router's top-k (see the file comment). Without
  * pairs the host waits for nothing: the expert offsets stay in backend memory for the expert
- * GEMMs, and the rows are T·k. With pairs the counts cross ranks on the host anyway, and the
- * received rows come down with the offsets (one wait). */
-static void route_plan(struct model *m, struct layer_acts *a)
+ * GEMMs, and the rows are T·k. With pairs and the fixed exchange (model.h) it waits for nothing
+ * either: blocks of T pairs a rank and rows_cap expert rows (R_exp is then the capacity, the plan's
+ * last offset the rows used). Otherwise the pair counts come to the host and cross ranks over MPI
+ * with each rank's expert rows (one wait). */
+static void route_plan(struct model *m, struct layer_acts *a, int l)
 {
     const struct backend *be = m->be;
     struct moe_route *r = &a->route;
@@ -118,10 +127,27 @@ static void route_plan(struct model *m, struct layer_acts *a)
         be->moe_route_plan(a->topk_idx, a->topk_w, r->exp_src, r->exp_slot, r->expert_off, T, E, K);
         r->send_counts[0] = r->recv_counts[0] = r->P_send = r->P_recv = T;
         r->R_exp = (int64_t)T * K;
+    } else if (m->rows_by_capacity) {
+        /* blocks of T pairs (padding included) and rows_cap expert rows: every size the host
+         * needs is known, so it reads nothing back (model.h fixed_exchange) */
+        be->moe_pair_plan(a->topk_idx, a->topk_w, r->pair_tok, r->tok_pair, m->meta_idx_send,
+                          m->meta_w_send, r->w_map, NULL, NULL, T, ep, nl, K, T);
+        for (int s = 0; s < ep; s++) r->send_counts[s] = r->recv_counts[s] = T;
+        r->P_send = r->P_recv = (int64_t)ep * T;
+        moe_ensure_pairs(m, a, r->P_recv);
+        exchange_meta(m, r);
+        be->moe_route_plan(r->meta_idx, r->meta_w, r->exp_src, r->exp_slot, r->expert_off,
+                           (int)r->P_recv, nl, K);
+        r->R_exp = m->rows_cap[l];
+        be->moe_rows_cap(r->expert_off, r->exp_src, r->exp_slot, m->rows_need + 2 * l, (int)(r->P_recv * K), nl,
+                         r->R_exp);
+        /* the pair sums (combine_rows, dispatch_rows_backward_send) take P_recv rows of the
+         * expert-side scratch, more than the capacity where ep > 1.25 k */
+        moe_ensure_scratch_rows(m, r->P_recv);
     } else {
         int64_t send_rows[ep];
         be->moe_pair_plan(a->topk_idx, a->topk_w, r->pair_tok, r->tok_pair, m->meta_idx_send,
-                          m->meta_w_send, r->w_map, r->send_counts, send_rows, T, ep, nl, K);
+                          m->meta_w_send, r->w_map, r->send_counts, send_rows, T, ep, nl, K, 0);
         r->R_exp = moe_exchange_counts(m, r->recv_counts, r->send_counts, send_rows);
         r->P_send = r->P_recv = 0;
         for (int s = 0; s < ep; s++) {
@@ -163,7 +189,7 @@ static void dense_mlp_forward(struct model *m, struct layer_acts *a, int l, void
     const struct backend *be = m->be;
     const int T = m->T, H = m->H, Id = m->Id;
     be->matmul_forward(a->gu, a->m, W(m, TR_MLP_GATE_UP, l), T, H, 2 * Id);
-    be->swiglu_forward(a->act, a->gu, T, Id);
+    be->swiglu_forward(a->act, a->gu, T, Id, NULL);
     be->matmul_forward_residual(out, a->act, W(m, TR_MLP_DOWN, l), resid, T, Id, H);
 }
 
@@ -173,7 +199,7 @@ static void dense_mlp_backward(struct model *m, struct layer_acts *a, int l)
     const int T = m->T, H = m->H, Id = m->Id;
     be->matmul_backward(m->d_act, G(m, TR_MLP_DOWN, l), m->d_h, a->act, W(m, TR_MLP_DOWN, l), T, Id,
                         H, false);
-    be->swiglu_backward(m->d_gu, m->d_act, a->gu, T, Id);
+    be->swiglu_backward(m->d_gu, m->d_act, a->gu, T, Id, NULL);
     be->matmul_backward(m->d_t1, G(m, TR_MLP_GATE_UP, l), m->d_gu, a->m, W(m, TR_MLP_GATE_UP, l), T,
                         H, 2 * Id, false);
 }
@@ -277,11 +303,11 @@ static void experts_forward(struct model *m, struct layer_acts *a, int l, void *
         moe_exchange_forward(m, a, l, out, resid);
         return;
     }
-    route_plan(m, a);
+    route_plan(m, a, l);
     dispatch_rows(m, a);
     be->expert_matmul_forward(a->gu, a->x_exp, W(m, TR_EXP_GATE_UP, l), r->expert_off, r->R_exp, nl,
                               H, 2 * I);
-    be->swiglu_forward(a->act, a->gu, (int)r->R_exp, I);
+    be->swiglu_forward(a->act, a->gu, (int)r->R_exp, I, used_rows(m, r));
     be->expert_matmul_forward(a->y_exp, a->act, W(m, TR_EXP_DOWN, l), r->expert_off, r->R_exp, nl, I,
                               H);
     combine_rows(m, a, out, resid);
@@ -320,7 +346,7 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
         sets[s->pending] = (struct expert_rows){m->d_y_exp, a->act, r->expert_off, R};
         be->expert_matmul_wgrad_sets(dw_down, sets, n_sets, nl, I, H, fresh);
     }
-    be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)R, I);
+    be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)R, I, used_rows(m, r));
     be->expert_matmul_backward(m->d_x_exp, now ? dw_gu : NULL, m->d_gu, a->x_exp,
                                W(m, TR_EXP_GATE_UP, l), r->expert_off, R, nl, H, 2 * I, fresh);
     /* parking swaps d_y_exp out before the send half reuses it; the grouped gate_up weight
@@ -427,7 +453,7 @@ int64_t moe_dispatch_for_test(struct model *m, int l, const int32_t *topk_idx_ho
     be->upload(a->topk_idx, topk_idx_host, tk * sizeof(int32_t));
     be->upload(a->topk_w, topk_w_host, tk * sizeof(float));
     copy_in(m, a->m, x, m->T);
-    route_plan(m, a);
+    route_plan(m, a, l);
     dispatch_rows(m, a);
     return a->route.R_exp;
 }

@@ -116,13 +116,78 @@ bool model_expert_wgrad_pending(const struct model *m)
     return false;
 }
 
+void moe_ensure_scratch_rows(struct model *m, int64_t R)
+{
+    enum mem_cat was = mem_track_set(MEM_BUFFERS);
+    grow_expert_rows(m, &m->d_x_exp, &m->d_y_exp, &m->d_gu, &m->d_act, &m->d_cap_rows, R);
+    mem_track_set(was);
+}
+
 void moe_ensure_rows(struct model *m, struct layer_acts *a, int64_t R)
 {
     enum mem_cat was = mem_track_set(MEM_ACTS);
     grow_expert_rows(m, &a->x_exp, &a->y_exp, &a->gu, &a->act, &a->cap_rows, R);
-    mem_track_set(MEM_BUFFERS);
-    grow_expert_rows(m, &m->d_x_exp, &m->d_y_exp, &m->d_gu, &m->d_act, &m->d_cap_rows, R);
     mem_track_set(was);
+    moe_ensure_scratch_rows(m, R);
+}
+
+/* ---- the fixed exchange (model.h fixed_exchange) */
+
+static void regrow_pair_tok(struct model *m, struct layer_acts *a, int64_t P)
+{
+    if (a->route.pair_tok) regrow(m, (void **)&a->route.pair_tok, P, sizeof(int32_t));
+}
+
+void model_enable_fixed_exchange(struct model *m, double fraction)
+{
+    MT_CHECK(m->pairs && m->moe_chunks == 1, "the fixed MoE exchange needs expert parallelism and moe_chunks 1");
+    const int64_t T = m->T, K = m->K, mean = T * K, P = T * m->ep;
+    if (m->ep > K) { /* the packed layout's T·min(k, ep) pairs are fewer than the blocks */
+        enum mem_cat was = mem_track_set(MEM_BUFFERS);
+        regrow(m, &m->d_x_send, P * m->H, m->be->x_size);
+        regrow(m, (void **)&m->meta_idx_send, P * K, sizeof(int32_t));
+        regrow(m, (void **)&m->meta_w_send, P * K, sizeof(float));
+        mem_track_set(MEM_ACTS);
+        for (int k = 0; k < m->st.n_slots; k++)
+            for (int l = m->st.layer0; l < m->st.layer1; l++) regrow_pair_tok(m, &m->slots[k].layers[l], P);
+        regrow_pair_tok(m, &m->shared, P);
+        mem_track_set(was);
+    }
+    const size_t bytes = (size_t)MT_MAX(m->L, 1) * 2 * sizeof(int64_t);
+    if (!m->rows_need) {
+        enum mem_cat was = mem_track_set(MEM_BUFFERS);
+        m->rows_need = m->be->alloc(bytes);
+        mem_track_set(was);
+        m->be->zero(m->rows_need, bytes);
+        m->rows_cap = mt_calloc((size_t)MT_MAX(m->L, 1), sizeof *m->rows_cap);
+    }
+    int64_t cap = fraction > 0 ? (int64_t)(fraction * (double)mean) : moe_capacity(0, mean);
+    cap = MT_MIN(cap, P * K); /* no plan makes more: every pair's k slots */
+    for (int l = 0; l < m->L; l++) m->rows_cap[l] = cap;
+    m->fixed_exchange = true;
+}
+
+bool model_fixed_exchange_overflow(struct model *m, int64_t *need)
+{
+    const size_t bytes = (size_t)MT_MAX(m->L, 1) * 2 * sizeof(int64_t);
+    int64_t *got = mt_malloc(bytes);
+    m->be->download(got, m->rows_need, bytes);
+    m->be->zero(m->rows_need, bytes);
+    bool cut = false;
+    for (int l = 0; l < m->L; l++) {
+        need[l] = got[2 * l + 1] > 0 ? got[2 * l] : 0;
+        cut |= need[l] > 0;
+    }
+    free(got);
+    return cut;
+}
+
+void model_fixed_exchange_grow(struct model *m, const int64_t *need)
+{
+    int64_t top = 0;
+    for (int l = 0; l < m->L; l++) top = MT_MAX(top, need[l]);
+    const int64_t cap = MT_MIN(top + top / 4 + 16, (int64_t)m->ep * m->T * m->K);
+    for (int l = 0; l < m->L; l++) m->rows_cap[l] = MT_MAX(m->rows_cap[l], cap);
 }
 
 void moe_ensure_pairs(struct model *m, struct layer_acts *a, int64_t P)
@@ -136,6 +201,8 @@ void moe_ensure_pairs(struct model *m, struct layer_acts *a, int64_t P)
         regrow(m, (void **)&r->meta_w, cap * K, sizeof(float));
         regrow(m, (void **)&r->exp_slot, cap * K, sizeof(int32_t));
         regrow(m, (void **)&r->exp_src, cap * K, sizeof(int32_t));
+        /* the fixed exchange gathers rows up to its capacity, past the plan's: from pair 0 */
+        m->be->zero(r->exp_src, (size_t)cap * K * sizeof(int32_t));
         r->cap_pairs = cap;
     }
     if (P > m->d_cap_pairs) {

@@ -10,6 +10,8 @@ struct expert_wgrad_stash;
 
 /* Expert-side rows: layer buffers for R rows (and the shared backward scratch too). */
 void moe_ensure_rows(struct model *m, struct layer_acts *a, int64_t R);
+/* The shared backward scratch alone (d_x_exp ...) for R rows. */
+void moe_ensure_scratch_rows(struct model *m, int64_t R);
 /* The capacity a buffer that needs `need` rows (or pairs) is grown to, with ep > 1: 25% over the
  * larger of the need and the mean a rank receives (T·k rows, T·min(k, ep) pairs), which is what
  * the memory plan counts. Sized from the mean at the first use, the buffers are not grown again

@@ -122,7 +122,7 @@ static void plan(struct model *m, struct layer_acts *a)
             int64_t send_rows[ep];
             be->moe_pair_plan(a->topk_idx + tk, a->topk_w + tk, r->pair_tok + pair0, r->tok_pair + tk,
                               m->meta_idx_send + pair0 * K, m->meta_w_send + pair0 * K, r->w_map + tk,
-                              x->send_counts, send_rows, x->T, ep, nl, K);
+                              x->send_counts, send_rows, x->T, ep, nl, K, 0);
             x->R = moe_exchange_counts(m, x->recv_counts, x->send_counts, send_rows);
             x->P_send = x->P_recv = 0;
             for (int s = 0; s < ep; s++) {
@@ -165,7 +165,7 @@ static void experts_forward(struct model *m, struct layer_acts *a, int l, const 
     moe_timeline_mark("gemms", x - a->route.chunks, 0);
     be->expert_matmul_forward(ROW(m, a->gu, x->row0, 2 * I), ROW(m, a->x_exp, x->row0, H),
                               W(m, TR_EXP_GATE_UP, l), x->expert_off, x->R, nl, H, 2 * I);
-    be->swiglu_forward(ROW(m, a->act, x->row0, I), ROW(m, a->gu, x->row0, 2 * I), (int)x->R, I);
+    be->swiglu_forward(ROW(m, a->act, x->row0, I), ROW(m, a->gu, x->row0, 2 * I), (int)x->R, I, NULL);
     be->expert_matmul_forward(ROW(m, a->y_exp, x->row0, H), ROW(m, a->act, x->row0, I),
                               W(m, TR_EXP_DOWN, l), x->expert_off, x->R, nl, I, H);
     moe_timeline_mark("gemms", x - a->route.chunks, 1);
@@ -182,7 +182,7 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l, const
                                ROW(m, m->d_y_exp, x->row0, H), ROW(m, a->act, x->row0, I),
                                W(m, TR_EXP_DOWN, l), x->expert_off, x->R, nl, I, H, fresh);
     be->swiglu_backward(ROW(m, m->d_gu, x->row0, 2 * I), ROW(m, m->d_act, x->row0, I),
-                        ROW(m, a->gu, x->row0, 2 * I), (int)x->R, I);
+                        ROW(m, a->gu, x->row0, 2 * I), (int)x->R, I, NULL);
     be->expert_matmul_backward(ROW(m, m->d_x_exp, x->row0, H), G(m, TR_EXP_GATE_UP, l),
                                ROW(m, m->d_gu, x->row0, 2 * I), ROW(m, a->x_exp, x->row0, H),
                                W(m, TR_EXP_GATE_UP, l), x->expert_off, x->R, nl, H, 2 * I, fresh);

@@ -223,17 +223,32 @@ struct backend {
      *   count_host[d] (HOST [ep]) = pairs for rank d, rows_host[d] (HOST [ep]) = the choices on
      *   rank d's experts (the expert rows its pairs make there, so that the receiver knows its
      *   row count without reading its route plan back); waits. An id outside [0, ep·n_local) is
-     *   fatal. */
+     *   fatal.
+     * block > 0 (>= T; the exchange without host waits, model.h rows_by_capacity): rank d's pairs
+     * start at pair d·block instead, and the rest of its block is padding (pair_tok 0, meta
+     * MT_NO_EXPERT / 0), so that every block has a size the host knows; count_host and rows_host
+     * may be NULL, and then the call does not wait (a bad id is raised by the next download or
+     * sync, as moe_route_plan's). */
     void (*moe_pair_plan)(int32_t *topk_idx /*[T,k]*/, float *topk_w /*[T,k]*/,
-                          int32_t *pair_tok /*[<= T*min(k,ep)]*/, int32_t *tok_pair /*[T,k]*/,
+                          int32_t *pair_tok /*[<= T*min(k,ep), or ep*block]*/, int32_t *tok_pair /*[T,k]*/,
                           int32_t *meta_idx /*[P,k]*/, float *meta_w /*[P,k]*/,
-                          int32_t *w_map /*[T,k]*/, int64_t *count_host /*[ep]*/,
-                          int64_t *rows_host /*[ep]*/, int T, int ep, int n_local, int k);
+                          int32_t *w_map /*[T,k]*/, int64_t *count_host /*[ep] or NULL*/,
+                          int64_t *rows_host /*[ep] or NULL*/, int T, int ep, int n_local, int k, int block);
+    /* The expert-side rows of a route plan held to a capacity (the exchange without host waits,
+     * where the buffers are sized before the routing is known): need[0] = max(need[0],
+     * off[n_exp]); if off[n_exp] > cap, need[1] += 1 and the plan is cut so that no kernel
+     * leaves the buffers: off[e] = min(off[e], cap) and every slot_row >= cap becomes -1. The rows
+     * past the used ones, src_row[min(off[n_exp], cap) .. cap), become -1 (gather_rows skips them). The
+     * caller reads `need` with the step's metrics and runs the step again with room for need[0]
+     * (a cut plan's results are never used). Does not wait. */
+    void (*moe_rows_cap)(int64_t *off /*[n_exp+1]*/, int32_t *src_row /*[>= cap]*/, int32_t *slot_row /*[n_slots]*/,
+                         int64_t *need /*[2]*/, int n_slots, int n_exp, int64_t cap);
     /* out[i] = in[idx[i]] for i < n, fp32 values (index bookkeeping of routing weights) */
     void (*gather_f32)(float *out, const float *in, const int32_t *idx, int n);
 
-    /* Row gather: out[r] = in[idx[r]] for r < R. Backward: din[idx[r]] += dout[r] (din must be
-     * zeroed or hold a value to add to; rows are added in ascending r). */
+    /* Row gather: out[r] = in[idx[r]] for r < R; a row whose idx is negative is left as it is (the
+     * rows past a capacity plan's used ones, moe_rows_cap). Backward: din[idx[r]] += dout[r] (din
+     * must be zeroed or hold a value to add to; rows are added in ascending r). */
     void (*gather_rows)(void *out /*[R,H]*/, const void *in /*[*,H]*/, const int32_t *idx /*[R]*/,
                         int R, int H);
     void (*gather_rows_backward)(void *din /*[*,H]*/, const void *dout /*[R,H]*/,
@@ -274,10 +289,13 @@ struct backend {
     void (*expert_matmul_wgrad_sets)(float *dw /*[n_exp,O,I]*/, const struct expert_rows *sets,
                                      int n_sets, int n_exp, int I, int O, bool dw_overwrite);
 
-    /* SwiGLU on fused [gate | up] rows: out = silu(g) * u. */
-    void (*swiglu_forward)(void *out /*[R,I]*/, const void *gu /*[R,2I]*/, int R, int I);
+    /* SwiGLU on fused [gate | up] rows: out = silu(g) * u. rows (backend memory, or NULL): only
+     * the first min(R, *rows) rows, the others left as they are (a route plan's off[n_exp] where
+     * the buffers hold a capacity of R rows: the fixed MoE exchange). */
+    void (*swiglu_forward)(void *out /*[R,I]*/, const void *gu /*[R,2I]*/, int R, int I,
+                           const int64_t *rows);
     void (*swiglu_backward)(void *dgu /*[R,2I]*/, const void *dout /*[R,I]*/, const void *gu,
-                            int R, int I);
+                            int R, int I, const int64_t *rows);
 
     /* Cross-entropy on fp32-upcast logits. targets[t] == MT_IGNORE_INDEX gives loss 0 and grad 0.
      * forward: lse[t] = logsumexp(z[t]) (0 for ignored rows), losses[t] = lse[t] - z[t, target].

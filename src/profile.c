@@ -148,8 +148,10 @@ W(moe_route_plan, PROF_MOE_ROWS, E,
   (ti, tw, sr, sl, off, T, E, k))
 W(moe_pair_plan, PROF_MOE_ROWS, ep,
   (int32_t *ti, float *tw, int32_t *pt, int32_t *tp, int32_t *mi, float *mw, int32_t *wm,
-   int64_t *c, int64_t *rc, int T, int ep, int nl, int k),
-  (ti, tw, pt, tp, mi, mw, wm, c, rc, T, ep, nl, k))
+   int64_t *c, int64_t *rc, int T, int ep, int nl, int k, int blk),
+  (ti, tw, pt, tp, mi, mw, wm, c, rc, T, ep, nl, k, blk))
+W(moe_rows_cap, PROF_MOE_ROWS, E,
+  (int64_t *off, int32_t *sr, int32_t *sl, int64_t *nm, int n, int E, int64_t cap), (off, sr, sl, nm, n, E, cap))
 W(gather_f32, PROF_MOE_ROWS, 0, (float *o, const float *i, const int32_t *idx, int n), (o, i, idx, n))
 W(gather_rows, PROF_MOE_ROWS, R, (void *o, const void *i, const int32_t *idx, int R, int H),
   (o, i, idx, R, H))
@@ -172,9 +174,9 @@ W(expert_matmul_backward, PROF_EXPERT_GEMM, O,
 W(expert_matmul_wgrad_sets, PROF_EXPERT_GEMM, O,
   (float *dw, const struct expert_rows *sets, int ns, int n, int I, int O, bool ow),
   (dw, sets, ns, n, I, O, ow))
-W(swiglu_forward, PROF_OTHER, I, (void *o, const void *gu, int R, int I), (o, gu, R, I))
-W(swiglu_backward, PROF_OTHER, I, (void *d, const void *o, const void *gu, int R, int I),
-  (d, o, gu, R, I))
+W(swiglu_forward, PROF_OTHER, I, (void *o, const void *gu, int R, int I, const int64_t *n), (o, gu, R, I, n))
+W(swiglu_backward, PROF_OTHER, I, (void *d, const void *o, const void *gu, int R, int I, const int64_t *n),
+  (d, o, gu, R, I, n))
 W(cross_entropy_forward, PROF_OTHER, V,
   (float *l, float *lse, const void *z, const int32_t *t, int N, int V), (l, lse, z, t, N, V))
 W(cross_entropy_backward, PROF_OTHER, V,
@@ -219,7 +221,7 @@ const struct backend *profile_wrap(const struct backend *be)
     SET(attention_forward);
     SET(attention_backward); SET(router_forward); SET(router_backward); SET(router_gather_weights);
     SET(router_stats); SET(aux_grad_from_stats);
-    SET(moe_route_plan); SET(moe_pair_plan); SET(gather_f32); SET(gather_rows); SET(gather_rows_backward); SET(moe_combine_forward);
+    SET(moe_route_plan); SET(moe_pair_plan); SET(moe_rows_cap); SET(gather_f32); SET(gather_rows); SET(gather_rows_backward); SET(moe_combine_forward);
     SET(moe_combine_backward); SET(expert_matmul_forward); SET(expert_matmul_backward); SET(expert_matmul_wgrad_sets);
     SET(swiglu_forward); SET(swiglu_backward); SET(cross_entropy_forward);
     SET(cross_entropy_backward); SET(cross_entropy_fused); SET(adamw_update); SET(adamw_update_m16);

@@ -224,7 +224,11 @@ int cmd_train(const struct cli *a)
     }
     no_decay_apply(&m.tt, tc->no_decay_modules);
     m.moe_chunks = c.parallel.moe_chunks;
+    /* the MoE exchange without host waits: its steps may have to run again (below) */
+    const bool fixed_exchange = c.parallel.moe_fixed_exchange != MT_TRI_FALSE && m.pairs && m.moe_chunks == 1 && !piped;
+    if (fixed_exchange) model_enable_fixed_exchange(&m, mt_env_positive("MT_MOE_ROW_CAPACITY", 0));
     const int E = m.E, L = m.L;
+    int64_t *rows_need = mt_calloc((size_t)MT_MAX(L, 1), sizeof(int64_t)); /* host [L] */
     if (tc->load_balance == MT_LB_BIAS && E > 0) {
         m.bias = be->alloc((size_t)L * E * sizeof(float));
         be->zero(m.bias, (size_t)L * E * sizeof(float));
@@ -314,13 +318,15 @@ int cmd_train(const struct cli *a)
     for (int step = start_step + 1; step <= tc->steps; step++) {
         double t0 = mt_now();
         double split[PROF_COUNT];
+        watchdog_phase(step, "data");
+        step_batch_load(&sb, data, step - 1, stage_h);
+        int reruns = 0;
+    run_step: /* again, on the same batch, when an MoE layer outgrew its rows (fixed_exchange) */
         profile_reset();
         params_zero_grad(&p);
         double ce_local = 0, aux_sum = 0;
         int64_t valid_local = 0;
         memset(layer_counts, 0, (size_t)L * MT_MAX(E, 1) * sizeof(double));
-        watchdog_phase(step, "data");
-        step_batch_load(&sb, data, step - 1, stage_h);
         const int64_t n_valid_global = sb.n_valid_global;
         /* global_batch scope: one aux over the whole step, its gradient fixed before any backward */
         const double aux_step = aux_global ? aux_global_prepass(&m, &prepass, step, coef, aux_dp) : 0;
@@ -329,6 +335,7 @@ int cmd_train(const struct cli *a)
             pipe_train_step(&pt, step, &sb);
             pipe_train_results(&pt, &ce_local, &valid_local, &aux_sum, layer_counts);
         }
+        m.rows_by_capacity = fixed_exchange;
         for (int micro = 0; micro < n_micro && !piped; micro++) {
             watchdog_phase(step, "forward");
             route_replay_load(&m, 0, data_first_seq(step - 1, micro, n_micro, mesh.me.local, dp, mb));
@@ -372,6 +379,27 @@ int cmd_train(const struct cli *a)
                 if (E > 0)
                     add_router_stats(step_stats_router(&ss, micro), &c.model, tokens_micro_global, &aux_sum, cnt,
                                      layer_counts);
+            }
+        }
+        m.rows_by_capacity = false;
+        if (fixed_exchange) {
+            /* every rank runs the step again, or none: each layer's largest need over the job */
+            model_fixed_exchange_overflow(&m, rows_need);
+            MT_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, rows_need, L, MPI_INT64_T, MPI_MAX, mesh.world_comm));
+            int n_cut = 0, worst = 0;
+            for (int l = 0; l < L; l++) {
+                n_cut += rows_need[l] > 0;
+                if (rows_need[l] > rows_need[worst]) worst = l;
+            }
+            if (n_cut > 0) {
+                fsdp_flush(&sharding);
+                MT_CHECK(++reruns <= 8, "step %d: MoE layers still need more expert rows after %d runs", step,
+                         reruns - 1);
+                mt_warn0("step %d: %d MoE layer(s) needed more expert rows than their buffers hold (layer %d: %lld, "
+                         "held %lld); running the step again with room for them in every layer\n", step, n_cut, worst,
+                         (long long)rows_need[worst], (long long)m.rows_cap[worst]);
+                model_fixed_exchange_grow(&m, rows_need);
+                goto run_step;
             }
         }
         watchdog_phase(step, "gradient norm");
@@ -472,7 +500,7 @@ int cmd_train(const struct cli *a)
     metrics_close(&ml);
     step_batch_free(&sb); validation_close(val);
     free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv); free(ep_lmax);
-    free(tok); free(bias_h);
+    free(tok); free(bias_h); free(rows_need);
     if (piped) pipe_train_free(&pt);
     comm_free(pp); comm_free(ends); comm_free(pp_h);
     fsdp_free(&sharding);

@@ -53,6 +53,9 @@ void train_print_startup(const struct config *c, const struct mesh *mesh, const 
         printf("  experts     weight gradients of %s (parallel.expert_wgrad_pairs%s%s)\n", what,
                ng ? ", expert_wgrad_group" : "", fits ? "; what fits" : "");
     }
+    if (m->fixed_exchange)
+        printf("  exchange    MoE pairs in blocks of %d tokens a rank, expert rows held to %lld a layer: no host "
+               "waits (a step that needs more runs again; parallel.moe_fixed_exchange)\n", m->T, (long long)m->rows_cap[m->st.layer0]);
     if (m->o_wgrad_dout)
         printf("  overlap     o_proj and q_proj weight gradients deferred under the next MoE layer's backward "
                "exchanges, all micro-steps but the last (MT_NO_DEFERRED_WGRAD=1: off)\n");

@@ -238,8 +238,8 @@ static void run_op(int op)
     case OP_RMS_BWD_K:
         be->rmsnorm_backward(x_k3, dw_d, x_k2, x_k, x_wd, rstd_k, T * HKV, D, false);
         break;
-    case OP_SWIGLU_FWD: be->swiglu_forward(x_act, x_gu, R, I); break;
-    case OP_SWIGLU_BWD: be->swiglu_backward(x_gu2, x_act, x_gu, R, I); break;
+    case OP_SWIGLU_FWD: be->swiglu_forward(x_act, x_gu, R, I, NULL); break;
+    case OP_SWIGLU_BWD: be->swiglu_backward(x_gu2, x_act, x_gu, R, I, NULL); break;
     case OP_GATHER: be->gather_rows(x_rh, x_th, src_row, R, H); break;
     case OP_GATHER_BWD: be->gather_rows_backward(x_th3, x_rh, src_row, R, H); break;
     case OP_COMBINE_FWD: be->moe_combine_forward(x_th3, x_rh, slot_row, cw, NULL, T, K, H); break;

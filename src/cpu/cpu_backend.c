@@ -180,13 +180,13 @@ static void b_expert_matmul_wgrad_sets(float *dw, const struct expert_rows *sets
         cpu_expert_matmul_backward(NULL, dw, sets[s].dout, sets[s].in, NULL, sets[s].off, n_exp, I, O);
 }
 
-static void b_swiglu_forward(void *out, const void *gu, int R, int I)
+static void b_swiglu_forward(void *out, const void *gu, int R, int I, const int64_t *rows)
 {
-    cpu_swiglu_forward(out, gu, R, I);
+    cpu_swiglu_forward(out, gu, rows && *rows < R ? (int)*rows : R, I);
 }
-static void b_swiglu_backward(void *dgu, const void *dout, const void *gu, int R, int I)
+static void b_swiglu_backward(void *dgu, const void *dout, const void *gu, int R, int I, const int64_t *rows)
 {
-    cpu_swiglu_backward(dgu, dout, gu, R, I);
+    cpu_swiglu_backward(dgu, dout, gu, rows && *rows < R ? (int)*rows : R, I);
 }
 
 static void b_cross_entropy_forward(float *losses, float *lse, const void *logits,
@@ -262,6 +262,7 @@ static const struct backend cpu_backend = {
     .aux_grad_from_stats = cpu_aux_grad_from_stats,
     .moe_route_plan = cpu_moe_route_plan,
     .moe_pair_plan = cpu_moe_pair_plan,
+    .moe_rows_cap = cpu_moe_rows_cap,
     .gather_f32 = cpu_gather_f32,
     .gather_rows = b_gather_rows,
     .gather_rows_backward = b_gather_rows_backward,

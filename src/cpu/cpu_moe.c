@@ -52,12 +52,12 @@ void cpu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int3
 }
 
 void cpu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int32_t *tok_pair,
-                       int32_t *meta_idx, float *meta_w, int32_t *w_map, int64_t *count,
-                       int64_t *rows, int T, int ep, int n_local, int k)
+                       int32_t *meta_idx, float *meta_w, int32_t *w_map, int64_t *count_host,
+                       int64_t *rows_host, int T, int ep, int n_local, int k, int block)
 {
     const int E = ep * n_local;
-    memset(count, 0, (size_t)ep * sizeof *count);
-    memset(rows, 0, (size_t)ep * sizeof *rows);
+    MT_CHECK(block == 0 || block >= T, "moe_pair_plan: blocks of %d pairs for %d tokens", block, T);
+    int64_t *count = mt_calloc((size_t)ep, sizeof *count), *rows = mt_calloc((size_t)ep, sizeof *rows);
     for (int t = 0; t < T; t++) {
         int32_t *idx = topk_idx + (size_t)t * k;
         sort_choices(idx, topk_w + (size_t)t * k, k);
@@ -68,7 +68,12 @@ void cpu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int3
         }
     }
     int64_t *fill = mt_malloc((size_t)ep * sizeof *fill);
-    for (int d = 0, o = 0; d < ep; o += (int)count[d], d++) fill[d] = o;
+    for (int d = 0, o = 0; d < ep; o += (int)count[d], d++) fill[d] = block ? (int64_t)d * block : o;
+    for (int d = 0; d < ep && block; d++) /* padding: no experts, token 0 */
+        for (int64_t p = (int64_t)d * block + count[d]; p < (int64_t)(d + 1) * block; p++) {
+            pair_tok[p] = 0;
+            for (int s = 0; s < k; s++) meta_idx[p * k + s] = MT_NO_EXPERT, meta_w[p * k + s] = 0.0f;
+        }
     for (int t = 0; t < T; t++) {
         const int32_t *idx = topk_idx + (size_t)t * k;
         const float *w = topk_w + (size_t)t * k;
@@ -88,7 +93,21 @@ void cpu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int3
             }
         }
     }
-    free(fill);
+    if (count_host) memcpy(count_host, count, (size_t)ep * sizeof *count);
+    if (rows_host) memcpy(rows_host, rows, (size_t)ep * sizeof *rows);
+    free(fill), free(count), free(rows);
+}
+
+void cpu_moe_rows_cap(int64_t *off, int32_t *src_row, int32_t *slot_row, int64_t *need, int n_slots,
+                      int n_exp, int64_t cap)
+{
+    if (off[n_exp] > need[0]) need[0] = off[n_exp];
+    for (int64_t r = MT_MIN(off[n_exp], cap); r < cap; r++) src_row[r] = -1;
+    if (off[n_exp] <= cap) return;
+    need[1]++;
+    for (int e = 0; e <= n_exp; e++) off[e] = MT_MIN(off[e], cap);
+    for (int i = 0; i < n_slots; i++)
+        if (slot_row[i] >= cap) slot_row[i] = -1;
 }
 
 void cpu_gather_f32(float *out, const float *in, const int32_t *idx, int n)
@@ -101,10 +120,8 @@ void cpu_gather_f32(float *out, const float *in, const int32_t *idx, int n)
 
 void cpu_gather_rows(float *out, const float *in, const int32_t *idx, int R, int H)
 {
-    for (int r = 0; r < R; r++) {
-        MT_CHECK(idx[r] >= 0, "gather_rows: negative index %d at row %d", (int)idx[r], r);
-        memcpy(out + (size_t)r * H, in + (size_t)idx[r] * H, (size_t)H * sizeof(float));
-    }
+    for (int r = 0; r < R; r++)
+        if (idx[r] >= 0) memcpy(out + (size_t)r * H, in + (size_t)idx[r] * H, (size_t)H * sizeof(float));
 }
 
 void cpu_gather_rows_backward(float *din, const float *dout, const int32_t *idx, int R, int H)

@@ -86,7 +86,9 @@ void cpu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int3
                         int64_t *off /*[E+1]*/, int T, int E, int k);
 void cpu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int32_t *tok_pair,
                        int32_t *meta_idx, float *meta_w, int32_t *w_map, int64_t *count,
-                       int64_t *rows, int T, int ep, int n_local, int k);
+                       int64_t *rows, int T, int ep, int n_local, int k, int block);
+void cpu_moe_rows_cap(int64_t *off, int32_t *src_row, int32_t *slot_row, int64_t *need, int n_slots,
+                      int n_exp, int64_t cap);
 void cpu_gather_f32(float *out, const float *in, const int32_t *idx, int n);
 void cpu_gather_rows(float *out, const float *in, const int32_t *idx, int R, int H);
 void cpu_gather_rows_backward(float *din, const float *dout, const int32_t *idx, int R, int H);

@@ -525,7 +525,7 @@ Test(cpu_ops, pair_plan_and_route_plan_follow_their_definition)
     float w[T * K], mw[T * K * K];
     int64_t cnt[EP], rows_for[EP];
     plan_routing(&rng, idx, w, T, EP * NL, K);
-    cpu_moe_pair_plan(idx, w, pt, tp, mi, mw, wm, cnt, rows_for, T, EP, NL, K);
+    cpu_moe_pair_plan(idx, w, pt, tp, mi, mw, wm, cnt, rows_for, T, EP, NL, K, 0);
     int64_t P = 0, want[EP] = {0}, want_rows[EP] = {0};
     for (int t = 0; t < T; t++) {
         bool uses[EP] = {false};
@@ -589,4 +589,85 @@ Test(cpu_ops, pair_plan_and_route_plan_follow_their_definition)
     int64_t promised = 0;
     for (int d = 0; d < EP; d++) promised += rows_for[d];
     cr_expect_eq(promised, off[NL]);
+}
+
+/* The fixed exchange's layout (block > 0): rank d's pairs are the packed plan's, moved to start at
+ * d·block, the rest of each block padding (token 0, no experts); the token-side maps point at the
+ * moved pairs; the counts are the packed plan's when asked for and may be left out. */
+Test(cpu_ops, pair_plan_in_blocks_is_the_packed_plan_moved)
+{
+    enum { T = 257, EP = 3, NL = 5, K = 4, BLK = T + 3 };
+    mt_rng rng;
+    mt_rng_seed(&rng, 77);
+    int32_t idx[T * K], idx2[T * K], pt[T * K], tp[T * K], wm[T * K], mi[T * K * K];
+    float w[T * K], w2[T * K], mw[T * K * K];
+    int32_t bpt[EP * BLK], btp[T * K], bwm[T * K], bmi[EP * BLK * K];
+    float bmw[EP * BLK * K];
+    int64_t cnt[EP], rows_for[EP], bcnt[EP], brows[EP];
+    plan_routing(&rng, idx, w, T, EP * NL, K);
+    memcpy(idx2, idx, sizeof idx);
+    memcpy(w2, w, sizeof w);
+    cpu_moe_pair_plan(idx, w, pt, tp, mi, mw, wm, cnt, rows_for, T, EP, NL, K, 0);
+    for (size_t i = 0; i < EP * BLK; i++) bpt[i] = -7; /* padding must be written */
+    cpu_moe_pair_plan(idx2, w2, bpt, btp, bmi, bmw, bwm, bcnt, brows, T, EP, NL, K, BLK);
+    cr_expect(!memcmp(idx, idx2, sizeof idx) && !memcmp(w, w2, sizeof w), "the sorted routing differs");
+    cr_expect(!memcmp(cnt, bcnt, sizeof cnt) && !memcmp(rows_for, brows, sizeof cnt), "the counts differ");
+    int64_t first[EP];
+    for (int d = 0, o = 0; d < EP; o += (int)cnt[d], d++) first[d] = o;
+    for (int d = 0; d < EP; d++)
+        for (int64_t i = 0; i < BLK; i++) {
+            const int64_t b = d * BLK + i, p = first[d] + i;
+            const bool real = i < cnt[d];
+            cr_expect_eq(bpt[b], real ? pt[p] : 0, "rank %d pair %lld: token", d, (long long)i);
+            for (int s = 0; s < K; s++) {
+                cr_expect_eq(bmi[b * K + s], real ? mi[p * K + s] : MT_NO_EXPERT, "rank %d pair %lld slot %d", d,
+                             (long long)i, s);
+                cr_expect_eq(bmw[b * K + s], real ? mw[p * K + s] : 0.0f);
+            }
+        }
+    for (int i = 0; i < T * K; i++) { /* token side: the same pair and slot, in its block */
+        const int d = idx[i] / NL;
+        const int64_t moved = wm[i] / K - first[d] + (int64_t)d * BLK;
+        cr_expect_eq(bwm[i], moved * K + wm[i] % K, "choice %d: w_map", i);
+        cr_expect_eq(btp[i], tp[i] < 0 ? -1 : (int32_t)moved, "choice %d: tok_pair", i);
+    }
+    /* without the host counts: the same plan */
+    int32_t cpt[EP * BLK], cmi[EP * BLK * K];
+    memcpy(idx2, idx, sizeof idx);
+    cpu_moe_pair_plan(idx2, w2, cpt, btp, cmi, bmw, bwm, NULL, NULL, T, EP, NL, K, BLK);
+    cr_expect(!memcmp(cpt, bpt, sizeof cpt) && !memcmp(cmi, bmi, sizeof cmi), "the plan without counts differs");
+}
+
+/* moe_rows_cap: a plan within the capacity is left alone but for the sources of the rows past
+ * its used ones (the need still recorded); one past it is cut to the capacity, its slots past it
+ * emptied, and counted */
+Test(cpu_ops, rows_cap_records_the_need_and_cuts_past_the_capacity)
+{
+    int64_t off[4] = {0, 3, 3, 7};
+    int32_t slot[6] = {0, 6, -1, 2, 5, 3}, src[9] = {4, 4, 4, 4, 4, 4, 4, 4, 4};
+    int64_t need[2] = {0, 0};
+    cpu_moe_rows_cap(off, src, slot, need, 6, 3, 9);
+    cr_expect(off[1] == 3 && off[3] == 7 && slot[1] == 6 && slot[4] == 5, "a plan within the capacity changed");
+    cr_expect(src[6] == 4 && src[7] == -1 && src[8] == -1, "rows 7 and 8 are past the used ones");
+    cr_expect(need[0] == 7 && need[1] == 0, "need %lld, cut %lld", (long long)need[0], (long long)need[1]);
+    cpu_moe_rows_cap(off, src, slot, need, 6, 3, 4);
+    const int64_t want_off[4] = {0, 3, 3, 4};
+    const int32_t want_slot[6] = {0, -1, -1, 2, -1, 3};
+    cr_expect(!memcmp(off, want_off, sizeof off), "offsets %lld %lld %lld %lld", (long long)off[0],
+              (long long)off[1], (long long)off[2], (long long)off[3]);
+    cr_expect(!memcmp(slot, want_slot, sizeof slot), "slots past the capacity must be emptied");
+    cr_expect(need[0] == 7 && need[1] == 1, "need %lld, cut %lld", (long long)need[0], (long long)need[1]);
+    int64_t off2[4] = {0, 5, 9, 9};
+    cpu_moe_rows_cap(off2, src, slot, need, 6, 3, 4);
+    cr_expect(need[0] == 9 && need[1] == 2, "the largest need and every cut plan count");
+}
+
+/* gather_rows leaves a row whose index is negative as it is */
+Test(cpu_ops, gather_rows_skips_negative_indices)
+{
+    float in[6] = {1, 2, 3, 4, 5, 6}, out[6] = {-1, -1, -1, -1, -1, -1};
+    const int32_t idx[3] = {2, -1, 0};
+    cpu_gather_rows(out, in, idx, 3, 2);
+    const float want[6] = {5, 6, -1, -1, 1, 2};
+    cr_expect(!memcmp(out, want, sizeof want), "%g %g %g %g %g %g", out[0], out[1], out[2], out[3], out[4], out[5]);
 }

@@ -114,25 +114,67 @@ Test(gpu, swiglu)
         void *d_gu = dx_from(&M, gu, n2), *d_dout = dx_from(&M, dout, n);
 
         void *d_out = dx_poisoned(&M, n);
-        M.g->swiglu_forward(d_out, d_gu, R, I);
+        M.g->swiglu_forward(d_out, d_gu, R, I, NULL);
         float *out = hx_of(&M, d_out, n), *ref = fnew(n);
-        M.c->swiglu_forward(ref, gu, R, I);
+        M.c->swiglu_forward(ref, gu, R, I, NULL);
         check_close(&M, "swiglu forward", out, ref, n, M.tol);
 
         void *d_dgu = dx_poisoned(&M, n2);
-        M.g->swiglu_backward(d_dgu, d_dout, d_gu, R, I);
+        M.g->swiglu_backward(d_dgu, d_dout, d_gu, R, I, NULL);
         float *dgu = hx_of(&M, d_dgu, n2), *dgu_ref = fnew(n2);
-        M.c->swiglu_backward(dgu_ref, dout, gu, R, I);
+        M.c->swiglu_backward(dgu_ref, dout, gu, R, I, NULL);
         check_close(&M, "swiglu backward", dgu, dgu_ref, n2, M.tol);
 
         /* dgu may alias gu */
-        M.g->swiglu_backward(d_gu, d_dout, d_gu, R, I);
+        M.g->swiglu_backward(d_gu, d_dout, d_gu, R, I, NULL);
         float *alias = hx_of(&M, d_gu, n2);
         check_exact(&M, "swiglu backward in place", alias, dgu, n2 * sizeof(float));
 
         M.g->free(d_gu), M.g->free(d_dout), M.g->free(d_out), M.g->free(d_dgu);
         free(gu), free(dout), free(out), free(ref), free(dgu), free(dgu_ref), free(alias);
     }
+}
+
+/* A row bound in device memory (the fixed MoE exchange's off[n_exp]): the first `used` rows as the
+ * CPU's over those rows, the rest of the R rows untouched (still the NaN poison), forward and
+ * backward, on the vector (I 384) and the scalar (I 100) kernels. */
+Test(gpu, swiglu_row_bound)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 131);
+    enum { R = 300, USED = 211 };
+    const int64_t used = USED;
+    const int widths[2] = {384, 100};
+    for (int i = 0; i < 2; i++)
+        for (int w = 0; w < 2; w++) {
+            struct mode M;
+            mode_get(i, &M);
+            const int I = widths[w];
+            const size_t n = (size_t)R * I, n2 = 2 * n, nu = (size_t)USED * I;
+            float *gu = hrand(&rng, n2, 2.0), *dout = hrand(&rng, n, 1.0);
+            void *d_gu = dx_from(&M, gu, n2), *d_dout = dx_from(&M, dout, n);
+            int64_t *d_used = M.g->alloc(sizeof used);
+            M.g->upload(d_used, &used, sizeof used);
+            void *d_out = dx_poisoned(&M, n), *d_dgu = dx_poisoned(&M, n2);
+            float *poison_out = hx_of(&M, d_out, n), *poison_dgu = hx_of(&M, d_dgu, n2);
+            M.g->swiglu_forward(d_out, d_gu, R, I, d_used);
+            M.g->swiglu_backward(d_dgu, d_dout, d_gu, R, I, d_used);
+            float *out = hx_of(&M, d_out, n), *dgu = hx_of(&M, d_dgu, n2);
+            float *ref = fnew(n), *dgu_ref = fnew(n2);
+            M.c->swiglu_forward(ref, gu, R, I, &used);
+            M.c->swiglu_backward(dgu_ref, dout, gu, R, I, &used);
+            char what[64];
+            snprintf(what, sizeof what, "bounded swiglu forward I%d", I);
+            check_close(&M, what, out, ref, nu, M.tol);
+            snprintf(what, sizeof what, "bounded swiglu backward I%d", I);
+            check_close(&M, what, dgu, dgu_ref, 2 * nu, M.tol);
+            snprintf(what, sizeof what, "rows past the bound, forward I%d", I);
+            check_exact(&M, what, out + nu, poison_out + nu, (n - nu) * sizeof(float));
+            snprintf(what, sizeof what, "rows past the bound, backward I%d", I);
+            check_exact(&M, what, dgu + 2 * nu, poison_dgu + 2 * nu, (n2 - 2 * nu) * sizeof(float));
+            M.g->free(d_gu), M.g->free(d_dout), M.g->free(d_out), M.g->free(d_dgu), M.g->free(d_used);
+            free(gu), free(dout), free(out), free(dgu), free(ref), free(dgu_ref), free(poison_out), free(poison_dgu);
+        }
 }
 
 /* I not a multiple of 8 (scalar kernels), and small multiples of 8 with odd row counts */
@@ -143,15 +185,15 @@ static void swiglu_case(const struct mode *M, mt_rng *rng, int R, int I)
     float *gu = hrand(rng, n2, 2.0), *dout = hrand(rng, n, 1.0);
     void *d_gu = dx_from(M, gu, n2), *d_dout = dx_from(M, dout, n);
     void *d_out = dx_poisoned(M, n);
-    M->g->swiglu_forward(d_out, d_gu, R, I);
+    M->g->swiglu_forward(d_out, d_gu, R, I, NULL);
     float *out = hx_of(M, d_out, n), *ref = fnew(n);
-    M->c->swiglu_forward(ref, gu, R, I);
+    M->c->swiglu_forward(ref, gu, R, I, NULL);
     snprintf(what, sizeof what, "swiglu forward R%d I%d", R, I);
     check_close(M, what, out, ref, n, M->tol);
     void *d_dgu = dx_poisoned(M, n2);
-    M->g->swiglu_backward(d_dgu, d_dout, d_gu, R, I);
+    M->g->swiglu_backward(d_dgu, d_dout, d_gu, R, I, NULL);
     float *dgu = hx_of(M, d_dgu, n2), *dgu_ref = fnew(n2);
-    M->c->swiglu_backward(dgu_ref, dout, gu, R, I);
+    M->c->swiglu_backward(dgu_ref, dout, gu, R, I, NULL);
     snprintf(what, sizeof what, "swiglu backward R%d I%d", R, I);
     check_close(M, what, dgu, dgu_ref, n2, M->tol);
     M->g->free(d_gu), M->g->free(d_dout), M->g->free(d_out), M->g->free(d_dgu);

@@ -117,13 +117,13 @@ static void pair_case(const struct backend *g, mt_rng *rng, int T, int ep, int n
     float *c_mw = mt_malloc(pk * 4);
     int64_t *c_cnt = mt_malloc((size_t)ep * 8), *g_cnt = mt_malloc((size_t)ep * 8);
     int64_t *c_rows = mt_malloc((size_t)ep * 8), *g_rows = mt_malloc((size_t)ep * 8);
-    c->moe_pair_plan(c_idx, c_w, c_pt, c_tp, c_mi, c_mw, c_wm, c_cnt, c_rows, T, ep, nl, k);
+    c->moe_pair_plan(c_idx, c_w, c_pt, c_tp, c_mi, c_mw, c_wm, c_cnt, c_rows, T, ep, nl, k, 0);
     int32_t *d_idx = g->alloc(tk * 4), *d_pt = g->alloc(P * 4), *d_tp = g->alloc(tk * 4);
     int32_t *d_mi = g->alloc(pk * 4), *d_wm = g->alloc(tk * 4);
     float *d_w = g->alloc(tk * 4), *d_mw = g->alloc(pk * 4);
     g->upload(d_idx, idx, tk * 4);
     g->upload(d_w, w, tk * 4);
-    g->moe_pair_plan(d_idx, d_w, d_pt, d_tp, d_mi, d_mw, d_wm, g_cnt, g_rows, T, ep, nl, k);
+    g->moe_pair_plan(d_idx, d_w, d_pt, d_tp, d_mi, d_mw, d_wm, g_cnt, g_rows, T, ep, nl, k, 0);
     int64_t pairs = 0;
     for (int d = 0; d < ep; d++) pairs += c_cnt[d];
     cr_expect(!memcmp(g_cnt, c_cnt, (size_t)ep * 8), "T=%d ep=%d: pair counts differ", T, ep);
@@ -179,6 +179,95 @@ Test(gpu, moe_pair_plan)
     pair_case(g, &rng, 4097, 8, 16, 8); /* EP=8, partial last chunk */
     pair_case(g, &rng, 300, 4, 2, 8);   /* k = E: every rank, several experts each */
     pair_case(g, &rng, 77, 16, 8, 3);   /* more ranks than choices */
+}
+
+/* The fixed exchange's block layout (block > 0, no host counts) and moe_rows_cap: the GPU's plan
+ * equals the CPU's, padding included, on fresh random routings; then the receiver's route plan over
+ * the blocks, held to a capacity below its rows, is cut the same way on both. */
+static void block_case(const struct backend *g, mt_rng *rng, int T, int ep, int nl, int k, int blk)
+{
+    const struct backend *c = backend_cpu();
+    const size_t tk = (size_t)T * k, P = (size_t)ep * blk, pk = P * k;
+    int32_t *idx = mt_malloc(tk * 4), *c_idx = mt_malloc(tk * 4);
+    float *w = mt_malloc(tk * 4), *c_w = mt_malloc(tk * 4);
+    random_routing(rng, idx, w, T, ep * nl, k, false);
+    memcpy(c_idx, idx, tk * 4);
+    memcpy(c_w, w, tk * 4);
+    int32_t *c_pt = mt_malloc(P * 4), *c_tp = mt_malloc(tk * 4), *c_mi = mt_malloc(pk * 4), *c_wm = mt_malloc(tk * 4);
+    float *c_mw = mt_malloc(pk * 4);
+    c->moe_pair_plan(c_idx, c_w, c_pt, c_tp, c_mi, c_mw, c_wm, NULL, NULL, T, ep, nl, k, blk);
+    int32_t *d_idx = g->alloc(tk * 4), *d_pt = g->alloc(P * 4), *d_tp = g->alloc(tk * 4);
+    int32_t *d_mi = g->alloc(pk * 4), *d_wm = g->alloc(tk * 4);
+    float *d_w = g->alloc(tk * 4), *d_mw = g->alloc(pk * 4);
+    g->upload(d_idx, idx, tk * 4);
+    g->upload(d_w, w, tk * 4);
+    int32_t *junk = mt_malloc(pk * 4);
+    for (size_t i = 0; i < pk; i++) junk[i] = 12345; /* the padding must be written, not left */
+    g->upload(d_pt, junk, P * 4);
+    g->upload(d_mi, junk, pk * 4);
+    g->moe_pair_plan(d_idx, d_w, d_pt, d_tp, d_mi, d_mw, d_wm, NULL, NULL, T, ep, nl, k, blk);
+    int32_t *h = mt_malloc(pk * 4);
+    float *hf = mt_malloc(pk * 4);
+    g->download(h, d_pt, P * 4);
+    cr_expect(!memcmp(h, c_pt, P * 4), "T=%d ep=%d block %d: pair_tok differs", T, ep, blk);
+    g->download(h, d_mi, pk * 4);
+    cr_expect(!memcmp(h, c_mi, pk * 4), "T=%d ep=%d block %d: meta ids differ", T, ep, blk);
+    g->download(hf, d_mw, pk * 4);
+    cr_expect(!memcmp(hf, c_mw, pk * 4), "T=%d ep=%d block %d: meta weights differ", T, ep, blk);
+    g->download(h, d_tp, tk * 4);
+    cr_expect(!memcmp(h, c_tp, tk * 4), "T=%d ep=%d block %d: tok_pair differs", T, ep, blk);
+    g->download(h, d_wm, tk * 4);
+    cr_expect(!memcmp(h, c_wm, tk * 4), "T=%d ep=%d block %d: w_map differs", T, ep, blk);
+
+    /* receiver: every block as one rank's arrivals, its plan held to 90% of its rows */
+    int32_t *c_src = mt_malloc(pk * 4), *c_slot = mt_malloc(pk * 4), *d_src = g->alloc(pk * 4), *d_slot = g->alloc(pk * 4);
+    int64_t *c_off = mt_malloc(((size_t)nl + 1) * 8), *d_off = g->alloc(((size_t)nl + 1) * 8);
+    int64_t c_need[2] = {5, 0}, *d_need = g->alloc(16), g_need[2];
+    g->upload(d_need, c_need, 16);
+    c->moe_route_plan(c_mi, c_mw, c_src, c_slot, c_off, (int)P, nl, k);
+    g->moe_route_plan(d_mi, d_mw, d_src, d_slot, d_off, (int)P, nl, k);
+    const int64_t rows = c_off[nl], cap = rows * 9 / 10;
+    c->moe_rows_cap(c_off, c_src, c_slot, c_need, (int)pk, nl, cap);
+    g->moe_rows_cap(d_off, d_src, d_slot, d_need, (int)pk, nl, cap);
+    int64_t *g_off = mt_malloc(((size_t)nl + 1) * 8);
+    g->download(g_off, d_off, ((size_t)nl + 1) * 8);
+    g->download(g_need, d_need, 16);
+    cr_expect(!memcmp(g_off, c_off, ((size_t)nl + 1) * 8), "T=%d ep=%d: cut offsets differ", T, ep);
+    cr_expect_eq(c_off[nl], cap);
+    cr_expect(g_need[0] == rows && g_need[1] == 1 && c_need[0] == rows && c_need[1] == 1,
+              "need: GPU %lld/%lld, CPU %lld/%lld, rows %lld", (long long)g_need[0], (long long)g_need[1],
+              (long long)c_need[0], (long long)c_need[1], (long long)rows);
+    g->download(h, d_slot, pk * 4);
+    cr_expect(!memcmp(h, c_slot, pk * 4), "T=%d ep=%d: cut slots differ", T, ep);
+    g->download(h, d_src, (size_t)cap * 4);
+    cr_expect(!memcmp(h, c_src, (size_t)cap * 4), "T=%d ep=%d: the kept rows' sources differ", T, ep);
+    /* within the capacity nothing changes but the sources past the used rows */
+    g->moe_rows_cap(d_off, d_src, d_slot, d_need, (int)pk, nl, rows);
+    c->moe_rows_cap(c_off, c_src, c_slot, c_need, (int)pk, nl, rows);
+    g->download(g_off, d_off, ((size_t)nl + 1) * 8);
+    g->download(g_need, d_need, 16);
+    cr_expect(g_off[nl] == cap && g_need[1] == 1, "a plan within the capacity was cut");
+    g->download(h, d_src, (size_t)rows * 4);
+    cr_expect(!memcmp(h, c_src, (size_t)rows * 4), "T=%d ep=%d: sources past the used rows differ", T, ep);
+    for (int64_t r = cap; r < rows; r++)
+        if (h[r] != -1) {
+            cr_expect_eq(h[r], -1, "row %lld is past the used %lld: its source must be -1", (long long)r, (long long)cap);
+            break;
+        }
+    g->free(d_idx), g->free(d_pt), g->free(d_tp), g->free(d_mi), g->free(d_wm), g->free(d_w), g->free(d_mw);
+    g->free(d_src), g->free(d_slot), g->free(d_off), g->free(d_need);
+    free(idx), free(c_idx), free(w), free(c_w), free(c_pt), free(c_tp), free(c_mi), free(c_wm), free(c_mw);
+    free(junk), free(h), free(hf), free(c_src), free(c_slot), free(c_off), free(g_off);
+}
+
+Test(gpu, moe_pair_plan_in_blocks_and_rows_cap)
+{
+    const struct backend *g = gpu_backend_or_skip(false);
+    mt_rng rng;
+    mt_rng_seed(&rng, 91);
+    block_case(g, &rng, 8192, 2, 64, 8, 8192); /* the bench shape on 2 GPUs */
+    block_case(g, &rng, 4097, 8, 16, 8, 4099); /* EP=8, partial last chunk, blocks past T */
+    block_case(g, &rng, 77, 16, 8, 3, 77);     /* more ranks than choices: mostly padding */
 }
 
 /* An expert id outside [0, E) found on the device (the plan does not wait for its kernels) stops

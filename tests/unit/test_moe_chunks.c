@@ -5,7 +5,9 @@
  *    input and routing-weight gradients bit-identical, expert weight gradients to rounding;
  *  - whole training runs: the same losses with 1, 2 or 3 chunks on EP = 1, EP = 2,
  *    EP = 2 x EP_FSDP = 2, PP = 2 x EP = 2, with recompute, and with the loopback at EP = 1;
- *  - the timeline's report. */
+ *  - the timeline's report;
+ *  - the fixed exchange (parallel.moe_fixed_exchange): every bit of the counted one, and the
+ *    re-run of a step whose layer outgrew its rows. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -289,11 +291,12 @@ static int download_calls(const char *out)
     return calls;
 }
 
-/* Issue 18's "no host synchronisation in the step except the metrics", as far as it goes: with
- * EP = 2 (one exchange a layer, or in chunks) a step downloads no more than on one rank (the
- * metrics); the expert-row count comes with the pair counts instead of being read back from each
- * MoE layer's route plan. The pair counts themselves still cross on the host (moe_pair_plan
- * waits). */
+/* Issue 18's "no host synchronisation in the step except the metrics": with EP = 2 a step
+ * downloads no more than on one rank (the metrics) but for the fixed exchange's one capacity check
+ * (model_fixed_exchange_overflow, read with them). With the counted exchange (moe_fixed_exchange
+ * false, or in chunks) the expert-row count comes with the pair counts instead of being read back
+ * from each MoE layer's route plan, but the pair counts themselves cross on the host (moe_pair_plan
+ * waits); the fixed exchange's route plans wait for nothing (ops.h moe_pair_plan with a block). */
 Test(moe_chunks, ep2_step_downloads_only_what_one_rank_does, .timeout = 200)
 {
     double l[STEPS], g[STEPS];
@@ -301,14 +304,91 @@ Test(moe_chunks, ep2_step_downloads_only_what_one_rank_does, .timeout = 200)
     const int base = download_calls(one);
     cr_assert_gt(base, 0, "no download row in the profile:\n%s", one);
     free(one);
-    for (int chunks = 1; chunks <= 2; chunks++) {
+    const char *ways[] = {"--set parallel.moe_chunks=1 --set parallel.moe_fixed_exchange=false",
+                          "--set parallel.moe_chunks=2", "--set parallel.moe_chunks=1"};
+    for (int i = 0; i < 3; i++) {
         char extra[256], tag[16];
         snprintf(extra, sizeof extra, "--set parallel.expert_parallel_size=2 --set train.micro_batch_size=2 "
-                 "--set log.profile=true --set parallel.moe_chunks=%d", chunks);
-        snprintf(tag, sizeof tag, "dl2_%d", chunks);
+                 "--set log.profile=true %s", ways[i]);
+        snprintf(tag, sizeof tag, "dl2_%d", i);
         char *out = train(2, "", extra, tag, l, g);
-        cr_expect_eq(download_calls(out), base, "EP=2, %d chunk(s): %d downloads a step against %d on one rank:\n%s",
-                     chunks, download_calls(out), base, out);
+        const int want = base + (i == 2);
+        cr_expect_eq(download_calls(out), want, "EP=2, %s: %d downloads a step against %d expected:\n%s",
+                     ways[i], download_calls(out), want, out);
+        free(out);
+    }
+}
+
+/* ---- the fixed exchange (parallel.moe_fixed_exchange, model.h fixed_exchange) -------------------
+ * Blocks of T pairs with padding and expert rows held to a capacity change no sum and no order, so
+ * a run keeps every bit against the counted exchange; a step whose layer outgrew the capacity runs
+ * again (same batch, bigger buffers) and ends with the same bits too. */
+static void fixed_vs_counted(int np, const char *mesh, const char *env, const char *tag, int want_reruns)
+{
+    double lf[STEPS], gf[STEPS], lc[STEPS], gc[STEPS];
+    char extra[512], t[64];
+    snprintf(extra, sizeof extra, "%s --set parallel.moe_fixed_exchange=false", mesh);
+    snprintf(t, sizeof t, "%s_counted", tag);
+    free(train(np, "", extra, t, lc, gc));
+    snprintf(extra, sizeof extra, "%s --set parallel.moe_fixed_exchange=true", mesh);
+    snprintf(t, sizeof t, "%s_fixed", tag);
+    char *out = train(np, env, extra, t, lf, gf);
+    int reruns = 0;
+    for (const char *p = out; (p = strstr(p, "running the step again")) != NULL; p++) reruns++;
+    cr_expect_eq(reruns, want_reruns, "%s: %d re-run steps, expected %d:\n%s", tag, reruns, want_reruns, out);
+    free(out);
+    for (int s = 0; s < STEPS; s++) {
+        cr_expect_eq(lf[s], lc[s], "%s: step %d loss %.9g vs %.9g", tag, s + 1, lf[s], lc[s]);
+        cr_expect_eq(gf[s], gc[s], "%s: step %d grad_norm %.9g vs %.9g", tag, s + 1, gf[s], gc[s]);
+    }
+}
+
+Test(moe_fixed, train_ep2_keeps_every_bit, .timeout = 300)
+{
+    fixed_vs_counted(2, "--set parallel.expert_parallel_size=2", "", "fx_ep2", 0);
+}
+
+/* EP = 2 x EP_FSDP = 2 on 4 ranks, EP = 4 (more ranks than top-2 choices: blocks of T pairs
+ * outnumber the expert rows), and recompute (the backward re-plans each layer) */
+Test(moe_fixed, train_ep2_fsdp2_ep4_and_recompute_keep_every_bit, .timeout = 400)
+{
+    fixed_vs_counted(4, "--set parallel.expert_parallel_size=2", "", "fx_f2", 0);
+    fixed_vs_counted(4, "--set parallel.expert_parallel_size=4", "", "fx_ep4", 0);
+    fixed_vs_counted(2, "--set parallel.expert_parallel_size=2 --set train.activation_checkpointing=true", "",
+                     "fx_ac", 0);
+}
+
+/* the loopback at EP = 1 (pairs and a self exchange): the one-GPU path the bench can time */
+Test(moe_fixed, train_loopback_keeps_every_bit, .timeout = 300)
+{
+    fixed_vs_counted(1, "", "MT_MOE_LOOPBACK=1", "fx_loop", 0);
+}
+
+/* expert rows held to 0.3x the mean: step 1 outgrows them on some rank, every rank runs it again
+ * with room, and no later step needs more (the same routing within 25%) */
+Test(moe_fixed, an_outgrown_capacity_runs_the_step_again, .timeout = 300)
+{
+    fixed_vs_counted(2, "--set parallel.expert_parallel_size=2", "MT_MOE_ROW_CAPACITY=0.3", "fx_over", 1);
+}
+
+Test(moe_fixed, impossible_settings_are_refused, .timeout = 120)
+{
+    const char *runs[][2] = {
+        {"", "--set parallel.moe_fixed_exchange=true --set parallel.moe_chunks=2"},
+        {"", "--set parallel.moe_fixed_exchange=true --set parallel.pipeline_parallel_size=2"},
+        {"MT_MOE_ROW_CAPACITY=lots", ""},
+    };
+    const char *want[] = {"parallel.moe_fixed_exchange: true needs parallel.moe_chunks: 1",
+                          "parallel.moe_fixed_exchange: true needs parallel.pipeline_parallel_size: 1",
+                          "environment variable MT_MOE_ROW_CAPACITY=lots: expected a positive number"};
+    for (int i = 0; i < 3; i++) {
+        char cmd[1024], *out = NULL;
+        snprintf(cmd, sizeof cmd, "%s timeout 60 %s -np 2 %s/moetrain train configs/tiny.yaml --backend cpu "
+                 "--set train.steps=1 --set parallel.expert_parallel_size=2 %s", runs[i][0], tu_mpirun(),
+                 tu_build(), runs[i][1]);
+        cr_expect_neq(tu_run(cmd, &out), 0, "%s", out);
+        cr_expect(out && strstr(out, want[i]), "no '%s' in:\n%s", want[i], out ? out : "");
+        cr_expect(out && !strstr(out, "step 1/"), "the run went on:\n%s", out ? out : "");
         free(out);
     }
 }
