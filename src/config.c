@@ -8,6 +8,7 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -123,6 +124,15 @@ bool config_layer_is_moe(const struct model_config *m, int layer)
         if (m->mlp_only_layers[i] == layer) return false;
     int step = m->decoder_sparse_step > 0 ? m->decoder_sparse_step : 1;
     return (layer + 1) % step == 0;
+}
+
+bool config_moe_fixed_exchange(const struct config *c)
+{
+    const struct parallel_config *p = &c->parallel;
+    if (p->moe_fixed_exchange != MT_TRI_AUTO) return p->moe_fixed_exchange == MT_TRI_TRUE;
+    const int ep = p->expert_parallel_size, k = c->model.num_experts_per_tok;
+    if (ep < 2 || p->moe_chunks != 1 || p->pipeline_parallel_size != 1 || k < 1) return false;
+    return 1.0 - pow(1.0 - 1.0 / ep, k) >= 0.75;
 }
 
 /* ---- reading the file ---------------------------------------------------------------------- */

@@ -191,6 +191,11 @@ bool config_read_hf_json(struct model_config *m, const char *json_path, char *er
 /* Derived facts. */
 int config_head_dim(const struct model_config *m);
 bool config_layer_is_moe(const struct model_config *m, int layer);
+/* Whether MoE layers take the fixed exchange (parallel.moe_fixed_exchange, model.h fixed_exchange):
+ * true / false as set; auto: with expert_parallel_size > 1, moe_chunks 1, no pipeline, and blocks
+ * of T pairs that uniform top-k routing would fill to 75% or more (1 - (1 - 1/ep)^k >= 0.75: ep <= 6
+ * at top-8, ep 2 at top-2), since the padding crosses the wire too. */
+bool config_moe_fixed_exchange(const struct config *c);
 
 /* Print the config as YAML (rank 0 start-up table, checkpoint manifests). Returns chars written. */
 int config_to_yaml(const struct config *c, char *buf, int cap);

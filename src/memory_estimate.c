@@ -133,8 +133,7 @@ static double scratch_bytes(const struct config *c, bool last)
     b += T * (2 * (double)m->intermediate_size + m->intermediate_size) * act_b;
     if (E > 0) {
         /* the fixed exchange (model.h fixed_exchange) sends every rank a block of T pairs */
-        const bool fixed = c->parallel.moe_fixed_exchange != MT_TRI_FALSE && c->parallel.moe_chunks == 1 &&
-                           c->parallel.pipeline_parallel_size == 1;
+        const bool fixed = config_moe_fixed_exchange(c);
         const double headroom = ep > 1 ? 1.25 : 1.0, pairs = T * (k < ep && !fixed ? k : ep);
         /* the fixed exchange's pair sums need ep·T rows of the expert-side scratch where that is more
          * (its gu and act are as wide as the rows it holds) */

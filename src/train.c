@@ -225,7 +225,7 @@ int cmd_train(const struct cli *a)
     no_decay_apply(&m.tt, tc->no_decay_modules);
     m.moe_chunks = c.parallel.moe_chunks;
     /* the MoE exchange without host waits: its steps may have to run again (below) */
-    const bool fixed_exchange = c.parallel.moe_fixed_exchange != MT_TRI_FALSE && m.pairs && m.moe_chunks == 1 && !piped;
+    const bool fixed_exchange = config_moe_fixed_exchange(&c) && m.pairs && m.moe_chunks == 1 && !piped;
     if (fixed_exchange) model_enable_fixed_exchange(&m, mt_env_positive("MT_MOE_ROW_CAPACITY", 0));
     const int E = m.E, L = m.L;
     int64_t *rows_need = mt_calloc((size_t)MT_MAX(L, 1), sizeof(int64_t)); /* host [L] */

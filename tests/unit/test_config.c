@@ -579,3 +579,32 @@ Test(config, layer_is_moe_and_head_dim)
     m->head_dim = 32;
     cr_assert_eq(config_head_dim(m), 32);
 }
+
+/* parallel.moe_fixed_exchange: auto resolves from EP, top-k, chunks and pipeline; true and false
+ * are taken as set */
+Test(config, moe_fixed_exchange_auto_follows_the_padding_and_the_paths)
+{
+    struct config c;
+    config_defaults(&c);
+    const struct { int ep, k, chunks, pp; bool on; } cases[] = {
+        {1, 8, 1, 1, false}, /* no exchange */
+        {2, 8, 1, 1, true},  {4, 8, 1, 1, true}, {6, 8, 1, 1, true},
+        {8, 8, 1, 1, false}, /* blocks 66% full at top-8 */
+        {2, 2, 1, 1, true},  {4, 2, 1, 1, false},
+        {2, 8, 2, 1, false}, /* the chunked exchange counts */
+        {2, 8, 1, 2, false}, /* a pipelined step is not run again */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        c.parallel.expert_parallel_size = cases[i].ep;
+        c.model.num_experts_per_tok = cases[i].k;
+        c.parallel.moe_chunks = cases[i].chunks;
+        c.parallel.pipeline_parallel_size = cases[i].pp;
+        c.parallel.moe_fixed_exchange = MT_TRI_AUTO;
+        cr_expect_eq(config_moe_fixed_exchange(&c), cases[i].on, "ep %d top-%d chunks %d pp %d", cases[i].ep,
+                     cases[i].k, cases[i].chunks, cases[i].pp);
+        c.parallel.moe_fixed_exchange = MT_TRI_TRUE;
+        cr_expect(config_moe_fixed_exchange(&c));
+        c.parallel.moe_fixed_exchange = MT_TRI_FALSE;
+        cr_expect(!config_moe_fixed_exchange(&c));
+    }
+}
