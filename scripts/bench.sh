@@ -182,8 +182,10 @@ for r, path in enumerate(sys.argv[1:]):
     text = open(path).read()
     m = re.search(r"over ([0-9.]+) ms; GPU busy [0-9.]+ ms, idle ([0-9.]+) ms", text)
     p = re.search(r"of the [0-9.]+ ms idle, ([0-9.]+) ms while the peer's GPU ran kernels .*?, ([0-9.]+) ms while it idled", text)
+    w = re.search(r"host waits in the step: (\d+) synchronisations", text)
     span = f" of {m.group(1)}" if r == 0 else ""
-    parts.append(f"rank {r} idle {m.group(2)} ms{span} ({p.group(1)} while rank {1 - r} ran, {p.group(2)} both idle)")
+    waits = f"; host waits {w.group(1)}" if w else ""
+    parts.append(f"rank {r} idle {m.group(2)} ms{span} ({p.group(1)} while rank {1 - r} ran, {p.group(2)} both idle{waits})")
 print("; ".join(parts))
 PY
 ) || timeline2=""

@@ -10,7 +10,11 @@
  * Unlike log.profile (which synchronises around every op, so short ops look longer than they
  * are) the program runs as it always does: the records come from the GPU's own timestamps, and the
  * gaps between kernels are the device's idle time. Built only where CUPTI is installed
- * (`make build/tools/libmt_trace.so`). CSV rows: kind,start_ns,end_ns,stream,name. */
+ * (`make build/tools/libmt_trace.so`). CSV rows: kind,start_ns,end_ns,stream,name; kind K (kernel),
+ * C (copy: "memcpy kind K B bytes", kind 2 device to host), S (memset), and Y for the host's
+ * synchronisations (cudaStreamSynchronize, cudaEventSynchronize, cudaDeviceSynchronize: a host
+ * thread waiting for the GPU, over [start, end) on the same clock) and the streams' event waits
+ * (cudaStreamWaitEvent, which only orders the GPU), named by type. */
 #include <cupti.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -57,6 +61,15 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
             fprintf(out, "C,%llu,%llu,%u,memcpy kind %u %llu B\n", (unsigned long long)m->start,
                     (unsigned long long)m->end, m->streamId, (unsigned)m->copyKind,
                     (unsigned long long)m->bytes);
+            break;
+        }
+        case CUPTI_ACTIVITY_KIND_SYNCHRONIZATION: {
+            const CUpti_ActivitySynchronization2 *y = (const CUpti_ActivitySynchronization2 *)rec;
+            static const char *types[] = {"unknown sync", "event synchronize", "stream wait event",
+                                          "stream synchronize", "context synchronize"};
+            const unsigned t = (unsigned)y->type < 5 ? (unsigned)y->type : 0;
+            fprintf(out, "Y,%llu,%llu,%u,%s\n", (unsigned long long)y->start, (unsigned long long)y->end,
+                    y->streamId, types[t]);
             break;
         }
         case CUPTI_ACTIVITY_KIND_MEMSET: {
@@ -117,6 +130,9 @@ __attribute__((constructor)) static void trace_start(void)
         !ok(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "enabling memset records"))
         return;
     tracing = true;
+    /* the host waits (Y rows) are extra: a CUPTI without them still gives the timeline */
+    if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_SYNCHRONIZATION) != CUPTI_SUCCESS)
+        fprintf(stderr, "kernel_trace: no synchronisation records here: host waits are not traced\n");
 }
 
 __attribute__((destructor)) static void trace_stop(void)

@@ -8,7 +8,11 @@ Steps are cut after each kernel whose name contains the marker (AdamW: one launc
 of its step), and the last complete step is reported: its span, the time at least one kernel or
 copy ran (the union over streams), the idle rest and how it splits into gaps by size, the time by
 kind of work (KINDS: expert GEMMs, attention, cuBLAS, optimizer, loss, copies, the rest), and the
-kernels by total time (each with its calls and mean).
+kernels by total time (each with its calls and mean). Where the trace has the host's
+synchronisation records (Y rows), it counts the host's waits for the GPU that began in the step
+(stream, event and device synchronisations; a stream's wait for an event orders the GPU only and
+is not one) and the device-to-host copies: issue 18's "no host synchronisation in the step except
+the metrics", as the GPU saw it.
 
 --peer: another rank's timeline of the same job (an EP run traced with %r in MT_TRACE_OUT). Each
 idle gap of this rank's step is split by what the peer's GPU did meanwhile: running kernels (this
@@ -70,13 +74,33 @@ def kind_of(rec_kind, label):
     return "other kernels (norms, SwiGLU, rows, router, ...)"
 
 
-def read_timeline(path):
-    rows = []
+HOST_WAITS = ("stream synchronize", "event synchronize", "context synchronize")
+
+
+def read_timeline(path, with_syncs=False):
+    """the GPU's records (kernels, copies, memsets), sorted; with_syncs: also the host's
+    synchronisation records (kind Y), as a second sorted list"""
+    rows, syncs = [], []
     with open(path) as f:
         for r in csv.DictReader(f):
-            rows.append((int(r["start_ns"]), int(r["end_ns"]), r["kind"], r["stream"], r["name"]))
+            rec = (int(r["start_ns"]), int(r["end_ns"]), r["kind"], r["stream"], r["name"])
+            (syncs if r["kind"] == "Y" else rows).append(rec)
     rows.sort()
-    return rows
+    syncs.sort()
+    return (rows, syncs) if with_syncs else rows
+
+
+def host_wait_report(syncs, step, t0, t1):
+    """the host's waits for the GPU that began within the step, and its device-to-host copies"""
+    if not syncs:
+        return "  host waits in the step: not recorded (no synchronisation records in this trace)"
+    waits = [r for r in syncs if t0 <= r[0] < t1 and r[4] in HOST_WAITS]
+    by_type = collections.Counter(r[4] for r in waits)
+    spent = sum(r[1] - r[0] for r in waits)
+    d2h = sum(1 for r in step if r[2] == "C" and r[4].startswith("memcpy kind 2 "))
+    types = ", ".join(f"{t} {by_type[t]}" for t in HOST_WAITS if by_type[t])
+    return (f"  host waits in the step: {len(waits)} synchronisations ({types or 'none'}), "
+            f"{spent / 1e6:.3f} ms; {d2h} device-to-host copies")
 
 
 def step_ends(rows, marker):
@@ -127,7 +151,7 @@ def main():
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--peer", help="another rank's timeline of the same job")
     a = ap.parse_args()
-    rows = read_timeline(a.csv)
+    rows, syncs = read_timeline(a.csv, with_syncs=True)
     ends = step_ends(rows, a.step_marker)
     if len(ends) < 2:
         sys.exit(f"trace_gaps: {a.csv}: fewer than two '{a.step_marker}' kernels, no complete step")
@@ -145,6 +169,7 @@ def main():
         k = bisect.bisect_left(gs, lim_us * 1000)
         print(f"  gaps under {lim_us:5d} us: {k:6d}, {sum(gs[:k]) / 1e6:8.2f} ms")
     print("  largest gaps (us):", [round(g / 1e3, 1) for g in gs[-10:]])
+    print(host_wait_report(syncs, step, t0, t1))
     if a.peer:
         peer_report(a.peer, a.step_marker, t0, t1, gap_spans, rows[ends[-1]][1])
     per_stream = collections.Counter()

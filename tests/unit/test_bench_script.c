@@ -77,7 +77,11 @@ static void stand_ins_n(const char *dir, int tok_s, double mfu, bool fail, int n
              "if [ -n \"$MT_TRACE_OUT\" ]; then tf=${MT_TRACE_OUT//%%r/${OMPI_COMM_WORLD_RANK:-0}}; late=0\n"
              "  [ -n \"$ep\" ] && [ \"${OMPI_COMM_WORLD_RANK:-0}\" = 1 ] && late=%d\n"
              "  echo kind,start_ns,end_ns,stream,name > $tf\n"
+             /* the host's synchronisations at EP=2: rank 0 waits once in each step, rank 1 only
+              * before the first */
+             "  [ -n \"$ep\" ] && echo Y,0,500,0,stream synchronize >> $tf\n"
              "  for s in 0 1 2; do b=$((s * 20000000))\n"
+             "    [ -n \"$ep\" ] && [ \"${OMPI_COMM_WORLD_RANK:-0}\" = 0 ] && echo Y,$((b + 1000)),$((b + 2000)),0,stream synchronize >> $tf\n"
              "    echo K,$b,$((b + %d + late)),7,gemm_kernel >> $tf\n"
              "    echo K,$((b + %d)),$((b + %d)),7,adamw_kernel >> $tf; done; fi\n",
              tok_s, fail ? "exit 3\n" : "", mfu, TRACE_EP_LATE_NS, TRACE_GEMM_NS, TRACE_GEMM_NS + TRACE_GAP_NS,
@@ -171,7 +175,8 @@ Test(bench_script, two_gpus_compare_ep2_with_one_and_show_ep_load, .timeout = 15
 
 /* Two GPUs and the timeline library: each EP=2 rank's idle time split against the other's timeline
  * (the stand-in's rank 1 runs its GEMM TRACE_EP_LATE_NS into the gap, so rank 0 waits that long
- * for it and both idle the rest) */
+ * for it and both idle the rest), and each rank's host waits in the step (rank 0 one a step, rank 1
+ * one before the steps only) */
 Test(bench_script, two_gpus_ep2_timelines_split_the_idle_time, .timeout = 150)
 {
     char *out = NULL;
@@ -182,7 +187,8 @@ Test(bench_script, two_gpus_ep2_timelines_split_the_idle_time, .timeout = 150)
     char want[512];
     snprintf(want, sizeof want,
              "moetrain 2 GPUs EP=2 kernel timelines (last of 4 steps): rank 0 idle %.2f ms of %.2f (%.2f while "
-             "rank 1 ran, %.2f both idle); rank 1 idle %.2f ms (0.00 while rank 0 ran, %.2f both idle)",
+             "rank 1 ran, %.2f both idle; host waits 1); rank 1 idle %.2f ms (0.00 while rank 0 ran, %.2f both "
+             "idle; host waits 0)",
              gap, span, late, gap - late, gap - late, gap - late);
     cr_expect(strstr(out, want), "no '%s':\n%s", want, out);
     free(out);

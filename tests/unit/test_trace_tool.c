@@ -21,7 +21,7 @@ enum { STEPS = 3, PER_STEP = 40 };
 
 struct expect {
     double span_ms, busy_ms, idle_ms;
-    int gaps, norm_calls;
+    int gaps, norm_calls, host_waits, d2h;
     double norm_ms, gemm_ms; /* the rmsnorm kernels' time; the grouped wgrad's, both streams */
 };
 
@@ -47,6 +47,12 @@ static struct expect write_timeline(const char *path, unsigned seed)
             fprintf(f, "K,%lld,%lld,7,%s\n", t, t + len, is_norm ? NORM : GEMM);
             if (is_norm) norm += len, norm_calls++;
             else gemm += len;
+            /* host waits (Y rows: no GPU time) and a device-to-host copy inside a kernel's span */
+            if (i == 5) fprintf(f, "Y,%lld,%lld,0,stream synchronize\n", t, t + 3000);
+            if (i == 15) fprintf(f, "Y,%lld,%lld,0,event synchronize\n", t + 10, t + 3010);
+            if (i == 25) fprintf(f, "Y,%lld,%lld,7,stream wait event\n", t, t); /* orders the GPU only */
+            if (i == 30 && last) fprintf(f, "Y,%lld,%lld,0,context synchronize\n", t, t + 3000);
+            if (i == 20) fprintf(f, "C,%lld,%lld,11,memcpy kind 2 64 B\n", t + 10, t + 20);
             if (i == 10) { /* another stream's kernel from the middle of this one to 2 us past it */
                 fprintf(f, "K,%lld,%lld,9,%s\n", t + len / 2, t + len + 2000, GEMM);
                 gemm += len - len / 2 + 2000;
@@ -69,6 +75,8 @@ static struct expect write_timeline(const char *path, unsigned seed)
             ex.norm_calls = norm_calls;
             ex.norm_ms = norm / 1e6;
             ex.gemm_ms = gemm / 1e6;
+            ex.host_waits = 3;
+            ex.d2h = 1;
         }
         t += 20000 + rand() % 100000; /* the host's turn between steps */
     }
@@ -93,11 +101,22 @@ Test(trace_tool, report_of_the_last_step_matches_the_timeline, .timeout = 60)
         cr_assert(line, "%s", out);
         cr_assert_eq(sscanf(line, "last complete step: %d kernels/copies/memsets over %lf ms; GPU busy %lf ms, "
                                   "idle %lf ms in %d gaps", &n, &span, &busy, &idle, &gaps), 5, "%s", out);
-        cr_expect_eq(n, PER_STEP + 3, "records in the step: %d", n);
+        cr_expect_eq(n, PER_STEP + 4, "records in the step: %d", n);
         cr_expect_float_eq(span, ex.span_ms, 0.006, "span %.3f against %.3f", span, ex.span_ms);
         cr_expect_float_eq(busy, ex.busy_ms, 0.006, "busy %.3f against %.3f", busy, ex.busy_ms);
         cr_expect_float_eq(idle, ex.idle_ms, 0.011, "idle %.3f against %.3f", idle, ex.idle_ms);
         cr_expect_eq(gaps, ex.gaps, "gaps %d against %d", gaps, ex.gaps);
+        const char *hw = strstr(out, "host waits in the step:");
+        int waits, d2h;
+        double wait_ms;
+        cr_assert(hw, "%s", out);
+        cr_assert_eq(sscanf(hw, "host waits in the step: %d synchronisations", &waits), 1, "%s", hw);
+        const char *tail = strstr(hw, "), ");
+        cr_assert(tail && sscanf(tail, "), %lf ms; %d device-to-host copies", &wait_ms, &d2h) == 2, "%s", hw);
+        cr_expect_eq(waits, ex.host_waits, "%s", hw);
+        cr_expect_float_eq(wait_ms, 0.009, 1e-6, "%s", hw);
+        cr_expect_eq(d2h, ex.d2h, "%s", hw);
+        cr_expect(strstr(hw, "stream synchronize 1, event synchronize 1, context synchronize 1"), "%s", hw);
         /* the per-kernel table names the kernel by its demangled name and first template argument */
         const char *row = strstr(out, "rmsnorm_bwd_vec_kernel<bf16>");
         cr_assert(row, "%s", out);
