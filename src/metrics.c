@@ -108,7 +108,7 @@ void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool pri
         if (s->ep_load_max) ep_max = fmax(ep_max, s->ep_load_max[l]);
     }
     const bool warn = s->warning && *s->warning;
-    if (print || warn || s->skipped) {
+    if (print || warn || s->skipped || s->reruns > 0) {
         char eta[32], mfu[16], load[64] = "", extra[192] = "", when[16] = "", tok[32], mem[32];
         size_t x = 0;
         fmt_count(tok, sizeof tok, (double)s->tokens_seen, " tok");
@@ -121,6 +121,7 @@ void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool pri
         if (s->skipped_steps > 0)
             x += (size_t)snprintf(extra + x, sizeof extra - x, " | %s (%d skipped)", s->skipped ? "SKIPPED" : "applied",
                                   s->skipped_steps);
+        if (s->reruns > 0) x += (size_t)snprintf(extra + x, sizeof extra - x, " | ran %dx", 1 + s->reruns);
         if (s->wall_time > 0) fmt_time(when, sizeof when, s->wall_time, false);
         fmt_eta(eta, sizeof eta, s->eta_s);
         if (s->mfu >= 0) snprintf(mfu, sizeof mfu, "%5.1f%%", 100 * s->mfu);
@@ -159,7 +160,8 @@ void metrics_step(struct metrics_log *ml, const struct step_metrics *s, bool pri
     json_num(f, "step_ms", s->step_ms, "%.6g");
     if (s->mfu >= 0) json_num(f, "mfu", s->mfu, "%.6g");
     json_num(f, "val_loss", s->val_loss, "%.8g");
-    fprintf(f, ", \"skipped\": %s, \"skipped_steps\": %d", s->skipped ? "true" : "false", s->skipped_steps);
+    fprintf(f, ", \"skipped\": %s, \"skipped_steps\": %d, \"reruns\": %d", s->skipped ? "true" : "false",
+            s->skipped_steps, s->reruns);
     if (s->peak_mem_bytes > 0) {
         json_num(f, "peak_mem_bytes", s->peak_mem_bytes, "%.0f");
         fprintf(f, ", \"peak_mem_rank\": %d", s->peak_mem_rank);

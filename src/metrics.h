@@ -30,6 +30,7 @@ struct step_metrics {
     double peak_mem_bytes;/* largest peak device memory over the ranks (0 = not measured) */
     int peak_mem_rank;    /* the rank that had it */
     int skipped_steps;    /* steps skipped so far (non-finite gradients) */
+    int reruns;           /* times this step ran again (an MoE layer outgrew the fixed exchange's rows) */
     double val_loss;      /* validation loss computed at this step; NaN = none */
     const char *warning;          /* expert collapse / overload (expert_watch.h); NULL or "" = none */
     bool skipped;                 /* the optimizer step was skipped (step_guard.h) */

@@ -448,7 +448,7 @@ int cmd_train(const struct cli *a)
             .tokens_seen = (int64_t)step * tc->global_batch_size * tc->seq_len, .val_loss = NAN,
             .warning = E > 0 ? expert_watch_step(&watch, tok) : NULL,
             .peak_mem_bytes = peak_bytes, .peak_mem_rank = peak_rank,
-            .skipped = verdict != STEP_APPLY, .skipped_steps = guard.total_skipped,
+            .skipped = verdict != STEP_APPLY, .skipped_steps = guard.total_skipped, .reruns = reruns,
         };
         profile_read(split);
         if (validation_due(val, step)) sm.val_loss = validation_run(val, &m, stage_h, world, pp);

@@ -22,7 +22,7 @@ Test(metrics, jsonl_is_valid_json_with_non_finite_values)
                              .lr = 1e-3, .tokens_per_s = 5, .mfu = -1, .step_ms = 2, .n_layers = 1, .load_min = lmin,
                              .load_max = lmax, .load_cv = lcv, .n_experts = 2, .expert_tokens = tok,
                              .wall_time = 1767225600.25, .tokens_seen = (int64_t)7 << 33, .peak_mem_bytes = 12e9,
-                             .peak_mem_rank = 3, .skipped_steps = 2, .val_loss = 2.5};
+                             .peak_mem_rank = 3, .skipped_steps = 2, .reruns = 1, .val_loss = 2.5};
     metrics_step(&ml, &s, false);
     metrics_close(&ml);
     json_error_t je;
@@ -35,6 +35,7 @@ Test(metrics, jsonl_is_valid_json_with_non_finite_values)
     cr_expect_eq(json_integer_value(json_object_get(o, "tokens")), (json_int_t)7 << 33);
     cr_expect_eq(json_real_value(json_object_get(o, "val_loss")), 2.5);
     cr_expect_eq(json_integer_value(json_object_get(o, "skipped_steps")), 2);
+    cr_expect_eq(json_integer_value(json_object_get(o, "reruns")), 1);
     cr_expect_eq(json_number_value(json_object_get(o, "peak_mem_bytes")), 12e9);
     cr_expect_eq(json_integer_value(json_object_get(o, "peak_mem_rank")), 3);
     cr_expect(!json_object_get(o, "mfu"));

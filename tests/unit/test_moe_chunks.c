@@ -333,9 +333,11 @@ static void fixed_vs_counted(int np, const char *mesh, const char *env, const ch
     snprintf(extra, sizeof extra, "%s --set parallel.moe_fixed_exchange=true", mesh);
     snprintf(t, sizeof t, "%s_fixed", tag);
     char *out = train(np, env, extra, t, lf, gf);
-    int reruns = 0;
+    int reruns = 0, lines = 0;
     for (const char *p = out; (p = strstr(p, "running the step again")) != NULL; p++) reruns++;
+    for (const char *p = out; (p = strstr(p, " | ran 2x")) != NULL; p++) lines++;
     cr_expect_eq(reruns, want_reruns, "%s: %d re-run steps, expected %d:\n%s", tag, reruns, want_reruns, out);
+    cr_expect_eq(lines, want_reruns, "%s: %d step lines say 'ran 2x', expected %d:\n%s", tag, lines, want_reruns, out);
     free(out);
     for (int s = 0; s < STEPS; s++) {
         cr_expect_eq(lf[s], lc[s], "%s: step %d loss %.9g vs %.9g", tag, s + 1, lf[s], lc[s]);
