@@ -367,10 +367,13 @@ Test(moe_fixed, train_loopback_keeps_every_bit, .timeout = 300)
 }
 
 /* expert rows held to 0.3x the mean: step 1 outgrows them on some rank, every rank runs it again
- * with room, and no later step needs more (the same routing within 25%) */
-Test(moe_fixed, an_outgrown_capacity_runs_the_step_again, .timeout = 300)
+ * with room, and no later step needs more (the same routing within 25%); also with EP_FSDP = 2
+ * reducing every micro-step (the re-run waits for the reduce-scatters in flight first) */
+Test(moe_fixed, an_outgrown_capacity_runs_the_step_again, .timeout = 400)
 {
     fixed_vs_counted(2, "--set parallel.expert_parallel_size=2", "MT_MOE_ROW_CAPACITY=0.3", "fx_over", 1);
+    fixed_vs_counted(4, "--set parallel.expert_parallel_size=2 --set parallel.reduce_grads=micro_step "
+                        "--set parallel.reshard_after_forward=true", "MT_MOE_ROW_CAPACITY=0.3", "fx_over_f2", 1);
 }
 
 Test(moe_fixed, impossible_settings_are_refused, .timeout = 120)
