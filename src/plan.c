@@ -350,6 +350,11 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
     fprintf(f, "  buffers = expert all-gather / reduce-scatter staging, the backward's scratch (with it the "
             "attention backward's dS tiles where the logits cannot hold them, and with ep > 1 the held-back "
             "o/q_proj gradients), pipeline transfer buffers\n");
+    if (c->model.num_experts > 0 && config_moe_fixed_exchange(c))
+        fprintf(f, "  MoE exchange: fixed (parallel.moe_fixed_exchange): blocks of %d pairs a rank, no host waits; "
+                "each MoE layer's expert rows counted at 1.25x the mean, and grown in every layer to 1.25x the "
+                "largest need (the step run again) when the routing needs more, beyond this plan\n",
+                c->train.micro_batch_size * c->train.seq_len);
 
     print_groups(f, d);
     print_ep_node_warning(f, d, node_of_rank);

@@ -168,6 +168,9 @@ Test(plan_cli, dry_run_equals_plan, .timeout = 240)
     unlink(plan_out);
     unlink(dry_out);
     cr_assert_not_null(strstr(a, "ep 2 x ep_fsdp 4"), "plan output:\n%s", a);
+    /* EP = 2 at top-2: the fixed exchange's blocks fill 75%, so auto takes it and plan says so */
+    cr_expect_not_null(strstr(a, "MoE exchange: fixed (parallel.moe_fixed_exchange): blocks of 256 pairs"),
+                       "plan output:\n%s", a);
     cr_assert_str_eq(a, d, "plan --world 8 and train --dry-run differ");
     free(a);
     free(d);
