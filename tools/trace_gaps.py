@@ -2,7 +2,7 @@
 """Where a training step's GPU time goes, from tools/kernel_trace.c's CSV (every kernel, copy and
 memset with its GPU start and end).
 
-    python3 tools/trace_gaps.py trace.csv [--step-marker adamw] [--top 40] [--peer other_rank.csv]
+    python3 tools/trace_gaps.py trace.csv [--step-marker adamw] [--top 40] [--peer other_rank.csv] [--gaps 10]
 
 Steps are cut after each kernel whose name contains the marker (AdamW: one launch a step, the last
 of its step), and the last complete step is reported: its span, the time at least one kernel or
@@ -19,6 +19,12 @@ idle gap of this rank's step is split by what the peer's GPU did meanwhile: runn
 rank waited for the peer's work: an exchange with a rank that had more to do) or idle too (both
 waited: the host, a synchronisation, launch latency). CUPTI's timestamps share one clock across
 the processes of a host; the report prints how far apart the two ranks' step ends are.
+
+--gaps N: the step's N longest idle gaps, longest first, each with where it falls in the step, the
+records on either side of it (the last to end before it, the first to start after it, with their
+streams), the host's waits that overlap it and, with --peer, how long the peer's GPU ran
+meanwhile: what to fix first. The line before them says how long the GPU idled between the previous
+step's last record and this step's first (the host's turn between steps, outside the step's span).
 
 Exit status 1 with a one-line error naming the file when a timeline has no complete step."""
 import argparse
@@ -129,19 +135,47 @@ def overlap(a0, a1, intervals, ends):
     return t
 
 
-def peer_report(path, marker, t0, t1, gap_spans, own_end):
+def peer_busy_of(path, marker, t0, t1):
+    """the peer timeline's busy intervals over [t0, t1) and its step end nearest to own_end"""
     rows = read_timeline(path)
     ends = step_ends(rows, marker)
     if not ends:
         sys.exit(f"trace_gaps: {path}: no '{marker}' kernel, no step to compare")
-    peer_end = min((rows[i][1] for i in ends), key=lambda e: abs(e - own_end))
-    peer_busy = busy_intervals([r for r in rows if r[1] > t0 and r[0] < t1])
-    peer_ends = [iv[1] for iv in peer_busy]
+    busy = busy_intervals([r for r in rows if r[1] > t0 and r[0] < t1])
+    return busy, [iv[1] for iv in busy], [rows[i][1] for i in ends]
+
+
+def peer_report(path, peer, t0, t1, gap_spans, own_end):
+    peer_busy, peer_ends, step_end_times = peer
+    peer_end = min(step_end_times, key=lambda e: abs(e - own_end))
     waited = sum(overlap(g0, g1, peer_busy, peer_ends) for g0, g1 in gap_spans)
     idle = sum(g1 - g0 for g0, g1 in gap_spans)
     print(f"  against {path}: of the {idle / 1e6:.2f} ms idle, {waited / 1e6:.2f} ms while the peer's GPU "
           f"ran kernels (waiting for its work), {(idle - waited) / 1e6:.2f} ms while it idled too "
           f"(both waiting); the two step ends are {abs(own_end - peer_end) / 1e3:.1f} us apart")
+
+
+def label_of(rec):
+    return f"{short(rec[4]) if rec[2] == 'K' else rec[4].split(' ')[0]} (stream {rec[3]})"
+
+
+def gap_report(step, syncs, t0, gap_spans, n, peer):
+    """the n longest gaps: where, between which records, the host's waits and the peer meanwhile"""
+    by_end = sorted(step, key=lambda r: r[1])
+    end_times = [r[1] for r in by_end]
+    starts = [r[0] for r in step]
+    waits = [r for r in syncs if r[4] in HOST_WAITS]
+    print(f"  the {min(n, len(gap_spans))} longest gaps (ms into the step, us long, the records either side):")
+    for g0, g1 in sorted(gap_spans, key=lambda g: g[0] - g[1])[:n]:
+        before = by_end[bisect.bisect_right(end_times, g0) - 1]
+        after = step[bisect.bisect_left(starts, g1)]
+        host = [w for w in waits if w[0] < g1 and w[1] > g0]
+        line = (f"  {(g0 - t0) / 1e6:9.3f} {(g1 - g0) / 1e3:8.1f}  {label_of(before)} -> {label_of(after)}")
+        if host:
+            line += "; host: " + ", ".join(f"{w[4]} {(w[1] - w[0]) / 1e3:.0f} us" for w in host)
+        if peer:
+            line += f"; peer ran {overlap(g0, g1, peer[0], peer[1]) / 1e3:.1f} us"
+        print(line)
 
 
 def main():
@@ -150,6 +184,7 @@ def main():
     ap.add_argument("--step-marker", default="adamw")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--peer", help="another rank's timeline of the same job")
+    ap.add_argument("--gaps", type=int, default=0, help="list the step's N longest idle gaps")
     a = ap.parse_args()
     rows, syncs = read_timeline(a.csv, with_syncs=True)
     ends = step_ends(rows, a.step_marker)
@@ -170,8 +205,13 @@ def main():
         print(f"  gaps under {lim_us:5d} us: {k:6d}, {sum(gs[:k]) / 1e6:8.2f} ms")
     print("  largest gaps (us):", [round(g / 1e3, 1) for g in gs[-10:]])
     print(host_wait_report(syncs, step, t0, t1))
+    prev_end = max(r[1] for r in rows[:ends[-2] + 1])
+    peer = peer_busy_of(a.peer, a.step_marker, prev_end, t1) if a.peer else None
     if a.peer:
-        peer_report(a.peer, a.step_marker, t0, t1, gap_spans, rows[ends[-1]][1])
+        peer_report(a.peer, peer, t0, t1, gap_spans, rows[ends[-1]][1])
+    if a.gaps > 0:
+        print(f"  before the step: {max(0, t0 - prev_end) / 1e6:.3f} ms idle since the previous step's last record")
+        gap_report(step, syncs, t0, gap_spans, a.gaps, peer)
     per_stream = collections.Counter()
     for s, e, k, st, n in step:
         per_stream[st] += e - s

@@ -232,6 +232,85 @@ Test(trace_tool, peer_split_of_the_idle_time_matches_the_two_timelines, .timeout
     unlink(pb);
 }
 
+/* --gaps: the step's longest gaps, longest first, with their place in the step, the records either
+ * side (by stream) and the host's waits over them; and the idle time before the step's first record.
+ * Random kernels with gaps under 5 us, and three gaps of known length planted at random places. */
+Test(trace_tool, longest_gaps_are_listed_with_their_neighbours_and_host_waits, .timeout = 60)
+{
+    char path[] = "/tmp/mt_trace_XXXXXX";
+    const int fd = mkstemp(path);
+    cr_assert(fd >= 0);
+    close(fd);
+    for (unsigned seed = 21; seed <= 23; seed++) {
+        srand(seed);
+        FILE *f = fopen(path, "w");
+        cr_assert(f);
+        fprintf(f, "kind,start_ns,end_ns,stream,name\n");
+        long long t = 1000000, step_start = 0, prev_end = 0, at[3] = {0};
+        const long long planted[3] = {900000 + rand() % 50000, 600000 + rand() % 50000, 300000 + rand() % 50000};
+        int where[3] = {3 + rand() % 10, 15 + rand() % 10, 27 + rand() % 10};
+        for (int st = 0; st < STEPS; st++) {
+            const bool last = st == STEPS - 1;
+            if (last) step_start = t;
+            for (int i = 0; i < PER_STEP; i++) {
+                long long gap = i ? rand() % 5000 : 0;
+                int g = -1;
+                for (int k = 0; k < 3; k++)
+                    if (last && i == where[k]) g = k;
+                if (g >= 0) {
+                    gap = planted[g];
+                    at[g] = t;
+                    /* the host waits over the first planted gap, from before it to its middle */
+                    if (g == 0) fprintf(f, "Y,%lld,%lld,0,stream synchronize\n", t - 20000, t + gap / 2);
+                }
+                t += gap;
+                const long long len = 1000 + rand() % 200000;
+                /* the record before a planted gap runs on stream 9, the one after it on 7 */
+                const bool before_planted = last && (i + 1 == where[0] || i + 1 == where[1] || i + 1 == where[2]);
+                fprintf(f, "K,%lld,%lld,%d,%s\n", t, t + len, before_planted ? 9 : 7, before_planted ? GEMM : NORM);
+                t += len;
+            }
+            fprintf(f, "K,%lld,%lld,7,%s\n", t, t + 500000, ADAM);
+            t += 500000;
+            if (st == STEPS - 2) prev_end = t;
+            t += 40000 + rand() % 100000;
+        }
+        fclose(f);
+        char cmd[512], *out = NULL;
+        snprintf(cmd, sizeof cmd, "python3 tools/trace_gaps.py %s --gaps 3 2>&1", path);
+        cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+        const char *b = strstr(out, "before the step: ");
+        double before_ms;
+        cr_assert(b && sscanf(b, "before the step: %lf ms", &before_ms) == 1, "%s", out);
+        cr_expect_float_eq(before_ms, (step_start - prev_end) / 1e6, 0.0006, "%s", b);
+        const char *line = strstr(out, "longest gaps");
+        cr_assert(line, "%s", out);
+        for (int k = 0; k < 3; k++) {
+            line = strchr(line, '\n');
+            cr_assert(line, "%s", out);
+            line++;
+            double ms, us;
+            cr_assert_eq(sscanf(line, "%lf %lf", &ms, &us), 2, "%s", line);
+            cr_expect_float_eq(ms, (at[k] - step_start) / 1e6, 0.0006, "gap %d at %.4f ms: %s", k, ms, line);
+            cr_expect_float_eq(us, planted[k] / 1e3, 0.06, "gap %d of %.1f us: %s", k, us, line);
+            const char *eol = strchr(line, '\n');
+            char text[512];
+            snprintf(text, sizeof text, "%.*s", eol ? (int)(eol - line) : (int)strlen(line), line);
+            cr_expect(strstr(text, "grouped_gemm_kernel<2> (stream 9) -> rmsnorm_bwd_vec_kernel<bf16> (stream 7)"),
+                      "%s", text);
+            if (k == 0) {
+                const char *w = strstr(text, "; host: stream synchronize ");
+                double wait_us;
+                cr_assert(w && sscanf(w, "; host: stream synchronize %lf us", &wait_us) == 1, "%s", text);
+                cr_expect_float_eq(wait_us, (planted[0] / 2 + 20000) / 1e3, 0.51, "%s", text);
+            }
+            else cr_expect(!strstr(text, "host:"), "%s", text);
+        }
+        free(out);
+    }
+    unlink(path);
+}
+
 Test(trace_tool, a_timeline_without_two_steps_fails_naming_the_file, .timeout = 30)
 {
     char path[] = "/tmp/mt_trace_XXXXXX";
