@@ -63,6 +63,13 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
                     (unsigned long long)m->bytes);
             break;
         }
+        case CUPTI_ACTIVITY_KIND_MEMCPY2: { /* between devices: the all-to-all's copies to a peer */
+            const CUpti_ActivityMemcpyPtoP4 *m = (const CUpti_ActivityMemcpyPtoP4 *)rec;
+            fprintf(out, "C,%llu,%llu,%u,memcpy kind %u %llu B to device %u\n", (unsigned long long)m->start,
+                    (unsigned long long)m->end, m->streamId, (unsigned)m->copyKind, (unsigned long long)m->bytes,
+                    m->dstDeviceId);
+            break;
+        }
         case CUPTI_ACTIVITY_KIND_SYNCHRONIZATION: {
             const CUpti_ActivitySynchronization2 *y = (const CUpti_ActivitySynchronization2 *)rec;
             static const char *types[] = {"unknown sync", "event synchronize", "stream wait event",
@@ -130,6 +137,10 @@ __attribute__((constructor)) static void trace_start(void)
         !ok(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "enabling memset records"))
         return;
     tracing = true;
+    /* copies to another GPU are records of their own kind (without them an EP step's exchanges
+     * look like idle time on both ranks) */
+    if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY2) != CUPTI_SUCCESS)
+        fprintf(stderr, "kernel_trace: no peer-to-peer copy records here: copies to other GPUs are not traced\n");
     /* the host waits (Y rows) are extra: a CUPTI without them still gives the timeline */
     if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_SYNCHRONIZATION) != CUPTI_SUCCESS)
         fprintf(stderr, "kernel_trace: no synchronisation records here: host waits are not traced\n");
