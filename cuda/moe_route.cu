@@ -244,7 +244,8 @@ __global__ void pair_sort_count_kernel(int32_t *topk_idx, float *topk_w, int *co
 }
 
 /* grid (ep, chunks): the tokens of chunk blockIdx.y using rank d, in order, get pairs
- * base[d] + (the earlier chunks' count) + rank */
+ * base[d] + (the earlier chunks' count) + rank; in blocks (block > 0) token t's pair is
+ * d * block + t, padding when t has no choice on rank d */
 __global__ void __launch_bounds__(ROUTE_THREADS)
 pair_rows_kernel(const int32_t *topk_idx, const float *topk_w, const int *counts, const int *chunk_hist,
                  int32_t *pair_tok, int32_t *tok_pair, int32_t *meta_idx, float *meta_w, int32_t *w_map,
@@ -252,8 +253,7 @@ pair_rows_kernel(const int32_t *topk_idx, const float *topk_w, const int *counts
 {
     __shared__ int warp_tot[ROUTE_THREADS / 32];
     const int d = blockIdx.x;
-    const int base = block ? d * block + block_sum(chunk_hist + d, (int)blockIdx.y, ep + 1, warp_tot)
-                           : chunk_base(counts, chunk_hist, d, ep, warp_tot);
+    const int base = block ? d * block : chunk_base(counts, chunk_hist, d, ep, warp_tot);
     const int t = (int)blockIdx.y * ROUTE_THREADS + threadIdx.x;
     int j0 = k, j1 = k;
     if (t < T) {
@@ -266,7 +266,12 @@ pair_rows_kernel(const int32_t *topk_idx, const float *topk_w, const int *counts
         if (j0 == k) j1 = k;
     }
     const bool has = j0 < k;
-    const int rank = block_rank_in_chunk(has, warp_tot);
+    if (block && t < T && !has) { /* padding at the token's own slot */
+        const size_t p = (size_t)base + t;
+        pair_tok[p] = t;
+        for (int s = 0; s < k; s++) meta_idx[p * k + s] = MT_NO_EXPERT, meta_w[p * k + s] = 0.0f;
+    }
+    const int rank = block ? t : block_rank_in_chunk(has, warp_tot); /* block: uniform over the launch */
     if (has) {
         const int p = base + rank;
         pair_tok[p] = t;
@@ -283,14 +288,14 @@ pair_rows_kernel(const int32_t *topk_idx, const float *topk_w, const int *counts
     }
 }
 
-/* grid (ep, blocks): the padding after rank d's pairs in its block of the fixed layout; the
+/* grid (ep, blocks): the padding past the tokens in rank d's block of the fixed layout; the
  * first thread adds the bad ids to the deferred error counter */
 __global__ void pair_pad_kernel(const int *counts, int32_t *pair_tok, int32_t *meta_idx, float *meta_w,
-                                int *bad, int ep, int k, int block)
+                                int *bad, int ep, int k, int block, int T)
 {
     const int d = blockIdx.x;
     if (d == 0 && blockIdx.y == 0 && threadIdx.x == 0 && counts[ep]) atomicAdd(bad, counts[ep]);
-    for (int i = counts[d] + (int)(blockIdx.y * blockDim.x + threadIdx.x); i < block;
+    for (int i = T + (int)(blockIdx.y * blockDim.x + threadIdx.x); i < block;
          i += (int)(gridDim.y * blockDim.x)) {
         const size_t p = (size_t)d * block + i;
         pair_tok[p] = 0;
@@ -327,7 +332,7 @@ void cu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int32
     }
     if (block) {
         pair_pad_kernel<<<dim3((unsigned)ep, (unsigned)MT_MAX(1, MT_MIN(64, block / 1024))), 256, 0, g_cuda.stream>>>(
-            counts, pair_tok, meta_idx, meta_w, cu_deferred_error_counter(), ep, k, block);
+            counts, pair_tok, meta_idx, meta_w, cu_deferred_error_counter(), ep, k, block, T);
         CUDA_LAUNCH_CHECK("moe pair padding");
     }
     if (!h) { /* the fixed layout: nothing to wait for; a bad id stops the run at the next download */

@@ -224,11 +224,13 @@ struct backend {
      *   rank d's experts (the expert rows its pairs make there, so that the receiver knows its
      *   row count without reading its route plan back); waits. An id outside [0, ep·n_local) is
      *   fatal.
-     * block > 0 (>= T; the exchange without host waits, model.h rows_by_capacity): rank d's pairs
-     * start at pair d·block instead, and the rest of its block is padding (pair_tok 0, meta
-     * MT_NO_EXPERT / 0), so that every block has a size the host knows; count_host and rows_host
-     * may be NULL, and then the call does not wait (a bad id is raised by the next download or
-     * sync, as moe_route_plan's). */
+     * block > 0 (>= T; the exchange without host waits, model.h rows_by_capacity): token t's pair
+     * with rank d is pair d·block + t instead, and every other pair of the block is padding
+     * (meta MT_NO_EXPERT / 0, pair_tok its own token, 0 past T), so that every block has a size
+     * the host knows and its rows are the token rows themselves (the send is an all-gather, no
+     * gather); the expert-side order is the packed plan's. count_host and rows_host may be NULL,
+     * and then the call does not wait (a bad id is raised by the next download or sync, as
+     * moe_route_plan's). */
     void (*moe_pair_plan)(int32_t *topk_idx /*[T,k]*/, float *topk_w /*[T,k]*/,
                           int32_t *pair_tok /*[<= T*min(k,ep), or ep*block]*/, int32_t *tok_pair /*[T,k]*/,
                           int32_t *meta_idx /*[P,k]*/, float *meta_w /*[P,k]*/,

@@ -68,10 +68,11 @@ void cpu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int3
         }
     }
     int64_t *fill = mt_malloc((size_t)ep * sizeof *fill);
-    for (int d = 0, o = 0; d < ep; o += (int)count[d], d++) fill[d] = block ? (int64_t)d * block : o;
-    for (int d = 0; d < ep && block; d++) /* padding: no experts, token 0 */
-        for (int64_t p = (int64_t)d * block + count[d]; p < (int64_t)(d + 1) * block; p++) {
-            pair_tok[p] = 0;
+    for (int d = 0, o = 0; d < ep; o += (int)count[d], d++) fill[d] = o;
+    for (int d = 0; d < ep && block; d++) /* padding: no experts; its own token (0 past the tokens) */
+        for (int64_t i = 0; i < block; i++) {
+            const int64_t p = (int64_t)d * block + i;
+            pair_tok[p] = i < T ? (int32_t)i : 0;
             for (int s = 0; s < k; s++) meta_idx[p * k + s] = MT_NO_EXPERT, meta_w[p * k + s] = 0.0f;
         }
     for (int t = 0; t < T; t++) {
@@ -80,7 +81,7 @@ void cpu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int3
         for (int j0 = 0, j1; j0 < k; j0 = j1) {
             const int d = idx[j0] / n_local;
             for (j1 = j0 + 1; j1 < k && idx[j1] / n_local == d; j1++) {}
-            const int64_t p = fill[d]++;
+            const int64_t p = block ? (int64_t)d * block + t : fill[d]++;
             pair_tok[p] = t;
             for (int s = 0; s < k; s++) {
                 const bool used = s < j1 - j0;

@@ -591,10 +591,11 @@ Test(cpu_ops, pair_plan_and_route_plan_follow_their_definition)
     cr_expect_eq(promised, off[NL]);
 }
 
-/* The fixed exchange's layout (block > 0): rank d's pairs are the packed plan's, moved to start at
- * d·block, the rest of each block padding (token 0, no experts); the token-side maps point at the
- * moved pairs; the counts are the packed plan's when asked for and may be left out. */
-Test(cpu_ops, pair_plan_in_blocks_is_the_packed_plan_moved)
+/* The fixed exchange's layout (block > 0): token t's pair with rank d is the packed plan's pair,
+ * moved to d·block + t; every other slot of a block is padding (no experts, its own token, 0 past
+ * T), so a block's rows are the token rows; the token-side maps point at the moved pairs; the
+ * counts are the packed plan's when asked for and may be left out. */
+Test(cpu_ops, pair_plan_in_blocks_puts_each_pair_at_its_token)
 {
     enum { T = 257, EP = 3, NL = 5, K = 4, BLK = T + 3 };
     mt_rng rng;
@@ -614,20 +615,30 @@ Test(cpu_ops, pair_plan_in_blocks_is_the_packed_plan_moved)
     cr_expect(!memcmp(cnt, bcnt, sizeof cnt) && !memcmp(rows_for, brows, sizeof cnt), "the counts differ");
     int64_t first[EP];
     for (int d = 0, o = 0; d < EP; o += (int)cnt[d], d++) first[d] = o;
+    /* rank d's pair for token t sits at d * BLK + t; every other slot of the block is padding */
+    static bool real[EP * BLK];
+    memset(real, 0, sizeof real);
     for (int d = 0; d < EP; d++)
-        for (int64_t i = 0; i < BLK; i++) {
-            const int64_t b = d * BLK + i, p = first[d] + i;
-            const bool real = i < cnt[d];
-            cr_expect_eq(bpt[b], real ? pt[p] : 0, "rank %d pair %lld: token", d, (long long)i);
+        for (int64_t p = first[d]; p < first[d] + cnt[d]; p++) {
+            const int64_t b = d * BLK + pt[p];
+            real[b] = true;
             for (int s = 0; s < K; s++) {
-                cr_expect_eq(bmi[b * K + s], real ? mi[p * K + s] : MT_NO_EXPERT, "rank %d pair %lld slot %d", d,
-                             (long long)i, s);
-                cr_expect_eq(bmw[b * K + s], real ? mw[p * K + s] : 0.0f);
+                cr_expect_eq(bmi[b * K + s], mi[p * K + s], "rank %d token %d slot %d", d, pt[p], s);
+                cr_expect_eq(bmw[b * K + s], mw[p * K + s]);
             }
         }
-    for (int i = 0; i < T * K; i++) { /* token side: the same pair and slot, in its block */
+    for (int d = 0; d < EP; d++)
+        for (int64_t i = 0; i < BLK; i++) {
+            const int64_t b = d * BLK + i;
+            cr_expect_eq(bpt[b], i < T ? (int32_t)i : 0, "rank %d slot %lld: its token", d, (long long)i);
+            for (int s = 0; s < K && !real[b]; s++) {
+                cr_expect_eq(bmi[b * K + s], MT_NO_EXPERT, "rank %d slot %lld is padding", d, (long long)i);
+                cr_expect_eq(bmw[b * K + s], 0.0f);
+            }
+        }
+    for (int i = 0; i < T * K; i++) { /* token side: the same slot of the pair at d * BLK + token */
         const int d = idx[i] / NL;
-        const int64_t moved = wm[i] / K - first[d] + (int64_t)d * BLK;
+        const int64_t moved = (int64_t)d * BLK + i / K;
         cr_expect_eq(bwm[i], moved * K + wm[i] % K, "choice %d: w_map", i);
         cr_expect_eq(btp[i], tp[i] < 0 ? -1 : (int32_t)moved, "choice %d: tok_pair", i);
     }
