@@ -189,7 +189,7 @@ static void grow(struct ipc_a2a *x, const int64_t *need)
 }
 
 const void *ipc_a2a_start(struct ipc_a2a *x, const size_t *recv_bytes, const void *send,
-                          const size_t *send_bytes)
+                          const size_t *send_bytes, bool same_block)
 {
     MT_CHECK(!x->started, "all_to_all_inbox: started while the previous one is still in flight");
     x->started = true;
@@ -224,7 +224,7 @@ const void *ipc_a2a_start(struct ipc_a2a *x, const size_t *recv_bytes, const voi
 
     size_t send_off[P];
     send_off[0] = 0;
-    for (int d = 1; d < P; d++) send_off[d] = send_off[d - 1] + send_bytes[d - 1];
+    for (int d = 1; d < P; d++) send_off[d] = same_block ? 0 : send_off[d - 1] + send_bytes[d - 1];
     for (int i = 0; i < P; i++) {
         const int d = (me + i) % P; /* start with the next rank: no window is everyone's first */
         const int64_t *m = x->meta + (size_t)d * row;
@@ -254,7 +254,7 @@ void ipc_a2a_finish(struct ipc_a2a *x)
 const void *ipc_a2a_run(struct ipc_a2a *x, const size_t *recv_bytes, const void *send,
                         const size_t *send_bytes)
 {
-    const void *win = ipc_a2a_start(x, recv_bytes, send, send_bytes);
+    const void *win = ipc_a2a_start(x, recv_bytes, send, send_bytes, false);
     ipc_a2a_finish(x);
     return win;
 }

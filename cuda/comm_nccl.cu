@@ -215,6 +215,24 @@ static void nccl_all_to_all(struct comm *c, void *recv, const void *send, size_t
     exchange(c, recv, NULL, send, NULL, n, t);
 }
 
+/* the NCCL-moved inbox (no copy-engine path), holding at least `bytes` */
+static void *nccl_inbox_of(struct nccl_impl *im, size_t bytes)
+{
+    if (bytes > im->inbox_cap) {
+        if (im->inbox) {
+            CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
+            mem_track_free(im->inbox);
+            CUDA_CHECK(cudaFree(im->inbox));
+        }
+        im->inbox_cap = bytes + bytes / 4;
+        CUDA_CHECK(cudaMalloc(&im->inbox, im->inbox_cap));
+        enum mem_cat was = mem_track_set(MEM_BUFFERS);
+        mem_track_alloc(im->inbox, im->inbox_cap);
+        mem_track_set(was);
+    }
+    return im->inbox;
+}
+
 static const void *nccl_all_to_all_inbox(struct comm *c, const int64_t *recv_counts,
                                          const void *send, const int64_t *send_counts,
                                          enum comm_dtype t)
@@ -231,19 +249,7 @@ static const void *nccl_all_to_all_inbox(struct comm *c, const int64_t *recv_cou
         }
         return ipc_a2a_run(im->ipc, rb, send, sb);
     }
-    if (n_in * es > im->inbox_cap) {
-        if (im->inbox) {
-            CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
-            mem_track_free(im->inbox);
-            CUDA_CHECK(cudaFree(im->inbox));
-        }
-        im->inbox_cap = n_in * es + n_in * es / 4;
-        CUDA_CHECK(cudaMalloc(&im->inbox, im->inbox_cap));
-        enum mem_cat was = mem_track_set(MEM_BUFFERS);
-        mem_track_alloc(im->inbox, im->inbox_cap);
-        mem_track_set(was);
-    }
-    exchange(c, im->inbox, recv_counts, send, send_counts, 0, t);
+    exchange(c, nccl_inbox_of(im, n_in * es), recv_counts, send, send_counts, 0, t);
     return im->inbox;
 }
 
@@ -461,7 +467,30 @@ static const void *nccl_all_to_all_inbox_start(struct comm *c, const int64_t *re
         rb[p] = (size_t)recv_counts[p] * es;
         sb[p] = (size_t)send_counts[p] * es;
     }
-    const void *win = ipc_a2a_start(im->ipc, rb, send, sb);
+    const void *win = ipc_a2a_start(im->ipc, rb, send, sb, false);
+    struct nccl_p2p_state *st = (struct nccl_p2p_state *)mt_calloc(1, sizeof *st);
+    st->ipc = true;
+    r->state = st;
+    return win;
+}
+
+/* The same block for every rank: on the copy engines as the inbox all-to-all's two halves, or an
+ * NCCL all-gather into the inbox now (across hosts). */
+static const void *nccl_all_gather_inbox_start(struct comm *c, const void *send, size_t n, enum comm_dtype t,
+                                               struct comm_p2p_req *r)
+{
+    struct nccl_impl *im = impl_of(c);
+    r->state = NULL;
+    if (n > 0 && !is_device(send)) return im->host->ops->all_gather_inbox_start(im->host, send, n, t, r);
+    const size_t es = comm_dtype_size(t);
+    if (!im->ipc) {
+        void *in = nccl_inbox_of(im, n * es * (size_t)c->size);
+        NCCL_CHECK(ncclAllGather(send, in, n, nccl_type(t), im->nccl, g_cuda.stream));
+        return in;
+    }
+    size_t b[c->size];
+    for (int p = 0; p < c->size; p++) b[p] = n * es;
+    const void *win = ipc_a2a_start(im->ipc, b, send, b, true);
     struct nccl_p2p_state *st = (struct nccl_p2p_state *)mt_calloc(1, sizeof *st);
     st->ipc = true;
     r->state = st;
@@ -472,7 +501,7 @@ static const struct comm_ops nccl_ops = {
     nccl_all_gather, nccl_reduce_scatter_sum, nccl_all_reduce_sum, nccl_all_to_all_v,
     nccl_all_to_all, nccl_all_to_all_inbox, nccl_p2p, nccl_p2p_start, nccl_all_gather_start,
     nccl_all_to_all_v_start, nccl_reduce_scatter_sum_start, nccl_p2p_wait, nccl_destroy,
-    nccl_all_to_all_inbox_start,
+    nccl_all_to_all_inbox_start, nccl_all_gather_inbox_start,
 };
 
 extern "C" struct comm *comm_nccl_create(MPI_Comm mpi)

@@ -94,6 +94,12 @@ struct comm_ops {
     const void *(*all_to_all_inbox_start)(struct comm *c, const int64_t *recv_counts, const void *send,
                                           const int64_t *send_counts, enum comm_dtype t,
                                           struct comm_p2p_req *r);
+    /* all_to_all_inbox_start where every rank gets the same n elements of `send` (an all-gather
+     * into the inbox: rank s's block at s·n of the returned buffer), finished by p2p_wait with
+     * the same rules in between (MPI and NCCL across hosts: done on return, nothing in flight).
+     * The MoE fixed exchange's token rows, whose blocks are the same for every rank. */
+    const void *(*all_gather_inbox_start)(struct comm *c, const void *send, size_t n, enum comm_dtype t,
+                                          struct comm_p2p_req *r);
 };
 
 size_t comm_dtype_size(enum comm_dtype t);
@@ -143,5 +149,8 @@ const void *comm_all_to_all_inbox(struct comm *c, const int64_t *recv_counts, co
  * leaves nothing in flight. */
 const void *comm_all_to_all_inbox_start(struct comm *c, const int64_t *recv_counts, const void *send,
                                         const int64_t *send_counts, enum comm_dtype t, struct comm_p2p_req *r);
+/* ops->all_gather_inbox_start; comm_p2p_wait finishes it. For a NULL comm the result is `send`. */
+const void *comm_all_gather_inbox_start(struct comm *c, const void *send, size_t n, enum comm_dtype t,
+                                        struct comm_p2p_req *r);
 
 #endif

@@ -341,22 +341,38 @@ struct mpi_inbox {
     size_t cap;
 };
 
-static const void *mpi_all_to_all_inbox(struct comm *c, const int64_t *recv_counts,
-                                        const void *send, const int64_t *send_counts,
-                                        enum comm_dtype t)
+/* the inbox, holding at least n elements of t */
+static void *mpi_inbox_of(struct comm *c, size_t n, enum comm_dtype t)
 {
     struct mpi_inbox *in = c->impl;
     if (!in) in = c->impl = mt_calloc(1, sizeof *in);
-    size_t n = 0;
-    for (int s = 0; s < c->size; s++) n += (size_t)recv_counts[s];
     const size_t bytes = MT_MAX(n, 1) * comm_dtype_size(t);
     if (bytes > in->cap) {
         free(in->buf);
         in->buf = mt_malloc(bytes);
         in->cap = bytes;
     }
-    mpi_all_to_all_v(c, in->buf, recv_counts, send, send_counts, t);
     return in->buf;
+}
+
+static const void *mpi_all_to_all_inbox(struct comm *c, const int64_t *recv_counts,
+                                        const void *send, const int64_t *send_counts,
+                                        enum comm_dtype t)
+{
+    size_t n = 0;
+    for (int s = 0; s < c->size; s++) n += (size_t)recv_counts[s];
+    void *buf = mpi_inbox_of(c, n, t);
+    mpi_all_to_all_v(c, buf, recv_counts, send, send_counts, t);
+    return buf;
+}
+
+static const void *mpi_all_gather_inbox_start(struct comm *c, const void *send, size_t n, enum comm_dtype t,
+                                              struct comm_p2p_req *r)
+{
+    r->state = NULL;
+    void *buf = mpi_inbox_of(c, n * (size_t)c->size, t);
+    mpi_all_gather(c, buf, send, n, t);
+    return buf;
 }
 
 static void mpi_destroy(struct comm *c)
@@ -374,6 +390,7 @@ static const struct comm_ops mpi_ops = {
     .all_to_all_v = mpi_all_to_all_v,
     .all_to_all = mpi_all_to_all,
     .all_to_all_inbox = mpi_all_to_all_inbox,
+    .all_gather_inbox_start = mpi_all_gather_inbox_start,
     .p2p = mpi_p2p,
     .p2p_start = mpi_p2p_start,
     .all_gather_start = mpi_all_gather_start,
@@ -530,6 +547,16 @@ const void *comm_all_to_all_inbox(struct comm *c, const int64_t *recv_counts, co
     const void *r;
     TIMED(r = c->ops->all_to_all_inbox(c, recv_counts, send, send_counts, t));
     return r;
+}
+
+const void *comm_all_gather_inbox_start(struct comm *c, const void *send, size_t n, enum comm_dtype t,
+                                        struct comm_p2p_req *r)
+{
+    r->state = NULL;
+    if (single(c)) return send;
+    const void *in;
+    TIMED(in = c->ops->all_gather_inbox_start(c, send, n, t, r));
+    return in;
 }
 
 const void *comm_all_to_all_inbox_start(struct comm *c, const int64_t *recv_counts, const void *send,

@@ -258,7 +258,8 @@ static void suite(const struct backend *g, struct comm *hc, struct comm *dc, con
  * window still being read, or let the copy start before every block landed, shows up as wrong
  * bytes. Every third round goes through comm_all_to_all_inbox_start and comm_p2p_wait with other
  * work queued between them (a copy that read the window before the wait would see old bytes).
- * Every round is compared with MPI's all_to_all_v of the same data. */
+ * Rounds 1 and 5 are all_gather_inbox_start (every rank sent the same block: the MoE fixed
+ * exchange's token rows), compared with MPI's all_gather; the others with MPI's all_to_all_v. */
 static void inbox_suite(const struct backend *g, struct comm *hc, struct comm *dc, const char *tag,
                         int seed)
 {
@@ -275,19 +276,24 @@ static void inbox_suite(const struct backend *g, struct comm *hc, struct comm *d
     for (int k = 0; k < ROUNDS; k++) {
         const enum comm_dtype t = k % 2 ? COMM_F32 : COMM_BF16;
         const size_t es = comm_dtype_size(t);
+        const bool gather = k % 4 == 1;
         sc[k] = mt_calloc(P, sizeof(int64_t)), rc[k] = mt_calloc(P, sizeof(int64_t));
         size_t stot = 0;
+        const int64_t same_n = (int64_t)(scale[k] * 7001); /* the same on every rank */
         for (int p = 0; p < P; p++) {
-            sc[k][p] = (me + p + k) % 4 == 0 ? 0 : (int64_t)(scale[k] * (double)(mt_rng_next(&r) % 20000));
-            stot += (size_t)sc[k][p];
+            sc[k][p] = gather ? same_n
+                       : (me + p + k) % 4 == 0 ? 0 : (int64_t)(scale[k] * (double)(mt_rng_next(&r) % 20000));
+            stot += gather ? 0 : (size_t)sc[k][p];
         }
+        if (gather) stot = (size_t)same_n;
         MT_CHECK_MPI(MPI_Alltoall(sc[k], 1, MPI_INT64_T, rc[k], 1, MPI_INT64_T, hc->mpi));
         rtot[k] = 0;
         for (int p = 0; p < P; p++) rtot[k] += (size_t)rc[k][p];
         void *send = mt_malloc(stot * es + 1);
         ref[k] = mt_malloc(rtot[k] * es + 1);
         fill(&r, send, stot, t);
-        hc->ops->all_to_all_v(hc, ref[k], rc[k], send, sc[k], t);
+        if (gather) hc->ops->all_gather(hc, ref[k], send, stot, t);
+        else hc->ops->all_to_all_v(hc, ref[k], rc[k], send, sc[k], t);
         dsend[k] = dev_from(g, send, stot * es);
         out[k] = dev_out(g, rtot[k] * es);
         type[k] = t;
@@ -298,7 +304,12 @@ static void inbox_suite(const struct backend *g, struct comm *hc, struct comm *d
     g->sync();
     for (int k = 0; k < ROUNDS; k++) {
         const void *in;
-        if (k % 3 == 2) {
+        if (k % 4 == 1) {
+            struct comm_p2p_req req;
+            in = comm_all_gather_inbox_start(dc, dsend[k], (size_t)sc[k][0], type[k], &req);
+            g->zero(busy, busy_bytes);
+            comm_p2p_wait(dc, &req);
+        } else if (k % 3 == 2) {
             struct comm_p2p_req req;
             in = comm_all_to_all_inbox_start(dc, rc[k], dsend[k], sc[k], type[k], &req);
             g->zero(busy, busy_bytes);
@@ -312,7 +323,7 @@ static void inbox_suite(const struct backend *g, struct comm *hc, struct comm *d
     for (int k = 0; k < ROUNDS; k++) {
         void *got = host_of(g, out[k], rtot[k] * comm_dtype_size(type[k]));
         char op[64];
-        snprintf(op, sizeof op, "all_to_all_inbox round %d", k);
+        snprintf(op, sizeof op, "%s round %d", k % 4 == 1 ? "all_gather_inbox" : "all_to_all_inbox", k);
         report(tag, op, type[k], same(got, ref[k], rtot[k], type[k], false, why, sizeof why), why);
         free(got), free(ref[k]), free(sc[k]), free(rc[k]);
         g->free(out[k]), g->free(dsend[k]);
