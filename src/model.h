@@ -36,6 +36,8 @@ struct moe_route {
     int32_t *exp_src;        /* dev [R_exp]: pair (token) of each expert-side row */
     int32_t *exp_slot;       /* dev [P_recv, k]: expert-side row of each slot, -1 if empty */
     int64_t cap_pairs;       /* pairs the receiver arrays hold (ep > 1) */
+    bool by_token;           /* the fixed exchange's layout: pair d·T + t is token t's with rank d,
+                              * so every rank's block of rows is the token rows (sent by all-gather) */
     struct moe_chunk *chunks; /* host [moe_chunks]: each chunk's plan (moe_exchange.c), or NULL */
     int64_t *chunk_off;       /* dev [moe_chunks, n_local + 1]: the chunks' expert offsets */
 };

@@ -121,6 +121,7 @@ static void route_plan(struct model *m, struct layer_acts *a, int l)
     const struct backend *be = m->be;
     struct moe_route *r = &a->route;
     const int T = m->T, K = m->K, E = m->E, nl = m->n_local_experts, ep = m->ep;
+    r->by_token = false;
     if (!m->pairs) {
         r->meta_idx = a->topk_idx;
         r->meta_w = a->topk_w;
@@ -134,6 +135,7 @@ static void route_plan(struct model *m, struct layer_acts *a, int l)
                           m->meta_w_send, r->w_map, NULL, NULL, T, ep, nl, K, T);
         for (int s = 0; s < ep; s++) r->send_counts[s] = r->recv_counts[s] = T;
         r->P_send = r->P_recv = (int64_t)ep * T;
+        r->by_token = true;
         moe_ensure_pairs(m, a, r->P_recv);
         exchange_meta(m, r);
         be->moe_route_plan(r->meta_idx, r->meta_w, r->exp_src, r->exp_slot, r->expert_off,
@@ -204,15 +206,38 @@ static void dense_mlp_backward(struct model *m, struct layer_acts *a, int l)
                         H, 2 * Id, false);
 }
 
+/* The fixed exchange's token rows on every EP rank (an all-gather into the inbox), started where
+ * the rows exist: moe_forward starts it before the router, so that the rows cross while the router
+ * and the route plan run. */
+struct token_rows {
+    const void *rows; /* the inbox: rank s's T rows at s·T, once req is waited for */
+    struct comm_p2p_req req;
+};
+
+static bool rows_by_token(const struct model *m) { return m->pairs && m->rows_by_capacity && m->moe_chunks == 1; }
+
+static void token_rows_start(struct model *m, const void *x, struct token_rows *tr)
+{
+    tr->rows = comm_all_gather_inbox_start(m->ep_comm, x, (size_t)m->T * m->H, comm_dtype_of_x(m->be->x_size),
+                                           &tr->req);
+}
+
 /* Token side -> expert side: the layer's norm output rows in expert-major order (x_exp); with
- * ep > 1 one row per pair crosses (from m->d_x_send, free during the forward). */
-static void dispatch_rows(struct model *m, struct layer_acts *a)
+ * ep > 1 one row per pair crosses (from m->d_x_send, free during the forward), or in the fixed
+ * layout every token row (`early`: already started, or NULL). */
+static void dispatch_rows(struct model *m, struct layer_acts *a, struct token_rows *early)
 {
     const struct backend *be = m->be;
     const int H = m->H;
     struct moe_route *r = &a->route;
     const void *src = a->m;
-    if (m->pairs) {
+    MT_CHECK(!early || r->by_token, "dispatch_rows: token rows started for a packed plan");
+    if (m->pairs && r->by_token) {
+        struct token_rows now;
+        if (!early) token_rows_start(m, a->m, early = &now);
+        comm_p2p_wait(m->ep_comm, &early->req);
+        src = early->rows;
+    } else if (m->pairs) {
         be->gather_rows(m->d_x_send, a->m, r->pair_tok, (int)r->P_send, H);
         src = exchange_rows(m, r->recv_counts, m->d_x_send, r->send_counts);
     }
@@ -247,12 +272,16 @@ static void combine_rows_backward(struct model *m, struct layer_acts *a)
                                  T, K, H);
         return;
     }
-    be->gather_rows(m->d_x_send, m->d_h, r->pair_tok, (int)r->P_send, H);
-    int64_t in[m->ep], out[m->ep];
-    scale_counts(m, in, out, r->recv_counts, r->send_counts, H);
     struct comm_p2p_req req = {0};
-    const void *d_pairs = comm_all_to_all_inbox_start(m->ep_comm, in, m->d_x_send, out,
-                                                      comm_dtype_of_x(be->x_size), &req);
+    const void *d_pairs;
+    if (r->by_token) { /* every rank's block is dL/d(out) itself */
+        d_pairs = comm_all_gather_inbox_start(m->ep_comm, m->d_h, (size_t)T * H, comm_dtype_of_x(be->x_size), &req);
+    } else {
+        be->gather_rows(m->d_x_send, m->d_h, r->pair_tok, (int)r->P_send, H);
+        int64_t in[m->ep], out[m->ep];
+        scale_counts(m, in, out, r->recv_counts, r->send_counts, H);
+        d_pairs = comm_all_to_all_inbox_start(m->ep_comm, in, m->d_x_send, out, comm_dtype_of_x(be->x_size), &req);
+    }
     model_run_deferred_wgrads(m, 1); /* the layer above's o_proj weight gradient, while the rows move */
     comm_p2p_wait(m->ep_comm, &req);
     be->moe_combine_backward(m->d_y_exp, m->d_w_recv, d_pairs, a->y_exp, r->exp_slot, r->meta_w,
@@ -294,7 +323,8 @@ static void dispatch_rows_backward_sum(struct model *m, struct layer_acts *a, co
 /* From the layer's top-k (a->topk_idx/topk_w) and norm output (a->m) to the experts' weighted sum
  * `out` (+ resid unless NULL): route plan, dispatch, expert SwiGLU, combine (in chunks when
  * parallel.moe_chunks > 1). */
-static void experts_forward(struct model *m, struct layer_acts *a, int l, void *out, const void *resid)
+static void experts_forward(struct model *m, struct layer_acts *a, int l, void *out, const void *resid,
+                            struct token_rows *early)
 {
     const struct backend *be = m->be;
     const int H = m->H, I = m->I, nl = m->n_local_experts;
@@ -304,7 +334,7 @@ static void experts_forward(struct model *m, struct layer_acts *a, int l, void *
         return;
     }
     route_plan(m, a, l);
-    dispatch_rows(m, a);
+    dispatch_rows(m, a, early);
     be->expert_matmul_forward(a->gu, a->x_exp, W(m, TR_EXP_GATE_UP, l), r->expert_off, r->R_exp, nl,
                               H, 2 * I);
     be->swiglu_forward(a->act, a->gu, (int)r->R_exp, I, used_rows(m, r));
@@ -369,6 +399,8 @@ static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out,
 {
     const struct backend *be = m->be;
     const int T = m->T, H = m->H, E = m->E, K = m->K;
+    struct token_rows early = {0};
+    if (rows_by_token(m)) token_rows_start(m, a->m, &early); /* crosses while the router runs */
     if (m->router_f32) {
         be->router_matmul_forward(a->logits, a->m, W(m, TR_ROUTER, l), T, H, E);
     } else { /* transformers' bf16 router: the logits are rounded to bf16, softmax upcasts them */
@@ -381,7 +413,7 @@ static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out,
     route_replay_apply(m, l, a->topk_idx, a->topk_w, a->probs); /* data.routing_replay, recompute */
     float *st = m->stats + (size_t)l * 2 * E;
     if (!m->recomputing) be->router_stats(st, st + E, a->probs, a->topk_idx, T, E, K);
-    experts_forward(m, a, l, out, resid);
+    experts_forward(m, a, l, out, resid, rows_by_token(m) ? &early : NULL);
 }
 
 static void moe_backward(struct model *m, struct layer_acts *a, int l)
@@ -454,7 +486,7 @@ int64_t moe_dispatch_for_test(struct model *m, int l, const int32_t *topk_idx_ho
     be->upload(a->topk_w, topk_w_host, tk * sizeof(float));
     copy_in(m, a->m, x, m->T);
     route_plan(m, a, l);
-    dispatch_rows(m, a);
+    dispatch_rows(m, a, NULL);
     return a->route.R_exp;
 }
 
@@ -491,7 +523,7 @@ void moe_experts_for_test(struct model *m, int l, const int32_t *topk_idx_host, 
     be->upload(a->topk_idx, topk_idx_host, tk * sizeof(int32_t));
     be->upload(a->topk_w, topk_w_host, tk * sizeof(float));
     copy_in(m, a->m, x, m->T);
-    experts_forward(m, a, l, out, NULL);
+    experts_forward(m, a, l, out, NULL, NULL);
 }
 
 void moe_experts_backward_for_test(struct model *m, int l, const void *dout, void *dx)
