@@ -270,6 +270,27 @@ Test(moe_chunks, train_deferred_wgrads_change_no_bit, .timeout = 300)
     deferred_vs_in_place(2);
 }
 
+/* MT_EXPERT_WGRAD_LATE=1 (model_enable_late_expert_wgrad): a pairing layer's gate_up weight
+ * gradient held back to the next MoE layer's dispatch exchange is the same call on the same
+ * inputs, later: every printed digit as without. EP = 2, pairs on, 4 micro-steps a rank (micro-step
+ * 1 groups with another backward to follow, so it holds back; 3 is the last and runs in place). */
+Test(moe_chunks, late_expert_wgrad_changes_no_bit, .timeout = 300)
+{
+    double l_on[STEPS], g_on[STEPS], l_off[STEPS], g_off[STEPS];
+    const char *mesh = "--set parallel.expert_parallel_size=2 --set parallel.reduce_grads=step "
+                       "--set train.micro_batch_size=1 --set parallel.expert_wgrad_pairs=true";
+    char *out = train(2, "MT_EXPERT_WGRAD_LATE=1", mesh, "late_on", l_on, g_on);
+    cr_expect(strstr(out, "gate_up expert weight gradients held back") != NULL, "not on:\n%s", out);
+    free(out);
+    out = train(2, "", mesh, "late_off", l_off, g_off);
+    cr_expect(strstr(out, "held back") == NULL, "on without the switch:\n%s", out);
+    free(out);
+    for (int s = 0; s < STEPS; s++) {
+        cr_expect_eq(l_on[s], l_off[s], "step %d loss %.9g vs %.9g", s + 1, l_on[s], l_off[s]);
+        cr_expect_eq(g_on[s], g_off[s], "step %d grad_norm %.9g vs %.9g", s + 1, g_on[s], g_off[s]);
+    }
+}
+
 /* where each layer's gradient is reduce-scattered right after its backward (reduce_grads=
  * micro_step), a deferred gradient would miss its reduction: the deferral stays off */
 Test(moe_chunks, no_deferred_wgrads_with_per_micro_step_reduction, .timeout = 120)
