@@ -23,13 +23,16 @@ int64_t moe_capacity(int64_t need, int64_t mean)
 }
 
 /* One set of expert-side buffers ([rows, H] in and out, [rows, 2I] gate|up, [rows, I] SwiGLU)
- * grown to hold R rows: exactly with ep = 1 (R is always T·k), else moe_capacity of the mean T·k
- * (the rows a rank receives change every step). gu/act also serve dense layers: [T, 2 Id], [T, Id]. */
+ * grown to hold R rows: exactly with ep = 1 (R is always T·k) and where R is itself a capacity
+ * (the fixed exchange's rows_cap, model.h rows_by_capacity: its headroom is in it already), else
+ * moe_capacity of the mean T·k (the rows a rank receives change every step). gu/act also serve
+ * dense layers: [T, 2 Id], [T, Id]. */
 static void grow_expert_rows(const struct model *m, void **x, void **y, void **gu, void **act,
                              int64_t *cap_rows, int64_t R)
 {
     if (R <= *cap_rows) return;
-    const int64_t H = m->H, I = m->I, cap = !m->pairs ? R : moe_capacity(R, (int64_t)m->T * m->K);
+    const bool exact = !m->pairs || m->rows_by_capacity;
+    const int64_t H = m->H, I = m->I, cap = exact ? R : moe_capacity(R, (int64_t)m->T * m->K);
     const size_t xs = m->be->x_size;
     regrow(m, x, cap * H, xs);
     regrow(m, y, cap * H, xs);
