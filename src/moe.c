@@ -261,16 +261,21 @@ static void combine_rows(struct model *m, struct layer_acts *a, void *out, const
     be->moe_combine_forward(out, pairs, r->tok_pair, m->ones, resid, T, K, H);
 }
 
-/* Backward of combine_rows: m->d_h (dL/d out) -> m->d_topk_w and m->d_y_exp (expert-major). */
-static void combine_rows_backward(struct model *m, struct layer_acts *a)
+/* Backward of combine_rows: m->d_h (dL/d out) -> m->d_y_exp (expert-major) and the routing
+ * weights' gradients. With pairs those go home by an inbox exchange left in flight (returned, with
+ * *w_req): combine_weights_home finishes it into m->d_topk_w, after the expert backward's GEMMs
+ * (which need neither) and before the next inbox exchange, so its latency hides under them.
+ * Without pairs m->d_topk_w is written here and NULL returned. */
+static const float *combine_rows_backward(struct model *m, struct layer_acts *a, struct comm_p2p_req *w_req)
 {
     const struct backend *be = m->be;
     const int T = m->T, H = m->H, K = m->K;
     struct moe_route *r = &a->route;
+    w_req->state = NULL;
     if (!m->pairs) {
         be->moe_combine_backward(m->d_y_exp, m->d_topk_w, m->d_h, a->y_exp, r->exp_slot, r->meta_w,
                                  T, K, H);
-        return;
+        return NULL;
     }
     struct comm_p2p_req req = {0};
     const void *d_pairs;
@@ -286,8 +291,17 @@ static void combine_rows_backward(struct model *m, struct layer_acts *a)
     comm_p2p_wait(m->ep_comm, &req);
     be->moe_combine_backward(m->d_y_exp, m->d_w_recv, d_pairs, a->y_exp, r->exp_slot, r->meta_w,
                              (int)r->P_recv, K, H);
-    const float *d_w = exchange_in(m, r->send_counts, m->d_w_recv, r->recv_counts, K, COMM_F32);
-    be->gather_f32(m->d_topk_w, d_w, r->w_map, T * K);
+    int64_t in[m->ep], out[m->ep];
+    scale_counts(m, in, out, r->send_counts, r->recv_counts, K);
+    return comm_all_to_all_inbox_start(m->ep_comm, in, m->d_w_recv, out, COMM_F32, w_req);
+}
+
+/* m->d_topk_w from combine_rows_backward's exchange (nothing to do without pairs) */
+static void combine_weights_home(struct model *m, struct layer_acts *a, const float *d_w, struct comm_p2p_req *w_req)
+{
+    if (!m->pairs) return;
+    comm_p2p_wait(m->ep_comm, w_req);
+    m->be->gather_f32(m->d_topk_w, d_w, a->route.w_map, m->T * m->K);
 }
 
 /* Backward of dispatch_rows: m->d_x_exp (expert-major) -> m->d_t1 = dL/d(norm output) through the
@@ -354,7 +368,8 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
         moe_exchange_backward(m, a, l);
         return;
     }
-    combine_rows_backward(m, a);
+    struct comm_p2p_req w_req;
+    const float *d_w = combine_rows_backward(m, a, &w_req);
     float *dw_down = G(m, TR_EXP_DOWN, l), *dw_gu = G(m, TR_EXP_GATE_UP, l);
     /* parallel.expert_wgrad_pairs / expert_wgrad_group: this micro-step's weight gradients wait
      * for a later one's (stashed while the group has room and another backward follows), or the
@@ -381,6 +396,7 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
                                W(m, TR_EXP_GATE_UP, l), r->expert_off, R, nl, H, 2 * I, fresh);
     /* parking swaps d_y_exp out before the send half reuses it; the grouped gate_up weight
      * gradient (reads d_gu and x_exp) runs while d_x_exp's pair rows move to their tokens' ranks */
+    combine_weights_home(m, a, d_w, &w_req); /* before the next inbox exchange */
     if (stashed) moe_stash_expert_rows(m, a, s);
     struct comm_p2p_req req;
     const void *d_pairs = dispatch_rows_backward_send(m, a, &req);
@@ -513,7 +529,9 @@ void moe_combine_backward_for_test(struct model *m, int l, const void *dout)
 {
     struct layer_acts *a = test_layer(m, l);
     copy_in(m, m->d_h, dout, m->T);
-    combine_rows_backward(m, a);
+    struct comm_p2p_req w_req;
+    const float *d_w = combine_rows_backward(m, a, &w_req);
+    combine_weights_home(m, a, d_w, &w_req);
 }
 
 void moe_dispatch_backward_for_test(struct model *m, int l, const void *d_x_exp, void *dx)
