@@ -10,6 +10,9 @@
  * top-8 of 128 experts on 2 ranks that is ~2 rows per token on the wire instead of 8. The backward
  * mirrors it: dL/d(out) once per pair, the routing-weight gradients back as k floats per pair,
  * and the experts' input gradients summed per pair before they cross.
+ * The fixed exchange (model.h rows_by_capacity) puts token t's pair with rank d at d·T + t, so the
+ * rows each rank sends every rank are its token rows themselves: the dispatch (and the combine's
+ * backward) is an all-gather, started before the router in the forward.
  * With ep = 1 the pairs are the tokens: no pair plan, no copies, the layer's top-k is the meta
  * (unless MT_MOE_LOOPBACK=1 sends them through the pair path and an exchange with itself).
  * parallel.moe_chunks > 1 runs the layer's exchange in chunks that overlap the expert GEMMs
