@@ -173,7 +173,7 @@ PY
             > "$OUT/moetrain_timeline_ep2.log" 2>&1 || true
         for r in 0 1; do
             python3 tools/trace_gaps.py "$OUT/timeline_ep2_$r.csv" --top 3 --peer "$OUT/timeline_ep2_$((1 - r)).csv" \
-                > "$OUT/timeline_ep2_$r.txt" 2>&1 || true
+                --by-next 6 > "$OUT/timeline_ep2_$r.txt" 2>&1 || true
         done
         timeline2=$(python3 - "$OUT/timeline_ep2_0.txt" "$OUT/timeline_ep2_1.txt" <<'PY'
 import re, sys

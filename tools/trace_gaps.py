@@ -3,6 +3,7 @@
 memset with its GPU start and end).
 
     python3 tools/trace_gaps.py trace.csv [--step-marker adamw] [--top 40] [--peer other_rank.csv] [--gaps 10]
+                                [--by-next 10]
 
 Steps are cut after each kernel whose name contains the marker (AdamW: one launch a step, the last
 of its step), and the last complete step is reported: its span, the time at least one kernel or
@@ -25,6 +26,10 @@ records on either side of it (the last to end before it, the first to start afte
 streams), the host's waits that overlap it and, with --peer, how long the peer's GPU ran
 meanwhile: what to fix first. The line before them says how long the GPU idled between the previous
 step's last record and this step's first (the host's turn between steps, outside the step's span).
+
+--by-next N: the step's idle time summed by the kernel that ends each gap (the work that waited),
+the N largest, with the gaps' count and, with --peer, the part while the peer's GPU ran: at EP,
+which exchange the waits sit at (a forward combine, a backward combine, ...).
 
 Exit status 1 with a one-line error naming the file when a timeline has no complete step."""
 import argparse
@@ -178,6 +183,22 @@ def gap_report(step, syncs, t0, gap_spans, n, peer):
         print(line)
 
 
+def idle_by_next(step, gap_spans, n, peer):
+    """idle time summed by the record that ends each gap"""
+    starts = [r[0] for r in step]
+    total = collections.defaultdict(lambda: [0, 0, 0])  # ns idle, gaps, ns while the peer ran
+    for g0, g1 in gap_spans:
+        t = total[label_of(step[bisect.bisect_left(starts, g1)])]
+        t[0] += g1 - g0
+        t[1] += 1
+        if peer:
+            t[2] += overlap(g0, g1, peer[0], peer[1])
+    print(f"  idle time by the record after it (the {min(n, len(total))} largest; ms, gaps"
+          f"{', ms while the peer ran' if peer else ''}):")
+    for name, (ns, k, ran) in sorted(total.items(), key=lambda x: -x[1][0])[:n]:
+        print(f"  {ns / 1e6:9.3f} {k:6d}" + (f" {ran / 1e6:9.3f}" if peer else "") + f"  {name}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
@@ -185,6 +206,7 @@ def main():
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--peer", help="another rank's timeline of the same job")
     ap.add_argument("--gaps", type=int, default=0, help="list the step's N longest idle gaps")
+    ap.add_argument("--by-next", type=int, default=0, help="idle time by the record ending each gap, N largest")
     a = ap.parse_args()
     rows, syncs = read_timeline(a.csv, with_syncs=True)
     ends = step_ends(rows, a.step_marker)
@@ -212,6 +234,8 @@ def main():
     if a.gaps > 0:
         print(f"  before the step: {max(0, t0 - prev_end) / 1e6:.3f} ms idle since the previous step's last record")
         gap_report(step, syncs, t0, gap_spans, a.gaps, peer)
+    if a.by_next > 0:
+        idle_by_next(step, gap_spans, a.by_next, peer)
     per_stream = collections.Counter()
     for s, e, k, st, n in step:
         per_stream[st] += e - s

@@ -311,6 +311,62 @@ Test(trace_tool, longest_gaps_are_listed_with_their_neighbours_and_host_waits, .
     unlink(path);
 }
 
+/* --by-next: the last step's idle time summed by the record that ends each gap, against the sums
+ * computed here: random gaps before two kinds of kernel (and one before AdamW), three steps. */
+Test(trace_tool, idle_time_by_the_record_after_it_matches_the_timeline, .timeout = 60)
+{
+    char path[] = "/tmp/mt_trace_XXXXXX";
+    const int fd = mkstemp(path);
+    cr_assert(fd >= 0);
+    close(fd);
+    for (unsigned seed = 31; seed <= 33; seed++) {
+        srand(seed);
+        FILE *f = fopen(path, "w");
+        cr_assert(f);
+        fprintf(f, "kind,start_ns,end_ns,stream,name\n");
+        long long t = 1000000, idle_gemm = 0, idle_norm = 0;
+        int n_gemm = 0, n_norm = 0;
+        for (int st = 0; st < STEPS; st++) {
+            const bool last = st == STEPS - 1;
+            for (int i = 0; i < PER_STEP; i++) {
+                const long long gap = i ? 1 + rand() % 20000 : 0, len = 1000 + rand() % 50000;
+                const bool gemm = i % 3 == 0;
+                if (last && gap) {
+                    if (gemm) idle_gemm += gap, n_gemm++;
+                    else idle_norm += gap, n_norm++;
+                }
+                t += gap;
+                fprintf(f, "K,%lld,%lld,7,%s\n", t, t + len, gemm ? GEMM : NORM);
+                t += len;
+            }
+            t += 3000;
+            fprintf(f, "K,%lld,%lld,7,%s\n", t, t + 500000, ADAM);
+            t += 500000 + 40000;
+        }
+        fclose(f);
+        char cmd[512], *out = NULL;
+        snprintf(cmd, sizeof cmd, "python3 tools/trace_gaps.py %s --by-next 5 2>&1", path);
+        cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+        const char *names[] = {"grouped_gemm_kernel<2> (stream 7)", "rmsnorm_bwd_vec_kernel<bf16> (stream 7)",
+                               "adamw_multi_kernel<bf16> (stream 7)"};
+        const long long want_ns[] = {idle_gemm, idle_norm, 3000};
+        const int want_n[] = {n_gemm, n_norm, 1};
+        cr_assert(strstr(out, "idle time by the record after it"), "%s", out);
+        for (int k = 0; k < 3; k++) {
+            const char *at = strstr(out, names[k]);
+            cr_assert(at, "no row for %s:\n%s", names[k], out);
+            while (at > out && at[-1] != '\n') at--;
+            double ms;
+            int gaps;
+            cr_assert_eq(sscanf(at, "%lf %d", &ms, &gaps), 2, "%s", at);
+            cr_expect_float_eq(ms, want_ns[k] / 1e6, 0.0006, "%s: %.4f ms against %.4f", names[k], ms, want_ns[k] / 1e6);
+            cr_expect_eq(gaps, want_n[k], "%s: %d gaps against %d", names[k], gaps, want_n[k]);
+        }
+        free(out);
+    }
+    unlink(path);
+}
+
 Test(trace_tool, a_timeline_without_two_steps_fails_naming_the_file, .timeout = 30)
 {
     char path[] = "/tmp/mt_trace_XXXXXX";
