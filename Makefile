@@ -66,7 +66,8 @@ TOOL_BINS := $(TOOL_SRCS:tools/%.c=$(BUILD)/tools/%)
 # the kernel timeline library (tools/kernel_trace.c, LD_PRELOAD) where CUPTI is installed
 ifneq ($(NVCC),)
 ifneq ($(wildcard $(CUDA_HOME)/include/cupti.h),)
-TOOL_BINS += $(BUILD)/tools/libmt_trace.so
+TRACE_LIB := $(BUILD)/tools/libmt_trace.so
+TOOL_BINS += $(TRACE_LIB)
 endif
 endif
 
@@ -145,7 +146,7 @@ run: deps
 test-gpu: $(BUILD)/moetrain
 	@scripts/test-gpu.sh $(BUILD)
 
-bench: $(BUILD)/moetrain
+bench: $(BUILD)/moetrain $(TRACE_LIB)
 	@scripts/bench.sh $(BUILD)
 
 bench-scaling: $(BUILD)/moetrain

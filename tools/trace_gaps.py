@@ -31,6 +31,11 @@ step's last record and this step's first (the host's turn between steps, outside
 the N largest, with the gaps' count and, with --peer, the part while the peer's GPU ran: at EP,
 which exchange the waits sit at (a forward combine, a backward combine, ...).
 
+--against OTHER.csv: the step's time per kernel (copies and memsets by kind) against another
+trace's last complete step (a one-GPU run beside an EP rank, say): the N (--top) largest
+differences either way, with both sides' totals and calls, and the difference by kind. Where the
+EP rank's busy time goes beyond one GPU's: its extra expert rows, the exchange's own kernels.
+
 Exit status 1 with a one-line error naming the file when a timeline has no complete step."""
 import argparse
 import bisect
@@ -199,6 +204,44 @@ def idle_by_next(step, gap_spans, n, peer):
         print(f"  {ns / 1e6:9.3f} {k:6d}" + (f" {ran / 1e6:9.3f}" if peer else "") + f"  {name}")
 
 
+def per_name(step):
+    """{kernel name, or a copy's / memset's kind: [calls, ns]} over the step's records"""
+    agg = collections.defaultdict(lambda: [0, 0])
+    for s, e, k, st, n in step:
+        name = short(n) if k == "K" else n.split(" ")[0]
+        agg[name][0] += 1
+        agg[name][1] += e - s
+    return agg
+
+
+def against_report(step, other_path, marker, top):
+    """the step's time per kernel against another trace's last complete step"""
+    other = read_timeline(other_path)
+    ends = step_ends(other, marker)
+    if len(ends) < 2:
+        sys.exit(f"trace_gaps: {other_path}: fewer than two '{marker}' kernels, no complete step")
+    ostep = other[ends[-2] + 1:ends[-1] + 1]
+    mine, theirs = per_name(step), per_name(ostep)
+    span = lambda st: (max(r[1] for r in st) - st[0][0]) / 1e6
+    busy = lambda st: sum(e - s for s, e in busy_intervals(st)) / 1e6
+    print(f"step {span(step):.2f} ms (busy {busy(step):.2f}) against {span(ostep):.2f} ms "
+          f"(busy {busy(ostep):.2f}) in {other_path}")
+    kinds = collections.Counter()
+    for st, sign in ((step, 1), (ostep, -1)):
+        for s, e, k, _, n in st:
+            kinds[kind_of(k, short(n) if k == "K" else n)] += sign * (e - s)
+    print("  difference by kind (ms):")
+    for name, t in sorted(kinds.items(), key=lambda x: -abs(x[1])):
+        print(f"  {t / 1e6:+9.2f}  {name}")
+    names = set(mine) | set(theirs)
+    diff = sorted(names, key=lambda x: -abs(mine.get(x, [0, 0])[1] - theirs.get(x, [0, 0])[1]))
+    print(f"  {'diff ms':>9} {'this ms':>8} {'calls':>6} {'other ms':>8} {'calls':>6}  kernel")
+    for name in diff[:top]:
+        c1, t1 = mine.get(name, [0, 0])
+        c2, t2 = theirs.get(name, [0, 0])
+        print(f"  {(t1 - t2) / 1e6:+9.2f} {t1 / 1e6:8.2f} {c1:6d} {t2 / 1e6:8.2f} {c2:6d}  {name}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
@@ -207,12 +250,16 @@ def main():
     ap.add_argument("--peer", help="another rank's timeline of the same job")
     ap.add_argument("--gaps", type=int, default=0, help="list the step's N longest idle gaps")
     ap.add_argument("--by-next", type=int, default=0, help="idle time by the record ending each gap, N largest")
+    ap.add_argument("--against", help="another trace: the step's time per kernel against its step")
     a = ap.parse_args()
     rows, syncs = read_timeline(a.csv, with_syncs=True)
     ends = step_ends(rows, a.step_marker)
     if len(ends) < 2:
         sys.exit(f"trace_gaps: {a.csv}: fewer than two '{a.step_marker}' kernels, no complete step")
     step = rows[ends[-2] + 1:ends[-1] + 1]
+    if a.against:
+        against_report(step, a.against, a.step_marker, a.top)
+        return
     t0, t1 = step[0][0], max(r[1] for r in step)
     span = (t1 - t0) / 1e6
     merged = busy_intervals(step)
@@ -246,10 +293,7 @@ def main():
     print("  by kind (ms, share of the step):")
     for name, t in kinds.most_common():
         print(f"  {t / 1e6:8.2f} {100 * t / (t1 - t0):5.1f}%  {name}")
-    agg = collections.defaultdict(lambda: [0, 0])
-    for s, e, k, st, n in step:
-        agg[short(n) if k == "K" else n.split(" ")[0]][0] += 1
-        agg[short(n) if k == "K" else n.split(" ")[0]][1] += e - s
+    agg = per_name(step)
     print(f"  {'ms':>8} {'calls':>6} {'mean us':>8}  kernel")
     for name, (n, t) in sorted(agg.items(), key=lambda x: -x[1][1])[:a.top]:
         print(f"  {t / 1e6:8.2f} {n:6d} {t / n / 1e3:8.1f}  {name}")

@@ -367,6 +367,67 @@ Test(trace_tool, idle_time_by_the_record_after_it_matches_the_timeline, .timeout
     unlink(path);
 }
 
+/* A timeline of STEPS steps with random GEMM and norm kernels (the norm's only in `with_norm`);
+ * the last step's GEMM and norm totals (ns) into last[0], last[1] */
+static void write_two_kind_timeline(const char *path, bool with_norm, long long last[2])
+{
+    FILE *f = fopen(path, "w");
+    cr_assert(f);
+    fprintf(f, "kind,start_ns,end_ns,stream,name\n");
+    long long t = 1000000;
+    last[0] = last[1] = 0;
+    for (int st = 0; st < STEPS; st++) {
+        for (int i = 0; i < PER_STEP; i++) {
+            const bool gemm = i % 3 == 0 || !with_norm;
+            const long long len = 1000 + rand() % 50000;
+            if (st == STEPS - 1) last[gemm ? 0 : 1] += len;
+            fprintf(f, "K,%lld,%lld,7,%s\n", t, t + len, gemm ? GEMM : NORM);
+            t += len + 100 + rand() % 1000;
+        }
+        fprintf(f, "K,%lld,%lld,7,%s\n", t, t + 500000, ADAM);
+        t += 540000;
+    }
+    fclose(f);
+}
+
+/* --against: the last step's time per kernel against another trace's, against the totals made
+ * here; a kernel only one side has shows with 0 calls on the other. */
+Test(trace_tool, the_step_against_another_trace_differs_by_kernel_as_made, .timeout = 60)
+{
+    char pa[] = "/tmp/mt_trace_XXXXXX", pb[] = "/tmp/mt_trace_XXXXXX";
+    int fa = mkstemp(pa), fb = mkstemp(pb);
+    cr_assert(fa >= 0 && fb >= 0);
+    close(fa);
+    close(fb);
+    for (unsigned seed = 41; seed <= 42; seed++) {
+        srand(seed);
+        long long a[2], b[2];
+        write_two_kind_timeline(pa, true, a);
+        write_two_kind_timeline(pb, false, b);
+        char cmd[512], *out = NULL;
+        snprintf(cmd, sizeof cmd, "python3 tools/trace_gaps.py %s --against %s 2>&1", pa, pb);
+        cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+        const char *names[] = {"grouped_gemm_kernel<2>", "rmsnorm_bwd_vec_kernel<bf16>"};
+        const int calls_a[] = {(PER_STEP + 2) / 3, PER_STEP - (PER_STEP + 2) / 3}, calls_b[] = {PER_STEP, 0};
+        for (int k = 0; k < 2; k++) {
+            const char *at = strstr(out, names[k]);
+            cr_assert(at, "no row for %s:\n%s", names[k], out);
+            while (at > out && at[-1] != '\n') at--;
+            double d, ta, tb;
+            int ca, cb;
+            cr_assert_eq(sscanf(at, "%lf %lf %d %lf %d", &d, &ta, &ca, &tb, &cb), 5, "%s", at);
+            cr_expect_float_eq(ta, a[k] / 1e6, 0.006, "%s: %.3f ms against %.3f", names[k], ta, a[k] / 1e6);
+            cr_expect_float_eq(tb, b[k] / 1e6, 0.006, "%s: other %.3f ms against %.3f", names[k], tb, b[k] / 1e6);
+            cr_expect_float_eq(d, (a[k] - b[k]) / 1e6, 0.011, "%s: difference %.3f", names[k], d);
+            cr_expect_eq(ca, calls_a[k], "%s: %d calls", names[k], ca);
+            cr_expect_eq(cb, calls_b[k], "%s: other %d calls", names[k], cb);
+        }
+        free(out);
+    }
+    unlink(pa);
+    unlink(pb);
+}
+
 Test(trace_tool, a_timeline_without_two_steps_fails_naming_the_file, .timeout = 30)
 {
     char path[] = "/tmp/mt_trace_XXXXXX";
