@@ -295,7 +295,7 @@ void model_free(struct model *m)
                    m->d_topk_w, m->d_x_send, m->meta_idx_send, m->meta_w_send, m->d_w_recv,
                    m->aux_dp, m->ones, m->d_gu, m->d_act, m->d_x_exp, m->d_y_exp,
                    m->stats, m->bias, m->x_recv, m->d_w_home, m->o_wgrad_dout,
-                   m->q_wgrad_dout, m->rows_need, m->d_gu_carry};
+                   m->q_wgrad_dout, m->rows_need};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(dev[i]);
     free(m->rows_cap);
@@ -324,22 +324,6 @@ void model_defer_wgrad(struct model *m, const struct deferred_wgrad *d)
     const int cap = (int)(sizeof m->deferred / sizeof m->deferred[0]);
     MT_CHECK(m->n_deferred < cap, "model_defer_wgrad: %d weight gradients already wait", m->n_deferred);
     m->deferred[m->n_deferred++] = *d;
-}
-
-void model_enable_late_expert_wgrad(struct model *m)
-{
-    MT_CHECK(!m->recompute, "late expert weight gradients need the layers' activations kept (no recompute)");
-    if (m->d_gu_carry) return;
-    m->d_gu_carry_rows = m->d_cap_rows;
-    m->d_gu_carry = xalloc(m, MT_MAX(m->d_cap_rows * 2 * m->I, (int64_t)m->T * 2 * MT_MAX(m->Id, 1)));
-}
-
-void model_run_late_expert_wgrad(struct model *m)
-{
-    struct deferred_expert_wgrad *d = &m->late_gu;
-    if (!d->dw) return;
-    m->be->expert_matmul_wgrad_sets(d->dw, d->sets, d->n_sets, d->n_local, d->I, d->O, d->fresh);
-    d->dw = NULL;
 }
 
 void model_run_deferred_wgrads(struct model *m, int max)

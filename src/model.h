@@ -127,16 +127,6 @@ struct model_stage {
     int n_slots;
 };
 
-/* A grouped expert weight gradient held back to the next MoE layer's backward exchange
- * (model_enable_late_expert_wgrad): dw += what expert_matmul_wgrad_sets adds from the sets' rows;
- * dw NULL = nothing pending */
-struct deferred_expert_wgrad {
-    float *dw;
-    struct expert_rows sets[MT_WGRAD_MAX_SETS];
-    int n_sets, n_local, I, O;
-    bool fresh;
-};
-
 /* A weight gradient held back within one backward (model_run_deferred_wgrad): dw [O, I] += doutᵀ ·
  * in, dout [N, O], in [N, I]; dw NULL = nothing pending */
 struct deferred_wgrad {
@@ -193,14 +183,6 @@ struct model {
     void *o_wgrad_dout, *q_wgrad_dout;
     struct deferred_wgrad deferred[2];
     int n_deferred;
-    /* a grouped gate_up expert weight gradient held back from the dispatch exchange of its layer
-     * to the next MoE layer's (model_enable_late_expert_wgrad; NULL carry = off): d_gu_carry
-     * [d_gu_carry_rows, 2I] (at least [T, 2 Id]) is the scratch d_gu's twin; a layer that holds its
-     * gradient back swaps the two, so that its d_gu waits there while the next layer writes the
-     * other */
-    void *d_gu_carry;
-    int64_t d_gu_carry_rows;
-    struct deferred_expert_wgrad late_gu;
     struct model_unit_hooks hooks;
     /* model_own_weights (tests, verify without params): flat buffers behind wp / gp */
     void *own_w;
@@ -323,16 +305,6 @@ void model_enable_deferred_wgrads(struct model *m);
 void model_run_deferred_wgrads(struct model *m, int max);
 /* Queues one (attention_block.c) */
 void model_defer_wgrad(struct model *m, const struct deferred_wgrad *d);
-/* Lets a layer whose expert weight gradients group micro-steps (expert_wgrad_pairs / _group) hold
- * the group's gate_up weight gradient back, in a backward that another follows, until the next MoE
- * layer's dispatch exchange has started: each exchange then waits on that layer's dgrad difference
- * between the ranks plus the layer above's gate_up difference, two layers' routings instead of one
- * layer's twice. Costs one more [rows, 2I] scratch. Not with recomputed activations (a layer's
- * x_exp must outlive its backward) nor where gradients are reduced per micro-step (the caller
- * knows). Same bits: the same call on the same inputs, later. */
-void model_enable_late_expert_wgrad(struct model *m);
-/* Runs the held-back one, if any (the next MoE layer's exchange; the end of every backward). */
-void model_run_late_expert_wgrad(struct model *m);
 /* The activations of layer l in the current slot: its own, or the shared set holding layer l's
  * input when recomputing. */
 struct layer_acts *model_acts(struct model *m, int l);

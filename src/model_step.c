@@ -171,7 +171,6 @@ void model_stage_backward(struct model *m, int slot, float ce_scale, const float
         hook(m, HOOK_AFTER_BWD, 1 + l);
     }
     model_run_deferred_wgrads(m, -1);
-    model_run_late_expert_wgrad(m);
     if (m->st.first) {
         int emb = weight_index(m, TR_EMBED, -1);
         hook(m, HOOK_BEFORE_BWD, 0);

@@ -404,23 +404,11 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
     struct comm_p2p_req req;
     const void *d_pairs = dispatch_rows_backward_send(m, a, &req);
     if (m->pairs) model_run_deferred_wgrads(m, 1); /* the layer above's q_proj weight gradient */
-    model_run_late_expert_wgrad(m);                /* ... and its grouped gate_up one, if held back */
     if (grouped) {
         for (int k = 0; k < s->pending; k++)
             sets[k] = (struct expert_rows){s->slot[k].d_gu, s->slot[k].x_exp, s->slot[k].off, s->slot[k].rows};
         sets[s->pending] = (struct expert_rows){m->d_gu, a->x_exp, r->expert_off, R};
-        if (m->d_gu_carry && m->more_backwards) {
-            /* held back to the next MoE layer's exchange; this layer's d_gu waits in the twin (the
-             * slots it reads are not parked again before this backward's end, which runs it) */
-            struct deferred_expert_wgrad *d = &m->late_gu;
-            *d = (struct deferred_expert_wgrad){dw_gu, {{0}}, n_sets, nl, H, 2 * I, fresh};
-            memcpy(d->sets, sets, (size_t)n_sets * sizeof sets[0]);
-            void *t = m->d_gu;
-            m->d_gu = m->d_gu_carry;
-            m->d_gu_carry = t;
-        } else {
-            be->expert_matmul_wgrad_sets(dw_gu, sets, n_sets, nl, H, 2 * I, fresh);
-        }
+        be->expert_matmul_wgrad_sets(dw_gu, sets, n_sets, nl, H, 2 * I, fresh);
         s->pending = 0;
     }
     dispatch_rows_backward_sum(m, a, d_pairs, &req);

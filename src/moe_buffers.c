@@ -123,13 +123,6 @@ void moe_ensure_scratch_rows(struct model *m, int64_t R)
 {
     enum mem_cat was = mem_track_set(MEM_BUFFERS);
     grow_expert_rows(m, &m->d_x_exp, &m->d_y_exp, &m->d_gu, &m->d_act, &m->d_cap_rows, R);
-    /* d_gu's twin (model_enable_late_expert_wgrad) swaps with it: the same size. Nothing waits in
-     * it here (a held-back gradient runs by the end of its backward; buffers grow in forwards). */
-    if (m->d_gu_carry && m->d_gu_carry_rows < m->d_cap_rows) {
-        MT_CHECK(!m->late_gu.dw, "moe_ensure_scratch_rows: grown while a gate_up weight gradient waits");
-        regrow(m, &m->d_gu_carry, MT_MAX(m->d_cap_rows * 2 * m->I, (int64_t)m->T * 2 * m->Id), m->be->x_size);
-        m->d_gu_carry_rows = m->d_cap_rows;
-    }
     mem_track_set(was);
 }
 

@@ -268,8 +268,6 @@ int cmd_train(const struct cli *a)
     if (c.parallel.expert_wgrad_pairs == MT_TRI_TRUE && E > 0)
         model_enable_expert_wgrad_groups(&m, c.parallel.wgrad_pair_layers, c.parallel.wgrad_group_layers,
                                          c.parallel.wgrad_group);
-    /* measuring (docs/scaling.md): where the deferral above is on, so are its conditions */
-    if (mt_env_flag("MT_EXPERT_WGRAD_LATE") && m.o_wgrad_dout && m.wstash) model_enable_late_expert_wgrad(&m);
     if (*c.data.routing_replay &&
         !route_replay_open(&m, c.data.routing_replay, (int64_t)tc->steps * tc->global_batch_size, err, sizeof err))
         mt_user_error("data.routing_replay: %s", err);

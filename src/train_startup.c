@@ -59,9 +59,6 @@ void train_print_startup(const struct config *c, const struct mesh *mesh, const 
     if (m->o_wgrad_dout)
         printf("  overlap     o_proj and q_proj weight gradients deferred under the next MoE layer's backward "
                "exchanges, all micro-steps but the last (MT_NO_DEFERRED_WGRAD=1: off)\n");
-    if (m->d_gu_carry)
-        printf("  overlap     grouped gate_up expert weight gradients held back to the next MoE layer's dispatch "
-               "exchange, all micro-steps but the last (MT_EXPERT_WGRAD_LATE=1)\n");
     printf("  batch       %d sequences x %d tokens per step = %d micro-steps x %d ranks x %d\n",
            c->train.global_batch_size, c->train.seq_len, n_micro, mesh->d.S,
            c->train.micro_batch_size);

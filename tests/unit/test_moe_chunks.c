@@ -270,39 +270,6 @@ Test(moe_chunks, train_deferred_wgrads_change_no_bit, .timeout = 300)
     deferred_vs_in_place(2);
 }
 
-/* MT_EXPERT_WGRAD_LATE=1 (model_enable_late_expert_wgrad): a pairing layer's gate_up weight
- * gradient held back to the next MoE layer's dispatch exchange is the same call on the same
- * inputs, later: every printed digit as without. EP = 2, pairs on, 4 micro-steps a rank (micro-step
- * 1 groups with another backward to follow, so it holds back; 3 is the last and runs in place). */
-Test(moe_chunks, late_expert_wgrad_changes_no_bit, .timeout = 400)
-{
-    /* EP = 2; and EP = 2 x EP_FSDP = 2 on 4 ranks, whose expert gradients live in per-unit
-     * buffers until the step's reduction */
-    const int np[2] = {2, 4};
-    const char *mesh[2] = {"--set parallel.expert_parallel_size=2 --set parallel.reduce_grads=step "
-                           "--set train.micro_batch_size=1 --set parallel.expert_wgrad_pairs=true",
-                           "--set parallel.expert_parallel_size=2 --set parallel.reduce_grads=step "
-                           "--set train.micro_batch_size=1 --set parallel.expert_wgrad_pairs=true "
-                           "--set train.global_batch_size=16"};
-    for (int k = 0; k < 2; k++) {
-        double l_on[STEPS], g_on[STEPS], l_off[STEPS], g_off[STEPS];
-        char tag[32];
-        snprintf(tag, sizeof tag, "late_on_%d", np[k]);
-        char *out = train(np[k], "MT_EXPERT_WGRAD_LATE=1", mesh[k], tag, l_on, g_on);
-        cr_expect(strstr(out, "gate_up expert weight gradients held back") != NULL, "not on:\n%s", out);
-        free(out);
-        snprintf(tag, sizeof tag, "late_off_%d", np[k]);
-        out = train(np[k], "", mesh[k], tag, l_off, g_off);
-        cr_expect(strstr(out, "held back") == NULL, "on without the switch:\n%s", out);
-        free(out);
-        for (int s = 0; s < STEPS; s++) {
-            cr_expect_eq(l_on[s], l_off[s], "%d ranks: step %d loss %.9g vs %.9g", np[k], s + 1, l_on[s], l_off[s]);
-            cr_expect_eq(g_on[s], g_off[s], "%d ranks: step %d grad_norm %.9g vs %.9g", np[k], s + 1, g_on[s],
-                         g_off[s]);
-        }
-    }
-}
-
 /* where each layer's gradient is reduce-scattered right after its backward (reduce_grads=
  * micro_step), a deferred gradient would miss its reduction: the deferral stays off */
 Test(moe_chunks, no_deferred_wgrads_with_per_micro_step_reduction, .timeout = 120)

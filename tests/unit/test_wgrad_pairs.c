@@ -6,7 +6,6 @@
  * another backward may follow (model.more_backwards), and the flag is cleared by every backward.
  * The training-level runs (meshes, pipeline, recompute) are in test_fsdp.c. */
 #include <criterion/criterion.h>
-#include <stdio.h>
 #include <string.h>
 
 #include "common.h"
@@ -120,37 +119,6 @@ Test(wgrad_pairs, one_layer_pairing_gives_the_same_gradients)
     cr_expect_eq(differ, 0);
     run_free(&ref);
     run_free(&got);
-}
-
-/* model_enable_late_expert_wgrad: the pairing layer's grouped gate_up weight gradient held back
- * to the next MoE layer's exchange (here the end of the backward: layer 0 is the lowest) swaps the
- * scratch d_gu with its twin in the grouped micro-step that another backward follows, and nothing
- * is left waiting after any backward; the gradients are the same bits. Layer 1 pairing instead
- * holds back to layer 0's backward. */
-Test(wgrad_pairs, late_gate_up_gradient_gives_the_same_gradients)
-{
-    /* which layers pair: layer 0 alone (held back to the backward's end), layer 1 alone (held
-     * back to layer 0's backward), both (one swap each: the twin comes back, so no swap check) */
-    const bool pairs[3][2] = {{true, false}, {false, true}, {true, true}};
-    for (int c = 0; c < 3; c++) {
-        struct run ref, got;
-        bool p_ref[N_MICRO], p_got[N_MICRO];
-        run_init(&ref, MT_MAX_LAYERS);
-        run_init(&got, MT_MAX_LAYERS);
-        for (int l = 0; l < 2; l++)
-            if (!pairs[c][l]) ref.m.wstash[l].n_slots = got.m.wstash[l].n_slots = 0;
-        model_enable_late_expert_wgrad(&got.m);
-        void *carry0 = got.m.d_gu_carry;
-        accumulate(&ref, p_ref);
-        accumulate(&got, p_got);
-        cr_expect(!got.m.late_gu.dw, "case %d: a gate_up weight gradient left waiting", c);
-        if (c < 2) cr_expect(got.m.d_gu_carry != carry0, "case %d: the twin never swapped (nothing held back)", c);
-        char how[64];
-        snprintf(how, sizeof how, "with late gate_up gradients (case %d)", c);
-        expect_same_grads(&ref, &got, how);
-        run_free(&ref);
-        run_free(&got);
-    }
 }
 
 /* Pairing every layer, and a step of one micro-step (nothing may wait): the same again. */
