@@ -133,6 +133,8 @@ static struct fsdp_gbuf *grad_buf_for(struct fsdp *f, int g, int u)
     }
 }
 
+bool fsdp_group_reduces(const struct fsdp *f, enum tensor_group g) { return f->dyn_g[g]; }
+
 void fsdp_flush(struct fsdp *f)
 {
     finish_prefetch(f);   /* the experts' reduction below uses the staging */

@@ -88,6 +88,9 @@ void fsdp_free(struct fsdp *f);
  * backward (not sharded, or reduce_grads=step with a buffer per unit), so that work adding to it
  * may run after the unit's after_backward hook in every backward but the last. */
 bool fsdp_dense_grads_persist(const struct fsdp *f);
+/* Whether group g's gradients go through a reduction (fsdp_flush finishes it); false: each backward
+ * adds straight into the shard, final once the last backward's work has run. */
+bool fsdp_group_reduces(const struct fsdp *f, enum tensor_group g);
 /* After the last backward of a step, before its gradients are read: finishes every reduction in
  * flight. */
 void fsdp_flush(struct fsdp *f);

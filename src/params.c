@@ -1,5 +1,7 @@
 #include "params.h"
 
+#include <math.h>
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -385,14 +387,21 @@ void params_zero_grad(struct params *p)
     }
 }
 
-double params_grad_sumsq(struct params *p, struct comm *world)
+double params_group_grad_sumsq(struct params *p, enum tensor_group g)
 {
-    const struct backend *be = p->m->be;
+    return p->m->be->sumsq_f32(p->g[g].grad, (size_t)p->g[g].numel);
+}
+
+double params_grad_sumsq_with(struct params *p, const double *known, struct comm *world)
+{
     double ss = 0;
-    for (int k = 0; k < TG_COUNT; k++) ss += be->sumsq_f32(p->g[k].grad, (size_t)p->g[k].numel);
+    for (int k = 0; k < TG_COUNT; k++)
+        ss += known && !isnan(known[k]) ? known[k] : params_group_grad_sumsq(p, (enum tensor_group)k);
     comm_all_reduce_sum(world, &ss, 1, COMM_F64);
     return ss;
 }
+
+double params_grad_sumsq(struct params *p, struct comm *world) { return params_grad_sumsq_with(p, NULL, world); }
 
 void params_for_each_run_of(const struct params *p, int s_rank, int f_rank, int64_t expert0,
                             params_run_fn fn, void *ctx)

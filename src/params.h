@@ -121,6 +121,11 @@ void params_zero_grad(struct params *p);
 /* Global squared L2 norm of the shard gradients (each element counted once), all-reduced over
  * `world`. */
 double params_grad_sumsq(struct params *p, struct comm *world);
+/* The same with some groups' sums already taken (known[g]; NAN: take it now), added in the same
+ * order: the same bits. */
+double params_grad_sumsq_with(struct params *p, const double *known /*[TG_COUNT]*/, struct comm *world);
+/* One group's sum of squared gradients on this rank (waits for it) */
+double params_group_grad_sumsq(struct params *p, enum tensor_group g);
 /* AdamW on the shards with the given lr and gradient scale (clipping): one adamw_update_multi
  * call over the shard, or one call per segment under MT_ADAMW_PER_TENSOR=1 (the same bits) */
 void params_adamw_step(struct params *p, const struct train_config *t, float lr, float grad_scale);
