@@ -89,6 +89,7 @@ template <typename T> static struct backend make_table(double peak)
     b.expert_matmul_forward = cu_expert_matmul_forward<T>;
     b.expert_matmul_backward = cu_expert_matmul_backward<T>;
     b.expert_matmul_wgrad_sets = cu_expert_matmul_wgrad_sets<T>;
+    b.expert_matmul_wgrad_part = cu_expert_matmul_wgrad_part<T>;
     b.swiglu_forward = cu_swiglu_forward<T>;
     b.swiglu_backward = cu_swiglu_backward<T>;
     b.cross_entropy_forward = cu_cross_entropy_forward<T>;

@@ -191,6 +191,17 @@ void cu_expert_matmul_wgrad_sets(float *dw, const struct expert_rows *sets, int 
                                      sets[s].rows, n_exp, I, O, dw_overwrite && s == 0);
 }
 
+/* In parts where the grouped kernel runs; elsewhere whole in the last part (until NULL) */
+template <typename T>
+void cu_expert_matmul_wgrad_part(float *dw, const struct expert_rows *sets, int n_sets, int n_exp, int I,
+                                 int O, bool dw_overwrite, int32_t *cursor, const struct exchange_arrival *until)
+{
+    if (std::is_same<T, bf16>::value &&
+        grouped_gemm_wgrad_part(dw, sets, n_sets, n_exp, I, O, dw_overwrite, cursor, until))
+        return;
+    if (!until) cu_expert_matmul_wgrad_sets<T>(dw, sets, n_sets, n_exp, I, O, dw_overwrite);
+}
+
 template void cu_expert_matmul_forward<float>(void *, const void *, const void *, const int64_t *,
                                               int64_t, int, int, int);
 template void cu_expert_matmul_forward<bf16>(void *, const void *, const void *, const int64_t *,
@@ -205,3 +216,7 @@ template void cu_expert_matmul_wgrad_sets<float>(float *, const struct expert_ro
                                                  int, bool);
 template void cu_expert_matmul_wgrad_sets<bf16>(float *, const struct expert_rows *, int, int, int,
                                                 int, bool);
+template void cu_expert_matmul_wgrad_part<float>(float *, const struct expert_rows *, int, int, int, int,
+                                                 bool, int32_t *, const struct exchange_arrival *);
+template void cu_expert_matmul_wgrad_part<bf16>(float *, const struct expert_rows *, int, int, int, int,
+                                                bool, int32_t *, const struct exchange_arrival *);

@@ -122,8 +122,17 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
      * (overwrite, no rows) takes a stage with no data, for its header. */
     const uint32_t hdr0 = staged_bar + 8u;
     auto hdr = [&](int s) { return hdr0 + 32u * s; };
+    /* wgrad: the staged tile's expert, row and column tile and K blocks, for the dw warp (expert
+     * -1: no more tiles); guarded by free_bar / staged_bar as the staging buffer is */
+    const uint32_t dw_hdr = hdr0 + 32u * STAGES;
     __shared__ int tile_start[MAX_EXPERTS + 1];
     __shared__ uint8_t order[MAX_EXPERTS];
+    if (KIND == KIND_WGRAD && p.claim) { /* a part launch with nothing to do leaves at once */
+        __shared__ int quit;
+        if (threadIdx.x == 0) quit = *(volatile int *)(p.claim + 1) || exchange_arrived(p);
+        __syncthreads();
+        if (quit) return;
+    }
     tile_starts<KIND>(p, tile_start, order, (int *)(smem_raw + (base - smem_u32(smem_raw))));
     const int total = tile_start[p.n_exp];
 
@@ -152,11 +161,17 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
              * loading dw's tile by TMA during the MMAs and storing the sum gained 3 ms
              * (docs/benchmarks.md, fourteenth session). */
             uint32_t ph = 0;
-            for (int t = blockIdx.x; t < total; t += gridDim.x) {
-                const tile_info ti = decode<KIND>(p, tile_start, order, t);
-                const int e = p.e_base + ti.e, nb = min(BN / 32, (p.N - ti.ni * BN + 31) / 32);
+            for (int t = blockIdx.x;; t += gridDim.x) {
                 mbar_arrive(free_bar);
                 mbar_wait(staged_bar, ph);
+                tile_info ti;
+                int nk;
+                asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(ti.e), "=r"(ti.mi), "=r"(ti.ni), "=r"(nk)
+                             : "r"(dw_hdr)
+                             : "memory");
+                if (ti.e < 0) break;
+                const int e = p.e_base + ti.e, nb = min(BN / 32, (p.N - ti.ni * BN + 31) / 32);
                 /* Every CTA of a balanced launch stages its tile at about the same moment; issued
                  * at once, the adds (128 KB read and written in DRAM a CTA) hold up the next
                  * tile's operand loads. Spread over part of the next tile's MMAs (its K blocks
@@ -165,8 +180,10 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                  * rows (a K block's tile is all epilogue). */
                 const long long now = clock64();
                 long long gap = 0;
-                if (p.dw_pace && t + (int)gridDim.x < total) {
-                    const int nk_next = k_blocks<KIND>(p, decode<KIND>(p, tile_start, order, t + gridDim.x));
+                if (p.dw_pace && (p.claim || t + (int)gridDim.x < total)) {
+                    /* claimed tiles: the next one is not known here; heaviest first, this one's
+                     * K blocks are close to it */
+                    const int nk_next = p.claim ? nk : k_blocks<KIND>(p, decode<KIND>(p, tile_start, order, t + gridDim.x));
                     gap = 512ll * nk_next * p.dw_pace / 1000 / nb;
                 }
                 for (int b = 0; b < nb; b++) {
@@ -186,7 +203,14 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
         if (threadIdx.x != 0) return;
         int stage = 0;
         uint32_t phase = 0;
-        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        for (int slot = blockIdx.x;; slot += gridDim.x) {
+            int t = slot;
+            if (KIND == KIND_WGRAD && p.claim) {
+                if (exchange_arrived(p)) break; /* the rest is the next part's */
+                t = atomicAdd(p.claim, 1);
+                if (t >= total) *(volatile int *)(p.claim + 1) = 1; /* later parts leave at once */
+            }
+            if (t >= total) break;
             const tile_info ti = decode<KIND>(p, tile_start, order, t);
             const int nk = k_blocks<KIND>(p, ti), e = p.e_base + ti.e;
             set_walk walk;
@@ -225,6 +249,10 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
         }
+        /* no more tiles: a header of expert -1 ends the consumers' loop */
+        mbar_wait(empty_bar(stage), phase ^ 1);
+        asm volatile("st.shared.s32 [%0], %1;" ::"r"(hdr(stage)), "r"(-1) : "memory");
+        mbar_arrive(full_bar(stage));
         return;
     }
 
@@ -237,7 +265,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
     const int col_in_tile = 2 * (lane & 3);
     int stage = 0;
     uint32_t phase = 0, tile_phase = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    for (;;) {
         tile_info ti;
         mbar_wait(full_bar(stage), phase); /* the tile's first K block, and its header */
         asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%8];\n\t"
@@ -246,6 +274,15 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                        "=r"(ti.rows[1]), "=r"(ti.rows[2]), "=r"(ti.rows[3])
                      : "r"(hdr(stage))
                      : "memory");
+        if (ti.e < 0) { /* no more tiles; the dw warp learns it as it learns of a staged tile */
+            if (KIND == KIND_WGRAD) {
+                mbar_wait(free_bar, tile_phase);
+                if (ctid == 0) asm volatile("st.shared.s32 [%0], %1;" ::"r"(dw_hdr), "r"(-1) : "memory");
+                __syncwarp();
+                if (lane == 0) mbar_arrive(staged_bar);
+            }
+            break;
+        }
         const int nk = k_blocks<KIND>(p, ti);
         /* The tile's first MMA overwrites (scale-d 0) instead of a zeroing here, on the tile's
          * critical path. A zero tile gives its header's stage back and stages zeros, not the
@@ -331,6 +368,10 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                                  "f"(zero_tile ? 0.0f : acc[4 * j + 2 * h + 1])
                                  : "memory");
                 }
+            if (ctid == 0)
+                asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};" ::"r"(dw_hdr), "r"(ti.e), "r"(ti.mi),
+                             "r"(ti.ni), "r"(nk)
+                             : "memory");
             fence_proxy_async(); /* for the TMA's reads */
             __syncwarp();
             if (lane == 0) mbar_arrive(staged_bar);
@@ -432,7 +473,7 @@ int heavy_first(void)
 template <int KIND>
 void launch(int n_sets, const CUtensorMap *ma, const CUtensorMap *mb, const int64_t *const *off,
             void *out, int64_t R, int n_exp, int M, int N, int K, const CUtensorMap *mout,
-            bool overwrite = false)
+            bool overwrite = false, int *claim = nullptr, const struct exchange_arrival *until = nullptr)
 {
     static bool attr_set;
     if (!attr_set) {
@@ -451,6 +492,15 @@ void launch(int n_sets, const CUtensorMap *ma, const CUtensorMap *mb, const int6
     p.dw_pace = dw_pace();
     p.heavy_first = KIND == KIND_WGRAD && heavy_first();
     p.tiles_m = KIND == KIND_WGRAD ? (int)cdiv(M, BM) : 0;
+    p.claim = claim;
+    if (until) {
+        p.stop_flags = until->flags;
+        p.stop_epoch = until->epoch;
+        p.stop_n = until->n;
+        p.stop_skip = until->skip;
+    }
+    MT_CHECK(!claim || n_exp <= MAX_EXPERTS, "grouped_gemm: %d experts in parts (a launch takes %d)", n_exp,
+             MAX_EXPERTS);
     for (int e0 = 0; e0 < n_exp; e0 += MAX_EXPERTS) {
         const int ne = n_exp - e0 < MAX_EXPERTS ? n_exp - e0 : MAX_EXPERTS;
         const int64_t max_tiles = KIND == KIND_WGRAD ? ne * cdiv(M, BM) * cdiv(N, BN)
@@ -530,15 +580,17 @@ extern "C" bool grouped_gemm_wgrad(float *dw, const void *dout, const void *in, 
     return grouped_gemm_wgrad_sets(dw, &set, 1, n_exp, I, O, overwrite);
 }
 
-extern "C" bool grouped_gemm_wgrad_sets(float *dw, const struct expert_rows *sets, int n_sets,
-                                        int n_exp, int I, int O, bool overwrite)
+/* grouped_gemm_wgrad_sets, whole (claim NULL) or in parts */
+static bool wgrad_sets(float *dw, const struct expert_rows *sets, int n_sets, int n_exp, int I, int O,
+                       bool overwrite, int *claim, const struct exchange_arrival *until)
 {
     MT_CHECK(n_sets >= 1 && n_sets <= MAX_SETS, "grouped_gemm_wgrad_sets: %d row sets (1 to %d)",
              n_sets, MAX_SETS);
     for (int s = 0; s < n_sets; s++)
         if (sets[s].rows > 0 && !supported(I, O, sets[s].rows, dw, sets[s].dout, sets[s].in)) return false;
     if (!supported(I, O, 0, dw, dw, dw)) return false;
-    if (n_exp <= 0) return true;
+    if (n_exp <= 0 || (claim && n_exp > MAX_EXPERTS)) return n_exp <= 0; /* too many: whole, elsewhere */
+    if (until && !until->flags) return true; /* a wait the device cannot see: nothing taken */
     /* sets with no rows need no tensor map (and cannot have one of zero rows) */
     CUtensorMap ma[MAX_SETS], mb[MAX_SETS];
     const int64_t *off[MAX_SETS];
@@ -548,8 +600,8 @@ extern "C" bool grouped_gemm_wgrad_sets(float *dw, const struct expert_rows *set
         wgrad_maps(&ma[n], &mb[n], sets[s].dout, sets[s].in, sets[s].rows, I, O);
         off[n++] = sets[s].off;
     }
-    if (n == 0) {
-        if (overwrite) CUDA_CHECK(cudaMemsetAsync(dw, 0, (size_t)n_exp * O * I * sizeof(float), g_cuda.stream));
+    if (n == 0) { /* no tiles but zeros, which the last part writes */
+        if (overwrite && !until) CUDA_CHECK(cudaMemsetAsync(dw, 0, (size_t)n_exp * O * I * sizeof(float), g_cuda.stream));
         return true;
     }
     CUtensorMap mw;
@@ -557,8 +609,21 @@ extern "C" bool grouped_gemm_wgrad_sets(float *dw, const struct expert_rows *set
     const cuuint64_t dws[2] = {(cuuint64_t)I * 4, (cuuint64_t)O * I * 4};
     const cuuint32_t dwb[3] = {32, BM, 1};
     tma_make_map_f32(&mw, dw, 3, dwd, dws, dwb, "grouped_gemm");
-    launch<KIND_WGRAD>(n, ma, mb, off, dw, 0, n_exp, O, I, 0, &mw, overwrite);
+    launch<KIND_WGRAD>(n, ma, mb, off, dw, 0, n_exp, O, I, 0, &mw, overwrite, claim, until);
     return true;
+}
+
+extern "C" bool grouped_gemm_wgrad_sets(float *dw, const struct expert_rows *sets, int n_sets,
+                                        int n_exp, int I, int O, bool overwrite)
+{
+    return wgrad_sets(dw, sets, n_sets, n_exp, I, O, overwrite, nullptr, nullptr);
+}
+
+extern "C" bool grouped_gemm_wgrad_part(float *dw, const struct expert_rows *sets, int n_sets, int n_exp,
+                                        int I, int O, bool overwrite, int32_t *cursor,
+                                        const struct exchange_arrival *until)
+{
+    return wgrad_sets(dw, sets, n_sets, n_exp, I, O, overwrite, cursor, until);
 }
 
 extern "C" bool grouped_gemm_available(void) { return g_cuda.ready && g_cuda.hopper; }

@@ -48,6 +48,16 @@ bool grouped_gemm_wgrad(float *dw /*[n_exp,O,I] fp32*/, const void *dout /*[rows
 bool grouped_gemm_wgrad_sets(float *dw /*[n_exp,O,I] fp32*/, const struct expert_rows *sets,
                              int n_sets, int n_exp, int I, int O, bool overwrite);
 
+/* grouped_gemm_wgrad_sets in parts, for the waits of an exchange: each call takes tiles from
+ * `cursor` (device, 2 int32 zeroed before the first part; the same sets, dw and overwrite in every
+ * part) and leaves the rest to the next; until (ops.h): the tiles taken while that exchange is in
+ * flight (none where until->flags is NULL), NULL: every tile left. Each tile adds its sum to dw
+ * once, whichever part takes it, so the parts make the bits of one grouped_gemm_wgrad_sets. False
+ * (nothing done) where grouped_gemm_wgrad_sets would decline, or past MAX_EXPERTS (256) experts. */
+bool grouped_gemm_wgrad_part(float *dw /*[n_exp,O,I] fp32*/, const struct expert_rows *sets, int n_sets,
+                             int n_exp, int I, int O, bool overwrite, int32_t *cursor /*[2] device*/,
+                             const struct exchange_arrival *until);
+
 /* Whether the kernel runs here: the backend is up on a compute capability 9.0 device and
  * MT_FORCE_SM80 is not set (the backend's g_cuda.hopper). When false, every call above declines. */
 bool grouped_gemm_available(void);

@@ -41,7 +41,7 @@ template <int KIND> constexpr int smem_bytes_of()
 {
     return stages_of<KIND>() * stage_bytes_of<KIND>() + out_bytes_of<KIND>() + 1024 /* alignment slack */ +
            2 * stages_of<KIND>() * 8 + 2 * 8 /* wgrad: free, staged */ +
-           stages_of<KIND>() * 32 /* a tile header per stage */;
+           stages_of<KIND>() * 32 /* a tile header per stage */ + 16 /* wgrad: the staged tile's */;
 }
 /* beside the dynamic part: the tile starts, a scan's warp totals and the expert order (tile_starts) */
 constexpr int STATIC_SMEM = (MAX_EXPERTS + 1 + THREADS / 32) * 4 + MAX_EXPERTS;
@@ -68,6 +68,14 @@ struct gg_params {
      * turns them into tile starts in shared memory */
     const int64_t *off[MAX_SETS];
     int n_sets;         /* 1 (forward, dgrad) .. MAX_SETS */
+    /* wgrad in parts (grouped_gemm_wgrad_part): the CTAs take tiles from claim[0] (device; the
+     * next tile of the launch's order) instead of every grid-th one, and set claim[1] once none
+     * is left; NULL: the grid-stride schedule. With stop_flags they take no more tiles once the
+     * exchange has arrived: stop_flags[d] - stop_epoch >= 0 for every d < stop_n but stop_skip. */
+    int *claim;
+    const uint32_t *stop_flags;
+    uint32_t stop_epoch;
+    int stop_n, stop_skip;
 };
 
 /* kernel parameters live in the 4 KB constant bank of a launch */
@@ -162,7 +170,7 @@ __device__ void tile_starts(const gg_params &p, int *tile_start /*[MAX_EXPERTS +
 template <int KIND>
 __device__ __forceinline__ tile_info decode(const gg_params &p, const int *tile_start, const uint8_t *order, int t)
 {
-    if (KIND == KIND_WGRAD && p.heavy_first) {
+    if (KIND == KIND_WGRAD && p.heavy_first && !p.claim) { /* claimed tiles balance themselves */
         const int g = (int)gridDim.x, round = t / g;
         if ((round & 1) && (round + 1) * g <= tile_start[p.n_exp]) t = round * g + (g - 1 - (t - round * g));
     }
@@ -195,6 +203,19 @@ __device__ __forceinline__ tile_info decode(const gg_params &p, const int *tile_
         ti.ni = in / gm;
     }
     return ti;
+}
+
+/* wgrad in parts: whether the exchange that stop_flags watch has arrived (never without them) */
+__device__ __forceinline__ bool exchange_arrived(const gg_params &p)
+{
+    if (!p.stop_flags) return false;
+    for (int d = 0; d < p.stop_n; d++) {
+        if (d == p.stop_skip) continue;
+        uint32_t v;
+        asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p.stop_flags + d) : "memory");
+        if ((int32_t)(v - p.stop_epoch) < 0) return false;
+    }
+    return true;
 }
 
 /* v[s] without a local-memory array (s < MAX_SETS) */

@@ -56,6 +56,14 @@ struct expert_rows {
     int64_t rows;        /* rows the two matrices hold (>= off[n_exp]) */
 };
 
+/* An exchange in flight as the device sees it (comm.h comm_exchange_arrival): it has arrived once
+ * flags[d] - epoch >= 0, as int32, for every d < n but skip; flags NULL: not visible here. */
+struct exchange_arrival {
+    const uint32_t *flags; /* backend memory [n], written by the peers' copies */
+    uint32_t epoch;
+    int n, skip;
+};
+
 struct backend {
     const char *name;            /* "cpu" or "cuda" */
     size_t x_size;               /* bytes per compute-dtype element (4 or 2) */
@@ -290,6 +298,15 @@ struct backend {
      * set. */
     void (*expert_matmul_wgrad_sets)(float *dw /*[n_exp,O,I]*/, const struct expert_rows *sets,
                                      int n_sets, int n_exp, int I, int O, bool dw_overwrite);
+    /* The same in parts, to fill an exchange's wait (moe_wgrad_jobs.c): each call takes the work
+     * `cursor` (backend memory, 2 int32, zeroed before the first part; the same arguments in every
+     * part) has not passed; until NULL: all of it, else what runs while that exchange is in flight
+     * (the CUDA kernel stops taking tiles once its flags show the rows arrived; the CPU backend
+     * takes MT_CPU_WGRAD_PART_EXPERTS experts a part, default 0, for tests). Each piece adds its
+     * sum to dw once, so the parts make the bits of one expert_matmul_wgrad_sets. */
+    void (*expert_matmul_wgrad_part)(float *dw /*[n_exp,O,I]*/, const struct expert_rows *sets,
+                                     int n_sets, int n_exp, int I, int O, bool dw_overwrite,
+                                     int32_t *cursor, const struct exchange_arrival *until);
 
     /* SwiGLU on fused [gate | up] rows: out = silu(g) * u. rows (backend memory, or NULL): only
      * the first min(R, *rows) rows, the others left as they are (a route plan's off[n_exp] where

@@ -174,6 +174,10 @@ W(expert_matmul_backward, PROF_EXPERT_GEMM, O,
 W(expert_matmul_wgrad_sets, PROF_EXPERT_GEMM, O,
   (float *dw, const struct expert_rows *sets, int ns, int n, int I, int O, bool ow),
   (dw, sets, ns, n, I, O, ow))
+W(expert_matmul_wgrad_part, PROF_EXPERT_GEMM, O,
+  (float *dw, const struct expert_rows *sets, int ns, int n, int I, int O, bool ow, int32_t *c,
+   const struct exchange_arrival *u),
+  (dw, sets, ns, n, I, O, ow, c, u))
 W(swiglu_forward, PROF_OTHER, I, (void *o, const void *gu, int R, int I, const int64_t *n), (o, gu, R, I, n))
 W(swiglu_backward, PROF_OTHER, I, (void *d, const void *o, const void *gu, int R, int I, const int64_t *n),
   (d, o, gu, R, I, n))
@@ -223,6 +227,7 @@ const struct backend *profile_wrap(const struct backend *be)
     SET(router_stats); SET(aux_grad_from_stats);
     SET(moe_route_plan); SET(moe_pair_plan); SET(moe_rows_cap); SET(gather_f32); SET(gather_rows); SET(gather_rows_backward); SET(moe_combine_forward);
     SET(moe_combine_backward); SET(expert_matmul_forward); SET(expert_matmul_backward); SET(expert_matmul_wgrad_sets);
+    SET(expert_matmul_wgrad_part);
     SET(swiglu_forward); SET(swiglu_backward); SET(cross_entropy_forward);
     SET(cross_entropy_backward); SET(cross_entropy_fused); SET(adamw_update); SET(adamw_update_m16);
     SET(adamw_update_multi);

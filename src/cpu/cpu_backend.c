@@ -1,5 +1,6 @@
 /* The CPU backend table: thin adapters from the void * compute-dtype interface of ops.h to the
  * float * functions of cpu_ops.h (the compute dtype is fp32 here, so x_size is 4). */
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -180,6 +181,32 @@ static void b_expert_matmul_wgrad_sets(float *dw, const struct expert_rows *sets
         cpu_expert_matmul_backward(NULL, dw, sets[s].dout, sets[s].in, NULL, sets[s].off, n_exp, I, O);
 }
 
+/* experts a part takes where until is set: MT_CPU_WGRAD_PART_EXPERTS (default 0), so that tests
+ * can make the parts split a job anywhere */
+static int part_experts(void)
+{
+    const char *env = getenv("MT_CPU_WGRAD_PART_EXPERTS");
+    return env ? atoi(env) : 0;
+}
+
+/* cursor[0]: the experts done; each expert's sums as b_expert_matmul_wgrad_sets makes them */
+static void b_expert_matmul_wgrad_part(float *dw, const struct expert_rows *sets, int n_sets, int n_exp,
+                                       int I, int O, bool dw_overwrite, int32_t *cursor,
+                                       const struct exchange_arrival *until)
+{
+    MT_CHECK(n_sets >= 1 && n_sets <= MT_WGRAD_MAX_SETS, "expert_matmul_wgrad_part: %d row sets", n_sets);
+    for (int s = 0; s < n_sets; s++) check_rows("expert_matmul_wgrad_part", sets[s].off, sets[s].rows, n_exp);
+    const int e0 = MT_MIN(MT_MAX(cursor[0], 0), n_exp);
+    const int e1 = until ? MT_MIN(n_exp, e0 + MT_MAX(part_experts(), 0)) : n_exp;
+    if (e1 <= e0) return;
+    const size_t per = (size_t)O * I;
+    if (dw_overwrite) memset(dw + e0 * per, 0, (size_t)(e1 - e0) * per * sizeof(float));
+    for (int s = 0; s < n_sets; s++)
+        cpu_expert_matmul_backward(NULL, dw + e0 * per, sets[s].dout, sets[s].in, NULL, sets[s].off + e0,
+                                   e1 - e0, I, O);
+    cursor[0] = e1;
+}
+
 static void b_swiglu_forward(void *out, const void *gu, int R, int I, const int64_t *rows)
 {
     cpu_swiglu_forward(out, gu, rows && *rows < R ? (int)*rows : R, I);
@@ -271,6 +298,7 @@ static const struct backend cpu_backend = {
     .expert_matmul_forward = b_expert_matmul_forward,
     .expert_matmul_backward = b_expert_matmul_backward,
     .expert_matmul_wgrad_sets = b_expert_matmul_wgrad_sets,
+    .expert_matmul_wgrad_part = b_expert_matmul_wgrad_part,
     .swiglu_forward = b_swiglu_forward,
     .swiglu_backward = b_swiglu_backward,
     .cross_entropy_forward = b_cross_entropy_forward,

@@ -19,6 +19,9 @@
 #include "ops.h"
 
 #ifdef MT_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
 #include "../../cuda/grouped_gemm.cuh"
 #endif
 
@@ -376,6 +379,109 @@ Test(gpu, expert_matmul_wgrad_sets)
         wgrad_sets_case(&M, &rng, "40 skewed experts, 480 tiles 520->392", SKEW, 2, skew2, 520, 392);
     }
 }
+
+#ifdef MT_HAVE_CUDA
+/* expert_matmul_wgrad_part (ops.h): parts that stop where an exchange's flag says its rows
+ * arrived, then the rest, make the bits of one expert_matmul_wgrad_sets, and the CPU's sums to
+ * TOL_F32_LONG. The flag is in mapped host memory, set by this thread: before the first part
+ * (nothing taken), ~200 us into it (a split wherever the kernel was), or never (all taken). A part
+ * after the last (until NULL, called once) finds nothing left. Adding onto random dw and
+ * overwriting NaN. */
+static void wgrad_part_case(const struct mode *M, mt_rng *rng, const char *tag, int NE, int NS,
+                            const int *const *rows, int I, int O, bool overwrite)
+{
+    char what[200];
+    struct expert_rows g_sets[MT_WGRAD_MAX_SETS], c_sets[MT_WGRAD_MAX_SETS];
+    int64_t *off[MT_WGRAD_MAX_SETS];
+    float *in[MT_WGRAD_MAX_SETS], *dout[MT_WGRAD_MAX_SETS];
+    const size_t wn = (size_t)NE * O * I;
+    for (int k = 0; k < NS; k++) {
+        off[k] = mt_calloc((size_t)NE + 1, sizeof *off[k]);
+        for (int e = 0; e < NE; e++) off[k][e + 1] = off[k][e] + rows[k][e];
+        const size_t r = (size_t)off[k][NE];
+        in[k] = hrand(rng, MT_MAX(r, 1) * I, 1.0), dout[k] = hrand(rng, MT_MAX(r, 1) * O, 1.0);
+        g_sets[k] = (struct expert_rows){dx_from(M, dout[k], MT_MAX(r, 1) * O), dx_from(M, in[k], MT_MAX(r, 1) * I),
+                                         doff_from(M, off[k], NE), (int64_t)r};
+        c_sets[k] = (struct expert_rows){dout[k], in[k], off[k], (int64_t)r};
+    }
+    float *dw0 = hrand(rng, wn, 1.0);
+    if (overwrite)
+        for (size_t i = 0; i < wn; i++) dw0[i] = NAN;
+    float *d_one = df_from(M, dw0, wn);
+    M->g->expert_matmul_wgrad_sets(d_one, g_sets, NS, NE, I, O, overwrite);
+    float *one = hf_of(M, d_one, wn), *ref = hdup(dw0, wn);
+    M->c->expert_matmul_wgrad_sets(ref, c_sets, NS, NE, I, O, overwrite);
+    snprintf(what, sizeof what, "wgrad part %s%s: one call vs CPU", tag, overwrite ? " (overwrite)" : "");
+    check_close(M, what, one, ref, wn, TOL_F32_LONG);
+
+    uint32_t *flags_h = NULL, *flags_d = NULL;
+    cr_assert_eq(cudaHostAlloc((void **)&flags_h, 2 * sizeof *flags_h, cudaHostAllocMapped), cudaSuccess);
+    cr_assert_eq(cudaHostGetDevicePointer((void **)&flags_d, flags_h, 0), cudaSuccess);
+    const struct exchange_arrival until = {flags_d, 7, 2, 0}; /* flag 0 is this rank's own */
+    int32_t *cursor = M->g->alloc(2 * sizeof(int32_t));
+    const char *when[] = {"arrived before", "arrives at ~200 us", "never arrives"};
+    for (int split = 0; split < 3; split++) {
+        float *d_dw = df_from(M, dw0, wn);
+        M->g->zero(cursor, 2 * sizeof(int32_t));
+        flags_h[0] = 0;
+        ((volatile uint32_t *)flags_h)[1] = split == 0 ? 7 : 6;
+        M->g->expert_matmul_wgrad_part(d_dw, g_sets, NS, NE, I, O, overwrite, cursor, &until);
+        if (split == 1) {
+            usleep(200);
+            ((volatile uint32_t *)flags_h)[1] = 7;
+        }
+        int32_t taken[2];
+        M->g->download(taken, cursor, sizeof taken); /* waits for the part */
+        float *mid = hf_of(M, d_dw, wn);
+        if (split == 0) {
+            snprintf(what, sizeof what, "wgrad part %s: nothing taken once arrived", tag);
+            check_exact(M, what, mid, dw0, wn * sizeof(float));
+        }
+        ((volatile uint32_t *)flags_h)[1] = split == 2 ? 6 : 7;
+        if (split == 2) M->g->expert_matmul_wgrad_part(d_dw, g_sets, NS, NE, I, O, overwrite, cursor, &until);
+        M->g->expert_matmul_wgrad_part(d_dw, g_sets, NS, NE, I, O, overwrite, cursor, NULL); /* the last */
+        ((volatile uint32_t *)flags_h)[1] = 6;
+        M->g->expert_matmul_wgrad_part(d_dw, g_sets, NS, NE, I, O, overwrite, cursor, &until); /* none left */
+        float *got = hf_of(M, d_dw, wn);
+        snprintf(what, sizeof what, "wgrad part %s%s, flag %s: parts = one call", tag, overwrite ? " (overwrite)" : "",
+                 when[split]);
+        check_exact(M, what, got, one, wn * sizeof(float));
+        fprintf(stderr, "gpu %s wgrad part %-28s%s flag %-18s: first part claimed %d (done %d), the rest after\n",
+                M->name, tag, overwrite ? " overwrite" : "", when[split], taken[0], taken[1]);
+        M->g->free(d_dw);
+        free(mid), free(got);
+    }
+    cudaFreeHost(flags_h);
+    M->g->free(cursor), M->g->free(d_one);
+    for (int k = 0; k < NS; k++) {
+        M->g->free((void *)g_sets[k].dout), M->g->free((void *)g_sets[k].in), M->g->free((void *)g_sets[k].off);
+        free(off[k]), free(in[k]), free(dout[k]);
+    }
+    free(dw0), free(one), free(ref);
+}
+
+Test(gpu, expert_matmul_wgrad_part_makes_the_bits_of_one_call)
+{
+    struct mode M;
+    mt_rng rng;
+    mt_rng_seed(&rng, 141);
+    /* 64 experts of 300-700 rows in two sets at 1024->768: ~2,300 tiles, a few ms */
+    enum { NE = 64 };
+    int big[2][NE];
+    for (int k = 0; k < 2; k++)
+        for (int e = 0; e < NE; e++) big[k][e] = e % 13 == 5 ? 0 : 300 + irand(&rng, 400);
+    const int *big2[] = {big[0], big[1]};
+    const int a[] = {0, 0, 127, 129, 300, 0, 64, 65}, b[] = {65, 0, 1, 0, 200, 0, 63, 128};
+    const int *ab[] = {a, b};
+    for (int i = 0; i < 2; i++) {
+        mode_get(i, &M);
+        wgrad_part_case(&M, &rng, "64 experts 1024->768", NE, 2, big2, 1024, 768, false);
+        wgrad_part_case(&M, &rng, "64 experts 1024->768", NE, 2, big2, 1024, 768, true);
+        wgrad_part_case(&M, &rng, "edges 256->512", 8, 2, ab, 256, 512, true);
+        wgrad_part_case(&M, &rng, "I, O not /8 (fallback)", 8, 2, ab, 100, 60, false);
+    }
+}
+#endif
 
 /* MT_FORCE_SM80=1 (make test-gpu's sm_80 pass) must really take the sm_80 paths on a Hopper GPU,
  * or that pass would test the Hopper kernels twice. */
