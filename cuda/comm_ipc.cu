@@ -251,6 +251,16 @@ void ipc_a2a_finish(struct ipc_a2a *x)
     }
 }
 
+bool ipc_a2a_arrival(const struct ipc_a2a *x, struct exchange_arrival *out)
+{
+    if (!x->started) return false;
+    out->flags = x->flags + x->size; /* arrived_from[d]: written by d's copy into our window */
+    out->epoch = x->epoch;
+    out->n = x->size;
+    out->skip = x->rank;
+    return true;
+}
+
 const void *ipc_a2a_run(struct ipc_a2a *x, const size_t *recv_bytes, const void *send,
                         const size_t *send_bytes)
 {

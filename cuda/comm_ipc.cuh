@@ -44,6 +44,10 @@ const void *ipc_a2a_run(struct ipc_a2a *x, const size_t *recv_bytes, const void 
 const void *ipc_a2a_start(struct ipc_a2a *x, const size_t *recv_bytes, const void *send,
                           const size_t *send_bytes, bool same_block);
 void ipc_a2a_finish(struct ipc_a2a *x);
+struct exchange_arrival; /* ops.h */
+/* Between start and finish: the flags the peers' copies set once their blocks have landed here
+ * (ops.h struct exchange_arrival), for work that should run only until they have */
+bool ipc_a2a_arrival(const struct ipc_a2a *x, struct exchange_arrival *out);
 
 /* Collective. */
 void ipc_a2a_free(struct ipc_a2a *x);

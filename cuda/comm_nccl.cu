@@ -497,11 +497,17 @@ static const void *nccl_all_gather_inbox_start(struct comm *c, const void *send,
     return win;
 }
 
+static bool nccl_exchange_arrival(struct comm *c, const struct comm_p2p_req *r, struct exchange_arrival *out)
+{
+    const struct nccl_p2p_state *st = (const struct nccl_p2p_state *)r->state;
+    return st && st->ipc && ipc_a2a_arrival(impl_of(c)->ipc, out);
+}
+
 static const struct comm_ops nccl_ops = {
     nccl_all_gather, nccl_reduce_scatter_sum, nccl_all_reduce_sum, nccl_all_to_all_v,
     nccl_all_to_all, nccl_all_to_all_inbox, nccl_p2p, nccl_p2p_start, nccl_all_gather_start,
     nccl_all_to_all_v_start, nccl_reduce_scatter_sum_start, nccl_p2p_wait, nccl_destroy,
-    nccl_all_to_all_inbox_start, nccl_all_gather_inbox_start,
+    nccl_all_to_all_inbox_start, nccl_all_gather_inbox_start, nccl_exchange_arrival,
 };
 
 extern "C" struct comm *comm_nccl_create(MPI_Comm mpi)

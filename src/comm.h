@@ -7,6 +7,7 @@
 #define MT_COMM_H
 
 #include <mpi.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -34,6 +35,8 @@ struct comm_p2p_op {
 struct comm_p2p_req {
     void *state;           /* the implementation's; NULL when nothing is in flight */
 };
+
+struct exchange_arrival; /* ops.h */
 
 struct comm_ops {
     /* recv[size * n] = concatenation of every rank's send[n], in rank order; in place when
@@ -100,6 +103,10 @@ struct comm_ops {
      * The MoE fixed exchange's token rows, whose blocks are the same for every rank. */
     const void *(*all_gather_inbox_start)(struct comm *c, const void *send, size_t n, enum comm_dtype t,
                                           struct comm_p2p_req *r);
+    /* optional (NULL: none): how the device sees the arrival of the inbox exchange r, started
+     * and not yet waited for (ops.h struct exchange_arrival: the flags the peers' copies set);
+     * false where it cannot (a transfer that is not the copy engines', or nothing in flight) */
+    bool (*exchange_arrival)(struct comm *c, const struct comm_p2p_req *r, struct exchange_arrival *out);
 };
 
 size_t comm_dtype_size(enum comm_dtype t);
@@ -149,6 +156,8 @@ const void *comm_all_to_all_inbox(struct comm *c, const int64_t *recv_counts, co
  * leaves nothing in flight. */
 const void *comm_all_to_all_inbox_start(struct comm *c, const int64_t *recv_counts, const void *send,
                                         const int64_t *send_counts, enum comm_dtype t, struct comm_p2p_req *r);
+/* ops->exchange_arrival; false for a NULL comm or where the op is missing */
+bool comm_exchange_arrival(struct comm *c, const struct comm_p2p_req *r, struct exchange_arrival *out);
 /* ops->all_gather_inbox_start; comm_p2p_wait finishes it. For a NULL comm the result is `send`. */
 const void *comm_all_gather_inbox_start(struct comm *c, const void *send, size_t n, enum comm_dtype t,
                                         struct comm_p2p_req *r);

@@ -549,6 +549,11 @@ const void *comm_all_to_all_inbox(struct comm *c, const int64_t *recv_counts, co
     return r;
 }
 
+bool comm_exchange_arrival(struct comm *c, const struct comm_p2p_req *r, struct exchange_arrival *out)
+{
+    return c && r->state && c->ops->exchange_arrival && c->ops->exchange_arrival(c, r, out);
+}
+
 const void *comm_all_gather_inbox_start(struct comm *c, const void *send, size_t n, enum comm_dtype t,
                                         struct comm_p2p_req *r)
 {
