@@ -86,9 +86,16 @@ struct expert_rows_parked {
     int64_t rows;       /* the rows the above hold for it (the layer's R_exp then) */
 };
 struct expert_wgrad_stash {
-    struct expert_rows_parked slot[MT_WGRAD_MAX_SETS - 1];
+    /* [n_slots] the group's parked micro-steps, [n_slots] the last one's too while its job waits */
+    struct expert_rows_parked slot[MT_WGRAD_MAX_SETS];
     int n_slots;        /* the group's micro-steps - 1 (0: the layer does not group) */
     int pending;        /* slots holding micro-steps whose weight gradients are not in dw yet */
+    /* expert wgrad jobs (moe_wgrad_jobs.h): slots [0, pending) make a job whose grouped weight
+     * gradients run in parts at later exchanges' waits, the rest at its deadline */
+    bool job;
+    bool job_fresh;     /* its sums overwrite dw (exp_dw_fresh when it was queued) */
+    int64_t job_seq;    /* queue order */
+    int32_t *cursor;    /* backend memory [4]: the down and gate_up parts' (ops.h wgrad_part) */
 };
 
 /* One micro-batch in flight: a pipeline stage keeps several (1F1B), a stage of one keeps one. */
@@ -176,6 +183,10 @@ struct model {
     /* set by the caller of a backward: another backward of the same optimizer step follows on this
      * stage, so expert weight gradients may wait for it; cleared by every backward */
     bool more_backwards;
+    /* expert wgrad jobs (moe_wgrad_jobs.h; needs wstash): a grouping layer's weight gradients wait
+     * for exchange waits instead of running in its backward; wgrad_job_seq numbers them */
+    bool wgrad_jobs;
+    int64_t wgrad_job_seq;
     /* weight gradients held back to run under the next MoE layer's backward exchanges
      * (model_enable_deferred_wgrads; NULL = off): o_wgrad_dout [T, H] keeps a layer's dL/d(o_proj
      * output), q_wgrad_dout [T, Hq*D] its dL/d(q_proj output); `deferred` holds the pending ones,

@@ -27,6 +27,7 @@
 #include "model.h"
 #include "moe_buffers.h"
 #include "moe_exchange.h"
+#include "moe_wgrad_jobs.h"
 #include "route_replay.h"
 #include "router_opts.h"
 
@@ -260,7 +261,12 @@ static void combine_rows(struct model *m, struct layer_acts *a, void *out, const
         return;
     }
     be->moe_combine_forward(m->d_x_exp, a->y_exp, r->exp_slot, r->meta_w, NULL, (int)r->P_recv, K, H);
-    const void *pairs = exchange_rows(m, r->send_counts, m->d_x_exp, r->recv_counts);
+    int64_t in[m->ep], out_n[m->ep]; /* back the way the dispatch came */
+    scale_counts(m, in, out_n, r->send_counts, r->recv_counts, H);
+    struct comm_p2p_req req;
+    const void *pairs = comm_all_to_all_inbox_start(m->ep_comm, in, m->d_x_exp, out_n, comm_dtype_of_x(be->x_size), &req);
+    moe_wgrad_jobs_fill(m, &req); /* the rank whose experts had fewer rows waits here */
+    comm_p2p_wait(m->ep_comm, &req);
     be->moe_combine_forward(out, pairs, r->tok_pair, m->ones, resid, T, K, H);
 }
 
@@ -269,7 +275,7 @@ static void combine_rows(struct model *m, struct layer_acts *a, void *out, const
  * *w_req): combine_weights_home finishes it into m->d_topk_w, after the expert backward's GEMMs
  * (which need neither) and before the next inbox exchange, so its latency hides under them.
  * Without pairs m->d_topk_w is written here and NULL returned. */
-static const float *combine_rows_backward(struct model *m, struct layer_acts *a, struct comm_p2p_req *w_req)
+static const float *combine_rows_backward(struct model *m, struct layer_acts *a, int finish, struct comm_p2p_req *w_req)
 {
     const struct backend *be = m->be;
     const int T = m->T, H = m->H, K = m->K;
@@ -291,6 +297,8 @@ static const float *combine_rows_backward(struct model *m, struct layer_acts *a,
         d_pairs = comm_all_to_all_inbox_start(m->ep_comm, in, m->d_x_send, out, comm_dtype_of_x(be->x_size), &req);
     }
     model_run_deferred_wgrads(m, 1); /* the layer above's o_proj weight gradient, while the rows move */
+    if (finish >= 0) moe_wgrad_job_finish(m, finish); /* its deadline, while the rows move */
+    moe_wgrad_jobs_fill(m, &req);
     comm_p2p_wait(m->ep_comm, &req);
     be->moe_combine_backward(m->d_y_exp, m->d_w_recv, d_pairs, a->y_exp, r->exp_slot, r->meta_w,
                              (int)r->P_recv, K, H);
@@ -371,15 +379,20 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
         moe_exchange_backward(m, a, l);
         return;
     }
-    struct comm_p2p_req w_req;
-    const float *d_w = combine_rows_backward(m, a, &w_req);
     float *dw_down = G(m, TR_EXP_DOWN, l), *dw_gu = G(m, TR_EXP_GATE_UP, l);
     /* parallel.expert_wgrad_pairs / expert_wgrad_group: this micro-step's weight gradients wait
      * for a later one's (stashed while the group has room and another backward follows), or the
      * waiting ones join this micro-step's in one pass over dw (grouped, stash first) */
     struct expert_wgrad_stash *s = m->wstash && m->wstash[l].n_slots ? &m->wstash[l] : NULL;
+    /* a job this layer queued in its last backward finishes first: its slots are the stash's */
+    struct comm_p2p_req w_req;
+    const float *d_w = combine_rows_backward(m, a, l, &w_req);
+    moe_wgrad_job_finish(m, l); /* without pairs (no jobs then: a no-op) */
     const bool stashed = s && s->pending < s->n_slots && m->more_backwards && dw_down && dw_gu;
     const bool grouped = s && s->pending > 0 && !stashed;
+    /* a grouped micro-step's weight gradients become a job (moe_wgrad_jobs.h) while another
+     * backward follows, to fill later exchanges' waits */
+    const bool queued = grouped && m->wgrad_jobs && m->more_backwards;
     const bool now = !grouped && !stashed;
     const bool fresh = m->exp_dw_fresh[l];
     if (!stashed) m->exp_dw_fresh[l] = false;
@@ -388,7 +401,7 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
     const int n_sets = grouped ? s->pending + 1 : 0;
     be->expert_matmul_backward(m->d_act, now ? dw_down : NULL, m->d_y_exp, a->act,
                                W(m, TR_EXP_DOWN, l), r->expert_off, R, nl, I, H, fresh);
-    if (grouped) {
+    if (grouped && !queued) {
         for (int k = 0; k < s->pending; k++)
             sets[k] = (struct expert_rows){s->slot[k].d_y_exp, s->slot[k].act, s->slot[k].off, s->slot[k].rows};
         sets[s->pending] = (struct expert_rows){m->d_y_exp, a->act, r->expert_off, R};
@@ -400,11 +413,12 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
     /* parking swaps d_y_exp out before the send half reuses it; the grouped gate_up weight
      * gradient (reads d_gu and x_exp) runs while d_x_exp's pair rows move to their tokens' ranks */
     combine_weights_home(m, a, d_w, &w_req); /* before the next inbox exchange */
-    if (stashed) moe_stash_expert_rows(m, a, s);
+    if (stashed || queued) moe_stash_expert_rows(m, a, s);
+    if (queued) moe_wgrad_job_queue(m, l, fresh);
     struct comm_p2p_req req;
     const void *d_pairs = dispatch_rows_backward_send(m, a, &req);
     if (m->pairs) model_run_deferred_wgrads(m, 1); /* the layer above's q_proj weight gradient */
-    if (grouped) {
+    if (grouped && !queued) {
         for (int k = 0; k < s->pending; k++)
             sets[k] = (struct expert_rows){s->slot[k].d_gu, s->slot[k].x_exp, s->slot[k].off, s->slot[k].rows};
         sets[s->pending] = (struct expert_rows){m->d_gu, a->x_exp, r->expert_off, R};
@@ -521,7 +535,7 @@ void moe_combine_backward_for_test(struct model *m, int l, const void *dout)
     struct layer_acts *a = test_layer(m, l);
     copy_in(m, m->d_h, dout, m->T);
     struct comm_p2p_req w_req;
-    const float *d_w = combine_rows_backward(m, a, &w_req);
+    const float *d_w = combine_rows_backward(m, a, -1, &w_req);
     combine_weights_home(m, a, d_w, &w_req);
 }
 

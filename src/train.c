@@ -38,6 +38,7 @@
 #include "metrics.h"
 #include "model_step.h"
 #include "moe_timeline.h"
+#include "moe_wgrad_jobs.h"
 #include "params.h"
 #include "plan.h"
 #include "preempt.h"
@@ -268,6 +269,8 @@ int cmd_train(const struct cli *a)
     if (c.parallel.expert_wgrad_pairs == MT_TRI_TRUE && E > 0)
         model_enable_expert_wgrad_groups(&m, c.parallel.wgrad_pair_layers, c.parallel.wgrad_group_layers,
                                          c.parallel.wgrad_group);
+    /* experimental (not in the memory plan: one more parked micro-step a grouping layer) */
+    if (m.wstash && m.pairs && mt_env_flag("MT_WGRAD_JOBS")) model_enable_wgrad_jobs(&m);
     if (*c.data.routing_replay &&
         !route_replay_open(&m, c.data.routing_replay, (int64_t)tc->steps * tc->global_batch_size, err, sizeof err))
         mt_user_error("data.routing_replay: %s", err);

@@ -53,6 +53,10 @@ void train_print_startup(const struct config *c, const struct mesh *mesh, const 
         printf("  experts     weight gradients of %s (parallel.expert_wgrad_pairs%s%s)\n", what,
                ng ? ", expert_wgrad_group" : "", fits ? "; what fits" : "");
     }
+    if (m->wgrad_jobs)
+        printf("  overlap     grouped expert weight gradients wait as jobs for later exchanges' waits, the rest "
+               "at the layer's next backward (MT_WGRAD_JOBS=1, experimental: one more parked micro-step a "
+               "grouping layer, not in the memory plan)\n");
     if (m->fixed_exchange)
         printf("  exchange    MoE pairs in blocks of %d tokens a rank, expert rows held to %lld a layer: no host "
                "waits (a step that needs more runs again; parallel.moe_fixed_exchange)\n", m->T, (long long)m->rows_cap[m->st.layer0]);

@@ -270,6 +270,35 @@ Test(moe_chunks, train_deferred_wgrads_change_no_bit, .timeout = 300)
     deferred_vs_in_place(2);
 }
 
+/* Expert wgrad jobs (src/moe_wgrad_jobs.c, MT_WGRAD_JOBS=1): a pair's grouped weight gradients
+ * queued at its second backward, run in parts at later exchange waits (on the CPU backend
+ * MT_CPU_WGRAD_PART_EXPERTS experts a part: none, one, all) and finished at the layer's next
+ * backward keep every bit of the grouped GEMM in place. EP = 2, 6 micro-steps: pairs queued as
+ * jobs by micro-steps 2 and 4, each finished in the next backward; the last pair in place. */
+Test(moe_chunks, train_wgrad_jobs_change_no_bit, .timeout = 400)
+{
+    double l_off[STEPS], g_off[STEPS], l[STEPS], g[STEPS];
+    const char *mesh = "--set parallel.expert_parallel_size=2 --set parallel.reduce_grads=step "
+                       "--set train.micro_batch_size=1 --set train.global_batch_size=12 "
+                       "--set parallel.expert_wgrad_pairs=true";
+    char *out = train(2, "", mesh, "jobs_off", l_off, g_off);
+    cr_expect(strstr(out, "as jobs") == NULL, "jobs on without MT_WGRAD_JOBS:\n%s", out);
+    free(out);
+    const char *parts[] = {"0", "1", "1000"};
+    for (int i = 0; i < 3; i++) {
+        char env[96], tag[32];
+        snprintf(env, sizeof env, "MT_WGRAD_JOBS=1 MT_CPU_WGRAD_PART_EXPERTS=%s", parts[i]);
+        snprintf(tag, sizeof tag, "jobs_%s", parts[i]);
+        out = train(2, env, mesh, tag, l, g);
+        cr_expect(strstr(out, "weight gradients wait as jobs") != NULL, "jobs not on:\n%s", out);
+        free(out);
+        for (int s = 0; s < STEPS; s++) {
+            cr_expect_eq(l[s], l_off[s], "%s: step %d loss %.9g vs %.9g", env, s + 1, l[s], l_off[s]);
+            cr_expect_eq(g[s], g_off[s], "%s: step %d grad_norm %.9g vs %.9g", env, s + 1, g[s], g_off[s]);
+        }
+    }
+}
+
 /* where each layer's gradient is reduce-scattered right after its backward (reduce_grads=
  * micro_step), a deferred gradient would miss its reduction: the deferral stays off */
 Test(moe_chunks, no_deferred_wgrads_with_per_micro_step_reduction, .timeout = 120)
