@@ -242,6 +242,37 @@ Test(gpu, expert_matmul_grouped)
     }
 }
 
+/* NS row sets of random inputs and output gradients, rows[s][e] rows of expert e in set s: the
+ * GPU's (g, in backend memory) and the CPU's (c, host) descriptions of the same values. Freed by
+ * free_row_sets. */
+struct row_sets {
+    struct expert_rows g[MT_WGRAD_MAX_SETS], c[MT_WGRAD_MAX_SETS];
+    int n;
+};
+
+static void make_row_sets(const struct mode *M, mt_rng *rng, int NE, int NS, const int *const *rows, int I, int O,
+                          struct row_sets *rs)
+{
+    rs->n = NS;
+    for (int k = 0; k < NS; k++) {
+        int64_t *off = mt_calloc((size_t)NE + 1, sizeof *off);
+        for (int e = 0; e < NE; e++) off[e + 1] = off[e] + rows[k][e];
+        const size_t r = (size_t)off[NE];
+        float *in = hrand(rng, MT_MAX(r, 1) * I, 1.0), *dout = hrand(rng, MT_MAX(r, 1) * O, 1.0);
+        rs->g[k] = (struct expert_rows){dx_from(M, dout, MT_MAX(r, 1) * O), dx_from(M, in, MT_MAX(r, 1) * I),
+                                        doff_from(M, off, NE), (int64_t)r};
+        rs->c[k] = (struct expert_rows){dout, in, off, (int64_t)r};
+    }
+}
+
+static void free_row_sets(const struct mode *M, struct row_sets *rs)
+{
+    for (int k = 0; k < rs->n; k++) {
+        M->g->free((void *)rs->g[k].dout), M->g->free((void *)rs->g[k].in), M->g->free((void *)rs->g[k].off);
+        free((void *)rs->c[k].dout), free((void *)rs->c[k].in), free((void *)rs->c[k].off);
+    }
+}
+
 /* expert_matmul_wgrad_sets (several micro-steps' rows in one weight-gradient pass,
  * parallel.expert_wgrad_pairs / expert_wgrad_group) against the CPU's one backward add per set, per
  * expert: rows of some sets only, of all, of none (kept bit-exact when adding, zeros when
@@ -252,21 +283,10 @@ static void wgrad_sets_case(const struct mode *M, mt_rng *rng, const char *tag, 
                             const int *const *rows, int I, int O)
 {
     char what[160];
-    struct expert_rows g_sets[MT_WGRAD_MAX_SETS], c_sets[MT_WGRAD_MAX_SETS];
-    int64_t *off[MT_WGRAD_MAX_SETS], *d_off[MT_WGRAD_MAX_SETS];
-    float *in[MT_WGRAD_MAX_SETS], *dout[MT_WGRAD_MAX_SETS];
-    void *d_in[MT_WGRAD_MAX_SETS], *d_dout[MT_WGRAD_MAX_SETS];
+    struct row_sets rs;
+    make_row_sets(M, rng, NE, NS, rows, I, O, &rs);
+    const struct expert_rows *g_sets = rs.g, *c_sets = rs.c;
     const size_t wn = (size_t)NE * O * I;
-    for (int k = 0; k < NS; k++) {
-        off[k] = mt_calloc((size_t)NE + 1, sizeof *off[k]);
-        for (int e = 0; e < NE; e++) off[k][e + 1] = off[k][e] + rows[k][e];
-        const size_t r = (size_t)off[k][NE];
-        in[k] = hrand(rng, MT_MAX(r, 1) * I, 1.0), dout[k] = hrand(rng, MT_MAX(r, 1) * O, 1.0);
-        d_in[k] = dx_from(M, in[k], MT_MAX(r, 1) * I), d_dout[k] = dx_from(M, dout[k], MT_MAX(r, 1) * O);
-        d_off[k] = doff_from(M, off[k], NE);
-        g_sets[k] = (struct expert_rows){d_dout[k], d_in[k], d_off[k], (int64_t)r};
-        c_sets[k] = (struct expert_rows){dout[k], in[k], off[k], (int64_t)r};
-    }
     int *rows_all = mt_calloc((size_t)NE, sizeof *rows_all);
     for (int e = 0; e < NE; e++)
         for (int k = 0; k < NS; k++) rows_all[e] += rows[k][e];
@@ -323,10 +343,7 @@ static void wgrad_sets_case(const struct mode *M, mt_rng *rng, const char *tag, 
         free(dw3);
     }
 #endif
-    for (int k = 0; k < NS; k++) {
-        M->g->free(d_in[k]), M->g->free(d_dout[k]), M->g->free(d_off[k]);
-        free(off[k]), free(in[k]), free(dout[k]);
-    }
+    free_row_sets(M, &rs);
     M->g->free(d_dw), M->g->free(d_dwo);
     free(rows_all), free(dw0), free(dw_ref);
     free(dw), free(add), free(add_ref), free(nans), free(zref), free(dwo);
@@ -391,19 +408,10 @@ static void wgrad_part_case(const struct mode *M, mt_rng *rng, const char *tag, 
                             const int *const *rows, int I, int O, bool overwrite)
 {
     char what[200];
-    struct expert_rows g_sets[MT_WGRAD_MAX_SETS], c_sets[MT_WGRAD_MAX_SETS];
-    int64_t *off[MT_WGRAD_MAX_SETS];
-    float *in[MT_WGRAD_MAX_SETS], *dout[MT_WGRAD_MAX_SETS];
+    struct row_sets rs;
+    make_row_sets(M, rng, NE, NS, rows, I, O, &rs);
+    const struct expert_rows *g_sets = rs.g, *c_sets = rs.c;
     const size_t wn = (size_t)NE * O * I;
-    for (int k = 0; k < NS; k++) {
-        off[k] = mt_calloc((size_t)NE + 1, sizeof *off[k]);
-        for (int e = 0; e < NE; e++) off[k][e + 1] = off[k][e] + rows[k][e];
-        const size_t r = (size_t)off[k][NE];
-        in[k] = hrand(rng, MT_MAX(r, 1) * I, 1.0), dout[k] = hrand(rng, MT_MAX(r, 1) * O, 1.0);
-        g_sets[k] = (struct expert_rows){dx_from(M, dout[k], MT_MAX(r, 1) * O), dx_from(M, in[k], MT_MAX(r, 1) * I),
-                                         doff_from(M, off[k], NE), (int64_t)r};
-        c_sets[k] = (struct expert_rows){dout[k], in[k], off[k], (int64_t)r};
-    }
     float *dw0 = hrand(rng, wn, 1.0);
     if (overwrite)
         for (size_t i = 0; i < wn; i++) dw0[i] = NAN;
@@ -453,10 +461,7 @@ static void wgrad_part_case(const struct mode *M, mt_rng *rng, const char *tag, 
     }
     cudaFreeHost(flags_h);
     M->g->free(cursor), M->g->free(d_one);
-    for (int k = 0; k < NS; k++) {
-        M->g->free((void *)g_sets[k].dout), M->g->free((void *)g_sets[k].in), M->g->free((void *)g_sets[k].off);
-        free(off[k]), free(in[k]), free(dout[k]);
-    }
+    free_row_sets(M, &rs);
     free(dw0), free(one), free(ref);
 }
 
