@@ -59,6 +59,7 @@ void config_defaults(struct config *c)
     c->parallel.expert_wgrad_pairs = MT_TRI_AUTO;
     c->parallel.wgrad_pair_layers = MT_MAX_LAYERS;
     c->parallel.expert_wgrad_group = 0;
+    c->parallel.expert_wgrad_jobs = false;
     c->parallel.wgrad_group_layers = 0;
     c->parallel.wgrad_group = 2;
     c->parallel.prefetch = true;

@@ -95,6 +95,7 @@ const struct cfg_key cfg_keys[] = {
     TRI("parallel", "moe_fixed_exchange", parallel.moe_fixed_exchange),
     TRI("parallel", "expert_wgrad_pairs", parallel.expert_wgrad_pairs),
     INT("parallel", "expert_wgrad_group", parallel.expert_wgrad_group, CFG_LO | CFG_HI, 0, 4),
+    BOOL("parallel", "expert_wgrad_jobs", parallel.expert_wgrad_jobs),
 
     INT("train", "steps", train.steps, POS),
     INT("train", "seq_len", train.seq_len, POS),

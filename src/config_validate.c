@@ -102,6 +102,12 @@ bool cfg_validate(struct loader *L)
            "moe_fixed_exchange", "parallel", "pipeline_parallel_size",
            "parallel.moe_fixed_exchange: true needs parallel.pipeline_parallel_size: 1 (a pipelined "
            "step cannot be run again when an MoE layer outgrows its rows)");
+    CHECK2(!c->parallel.expert_wgrad_jobs || (c->parallel.expert_parallel_size > 1 &&
+                                              c->parallel.expert_wgrad_pairs != MT_TRI_FALSE &&
+                                              c->parallel.moe_chunks == 1),
+           "parallel", "expert_wgrad_jobs", "parallel", "expert_parallel_size",
+           "parallel.expert_wgrad_jobs: true needs parallel.expert_parallel_size > 1 (the waits it fills), "
+           "parallel.expert_wgrad_pairs not false and parallel.moe_chunks: 1");
     CHECK2(c->parallel.expert_wgrad_group != 1, "parallel", "expert_wgrad_group", "parallel",
            "expert_wgrad_group",
            "parallel.expert_wgrad_group is 2, 3 or 4 micro-steps, or 0 (auto); to never group set "

@@ -268,7 +268,9 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
         const int paired = MT_MIN(e->n_moe_layers, c->parallel.wgrad_pair_layers);
         const int grouped = MT_MIN(paired, c->parallel.wgrad_group_layers);
         const int g = MT_MIN(MT_MAX(c->parallel.wgrad_group, 2), n_micro); /* a step's micro-steps at most */
-        e->act_bytes += (paired + grouped * (g - 2)) * wgrad_stash_bytes(c);
+        /* parallel.expert_wgrad_jobs: a job holds the last micro-step's rows too, in one more slot */
+        const int jobs = c->parallel.expert_wgrad_jobs && d->ep > 1 && n_micro > 2 ? paired : 0;
+        e->act_bytes += (paired + grouped * (g - 2) + jobs) * wgrad_stash_bytes(c);
     }
     const double transfer = d->pp > 1 ? (double)e->slots * ((e->has_head ? 0 : 1) + (e->has_embed ? 0 : 1)) * T *
                                             m->hidden_size * x : 0;

@@ -183,8 +183,9 @@ struct model {
     /* set by the caller of a backward: another backward of the same optimizer step follows on this
      * stage, so expert weight gradients may wait for it; cleared by every backward */
     bool more_backwards;
-    /* expert wgrad jobs (moe_wgrad_jobs.h; needs wstash): a grouping layer's weight gradients wait
-     * for exchange waits instead of running in its backward; wgrad_job_seq numbers them */
+    /* expert wgrad jobs (parallel.expert_wgrad_jobs, moe_wgrad_jobs.h; needs wstash): a
+     * grouping layer's weight gradients wait for exchange waits instead of running in its
+     * backward; wgrad_job_seq numbers them */
     bool wgrad_jobs;
     int64_t wgrad_job_seq;
     /* weight gradients held back to run under the next MoE layer's backward exchanges

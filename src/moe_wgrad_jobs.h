@@ -5,8 +5,8 @@
  * later exchange wait launches the oldest job's parts (ops.h expert_matmul_wgrad_part), whose CTAs
  * stop taking tiles once the exchange's rows have arrived (comm.h comm_exchange_arrival). What is
  * left runs at the job's deadline: the layer's next backward, inside its first exchange. The job
- * holds the stash's slots until then, plus one for the last micro-step's rows (not in the memory
- * plan: MT_WGRAD_JOBS is experimental). Every
+ * holds the stash's slots until then, plus one for the last micro-step's rows (memory_estimate.c
+ * counts it). Every
  * tile adds its sum to dw once, so the bits are those of the grouped weight gradient in place.
  * Only while another backward of the step follows (model.h more_backwards), so that the step's last
  * backward leaves no job behind. */
@@ -19,7 +19,7 @@ struct model;
 struct layer_acts;
 struct comm_p2p_req;
 
-/* Turns jobs on for the layers that group (model.h wstash); MT_WGRAD_JOBS=1 in train.c */
+/* Turns jobs on for the layers that group (model.h wstash); parallel.expert_wgrad_jobs in train.c */
 void model_enable_wgrad_jobs(struct model *m);
 /* Layer l's grouped weight gradients become a job over its stash's slots [0, pending) (the
  * current micro-step's rows parked last, in slot n_slots); fresh: the sums overwrite dw. */

@@ -269,8 +269,7 @@ int cmd_train(const struct cli *a)
     if (c.parallel.expert_wgrad_pairs == MT_TRI_TRUE && E > 0)
         model_enable_expert_wgrad_groups(&m, c.parallel.wgrad_pair_layers, c.parallel.wgrad_group_layers,
                                          c.parallel.wgrad_group);
-    /* experimental (not in the memory plan: one more parked micro-step a grouping layer) */
-    if (m.wstash && m.pairs && mt_env_flag("MT_WGRAD_JOBS")) model_enable_wgrad_jobs(&m);
+    if (m.wstash && m.pairs && c.parallel.expert_wgrad_jobs) model_enable_wgrad_jobs(&m);
     if (*c.data.routing_replay &&
         !route_replay_open(&m, c.data.routing_replay, (int64_t)tc->steps * tc->global_batch_size, err, sizeof err))
         mt_user_error("data.routing_replay: %s", err);

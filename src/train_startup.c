@@ -55,8 +55,8 @@ void train_print_startup(const struct config *c, const struct mesh *mesh, const 
     }
     if (m->wgrad_jobs)
         printf("  overlap     grouped expert weight gradients wait as jobs for later exchanges' waits, the rest "
-               "at the layer's next backward (MT_WGRAD_JOBS=1, experimental: one more parked micro-step a "
-               "grouping layer, not in the memory plan)\n");
+               "at the layer's next backward (parallel.expert_wgrad_jobs; one more parked micro-step a "
+               "pairing layer)\n");
     if (m->fixed_exchange)
         printf("  exchange    MoE pairs in blocks of %d tokens a rank, expert rows held to %lld a layer: no host "
                "waits (a step that needs more runs again; parallel.moe_fixed_exchange)\n", m->T, (long long)m->rows_cap[m->st.layer0]);

@@ -466,6 +466,25 @@ Test(config_hf, expert_wgrad_pairs_needs_one_moe_chunk)
     cr_expect_eq(c.parallel.expert_wgrad_pairs, MT_TRI_FALSE);
 }
 
+/* parallel.expert_wgrad_jobs: false by default; true needs EP > 1, pairs not off and one MoE
+ * chunk (each refused in one message naming the key); with EP = 2 and pairs auto it loads */
+Test(config_hf, expert_wgrad_jobs_needs_ep_and_pairs)
+{
+    struct config c;
+    cr_assert(load(&c, put("default.yaml", "train:\n  steps: 1\n"), 0, NULL), "%s", errbuf);
+    cr_expect(!c.parallel.expert_wgrad_jobs);
+    const char *bad[] = {"parallel:\n  expert_wgrad_jobs: true\n",
+                         "parallel:\n  expert_wgrad_jobs: true\n  expert_parallel_size: 2\n  expert_wgrad_pairs: false\n",
+                         "parallel:\n  expert_wgrad_jobs: true\n  expert_parallel_size: 2\n  moe_chunks: 2\n"};
+    for (int i = 0; i < 3; i++) {
+        const char *m = fails(bad[i]);
+        expect(m, "parallel.expert_wgrad_jobs: true needs parallel.expert_parallel_size > 1");
+    }
+    cr_assert(load(&c, put("j.yaml", "parallel:\n  expert_wgrad_jobs: true\n  expert_parallel_size: 2\n"), 0, NULL),
+              "%s", errbuf);
+    cr_expect(c.parallel.expert_wgrad_jobs);
+}
+
 /* parallel.expert_wgrad_group: 0 (auto) by default, 2 to 4 micro-steps; 1 and 5 are refused */
 Test(config_hf, expert_wgrad_group_range)
 {

@@ -195,6 +195,29 @@ Test(fsdp, expert_wgrad_pairs_change_nothing, .timeout = 900)
     free(out);
 }
 
+/* parallel.expert_wgrad_jobs (src/moe_wgrad_jobs.c) on 2 ranks of EP = 2 with pairs, 3
+ * micro-steps: the same training as pairs in place, one more parked micro-step a layer measured
+ * (the peak grows) and counted (`plan` within 10% of the measured peak). */
+Test(fsdp, expert_wgrad_jobs_are_in_the_plan, .timeout = 600)
+{
+    const char *pairs = "--set train.global_batch_size=12 --set parallel.reduce_grads=step "
+                        "--set parallel.expert_wgrad_pairs=true";
+    char opt[512];
+    struct run ref, got;
+    train(2, 2, pairs, &ref);
+    snprintf(opt, sizeof opt, "%s --set parallel.expert_wgrad_jobs=true", pairs);
+    train(2, 2, opt, &got);
+    expect_identical_training(&ref, &got, "ep2, expert wgrad jobs");
+    cr_expect(fabs(got.plan_pct) <= 10.0, "jobs: measured peak %+.1f%% from the plan", got.plan_pct);
+    /* the slot is a few percent of this model's peak: the plan must grow by about what the peak
+     * grew (the plans from the printed percentages, to ~0.05% of the peak) */
+    const double grew = got.peak - ref.peak;
+    const double planned = got.peak / (1 + got.plan_pct / 100) - ref.peak / (1 + ref.plan_pct / 100);
+    fprintf(stderr, "expert wgrad jobs: peak +%.0f bytes, plan +%.0f\n", grew, planned);
+    cr_expect(grew > 0, "the job's slot holds no memory: peak %.0f vs %.0f bytes", got.peak, ref.peak);
+    cr_expect(planned > 0.5 * grew && planned < 1.5 * grew, "the plan grew %.0f bytes, the peak %.0f", planned, grew);
+}
+
 /* `plan` (the same breakdown) within 10% of the measured peak on CPU meshes. */
 Test(fsdp, plan_matches_measured_peak_on_cpu_meshes, .timeout = 900)
 {

@@ -270,7 +270,7 @@ Test(moe_chunks, train_deferred_wgrads_change_no_bit, .timeout = 300)
     deferred_vs_in_place(2);
 }
 
-/* Expert wgrad jobs (src/moe_wgrad_jobs.c, MT_WGRAD_JOBS=1): a pair's grouped weight gradients
+/* Expert wgrad jobs (src/moe_wgrad_jobs.c, parallel.expert_wgrad_jobs): a pair's grouped weight gradients
  * queued at its second backward, run in parts at later exchange waits (on the CPU backend
  * MT_CPU_WGRAD_PART_EXPERTS experts a part: none, one, all) and finished at the layer's next
  * backward keep every bit of the grouped GEMM in place. EP = 2, 6 micro-steps: pairs queued as
@@ -282,14 +282,16 @@ Test(moe_chunks, train_wgrad_jobs_change_no_bit, .timeout = 400)
                        "--set train.micro_batch_size=1 --set train.global_batch_size=12 "
                        "--set parallel.expert_wgrad_pairs=true";
     char *out = train(2, "", mesh, "jobs_off", l_off, g_off);
-    cr_expect(strstr(out, "as jobs") == NULL, "jobs on without MT_WGRAD_JOBS:\n%s", out);
+    cr_expect(strstr(out, "as jobs") == NULL, "jobs on by default:\n%s", out);
     free(out);
+    char on[512];
+    snprintf(on, sizeof on, "%s --set parallel.expert_wgrad_jobs=true", mesh);
     const char *parts[] = {"0", "1", "1000"};
     for (int i = 0; i < 3; i++) {
         char env[96], tag[32];
-        snprintf(env, sizeof env, "MT_WGRAD_JOBS=1 MT_CPU_WGRAD_PART_EXPERTS=%s", parts[i]);
+        snprintf(env, sizeof env, "MT_CPU_WGRAD_PART_EXPERTS=%s", parts[i]);
         snprintf(tag, sizeof tag, "jobs_%s", parts[i]);
-        out = train(2, env, mesh, tag, l, g);
+        out = train(2, env, on, tag, l, g);
         cr_expect(strstr(out, "weight gradients wait as jobs") != NULL, "jobs not on:\n%s", out);
         free(out);
         for (int s = 0; s < STEPS; s++) {
