@@ -299,6 +299,11 @@ Test(moe_chunks, train_wgrad_jobs_change_no_bit, .timeout = 400)
             cr_expect_eq(g[s], g_off[s], "%s: step %d grad_norm %.9g vs %.9g", env, s + 1, g[s], g_off[s]);
         }
     }
+    /* where pairs resolve off (auto on the CPU backend) the key says it does nothing */
+    out = train(2, "", "--set parallel.expert_parallel_size=2 --set parallel.expert_wgrad_jobs=true", "jobs_nop", l, g);
+    cr_expect(strstr(out, "parallel.expert_wgrad_jobs: no effect") != NULL, "no warning:\n%s", out);
+    cr_expect(strstr(out, "as jobs") == NULL, "jobs on without pairs:\n%s", out);
+    free(out);
 }
 
 /* where each layer's gradient is reduce-scattered right after its backward (reduce_grads=
