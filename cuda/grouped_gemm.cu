@@ -51,9 +51,15 @@ namespace {
 
 /* ---------------------------------------------------------------- the kernel */
 
-template <int KIND>
+/* PARTS (wgrad only): the launch takes its tiles from p.claim and may stop early, so every loop
+ * ends on a sentinel header (expert -1) instead of at the CTA's last grid-stride tile. A separate
+ * instantiation: with the sentinel in every wgrad launch, the whole calls' main loop compiled
+ * slower (H200, balanced group of four, down 1.57 -> 1.83 ms, gate_up 3.36 -> 3.65; the bench
+ * step +0.7%: docs/benchmarks.md, twenty-ninth session). */
+template <int KIND, bool PARTS>
 __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_constant__ gg_params p)
 {
+    static_assert(!PARTS || KIND == KIND_WGRAD, "only the wgrad runs in parts");
 #ifdef MT_NO_HOPPER_CODE
     __trap();
 #else
@@ -86,7 +92,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
     const uint32_t dw_hdr = hdr0 + 32u * STAGES;
     __shared__ int tile_start[MAX_EXPERTS + 1];
     __shared__ uint8_t order[MAX_EXPERTS];
-    if (KIND == KIND_WGRAD && p.claim) { /* a part launch with nothing to do leaves at once */
+    if constexpr (PARTS) { /* a part launch with nothing to do leaves at once */
         __shared__ int quit;
         if (threadIdx.x == 0) quit = *(volatile int *)(p.claim + 1) || exchange_arrived(p);
         __syncthreads();
@@ -120,17 +126,22 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
              * loading dw's tile by TMA during the MMAs and storing the sum gained 3 ms
              * (docs/benchmarks.md, fourteenth session). */
             uint32_t ph = 0;
-            for (int t = blockIdx.x;; t += gridDim.x) {
+            for (int t = blockIdx.x; PARTS || t < total; t += gridDim.x) {
+                /* the tile: whole launches decode it before the wait, parts read its header */
+                tile_info ti = PARTS ? tile_info{} : decode<KIND, PARTS>(p, tile_start, order, t);
+                int nk = 0, e = 0, nb = 0;
+                auto place = [&] { e = p.e_base + ti.e, nb = min(BN / 32, (p.N - ti.ni * BN + 31) / 32); };
+                if (!PARTS) place();
                 mbar_arrive(free_bar);
                 mbar_wait(staged_bar, ph);
-                tile_info ti;
-                int nk;
-                asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(ti.e), "=r"(ti.mi), "=r"(ti.ni), "=r"(nk)
-                             : "r"(dw_hdr)
-                             : "memory");
-                if (ti.e < 0) break;
-                const int e = p.e_base + ti.e, nb = min(BN / 32, (p.N - ti.ni * BN + 31) / 32);
+                if (PARTS) {
+                    asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(ti.e), "=r"(ti.mi), "=r"(ti.ni), "=r"(nk)
+                                 : "r"(dw_hdr)
+                                 : "memory");
+                    if (ti.e < 0) break;
+                    place();
+                }
                 /* Every CTA of a balanced launch stages its tile at about the same moment; issued
                  * at once, the adds (128 KB read and written in DRAM a CTA) hold up the next
                  * tile's operand loads. Spread over part of the next tile's MMAs (its K blocks
@@ -139,10 +150,10 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                  * rows (a K block's tile is all epilogue). */
                 const long long now = clock64();
                 long long gap = 0;
-                if (p.dw_pace && (p.claim || t + (int)gridDim.x < total)) {
+                if (p.dw_pace && (PARTS || t + (int)gridDim.x < total)) {
                     /* claimed tiles: the next one is not known here; heaviest first, this one's
                      * K blocks are close to it */
-                    const int nk_next = p.claim ? nk : k_blocks<KIND>(p, decode<KIND>(p, tile_start, order, t + gridDim.x));
+                    const int nk_next = PARTS ? nk : k_blocks<KIND>(p, decode<KIND, PARTS>(p, tile_start, order, t + gridDim.x));
                     gap = 512ll * nk_next * p.dw_pace / 1000 / nb;
                 }
                 for (int b = 0; b < nb; b++) {
@@ -162,15 +173,15 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
         if (threadIdx.x != 0) return;
         int stage = 0;
         uint32_t phase = 0;
-        for (int slot = blockIdx.x;; slot += gridDim.x) {
+        for (int slot = blockIdx.x; PARTS || slot < total; slot += gridDim.x) {
             int t = slot;
-            if (KIND == KIND_WGRAD && p.claim) {
+            if (PARTS) {
                 if (exchange_arrived(p)) break; /* the rest is the next part's */
                 t = atomicAdd(p.claim, 1);
                 if (t >= total) *(volatile int *)(p.claim + 1) = 1; /* later parts leave at once */
             }
             if (t >= total) break;
-            const tile_info ti = decode<KIND>(p, tile_start, order, t);
+            const tile_info ti = decode<KIND, PARTS>(p, tile_start, order, t);
             const int nk = k_blocks<KIND>(p, ti), e = p.e_base + ti.e;
             set_walk walk;
             for (int kb = 0; kb < (nk == 0 ? 1 : nk); kb++) {
@@ -208,10 +219,11 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
         }
-        /* no more tiles: a header of expert -1 ends the consumers' loop */
-        mbar_wait(empty_bar(stage), phase ^ 1);
-        asm volatile("st.shared.s32 [%0], %1;" ::"r"(hdr(stage)), "r"(-1) : "memory");
-        mbar_arrive(full_bar(stage));
+        if (PARTS) { /* no more tiles: a header of expert -1 ends the consumers' loop */
+            mbar_wait(empty_bar(stage), phase ^ 1);
+            asm volatile("st.shared.s32 [%0], %1;" ::"r"(hdr(stage)), "r"(-1) : "memory");
+            mbar_arrive(full_bar(stage));
+        }
         return;
     }
 
@@ -224,7 +236,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
     const int col_in_tile = 2 * (lane & 3);
     int stage = 0;
     uint32_t phase = 0, tile_phase = 0;
-    for (;;) {
+    for (int t = blockIdx.x; PARTS || t < total; t += gridDim.x) {
         tile_info ti;
         mbar_wait(full_bar(stage), phase); /* the tile's first K block, and its header */
         asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%8];\n\t"
@@ -233,8 +245,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                        "=r"(ti.rows[1]), "=r"(ti.rows[2]), "=r"(ti.rows[3])
                      : "r"(hdr(stage))
                      : "memory");
-        if (ti.e < 0) { /* no more tiles; the dw warp learns it as it learns of a staged tile */
-            if (KIND == KIND_WGRAD) {
+        if (PARTS && ti.e < 0) { /* no more tiles; the dw warp learns it as it learns of a staged tile */
+            {
                 mbar_wait(free_bar, tile_phase);
                 if (ctid == 0) asm volatile("st.shared.s32 [%0], %1;" ::"r"(dw_hdr), "r"(-1) : "memory");
                 __syncwarp();
@@ -327,7 +339,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                                  "f"(zero_tile ? 0.0f : acc[4 * j + 2 * h + 1])
                                  : "memory");
                 }
-            if (ctid == 0)
+            if (PARTS && ctid == 0)
                 asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};" ::"r"(dw_hdr), "r"(ti.e), "r"(ti.mi),
                              "r"(ti.ni), "r"(nk)
                              : "memory");
@@ -436,8 +448,11 @@ void launch(int n_sets, const CUtensorMap *ma, const CUtensorMap *mb, const int6
 {
     static bool attr_set;
     if (!attr_set) {
-        CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<KIND>,
+        CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<KIND, false>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes_of<KIND>()));
+        if (KIND == KIND_WGRAD)
+            CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<KIND_WGRAD, true>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes_of<KIND>()));
         attr_set = true;
     }
     gg_params p;
@@ -471,7 +486,10 @@ void launch(int n_sets, const CUtensorMap *ma, const CUtensorMap *mb, const int6
         for (int s = 0; s < n_sets; s++) p.off[s] = off[s] + e0;
         const int grid = max_tiles < g_cuda.num_sms ? (int)max_tiles : g_cuda.num_sms;
         if (grid == 0) continue;
-        grouped_gemm_kernel<KIND><<<grid, THREADS, smem_bytes_of<KIND>(), g_cuda.stream>>>(p);
+        if (KIND == KIND_WGRAD && claim)
+            grouped_gemm_kernel<KIND_WGRAD, true><<<grid, THREADS, smem_bytes_of<KIND>(), g_cuda.stream>>>(p);
+        else
+            grouped_gemm_kernel<KIND, false><<<grid, THREADS, smem_bytes_of<KIND>(), g_cuda.stream>>>(p);
         CUDA_LAUNCH_CHECK("grouped_gemm_kernel");
     }
 }

@@ -167,10 +167,10 @@ __device__ void tile_starts(const gg_params &p, int *tile_start /*[MAX_EXPERTS +
  * the round's (gridDim.x - 1 - b)-th tile), so a CTA that drew a heavy tile in one round draws a
  * light one in the next. The last, partial round keeps its order, so every CTA's slots still end
  * at the first t >= the tile count. */
-template <int KIND>
+template <int KIND, bool PARTS>
 __device__ __forceinline__ tile_info decode(const gg_params &p, const int *tile_start, const uint8_t *order, int t)
 {
-    if (KIND == KIND_WGRAD && p.heavy_first && !p.claim) { /* claimed tiles balance themselves */
+    if (KIND == KIND_WGRAD && p.heavy_first && !PARTS) { /* claimed tiles balance themselves */
         const int g = (int)gridDim.x, round = t / g;
         if ((round & 1) && (round + 1) * g <= tile_start[p.n_exp]) t = round * g + (g - 1 - (t - round * g));
     }
