@@ -411,32 +411,6 @@ bool supported(int I, int O, int64_t R, const void *a, const void *b, const void
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* wgrad's dw_pace: 1000 spreads a tile's adds over the next tile's MMA time at the tensor cores'
- * peak rate (about two thirds of what it takes in a step); MT_GG_DW_PACE (0-4000, 0 = all at
- * once) overrides it, for measuring */
-int dw_pace(void)
-{
-    static int pace = -1;
-    if (pace < 0) {
-        const char *env = getenv("MT_GG_DW_PACE");
-        pace = env ? atoi(env) : 1000;
-        if (pace < 0 || pace > 4000) pace = 0;
-    }
-    return pace;
-}
-
-/* wgrad: heaviest experts first (tile_starts); MT_GG_HEAVY_FIRST=0 keeps the expert order, for
- * measuring */
-int heavy_first(void)
-{
-    static int on = -1;
-    if (on < 0) {
-        const char *env = getenv("MT_GG_HEAVY_FIRST");
-        on = !(env && !strcmp(env, "0"));
-    }
-    return on;
-}
-
 /* The tile schedule is built by every CTA from the device offsets, so the host never waits for
  * the routing; the grid is one CTA an SM unless fewer tiles are possible (a CTA without tiles
  * exits). R: the rows the row matrices hold (an upper bound on the tiles). ma/mb/off: n_sets row

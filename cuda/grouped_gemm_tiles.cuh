@@ -8,6 +8,9 @@
 #include "ops.h" /* MT_WGRAD_MAX_SETS */
 #include "tma.cuh" /* CUtensorMap */
 
+#include <stdlib.h>
+#include <string.h>
+
 namespace {
 
 
@@ -203,6 +206,32 @@ __device__ __forceinline__ tile_info decode(const gg_params &p, const int *tile_
         ti.ni = in / gm;
     }
     return ti;
+}
+
+/* wgrad's dw_pace: 1000 spreads a tile's adds over the next tile's MMA time at the tensor cores'
+ * peak rate (about two thirds of what it takes in a step); MT_GG_DW_PACE (0-4000, 0 = all at
+ * once) overrides it, for measuring */
+inline int dw_pace(void)
+{
+    static int pace = -1;
+    if (pace < 0) {
+        const char *env = getenv("MT_GG_DW_PACE");
+        pace = env ? atoi(env) : 1000;
+        if (pace < 0 || pace > 4000) pace = 0;
+    }
+    return pace;
+}
+
+/* wgrad: heaviest experts first (tile_starts); MT_GG_HEAVY_FIRST=0 keeps the expert order, for
+ * measuring */
+inline int heavy_first(void)
+{
+    static int on = -1;
+    if (on < 0) {
+        const char *env = getenv("MT_GG_HEAVY_FIRST");
+        on = !(env && !strcmp(env, "0"));
+    }
+    return on;
 }
 
 /* wgrad in parts: whether the exchange that stop_flags watch has arrived (never without them) */
