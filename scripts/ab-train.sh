@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# A/B of two environments on the same build: short trains, alternating A, B, A, B, ... so that a
+# A/B of two environments (or two builds, below): short trains, alternating A, B, A, B, ... so that a
 # card's drift hits both sides alike. For switches that keep the bits (MT_ATTN_BWD_RECOMPUTE=1,
 # MT_NO_DEFERRED_WGRAD=1, ...): it says whether every run printed the same losses.
 #   scripts/ab-train.sh "A_VAR=1 ..." "B_VAR=1 ..."     ("" = the default environment)
 # AB_CONFIG (configs/bench-qwen3-30b-8l.yaml), AB_STEPS (8), AB_ROUNDS (2), AB_NP (1 rank per GPU;
 # > 1 runs under mpirun), AB_SET (more arguments, e.g. "--set model.num_hidden_layers=4"),
 # AB_OUT (build/ab), BUILD (build). Step time: the median of steps 3 onwards of each run.
+# AB_BUILD_A / AB_BUILD_B: a build directory for one side instead of BUILD, to A/B two commits on
+# the same card (a card's clock at the power cap moves the step by a few %, more than most changes):
+#   git archive -o old.tar REV && mkdir -p old && tar -xf old.tar -C old && make -C old build/moetrain
+#   AB_BUILD_A=old/build scripts/ab-train.sh "" ""
 set -uo pipefail
 [ $# -eq 2 ] || { echo "usage: scripts/ab-train.sh \"A env\" \"B env\"" >&2; exit 2; }
 BUILD=${BUILD:-build}
@@ -16,6 +20,10 @@ NP=${AB_NP:-1}
 OUT=${AB_OUT:-$BUILD/ab}
 mkdir -p "$OUT"
 envs=("$1" "$2")
+builds=("${AB_BUILD_A:-$BUILD}" "${AB_BUILD_B:-$BUILD}")
+for b in "${builds[@]}"; do
+    [ -x "$b/moetrain" ] || { echo "ab: no $b/moetrain (build it first)" >&2; exit 2; }
+done
 launch=()
 [ "$NP" -gt 1 ] && launch=(mpirun --oversubscribe --bind-to none -np "$NP")
 failed=0
@@ -27,14 +35,19 @@ for r in $(seq 1 "$ROUNDS"); do
             > "$tag.smi" 2>/dev/null &
         smi=$!
         # shellcheck disable=SC2086 # the environment is a list of words on purpose
-        env ${envs[$side]} "${launch[@]}" "$BUILD/moetrain" train "$CONFIG" --set train.steps="$STEPS" \
+        env ${envs[$side]} "${launch[@]}" "${builds[$side]}/moetrain" train "$CONFIG" --set train.steps="$STEPS" \
             --set log.metrics="$tag.jsonl" ${AB_SET:-} > "$tag.log" 2>&1
         rc=$?
         kill $smi 2>/dev/null; wait $smi 2>/dev/null
         if [ $rc -ne 0 ]; then echo "ab: ${tag##*/} failed (rc $rc), see $tag.log"; failed=1; fi
     done
 done
-python3 - "$OUT" "$ROUNDS" "$1" "$2" <<'PY'
+label() {  # a side's environment, and its build where the sides' builds differ
+    local l=$1
+    [ "${builds[0]}" = "${builds[1]}" ] || l="${l:+$l }[${builds[$2]}]"
+    echo "$l"
+}
+python3 - "$OUT" "$ROUNDS" "$(label "$1" 0)" "$(label "$2" 1)" <<'PY'
 import json, statistics, sys
 out, rounds, env_a, env_b = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 def run(tag):

@@ -262,16 +262,39 @@ for s in "${skipped[@]}"; do echo "skipped: $s" | tee -a "$OUT/summary.txt"; don
 # the headline: the 1-GPU run against the compiled baseline of the same job
 where="$gpu_name"
 [ "$LAYERS" = 8 ] || where="$gpu_name, $LAYERS layers"
-python3 - "$where" "$(date -u +%Y-%m-%d)" "${res[moetrain_1gpu]}" "${res[baseline]}" <<'PY' | tee -a "$OUT/summary.txt"
-import json, sys
-gpu, day, one, base = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+# and against the last recorded one (BENCH_HEADLINE_FILE, default docs/benchmarks.md, first line) on
+# the same kind of GPU: a drop past the cards' spread is flagged (twenty-ninth session: a kernel
+# change had cost 0.7% a step unseen for a session, no bench having run)
+python3 - "$where" "$(date -u +%Y-%m-%d)" "${res[moetrain_1gpu]}" "${res[baseline]}" \
+    "${BENCH_HEADLINE_FILE:-docs/benchmarks.md}" <<'PY' | tee -a "$OUT/summary.txt"
+import json, re, sys
+gpu, day, one, base, recorded = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
 t, b = one.get("tok_s_per_gpu"), base.get("tok_s")
 if t is None:
     print(f"headline: unavailable, the 1-GPU run {one.get('error', 'did not run')} ({gpu}, {day})")
+    sys.exit(0)
+mfu = f"{100 * one['mfu']:.1f}%" if one.get("mfu", -1) >= 0 else "n/a"
+ratio, note = (f"{t / b:.3f}x", "") if b else ("n/a x", ", baseline not run")
+print(f"headline: {t:.0f} tok/s, {mfu} MFU, {ratio} compiled PyTorch ({gpu}, {day}{note})")
+try:
+    first = open(recorded).readline()
+except OSError:
+    first = ""
+m = re.match(r"headline: (\d+) tok/s, \S+ MFU, ([\d.]+|n/a) ?x compiled PyTorch \(([^)]*?), (\d{4}-\d\d-\d\d)", first)
+if not m:
+    print(f"against the recorded headline: none in {recorded}")
+elif m.group(3) != gpu:
+    print(f"against the recorded headline: not compared (recorded on {m.group(3)}, {m.group(4)})")
 else:
-    mfu = f"{100 * one['mfu']:.1f}%" if one.get("mfu", -1) >= 0 else "n/a"
-    ratio, note = (f"{t / b:.3f}x", "") if b else ("n/a x", ", baseline not run")
-    print(f"headline: {t:.0f} tok/s, {mfu} MFU, {ratio} compiled PyTorch ({gpu}, {day}{note})")
+    rt, rr = int(m.group(1)), (float(m.group(2)) if m.group(2) != "n/a" else None)
+    dt = 100 * (t / rt - 1)
+    dr = 100 * (t / b / rr - 1) if b and rr else None
+    drop = dr < -1.5 if dr is not None else dt < -3.0  # past the cards' spread at the power cap
+    print(f"{'WARNING: slower than ' if drop else 'against '}the recorded headline ({recorded}: {rt} tok/s, "
+          + (f"{rr:.3f}x" if rr else "no ratio") + f", {m.group(4)}): tok/s {dt:+.2f}%"
+          + (f", ratio {dr:+.2f}%" if dr is not None else "")
+          + ("; A/B this build against the recorded commit's on one card (scripts/ab-train.sh, AB_BUILD_A)"
+             if drop else ""))
 PY
 case "${res[moetrain_1gpu]}" in *error*) exit 1 ;; esac
 exit 0

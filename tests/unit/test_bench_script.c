@@ -97,7 +97,7 @@ static void stand_ins(const char *dir, int tok_s, double mfu, bool fail)
 /* bench.sh against fresh stand-ins (moetrain failing or not, ngpu GPUs; trace_lib: a stand-in
  * build/tools/libmt_trace.so) in a temporary directory, removed after; returns the exit status,
  * *out the output */
-static int run_bench_n(bool fail, int ngpu, bool trace_lib, char **out)
+static int run_bench_headline(bool fail, int ngpu, bool trace_lib, const char *recorded, char **out)
 {
     char dir[] = "/tmp/mt_bench_script_XXXXXX";
     cr_assert(mkdtemp(dir));
@@ -107,14 +107,25 @@ static int run_bench_n(bool fail, int ngpu, bool trace_lib, char **out)
         snprintf(cmd, sizeof cmd, "mkdir -p %s/build/tools && touch %s/build/tools/libmt_trace.so", dir, dir);
         cr_assert_eq(system(cmd), 0);
     }
+    char headline_file[600];
+    snprintf(headline_file, sizeof headline_file, "%s/benchmarks.md", dir);
+    FILE *f = fopen(headline_file, "w");
+    cr_assert(f);
+    fprintf(f, "%s\n\n# Benchmarks\n", recorded ? recorded : "# Benchmarks");
+    fclose(f);
     snprintf(cmd, sizeof cmd,
-             "PATH=%s/bin:$PATH BENCH_OUT=%s/out BENCH_BASELINE=0 BENCH_SM80=0 BENCH_A2A=0 "
+             "PATH=%s/bin:$PATH BENCH_OUT=%s/out BENCH_BASELINE=0 BENCH_SM80=0 BENCH_A2A=0 BENCH_HEADLINE_FILE=%s "
              "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 bash scripts/bench.sh %s/build",
-             dir, dir, dir);
+             dir, dir, headline_file, dir);
     const int rc = tu_run(cmd, out);
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     cr_expect_eq(system(cmd), 0);
     return rc;
+}
+
+static int run_bench_n(bool fail, int ngpu, bool trace_lib, char **out)
+{
+    return run_bench_headline(fail, ngpu, trace_lib, NULL, out);
 }
 
 static int run_bench(bool fail, char **out)
@@ -134,6 +145,34 @@ Test(bench_script, one_gpu_exits_0_with_headline_skips_and_clock, .timeout = 150
     char want[128];
     snprintf(want, sizeof want, "moetrain 1 GPU %d MHz at %d W", BUSY_MHZ, BUSY_W);
     cr_expect(strstr(out, want), "no '%s' (the idle samples must not count):\n%s", want, out);
+    free(out);
+}
+
+/* The headline against the last recorded one (the stand-in's 90,000 tok/s, no baseline, so tok/s
+ * are compared): 5.26% under a recorded 95,000 on the same GPU is flagged, 0.55% under 90,500 is
+ * not, another GPU's record is not compared, and a file without a headline says so. */
+Test(bench_script, headline_against_the_recorded_one, .timeout = 300)
+{
+    char *out = NULL;
+    cr_expect_eq(run_bench_headline(false, 1, false,
+                                    "headline: 95000 tok/s, 48.0% MFU, 1.611x compiled PyTorch (NVIDIA Stand-in, 2026-11-28)",
+                                    &out), 0);
+    cr_expect(strstr(out, "WARNING: slower than the recorded headline (") && strstr(out, "95000 tok/s, 1.611x, "
+              "2026-11-28): tok/s -5.26%; A/B this build"), "%s", out);
+    free(out);
+    cr_expect_eq(run_bench_headline(false, 1, false,
+                                    "headline: 90500 tok/s, 48.0% MFU, n/a x compiled PyTorch (NVIDIA Stand-in, 2026-11-27, baseline not run)",
+                                    &out), 0);
+    cr_expect(strstr(out, "\nagainst the recorded headline (") && strstr(out, "90500 tok/s, no ratio, 2026-11-27): tok/s -0.55%\n")
+              && !strstr(out, "WARNING"), "%s", out);
+    free(out);
+    cr_expect_eq(run_bench_headline(false, 1, false,
+                                    "headline: 90500 tok/s, 48.0% MFU, 1.6x compiled PyTorch (NVIDIA H100, 2026-11-27)",
+                                    &out), 0);
+    cr_expect(strstr(out, "against the recorded headline: not compared (recorded on NVIDIA H100, 2026-11-27)"), "%s", out);
+    free(out);
+    cr_expect_eq(run_bench(false, &out), 0);
+    cr_expect(strstr(out, "against the recorded headline: none in "), "%s", out);
     free(out);
 }
 
@@ -205,18 +244,51 @@ Test(bench_script, failed_one_gpu_run_exits_1, .timeout = 150)
 
 /* scripts/ab-train.sh against the stand-ins: alternating runs, the medians, the relative change,
  * the clock of the busy samples, and whether the losses agree */
-static int run_ab(const char *env_a, const char *env_b, int rounds, char **out)
+/* old_ms > 0: side A runs another build, dir/old/build, whose stand-in steps take old_ms */
+static int run_ab_builds(const char *env_a, const char *env_b, int rounds, int old_ms, char **out)
 {
     char dir[] = "/tmp/mt_ab_script_XXXXXX";
     cr_assert(mkdtemp(dir));
     stand_ins(dir, 90000, 0.48, false);
-    char cmd[2048];
-    snprintf(cmd, sizeof cmd, "PATH=%s/bin:$PATH BUILD=%s/build AB_OUT=%s/out AB_ROUNDS=%d timeout 120 "
-             "bash scripts/ab-train.sh '%s' '%s'", dir, dir, dir, rounds, env_a, env_b);
+    char cmd[2048], build_a[600] = "";
+    if (old_ms > 0) {
+        snprintf(cmd, sizeof cmd, "mkdir -p %s/old/build", dir);
+        cr_assert_eq(system(cmd), 0);
+        char path[600], text[800];
+        snprintf(path, sizeof path, "%s/old/build/moetrain", dir);
+        snprintf(text, sizeof text, "#!/bin/bash\nSTANDIN_MS=%d exec %s/build/moetrain \"$@\"\n", old_ms, dir);
+        write_exec(path, text);
+        snprintf(build_a, sizeof build_a, "AB_BUILD_A=%s/old/build", dir);
+    }
+    snprintf(cmd, sizeof cmd, "PATH=%s/bin:$PATH BUILD=%s/build %s AB_OUT=%s/out AB_ROUNDS=%d timeout 120 "
+             "bash scripts/ab-train.sh '%s' '%s'", dir, dir, build_a, dir, rounds, env_a, env_b);
     const int rc = tu_run(cmd, out);
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     cr_expect_eq(system(cmd), 0);
     return rc;
+}
+
+static int run_ab(const char *env_a, const char *env_b, int rounds, char **out)
+{
+    return run_ab_builds(env_a, env_b, rounds, 0, out);
+}
+
+/* AB_BUILD_A: side A from another build (a stand-in at 707 ms a step), named in the table; a
+ * missing build is refused before any run */
+Test(bench_script, ab_train_two_builds, .timeout = 150)
+{
+    char *out = NULL;
+    int rc = run_ab_builds("", "", 1, 707, &out);
+    cr_expect_eq(rc, 0, "ab-train.sh exited %d:\n%s", rc, out);
+    cr_expect(strstr(out, "A 707.0 ms, B 700.0 ms: B is -0.99% against A"), "%s", out);
+    int named = 0; /* A's "[.../old/build]" and B's "[.../build]" */
+    for (const char *q = out; (q = strstr(q, "/build]\n")); q++) named++;
+    cr_expect(strstr(out, "/old/build]\n") && named == 2, "no build named per side:\n%s", out);
+    free(out);
+    rc = tu_run("AB_BUILD_A=/nonexistent/build bash scripts/ab-train.sh '' ''", &out);
+    cr_expect_eq(rc, 2, "%s", out);
+    cr_expect(strstr(out, "ab: no /nonexistent/build/moetrain (build it first)"), "%s", out);
+    free(out);
 }
 
 Test(bench_script, ab_train_medians_change_and_same_losses, .timeout = 150)
