@@ -6,6 +6,7 @@
  *   dw       dwᵀ[I,O] += xᵀ · (dyᵀ)ᵀ       A = x  (I×N, ld I),            B = dy (O×N, ld O) transposed
  * dw is fp32 and accumulated by beta = 1 inside the GEMM (bf16 A/B with fp32 C/D). */
 #include "matmul.cuh"
+#include "matmul_tune.cuh"
 
 #include <string.h>
 
@@ -23,6 +24,11 @@ struct lt_plan {
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t la, lb, lc;
     cublasLtMatmulAlgo_t algo;
+    /* MT_GEMM_TUNE (matmul_tune.cuh; part of the key): the heuristic's candidates, cand[0] its
+     * first choice; tune_pending until a call that can run twice has picked algo among them */
+    bool tune, tune_pending;
+    int n_cand;
+    cublasLtMatmulAlgo_t cand[LT_TUNE_MAX];
     /* cuda_gemm_lt_pair: this GEMM twice in one call, with algo. la2/lb2/lc2 (batch count 2,
      * strides set per call) exist unless pair is PAIR_UNCHECKED. */
     enum { PAIR_UNCHECKED, PAIR_OK, PAIR_UNSUPPORTED } pair;
@@ -74,9 +80,10 @@ static struct lt_plan *plan_get(cublasOperation_t ta, cublasOperation_t tb, int 
                                 int lda, int ldb, int ldc, cudaDataType_t ab, cudaDataType_t c,
                                 uint32_t aa, uint32_t alb, uint32_t ac)
 {
+    const bool tune = lt_tune_level() > 0;
     for (int i = 0; i < LT_PLANS; i++) {
         struct lt_plan *p = &plans[i];
-        if (p->used && p->m == m && p->n == n && p->k == k && p->lda == lda && p->ldb == ldb &&
+        if (p->used && p->tune == tune && p->m == m && p->n == n && p->k == k && p->lda == lda && p->ldb == ldb &&
             p->ldc == ldc && p->ta == ta && p->tb == tb && p->ab == ab && p->c == c &&
             p->align_a == aa && p->align_b == alb && p->align_c == ac)
             return p;
@@ -87,6 +94,7 @@ static struct lt_plan *plan_get(cublasOperation_t ta, cublasOperation_t tb, int 
     p->m = m, p->n = n, p->k = k, p->lda = lda, p->ldb = ldb, p->ldc = ldc;
     p->ta = ta, p->tb = tb, p->ab = ab, p->c = c;
     p->align_a = aa, p->align_b = alb, p->align_c = ac;
+    p->tune = tune;
 
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
@@ -108,16 +116,19 @@ static struct lt_plan *plan_get(cublasOperation_t ta, cublasOperation_t tb, int 
                                                       &ac, sizeof ac));
     CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
                                                       &ac, sizeof ac));
-    cublasLtMatmulHeuristicResult_t res;
-    memset(&res, 0, sizeof res);
+    cublasLtMatmulHeuristicResult_t res[LT_TUNE_MAX];
+    memset(res, 0, sizeof res);
     int nres = 0;
     cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g_cuda.lt, p->desc, p->la, p->lb, p->lc,
-                                                       p->lc, pref, 1, &res, &nres);
+                                                       p->lc, pref, tune ? LT_TUNE_MAX : 1, res, &nres);
     CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
     /* No algorithm for this combination (whatever the status says) is not fatal: the plan then
      * routes to cublasGemmEx, whose own errors are checked. */
     p->have_algo = st == CUBLAS_STATUS_SUCCESS && nres > 0;
-    if (p->have_algo) p->algo = res.algo;
+    if (p->have_algo) p->algo = res[0].algo;
+    p->n_cand = p->have_algo ? nres : 0;
+    for (int i = 0; i < p->n_cand; i++) p->cand[i] = res[i].algo;
+    p->tune_pending = tune && p->n_cand > 1;
     return p;
 }
 
@@ -171,6 +182,17 @@ static void gemm_lt_cd(cublasOperation_t ta, cublasOperation_t tb, int m, int n,
     if (!p->have_algo) { /* cublasGemmEx works in place */
         if (out_of_place) copy_c_to_d(D, C, m, n, ldc, c);
         cuda_gemm_ex(ta, tb, m, n, k, A, lda, B, ldb, ab, D, ldc, c, beta);
+        return;
+    }
+    if (p->tune_pending && (beta == 0.0f || C != D)) { /* picks the algorithm and leaves its D */
+        const struct lt_tune_call call = {p->desc, A, B, C, D, p->la, p->lb, p->lc, beta, m, n, ldc,
+                                          (size_t)(c == CUDA_R_32F ? 4 : 2)};
+        p->algo = p->cand[lt_tune_pick(&call, p->cand, p->n_cand)];
+        p->tune_pending = false;
+        if (p->pair != lt_plan::PAIR_UNCHECKED) { /* checked for the algorithm it had */
+            for (cublasLtMatrixLayout_t l : {p->la2, p->lb2, p->lc2}) CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(l));
+            p->pair = lt_plan::PAIR_UNCHECKED;
+        }
         return;
     }
     const float alpha = 1.0f;
@@ -242,7 +264,8 @@ void cuda_gemm_lt_pair(cublasOperation_t ta, cublasOperation_t tb, int m, int n,
     }
     batched = batched && stride[0] >= 0 && stride[1] >= 0 && stride[2] >= 0;
     struct lt_plan *p = batched ? plan_get(ta, tb, m, n, k, lda, ldb, ldc, ab, c, aa, alb, ac) : NULL;
-    if (!batched || !p->have_algo || !pair_supported(p, stride)) {
+    /* an untuned plan is tuned by the single call first, so that the batch runs the chosen one */
+    if (!batched || !p->have_algo || (p->tune_pending && beta == 0.0f) || !pair_supported(p, stride)) {
         for (int i = 0; i < 2; i++) cuda_gemm_lt(ta, tb, m, n, k, A[i], lda, B[i], ldb, ab, C[i], ldc, c, beta);
         return;
     }

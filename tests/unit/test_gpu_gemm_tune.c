@@ -1,0 +1,85 @@
+/* MT_GEMM_TUNE (cuda/matmul_tune.cuh): the dense matmuls with the algorithm chosen by timing among
+ * cuBLASLt's candidates give the bits of the heuristic's first choice, in both CUDA modes, and the
+ * CPU reference's values within the mode's tolerance (gpu_ops_util.h) on fresh random inputs.
+ * Shapes of the bench's projections at 512 tokens (the CPU reference's time): q (2048 -> 4096), o
+ * with its residual (4096 -> 2048) and k (2048 -> 512), forward and din. */
+#include <criterion/criterion.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "common.h"
+#include "gpu_ops_util.h"
+#include "ops.h"
+
+#ifdef MT_HAVE_CUDA
+#include "../../cuda/matmul_tune.cuh"
+
+/* out, the residual's out and din of one shape under the current tuning level, as host floats */
+static void run_shape(const struct mode *M, void *d_in, void *d_w, void *d_res, void *d_dout, int N, int I,
+                      int O, float **out, float **out_r, float **din)
+{
+    const size_t no = (size_t)N * O, ni = (size_t)N * I;
+    void *d_out = dx_poisoned(M, no), *d_out_r = dx_poisoned(M, no), *d_din = dx_poisoned(M, ni);
+    M->g->matmul_forward(d_out, d_in, d_w, N, I, O);
+    M->g->matmul_forward_residual(d_out_r, d_in, d_w, d_res, N, I, O);
+    M->g->matmul_backward(d_din, NULL, d_dout, d_in, d_w, N, I, O, false);
+    *out = hx_of(M, d_out, no), *out_r = hx_of(M, d_out_r, no), *din = hx_of(M, d_din, ni);
+    M->g->free(d_out), M->g->free(d_out_r), M->g->free(d_din);
+}
+
+Test(gpu, gemm_tune_keeps_the_bits)
+{
+    static const int shapes[][3] = {{512, 2048, 4096}, {512, 4096, 2048}, {512, 2048, 512}};
+    mt_rng rng;
+    mt_rng_seed(&rng, 4242);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            const int N = shapes[s][0], I = shapes[s][1], O = shapes[s][2];
+            const size_t ni = (size_t)N * I, no = (size_t)N * O, oi = (size_t)O * I;
+            float *in = hrand(&rng, ni, 1.0), *w = hrand(&rng, oi, 0.05), *res = hrand(&rng, no, 1.0);
+            float *dout = hrand(&rng, no, 1.0);
+            void *d_in = dx_from(&M, in, ni), *d_w = dx_from(&M, w, oi), *d_res = dx_from(&M, res, no);
+            void *d_dout = dx_from(&M, dout, no);
+            float *out[2], *out_r[2], *din[2];
+            for (int level = 0; level < 2; level++) { /* the heuristic's choice, then the tuned one */
+                cuda_gemm_tune_set(level);
+                run_shape(&M, d_in, d_w, d_res, d_dout, N, I, O, &out[level], &out_r[level], &din[level]);
+            }
+            cuda_gemm_tune_set(0);
+            char what[128];
+            snprintf(what, sizeof what, "tuned matmul forward %dx%dx%d: the untuned bits", N, I, O);
+            check_exact(&M, what, out[1], out[0], no * sizeof(float));
+            snprintf(what, sizeof what, "tuned matmul forward + residual %dx%dx%d: the untuned bits", N, I, O);
+            check_exact(&M, what, out_r[1], out_r[0], no * sizeof(float));
+            snprintf(what, sizeof what, "tuned matmul backward din %dx%dx%d: the untuned bits", N, I, O);
+            check_exact(&M, what, din[1], din[0], ni * sizeof(float));
+
+            float *ref = fnew(no), *ref_r = fnew(no), *din_ref = fnew(ni);
+            M.c->matmul_forward(ref, in, w, N, I, O);
+            M.c->matmul_forward_residual(ref_r, in, w, res, N, I, O);
+            M.c->matmul_backward(din_ref, NULL, dout, in, w, N, I, O, false);
+            snprintf(what, sizeof what, "tuned matmul forward %dx%dx%d", N, I, O);
+            check_close(&M, what, out[1], ref, no, M.tol);
+            snprintf(what, sizeof what, "tuned matmul forward + residual %dx%dx%d", N, I, O);
+            check_close(&M, what, out_r[1], ref_r, no, M.tol);
+            snprintf(what, sizeof what, "tuned matmul backward din %dx%dx%d", N, I, O);
+            check_close(&M, what, din[1], din_ref, ni, M.tol);
+            for (int level = 0; level < 2; level++) free(out[level]), free(out_r[level]), free(din[level]);
+            free(ref), free(ref_r), free(din_ref), free(in), free(w), free(res), free(dout);
+            M.g->free(d_in), M.g->free(d_w), M.g->free(d_res), M.g->free(d_dout);
+        }
+    }
+    /* what the choices came to: each tuned plan's first candidate is among those with its bits */
+    struct gemm_tune_counts c;
+    cuda_gemm_tune_counts(&c);
+    fprintf(stderr, "gemm tune: %d plans tuned, %d candidates, %d with the first's bits, %d switched\n", c.plans,
+            c.candidates, c.identical, c.switched);
+    cr_expect(c.plans >= 1, "no plan had more than one candidate to choose from");
+    cr_expect(c.identical >= c.plans && c.identical <= c.candidates && c.switched <= c.plans,
+              "counts out of order: %d plans, %d candidates, %d identical, %d switched", c.plans, c.candidates,
+              c.identical, c.switched);
+}
+#endif /* MT_HAVE_CUDA */
