@@ -92,6 +92,7 @@ int lt_tune_pick(const struct lt_tune_call *c, const cublasLtMatmulAlgo_t *cand,
     g_counts.plans++, g_counts.candidates += n;
     /* an algorithm whose sums depend on the order its CTAs finish (split-K by atomics) gives other
      * bits on another run: the first candidate being one, nothing is compared with it */
+    if (t0 <= 0) MT_CHECK(run(c, &cand[0]), "gemm tune: the heuristic's first algorithm failed");
     if (t0 <= 0 || hash_of(c) != h0) return 0;
     int best = 0, same = 1, holds = 0; /* holds: the candidate whose run D holds, -1 another's */
     float best_t = t0;
