@@ -57,13 +57,20 @@ int attention_tc_set_variant(int fwd);
 /* Selects the backward kernels for tests and benchmarks: variant = dkdv + ATTN_BWD_KINDS·dq, each
  * 0 = the mma.sync kernel, 1 = warp-specialised wgmma (TMA producer warpgroup, two wgmma
  * warpgroups); 1 + 2·1 was the default before ATTN_BWD_DS. On a GPU other than sm_90, or with MT_FORCE_SM80=1, the
- * mma.sync kernels run whatever is selected. All give the same bits.
+ * mma.sync kernels run whatever is selected. All give the same bits (with one dK/dV part,
+ * attention_tc_set_dkdv_parts).
  * Out-of-range values change nothing. Returns the previous one. Not thread-safe. */
 enum { ATTN_BWD_KINDS = 2 };
 /* ... and ATTN_BWD_DS (the default on Hopper): the warp-specialised passes with 5 products, the
  * dK/dV pass storing each dS tile (bf16) for the dQ pass (attention_tc_ds_bytes of scratch) */
 enum { ATTN_BWD_DS = ATTN_BWD_KINDS * ATTN_BWD_KINDS, ATTN_BWD_VARIANTS };
 int attention_tc_set_bwd_variant(int variant);
+/* The warp-specialised dK/dV pass in parts of each kv group's query heads (src/attention_parts.h):
+ * 0 = the rule there (the default), n >= 1 = the largest count <= n that divides the group, -1 =
+ * MT_ATTN_DKDV_PARTS, or the rule where that is unset. With more than one part dK and dV are sums
+ * of the parts' fp32 sums, other bits than the mma.sync kernels' (the same run to run). Returns
+ * the previous setting. Not thread-safe. */
+int attention_tc_set_dkdv_parts(int parts);
 
 #ifdef __cplusplus
 }

@@ -4,6 +4,8 @@
  * attention_tc.cu's header comment. */
 #include "attention_tc.cuh"
 #include "attention_tc_launch.cuh"
+#include "attention_parts.h"
+#include "env_flag.h"
 
 namespace {
 
@@ -264,6 +266,20 @@ int g_bwd_dkdv = 1, g_bwd_dq = 1;
  * SCRATCH_ATTN_DS). The default on Hopper. */
 bool g_bwd_ds = true;
 
+/* the dK/dV pass's parts: 0 = attention_parts.h's rule; n = the largest count <= n that divides
+ * the kv group (MT_ATTN_DKDV_PARTS=n, a benchmarking switch, or attention_tc_set_dkdv_parts);
+ * -1 = the environment not read yet */
+int g_dkdv_parts = -1;
+
+int dkdv_parts(int B, int S, int Hq, int Hkv)
+{
+    if (g_dkdv_parts < 0) g_dkdv_parts = (int)mt_env_positive("MT_ATTN_DKDV_PARTS", 0);
+    if (g_dkdv_parts == 0) return attn_dkdv_parts(B, S, Hq, Hkv);
+    int parts = g_dkdv_parts < Hq / Hkv ? g_dkdv_parts : Hq / Hkv;
+    while ((Hq / Hkv) % parts) parts--;
+    return parts;
+}
+
 template <int D, bool DOCS> void dkdv_mma_launch(const attn_bwd_args &a)
 {
     static bool opted;
@@ -319,15 +335,26 @@ void tc_bwd_launch(void *dq, void *dk, void *dv, const void *dout, const void *q
     /* the sm_80 path takes mma.sync (variant 0); documents (a.seg) do too: the wgmma kernels know
      * only the causal mask */
     const bool wg = g_cuda.hopper;
+    const bool tma_dkdv = wg && !seg && (g_bwd_ds || g_bwd_dkdv == 1);
+    attn_bwd_args ad = a;
+    size_t lent = 0; /* bytes of work taken */
     if (wg && g_bwd_ds && !seg) {
-        attn_bwd_args ad = a;
         const size_t need = attn_ds_bytes(B, S, Hq);
-        ad.ds = (bf16 *)(work && work_bytes >= need ? work : cuda_scratch(SCRATCH_ATTN_DS, need));
+        if (work && work_bytes >= need) ad.ds = (bf16 *)work, lent = need;
+        else ad.ds = (bf16 *)cuda_scratch(SCRATCH_ATTN_DS, need);
+    }
+    if (tma_dkdv) {
+        ad.dkdv_split = dkdv_parts(B, S, Hq, Hkv);
+        const size_t need = (size_t)attn_dkdv_part_bytes(B, S, Hkv, D, ad.dkdv_split);
+        if (need && work && work_bytes >= lent + need) ad.dkdv_part = (float *)((char *)work + lent);
+        else if (need) ad.dkdv_part = (float *)cuda_scratch(SCRATCH_ATTN_DKDV, need);
+    }
+    if (ad.ds) {
         attn_tma_bwd_ds(ad, D);
         return;
     }
-    dkdv_launch<D>(a, wg ? g_bwd_dkdv : 0);
-    dq_launch<D>(a, wg ? g_bwd_dq : 0);
+    dkdv_launch<D>(ad, wg ? g_bwd_dkdv : 0);
+    dq_launch<D>(ad, wg ? g_bwd_dq : 0);
 }
 
 } /* namespace */
@@ -354,6 +381,13 @@ extern "C" int attention_tc_set_bwd_variant(int variant)
         g_bwd_ds = false;
         g_bwd_dkdv = variant % ATTN_BWD_KINDS, g_bwd_dq = variant / ATTN_BWD_KINDS;
     }
+    return old;
+}
+
+extern "C" int attention_tc_set_dkdv_parts(int parts)
+{
+    const int old = g_dkdv_parts;
+    g_dkdv_parts = parts;
     return old;
 }
 

@@ -19,6 +19,11 @@ struct attn_bwd_args {
     float scale, scale_log2;
     const int32_t *seg;   /* [B,S] document ids or nullptr; only the mma.sync kernels read it */
     bf16 *ds;             /* attn_tma_bwd_ds: room for attn_ds_bytes(B, S, Hq) */
+    /* the dK/dV pass in dkdv_split parts of each kv group's query heads (attn_dkdv_split): each
+     * part's fp32 sums go to dkdv_part, [2 (dK, dV)][dkdv_split][B][S][Hkv·D], and a last kernel
+     * adds them in part order; dkdv_split 1: no parts, dK and dV written directly */
+    float *dkdv_part;
+    int dkdv_split;
 };
 
 /* The forward on wgmma (sm_90a, no document masks), D = 64 or 128, variant 1..4 = (warpgroups per

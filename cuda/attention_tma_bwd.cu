@@ -41,8 +41,10 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
     const int S = p.S, Hq = p.Hq, Hkv = p.Hkv;
     const int kt = blockIdx.y, bhk = blockIdx.x;
     const int b = bhk / Hkv, hk = bhk - b * Hkv, group = Hq / Hkv;
+    /* part blockIdx.z of gridDim.z takes query heads g0 .. g0 + gn - 1 of the kv group */
+    const int gn = group / (int)gridDim.z, g0 = (int)blockIdx.z * gn;
     const int k0 = kt * BK;
-    const int qt0 = k0 / BQ, nqt = (S + BQ - 1) / BQ, nper = nqt - qt0, n_it = group * nper;
+    const int qt0 = k0 / BQ, nqt = (S + BQ - 1) / BQ, nper = nqt - qt0, n_it = gn * nper;
 
     if (threadIdx.x == 0) init_ring(bars, STAGES, 1 + 32);
     __syncthreads();
@@ -59,7 +61,7 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
                 tma_3d(Vs + c * (BK * 128), &p.map_v, hk * D + 64 * c, k0, b, kv_bar);
             }
             for (int it = 0; it < n_it; it++) {
-                const int st = it % STAGES, gi = it / nper, qt = qt0 + it - gi * nper, h = hk * group + gi;
+                const int st = it % STAGES, gl = it / nper, qt = qt0 + it - gl * nper, h = hk * group + g0 + gl;
                 const uint32_t Qt = ring + st * 2 * T_BYTES, dOt = Qt + T_BYTES, fb = full_bar(st);
                 mbar_wait(empty_bar(st), ((it / STAGES) & 1) ^ 1);
                 mbar_expect_tx(fb, 2 * T_BYTES);
@@ -70,7 +72,7 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
             }
         } else if (warp == 1) {
             for (int it = 0; it < n_it; it++) {
-                const int st = it % STAGES, gi = it / nper, qt = qt0 + it - gi * nper, h = hk * group + gi;
+                const int st = it % STAGES, gl = it / nper, qt = qt0 + it - gl * nper, h = hk * group + g0 + gl;
                 const size_t loff = ((size_t)b * Hq + h) * S;
                 mbar_wait(empty_bar(st), ((it / STAGES) & 1) ^ 1);
                 for (int r = lane; r < BQ; r += 32) {
@@ -101,7 +103,7 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
     for (int it = 0; it < n_it; it++) {
         const int st = it % STAGES;
         mbar_wait(full_bar(st), (it / STAGES) & 1);
-        const int gi = it / nper, q0 = (qt0 + it - gi * nper) * BQ;
+        const int gl = it / nper, gi = g0 + gl, q0 = (qt0 + it - gl * nper) * BQ;
         if (q0 + BQ - 1 < wk0 || wk0 >= S) { /* no query of the tile sees a key of the group */
             skip_tile(empty_bar(0), STAGES, st, pend, lane);
             continue;
@@ -172,17 +174,51 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
     fence_regs(dva);
     if (STORE_DS && warp == 0 && lane == 0) bulk_wait_all(); /* the staging tile outlives its reads */
     const size_t kstride = (size_t)Hkv * D, at = (size_t)b * S * kstride + (size_t)hk * D + 2 * t;
-    bwd_store_rows<D>(p.dk + at, kstride, dka, key0, S, p.scale);
-    bwd_store_rows<D>(p.dv + at, kstride, dva, key0, S, 1.0f);
+    if (gridDim.z == 1) {
+        bwd_store_rows<D>(p.dk + at, kstride, dka, key0, S, p.scale);
+        bwd_store_rows<D>(p.dv + at, kstride, dva, key0, S, 1.0f);
+    } else { /* the part's sums, unscaled: dkdv_sum_kernel scales their total as above */
+        const size_t plane = (size_t)gridDim.x / Hkv * S * kstride;
+        bwd_store_rows_f32<D>(p.dkdv_part + blockIdx.z * plane + at, kstride, dka, key0, S);
+        bwd_store_rows_f32<D>(p.dkdv_part + (gridDim.z + blockIdx.z) * plane + at, kstride, dva, key0, S);
+    }
 #endif
 }
 
-/* dK/dV over key tiles of DKDV_BK per (batch, kv head) */
+/* dK = scale · Σ parts, dV = Σ parts, in part order (n elements each; n % 4 == 0) */
+__global__ void dkdv_sum_kernel(bf16 *dk, bf16 *dv, const float *part, size_t n, int parts, float scale)
+{
+    for (size_t i = 4 * (blockIdx.x * (size_t)blockDim.x + threadIdx.x); i < n; i += 4 * (size_t)gridDim.x * blockDim.x) {
+        float4 sk = *reinterpret_cast<const float4 *>(part + i);
+        float4 sv = *reinterpret_cast<const float4 *>(part + parts * n + i);
+        for (int z = 1; z < parts; z++) {
+            const float4 k = *reinterpret_cast<const float4 *>(part + z * n + i);
+            const float4 v = *reinterpret_cast<const float4 *>(part + (parts + z) * n + i);
+            sk.x += k.x, sk.y += k.y, sk.z += k.z, sk.w += k.w;
+            sv.x += v.x, sv.y += v.y, sv.z += v.z, sv.w += v.w;
+        }
+        __nv_bfloat162 *k2 = reinterpret_cast<__nv_bfloat162 *>(dk + i), *v2 = reinterpret_cast<__nv_bfloat162 *>(dv + i);
+        k2[0] = __floats2bfloat162_rn(sk.x * scale, sk.y * scale);
+        k2[1] = __floats2bfloat162_rn(sk.z * scale, sk.w * scale);
+        v2[0] = __floats2bfloat162_rn(sv.x, sv.y);
+        v2[1] = __floats2bfloat162_rn(sv.z, sv.w);
+    }
+}
+
+/* dK/dV over key tiles of DKDV_BK per (batch, kv head), in a.dkdv_split parts of the kv group */
 template <int D, int STAGES, bool STORE_DS> void dkdv_tma_launch(const attn_bwd_args &a)
 {
+    const int parts = a.dkdv_split > 1 ? a.dkdv_split : 1;
     launch<tc_bwd_dkdv_tma_kernel<D, STAGES, STORE_DS>>(
-        dkdv_tma_smem_bytes<D, STAGES, STORE_DS>(), dim3((unsigned)(a.B * a.Hkv), (unsigned)((a.S + DKDV_BK - 1) / DKDV_BK)),
+        dkdv_tma_smem_bytes<D, STAGES, STORE_DS>(),
+        dim3((unsigned)(a.B * a.Hkv), (unsigned)((a.S + DKDV_BK - 1) / DKDV_BK), (unsigned)parts),
         tma_params(a, D, DKDV_BQ, DKDV_BK, "attention backward dk dv (TMA)"));
+    if (parts == 1) return;
+    const size_t n = (size_t)a.B * a.S * a.Hkv * D;
+    const size_t want = (n / 4 + 255) / 256, most = (size_t)g_cuda.num_sms * 8;
+    const unsigned blocks = (unsigned)(want < most ? want : most);
+    dkdv_sum_kernel<<<blocks, 256, 0, g_cuda.stream>>>(a.dk, a.dv, a.dkdv_part, n, parts, a.scale);
+    CUDA_LAUNCH_CHECK("attention backward dk dv part sums");
 }
 
 } /* namespace */

@@ -49,6 +49,7 @@ struct bwd_tma_params {
     CUtensorMap map_q, map_do, map_k, map_v; /* [B][S][H·D] bf16, boxes of 64 columns × rows */
     bf16 *dq, *dk, *dv;
     bf16 *ds;        /* the dSᵀ tiles (ds_tile_offset) when the dK/dV pass stores them, else null */
+    float *dkdv_part; /* gridDim.z > 1: [2][gridDim.z][B][S][Hkv·D] fp32 sums of each part (attn_bwd_args) */
     const float *lse2, *delta;
     int S, Hq, Hkv;
     int ds_tiles;    /* dS tiles of one (batch, head): nt(nt + 1)/2, nt = ceil(S / 64) */
@@ -105,7 +106,7 @@ bwd_tma_params tma_params(const attn_bwd_args &a, int D, int q_rows, int kv_rows
     attn_head_map(&p.map_do, a.dout, a.B, a.S, a.Hq, D, q_rows, what);
     attn_head_map(&p.map_k, a.k, a.B, a.S, a.Hkv, D, kv_rows, what);
     attn_head_map(&p.map_v, a.v, a.B, a.S, a.Hkv, D, kv_rows, what);
-    p.dq = a.dq, p.dk = a.dk, p.dv = a.dv;
+    p.dq = a.dq, p.dk = a.dk, p.dv = a.dv, p.dkdv_part = a.dkdv_part;
     p.lse2 = a.lse2, p.delta = a.delta;
     p.S = a.S, p.Hq = a.Hq, p.Hkv = a.Hkv;
     p.scale = a.scale, p.scale_log2 = a.scale_log2;

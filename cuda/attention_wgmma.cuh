@@ -306,6 +306,20 @@ __device__ __forceinline__ void bwd_store_rows(bf16 *base, size_t stride, const 
     }
 }
 
+/* the same rows as fp32, unscaled (base: the tensor at the head's first column, plus 2t) */
+template <int D>
+__device__ __forceinline__ void bwd_store_rows_f32(float *base, size_t stride, const float (&acc)[D / 2], int row0, int S)
+{
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = row0 + 8 * r;
+        if (row >= S) continue;
+#pragma unroll
+        for (int j = 0; j < D / 8; j++)
+            *reinterpret_cast<float2 *>(base + (size_t)row * stride + j * 8) = make_float2(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
+    }
+}
+
 } /* namespace */
 
 #endif

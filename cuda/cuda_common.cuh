@@ -87,6 +87,7 @@ enum cuda_scratch_slot {
     SCRATCH_SORT_TEMP,  /* scatter: CUB temporary storage */
     SCRATCH_ATTN,       /* attention backward: rowsum(dO ⊙ O) */
     SCRATCH_ATTN_DS,    /* attention backward: the dS tiles, when the caller lends no memory */
+    SCRATCH_ATTN_DKDV,  /* attention backward: the dK/dV parts' sums, when the lent memory is short */
     SCRATCH_HIST,       /* router_stats: integer counts */
     SCRATCH_CHUNK_HIST, /* moe route/pair plans: per-chunk counts [chunks, n + 1] */
     SCRATCH_ROUTER_PARTS, /* router_matmul_backward: dlogits as three bf16 parts [T, 3E] */

@@ -27,7 +27,8 @@
 #   train bf16 with parallel.expert_wgrad_pairs (auto: on) vs off on 1 GPU: TRAIN_BF16_TOL; fp32 with
 #                 it on vs the CPU: TRAIN_FP32_TOL
 #   train bf16, the sm_80 path (MT_FORCE_SM80=1) vs the Hopper path on 1 GPU: TRAIN_BF16_TOL (the
-#                 expert GEMMs differ in summation order only; the attention backward is bit-identical)
+#                 expert GEMMs differ in summation order only, and the attention's dK/dV where its pass
+#                 runs in parts of the kv group: src/attention_parts.h)
 set -u
 B=${1:-build}
 LOG=${MT_GPU_LOGS:-$B/test-gpu}

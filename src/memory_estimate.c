@@ -15,6 +15,8 @@
  *    and pp > 1 the last stage keeps its own copy of the embedding for the head. */
 #include "memory_estimate.h"
 
+#include "attention_parts.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -149,12 +151,18 @@ static double scratch_bytes(const struct config *c, bool last)
             b += T * (H + Hq * D) * act_b;
     }
     /* the bf16 attention backward keeps its dS tiles (64 x 64 of the causal lower triangle of each
-     * sequence and query head) in the logits on the last stage when they fit, elsewhere in a
-     * buffer of its own (cuda/attention_tma_bwd.cu) */
+     * sequence and query head), then its dK/dV parts' sums (attention_parts.h), in the logits on
+     * the last stage where they fit, elsewhere in buffers of their own (cuda/attention_tc_bwd.cu) */
     if (m->precision != MT_PREC_FP32 && (D == 64 || D == 128)) {
-        const double nt = (double)((c->train.seq_len + 63) / 64);
-        const double ds = (double)c->train.micro_batch_size * Hq * nt * (nt + 1) / 2 * 64 * 64 * 2;
-        if (!last || ds > T * (double)m->vocab_size * act_b) b += ds;
+        const long long mb = c->train.micro_batch_size, S = c->train.seq_len;
+        const double nt = (double)((S + 63) / 64);
+        const double ds = (double)mb * Hq * nt * (nt + 1) / 2 * 64 * 64 * 2;
+        const int parts = attn_dkdv_parts(mb, S, (int)Hq, (int)Hkv);
+        const double sums = attn_dkdv_part_bytes(mb, S, (int)Hkv, (int)D, parts);
+        double lent = last ? T * (double)m->vocab_size * act_b : 0;
+        if (ds <= lent) lent -= ds;
+        else b += ds;
+        if (sums > lent) b += sums;
     }
     return b;
 }

@@ -150,6 +150,7 @@ Test(gpu, attention_ragged_small_heads)
 #ifdef MT_HAVE_CUDA
 #include "../../cuda/attention_tc.cuh"
 #include "../../cuda/grouped_gemm.cuh" /* grouped_gemm_available: a Hopper device in use */
+#include "../../src/attention_parts.h"
 
 #define TOL_TC_LSE 1e-3
 
@@ -383,12 +384,124 @@ Test(gpu, attention_tma_bwd_same_bits_as_mma_sync)
     mt_rng_seed(&rng, 113);
     struct mode M;
     mode_get(1, &M);
+    const int old_parts = attention_tc_set_dkdv_parts(1); /* parts sum in another order */
     tma_bwd_bits_case(&M, &rng, 1, 300, 8, 2, 128);
     tma_bwd_bits_case(&M, &rng, 2, 257, 4, 4, 64);
     tma_bwd_bits_case(&M, &rng, 1, 1, 2, 1, 128);
     tma_bwd_bits_case(&M, &rng, 1, 1111, 8, 1, 128);
     tma_bwd_bits_case(&M, &rng, 2, 512, 4, 2, 64);
     tma_bwd_bits_case(&M, &rng, 1, 449, 6, 2, 128);
+    attention_tc_set_dkdv_parts(old_parts);
+}
+
+/* The dK/dV pass in parts of each kv group's query heads (attention_tc_set_dkdv_parts), for both
+ * warp-specialised backwards (5 products with dS stored, 7 recomputing), with the parts' sums in
+ * lent memory after the dS tiles and in the backend's scratch: against the CPU (check_tc), against
+ * one part (dQ the same bits: its pass does not change; dK and dV differ only in the order their
+ * fp32 sums are added before the one rounding to bf16, so by at most one bf16 ulp of the largest:
+ * max|parts − one| <= 2^-7 · max|one|), the same bits on a rerun, the lent memory written from the
+ * dS tiles' end (the start without them) through the sums' (on Hopper) and nothing past them. Ragged S, S = 1, groups of 2
+ * to 8, both head dims. */
+static void dkdv_parts_case(const struct mode *M, mt_rng *rng, int B, int S, int Hq, int Hkv, int D, int parts)
+{
+    char what[128];
+    const size_t nq = (size_t)B * S * Hq * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * Hq * S;
+    const size_t xs = M->g->x_size, nb[3] = {nq * xs, nk * xs, nk * xs}, n[3] = {nq, nk, nk};
+    float *q = hrand(rng, nq, 1.0), *k = hrand(rng, nk, 1.0), *v = hrand(rng, nk, 1.0);
+    float *dout = hrand(rng, nq, 1.0);
+    void *d_q = dx_from(M, q, nq), *d_k = dx_from(M, k, nk), *d_v = dx_from(M, v, nk);
+    void *d_dout = dx_from(M, dout, nq), *d_out = dx_poisoned(M, nq);
+    float *d_lse = df_poisoned(M, nl);
+    cr_assert(attention_tc_forward(d_out, d_lse, d_q, d_k, d_v, B, S, Hq, Hkv, D));
+    /* the reference from the CPU's own forward, as tc_case (at S = 1 dQ is rounding noise around
+     * zero, which the bf16 O would make another noise) */
+    float *out = fnew(nq), *lse = fnew(nl);
+    M->c->attention_forward(out, lse, q, k, v, B, S, Hq, Hkv, D, NULL);
+    float *ref[3] = {fnew(nq), fnew(nk), fnew(nk)};
+    M->c->attention_backward(ref[0], ref[1], ref[2], dout, q, k, v, out, lse, B, S, Hq, Hkv, D, NULL, NULL, 0);
+    const size_t ds_bytes = attention_tc_ds_bytes(B, S, Hq), tail = 4096;
+    const size_t sums = (size_t)attn_dkdv_part_bytes(B, S, Hkv, D, parts);
+    void *work = M->g->alloc(ds_bytes + sums + tail);
+    void *d_g[3] = {dx_poisoned(M, nq), dx_poisoned(M, nk), dx_poisoned(M, nk)};
+    const int variants[2] = {ATTN_BWD_DS, 1 + ATTN_BWD_KINDS * 1};
+    for (int var = 0; var < 2; var++)
+        for (int lend = 0; lend < 2; lend++) {
+            void *one[3], *got[3], *again[3];
+            const int old_var = attention_tc_set_bwd_variant(variants[var]);
+            for (int run = 0; run < 3; run++) { /* one part, then `parts` twice */
+                const int old_parts = attention_tc_set_dkdv_parts(run ? parts : 1);
+                for (int i = 0; i < 3; i++) poison(M, d_g[i], nb[i]);
+                if (lend) poison(M, work, ds_bytes + sums + tail);
+                cr_assert(attention_tc_backward_work(d_g[0], d_g[1], d_g[2], d_dout, d_q, d_k, d_v, d_out, d_lse, B,
+                                                     S, Hq, Hkv, D, lend ? work : NULL, lend ? ds_bytes + sums + tail : 0));
+                attention_tc_set_dkdv_parts(old_parts);
+                for (int i = 0; i < 3; i++) (run == 0 ? one : run == 1 ? got : again)[i] = hraw_of(M, d_g[i], nb[i]);
+            }
+            attention_tc_set_bwd_variant(old_var);
+            const char *name = var ? "7-product" : "dS-stored";
+            if (lend) {
+                /* the sums follow the dS tiles; the 7-product backward stores none */
+                const size_t at = var ? 0 : ds_bytes;
+                unsigned char *w = hraw_of(M, work, ds_bytes + sums + tail);
+                size_t sums_touched = 0, tail_touched = 0;
+                for (size_t i = at; i < at + sums; i++) sums_touched += w[i] != 0xff;
+                for (size_t i = at + sums; i < ds_bytes + sums + tail; i++) tail_touched += w[i] != 0xff;
+                cr_expect(tail_touched == 0, "%s bwd in %d parts wrote %zu bytes past the lent sums (B%d S%d H%d/%d)",
+                          name, parts, tail_touched, B, S, Hq, Hkv);
+                if (grouped_gemm_available() && sums)
+                    cr_expect(sums_touched > 0, "%s bwd in %d parts left the lent sums untouched on Hopper (B%d S%d H%d/%d)",
+                              name, parts, B, S, Hq, Hkv);
+                free(w);
+            }
+            for (int i = 0; i < 3; i++) {
+                snprintf(what, sizeof what, "%s bwd %d parts%s d%c rerun B%d S%d H%d/%d D%d", name, parts,
+                         lend ? " (lent)" : "", "qkv"[i], B, S, Hq, Hkv, D);
+                check_exact(M, what, again[i], got[i], nb[i]);
+                float *a = hx_of(M, d_g[i], n[i]); /* the last run's */
+                snprintf(what, sizeof what, "%s bwd %d parts%s d%c B%d S%d H%d/%d D%d", name, parts,
+                         lend ? " (lent)" : "", "qkv"[i], B, S, Hq, Hkv, D);
+                check_tc(M, what, a, ref[i], n[i]);
+                free(a);
+                if (i == 0) {
+                    check_exact(M, what, got[0], one[0], nb[0]);
+                } else { /* bf16 bits to fp32, then one ulp of the largest */
+                    double d = 0, r = 0;
+                    for (size_t e = 0; e < n[i]; e++) {
+                        const uint16_t *pg = (const uint16_t *)got[i], *po = (const uint16_t *)one[i];
+                        union { uint32_t u; float f; } x = {.u = (uint32_t)pg[e] << 16}, y = {.u = (uint32_t)po[e] << 16};
+                        d = fmax(d, fabs((double)x.f - y.f)), r = fmax(r, fabs((double)y.f));
+                    }
+                    if (xs == 2)
+                        cr_expect(d <= r / 128, "%s: %d parts against one: max diff %.3e over max %.3e (> 2^-7)",
+                                  what, parts, d, r);
+                }
+            }
+            for (int i = 0; i < 3; i++) free(one[i]), free(got[i]), free(again[i]);
+        }
+    for (int i = 0; i < 3; i++) M->g->free(d_g[i]), free(ref[i]);
+    M->g->free(work);
+    M->g->free(d_q), M->g->free(d_k), M->g->free(d_v), M->g->free(d_dout), M->g->free(d_out);
+    M->g->free(d_lse);
+    free(q), free(k), free(v), free(dout), free(out), free(lse);
+}
+
+Test(gpu, attention_dkdv_parts)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 114);
+    struct mode M;
+    mode_get(1, &M);
+    dkdv_parts_case(&M, &rng, 1, 300, 8, 2, 128, 2);
+    dkdv_parts_case(&M, &rng, 1, 300, 8, 2, 128, 4);
+    dkdv_parts_case(&M, &rng, 2, 257, 8, 1, 64, 8);
+    dkdv_parts_case(&M, &rng, 1, 1, 4, 1, 128, 2);
+    dkdv_parts_case(&M, &rng, 1, 1111, 16, 2, 128, 4);
+    dkdv_parts_case(&M, &rng, 2, 449, 6, 2, 64, 3);
+    /* the rule's choice: 235B's 4 kv heads of 16 query heads at micro-batch 1 make fewer blocks
+     * than ATTN_DKDV_MIN_BLOCKS, the bench shape's (micro-batch 2, 8 query heads a kv head) do not */
+    cr_expect(attn_dkdv_parts(1, 4096, 64, 4) > 1);
+    cr_expect_eq(attn_dkdv_parts(2, 4096, 32, 4), 1);
+    cr_expect_eq(attn_dkdv_parts(1, 300, 7, 7), 1); /* no group to split */
 }
 
 /* Cases the tensor-core kernels leave to attention.cu: they must decline without touching

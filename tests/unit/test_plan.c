@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_parts.h"
 #include "common.h"
 #include "memory_estimate.h"
 #include "mesh.h"
@@ -416,6 +417,38 @@ Test(plan, weight_copy_auto_keeps_the_copy_when_it_is_the_smaller)
                      "%d layers over 80%%: kept only when no larger than casting", layers);
         c.train.weight_copy = MT_COPY_CAST;
         cr_expect(!estimate_keep_copy(&c, &d, 1e15), "set by hand: cast");
+    }
+}
+
+/* The attention backward's dK/dV pass in parts (src/attention_parts.h) at micro-batch 1: 1 x 4 kv
+ * heads x 32 key tiles = 128 blocks, under 256, so 2 parts whose fp32 sums (2 x 2 x 4096 x 4 x 128
+ * x 4 bytes = 32 MiB) follow the dS tiles (1 x 32 x 2080 x 8 KiB = 520 MiB): on a stage without
+ * the head both are scratch; on the last stage the logits (4096 x 151936 bf16) hold both; with a
+ * vocabulary of 68,000 (531 MiB of logits) they hold the tiles but not the sums. */
+Test(plan, attention_dkdv_part_sums_by_hand)
+{
+    struct config c;
+    qwen3_30b_config(&c, 2, 1);
+    c.train.micro_batch_size = 1;
+    struct mesh_dims d;
+    dims(&c, 2, &d);
+    cr_assert_eq(attn_dkdv_parts(1, 4096, 32, 4), 2);
+    const double ds = 1.0 * 32 * 2080 * 8192, sums = 2.0 * 2 * 4096 * 4 * 128 * 4;
+    cr_assert_float_eq(sums, 32.0 * 1024 * 1024, 1e-3);
+    const double xfer = 1.0 * 4096 * 2048 * 2; /* one dL/dh transfer buffer a slot (T x H bf16) */
+    const int vocab[2] = {151936, 68000};
+    const double want[2] = {ds + sums, ds};
+    for (int v = 0; v < 2; v++) {
+        c.model.vocab_size = vocab[v];
+        struct tensor_table tt;
+        tensor_table_build(&tt, &c.model);
+        struct stage_estimate s0, s1;
+        estimate_stage(&c, &tt, &d, 0, true, &s0);
+        estimate_stage(&c, &tt, &d, 1, true, &s1);
+        cr_expect_float_eq(s0.buffer_bytes - s0.slots * xfer - (s1.buffer_bytes - s1.slots * xfer), want[v], 1.0,
+                           "vocabulary %d: stage 0 %.0f, stage 1 %.0f (slots %d, %d)", vocab[v], s0.buffer_bytes,
+                           s1.buffer_bytes, s0.slots, s1.slots);
+        tensor_table_free(&tt);
     }
 }
 
