@@ -18,6 +18,7 @@
 #include "moe_route.cuh"
 #include "swiglu.cuh"
 #include "env_flag.h"
+#include "matmul_tune.cuh"
 #include "moe_timeline.h"
 
 #include <string.h>
@@ -136,6 +137,7 @@ static void context_init(int local_rank, int count)
     g_cuda.hopper = prop.major == 9 && prop.minor == 0 && !mt_env_flag("MT_FORCE_SM80");
     /* the 7-product attention backward, which needs no dS scratch (same bits) */
     if (mt_env_flag("MT_ATTN_BWD_RECOMPUTE")) attention_tc_set_bwd_variant(1 + ATTN_BWD_KINDS * 1);
+    (void)lt_tune_level(); /* a bad MT_GEMM_TUNE stops every rank here, not in a step */
     CUDA_CHECK(cudaStreamCreateWithFlags(&g_cuda.stream, cudaStreamNonBlocking));
     CUBLAS_CHECK(cublasCreate(&g_cuda.blas));
     CUBLAS_CHECK(cublasSetStream(g_cuda.blas, g_cuda.stream));

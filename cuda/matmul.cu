@@ -25,8 +25,10 @@ struct lt_plan {
     cublasLtMatrixLayout_t la, lb, lc;
     cublasLtMatmulAlgo_t algo;
     /* MT_GEMM_TUNE (matmul_tune.cuh; part of the key): the heuristic's candidates, cand[0] its
-     * first choice; tune_pending until a call that can run twice has picked algo among them */
+     * first choice; tune_pending until a call that can run twice has queued a trial of them and a
+     * later call has found it finished and taken its choice as algo */
     bool tune, tune_pending;
+    struct lt_tune_trial *trial;
     int n_cand;
     cublasLtMatmulAlgo_t cand[LT_TUNE_MAX];
     /* cuda_gemm_lt_pair: this GEMM twice in one call, with algo. la2/lb2/lc2 (batch count 2,
@@ -50,6 +52,7 @@ static uint32_t align_of(const void *p)
 static void plan_destroy(struct lt_plan *p)
 {
     if (!p->used) return;
+    if (p->trial) lt_tune_drop(p->trial), p->trial = NULL;
     CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->la));
     CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->lb));
     CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->lc));
@@ -129,7 +132,28 @@ static struct lt_plan *plan_get(cublasOperation_t ta, cublasOperation_t tb, int 
     p->n_cand = p->have_algo ? nres : 0;
     for (int i = 0; i < p->n_cand; i++) p->cand[i] = res[i].algo;
     p->tune_pending = tune && p->n_cand > 1;
+    p->trial = NULL;
     return p;
+}
+
+/* The plan's trial, if the GPU has finished it: its choice becomes the plan's algorithm */
+static void tune_take(struct lt_plan *p)
+{
+    const int pick = lt_tune_poll(p->trial);
+    if (pick < 0) return;
+    p->trial = NULL, p->tune_pending = false;
+    p->algo = p->cand[pick];
+    if (p->pair != lt_plan::PAIR_UNCHECKED) { /* checked for the algorithm it had */
+        for (cublasLtMatrixLayout_t l : {p->la2, p->lb2, p->lc2}) CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(l));
+        p->pair = lt_plan::PAIR_UNCHECKED;
+    }
+}
+
+extern "C" void cuda_gemm_tune_settle(void)
+{
+    CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
+    for (int i = 0; i < LT_PLANS; i++)
+        if (plans[i].used && plans[i].trial) tune_take(&plans[i]);
 }
 
 /* ---------------------------------------------------------------- GEMM entry points */
@@ -184,15 +208,12 @@ static void gemm_lt_cd(cublasOperation_t ta, cublasOperation_t tb, int m, int n,
         cuda_gemm_ex(ta, tb, m, n, k, A, lda, B, ldb, ab, D, ldc, c, beta);
         return;
     }
-    if (p->tune_pending && (beta == 0.0f || C != D)) { /* picks the algorithm and leaves its D */
+    if (p->trial) tune_take(p);
+    if (p->tune_pending && !p->trial && (beta == 0.0f || C != D)) { /* the trial leaves cand[0]'s D */
         const struct lt_tune_call call = {p->desc, A, B, C, D, p->la, p->lb, p->lc, beta, m, n, ldc,
                                           (size_t)(c == CUDA_R_32F ? 4 : 2)};
-        p->algo = p->cand[lt_tune_pick(&call, p->cand, p->n_cand)];
-        p->tune_pending = false;
-        if (p->pair != lt_plan::PAIR_UNCHECKED) { /* checked for the algorithm it had */
-            for (cublasLtMatrixLayout_t l : {p->la2, p->lb2, p->lc2}) CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(l));
-            p->pair = lt_plan::PAIR_UNCHECKED;
-        }
+        p->trial = lt_tune_start(&call, p->cand, p->n_cand);
+        p->tune_pending = p->trial != NULL;
         return;
     }
     const float alpha = 1.0f;

@@ -18,7 +18,10 @@ int lt_tune_level(void)
 {
     if (g_level < 0) {
         const char *env = getenv("MT_GEMM_TUNE");
-        g_level = !env || !*env || !strcmp(env, "0") ? 0 : strcmp(env, "2") ? 1 : 2;
+        if (!env || !*env) g_level = 1;
+        else if (env[1] == '\0' && env[0] >= '0' && env[0] <= '2') g_level = env[0] - '0';
+        else mt_user_error("environment variable MT_GEMM_TUNE=%s: expected 0 (off), 1 (on, the default) or 2 (on, "
+                           "each choice printed)", env);
     }
     return g_level;
 }
@@ -47,16 +50,18 @@ __global__ void tune_hash_kernel(const void *D, size_t elem, int m, int n, int l
     if ((threadIdx.x & 31) == 0) atomicAdd(h, s);
 }
 
-static unsigned long long hash_of(const struct lt_tune_call *c)
-{
-    unsigned long long *d_h = (unsigned long long *)cuda_scratch(SCRATCH_REDUCE, sizeof *d_h), h = 0;
-    CUDA_CHECK(cudaMemsetAsync(d_h, 0, sizeof *d_h, g_cuda.stream));
-    tune_hash_kernel<<<4 * g_cuda.num_sms, 256, 0, g_cuda.stream>>>(c->D, c->d_elem, c->m, c->n, c->ldc, d_h);
-    CUDA_LAUNCH_CHECK("gemm tune hash");
-    CUDA_CHECK(cudaMemcpyAsync(&h, d_h, sizeof h, cudaMemcpyDeviceToHost, g_cuda.stream));
-    CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
-    return h;
-}
+/* Trials in flight: each holds two hashes a candidate (its first run's, its last timed run's) in a
+ * row of a device array that one copy brings to pinned host memory at the trial's end. */
+enum { TRIAL_SLOTS = 64, TRIAL_HASHES = 2 * LT_TUNE_MAX };
+static unsigned long long *g_hash_dev, *g_hash_host;
+static bool g_slot_used[TRIAL_SLOTS];
+
+struct lt_tune_trial {
+    int slot, n, m, cols;
+    bool ok[LT_TUNE_MAX];           /* cuBLASLt took every run of the candidate */
+    cudaEvent_t ev[LT_TUNE_MAX][2]; /* around the candidate's three timed runs */
+    cudaEvent_t done;               /* the hashes are on the host */
+};
 
 /* false where cuBLASLt refuses the candidate for this call (it is then not eligible) */
 static bool run(const struct lt_tune_call *c, const cublasLtMatmulAlgo_t *algo)
@@ -67,48 +72,95 @@ static bool run(const struct lt_tune_call *c, const cublasLtMatmulAlgo_t *algo)
            CUBLAS_STATUS_SUCCESS;
 }
 
-/* ms a run of algo, over three after the caller's first; 0 where a run failed */
-static float time_of(const struct lt_tune_call *c, const cublasLtMatmulAlgo_t *algo)
+/* D's hash, added into *h on the stream */
+static void hash_into(const struct lt_tune_call *c, unsigned long long *h)
 {
-    cudaEvent_t ev[2];
-    for (int i = 0; i < 2; i++) CUDA_CHECK(cudaEventCreate(&ev[i]));
-    CUDA_CHECK(cudaEventRecord(ev[0], g_cuda.stream));
-    bool ok = true;
-    for (int r = 0; r < 3 && ok; r++) ok = run(c, algo);
-    CUDA_CHECK(cudaEventRecord(ev[1], g_cuda.stream));
-    CUDA_CHECK(cudaEventSynchronize(ev[1]));
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, ev[0], ev[1]));
-    for (int i = 0; i < 2; i++) CUDA_CHECK(cudaEventDestroy(ev[i]));
-    return ok ? ms / 3 : 0;
+    tune_hash_kernel<<<4 * g_cuda.num_sms, 256, 0, g_cuda.stream>>>(c->D, c->d_elem, c->m, c->n, c->ldc, h);
+    CUDA_LAUNCH_CHECK("gemm tune hash");
 }
 
-int lt_tune_pick(const struct lt_tune_call *c, const cublasLtMatmulAlgo_t *cand, int n)
+struct lt_tune_trial *lt_tune_start(const struct lt_tune_call *c, const cublasLtMatmulAlgo_t *cand, int n)
 {
     MT_CHECK(c->beta == 0.0f || c->C != c->D, "gemm tune: a call that reads its own output cannot run twice");
-    MT_CHECK(n >= 1 && run(c, &cand[0]), "gemm tune: the heuristic's first algorithm failed");
-    const unsigned long long h0 = hash_of(c);
-    const float t0 = time_of(c, &cand[0]);
-    g_counts.plans++, g_counts.candidates += n;
+    MT_CHECK(n >= 1 && n <= LT_TUNE_MAX, "gemm tune: %d candidates", n);
+    int slot = 0;
+    while (slot < TRIAL_SLOTS && g_slot_used[slot]) slot++;
+    if (!g_hash_dev) {
+        CUDA_CHECK(cudaMalloc(&g_hash_dev, sizeof(unsigned long long) * TRIAL_SLOTS * TRIAL_HASHES));
+        CUDA_CHECK(cudaMallocHost(&g_hash_host, sizeof(unsigned long long) * TRIAL_SLOTS * TRIAL_HASHES));
+    }
+    if (slot == TRIAL_SLOTS) { /* as many trials in flight as slots: this call is not tuned */
+        MT_CHECK(run(c, &cand[0]), "gemm tune: the heuristic's first algorithm failed");
+        return NULL;
+    }
+    struct lt_tune_trial *t = (struct lt_tune_trial *)mt_calloc(1, sizeof *t);
+    g_slot_used[slot] = true;
+    t->slot = slot, t->n = n, t->m = c->m, t->cols = c->n;
+    unsigned long long *h = g_hash_dev + (size_t)slot * TRIAL_HASHES;
+    CUDA_CHECK(cudaMemsetAsync(h, 0, sizeof *h * TRIAL_HASHES, g_cuda.stream));
+    for (int i = 0; i < n; i++) {
+        /* the first run's bits, then three timed runs, the last of which must have them too */
+        for (int e = 0; e < 2; e++) CUDA_CHECK(cudaEventCreate(&t->ev[i][e]));
+        t->ok[i] = run(c, &cand[i]);
+        MT_CHECK(i > 0 || t->ok[0], "gemm tune: the heuristic's first algorithm failed");
+        if (t->ok[i]) hash_into(c, &h[2 * i]);
+        CUDA_CHECK(cudaEventRecord(t->ev[i][0], g_cuda.stream));
+        for (int r = 0; r < 3 && t->ok[i]; r++) t->ok[i] = run(c, &cand[i]);
+        CUDA_CHECK(cudaEventRecord(t->ev[i][1], g_cuda.stream));
+        if (t->ok[i]) hash_into(c, &h[2 * i + 1]);
+    }
+    /* D as the call would have left it: the first candidate's */
+    if (n > 1) MT_CHECK(run(c, &cand[0]), "gemm tune: the heuristic's first algorithm failed");
+    CUDA_CHECK(cudaMemcpyAsync(g_hash_host + (size_t)slot * TRIAL_HASHES, h, sizeof *h * TRIAL_HASHES,
+                               cudaMemcpyDeviceToHost, g_cuda.stream));
+    CUDA_CHECK(cudaEventCreateWithFlags(&t->done, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(t->done, g_cuda.stream));
+    return t;
+}
+
+static void trial_free(struct lt_tune_trial *t)
+{
+    for (int i = 0; i < t->n; i++)
+        for (int e = 0; e < 2; e++) CUDA_CHECK(cudaEventDestroy(t->ev[i][e]));
+    CUDA_CHECK(cudaEventDestroy(t->done));
+    g_slot_used[t->slot] = false;
+    free(t);
+}
+
+int lt_tune_poll(struct lt_tune_trial *t)
+{
+    const cudaError_t q = cudaEventQuery(t->done);
+    if (q == cudaErrorNotReady) return -1;
+    CUDA_CHECK(q);
+    const unsigned long long *h = g_hash_host + (size_t)t->slot * TRIAL_HASHES, h0 = h[0];
+    float t0 = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&t0, t->ev[0][0], t->ev[0][1]));
+    g_counts.plans++, g_counts.candidates += t->n;
     /* an algorithm whose sums depend on the order its CTAs finish (split-K by atomics) gives other
      * bits on another run: the first candidate being one, nothing is compared with it */
-    if (t0 <= 0) MT_CHECK(run(c, &cand[0]), "gemm tune: the heuristic's first algorithm failed");
-    if (t0 <= 0 || hash_of(c) != h0) return 0;
-    int best = 0, same = 1, holds = 0; /* holds: the candidate whose run D holds, -1 another's */
+    int best = 0, same = 1;
     float best_t = t0;
-    for (int i = 1; i < n; i++) {
-        /* the first run's bits, then three timed runs, the last of which must have them too */
-        holds = -1;
-        if (!run(c, &cand[i]) || hash_of(c) != h0) continue;
-        const float t = time_of(c, &cand[i]);
-        if (t <= 0 || hash_of(c) != h0) continue;
-        holds = i, same++;
-        if (t < 0.98f * t0 && t < best_t) best = i, best_t = t;
+    if (t->ok[0] && h[1] == h0) {
+        for (int i = 1; i < t->n; i++) {
+            float ms = 0;
+            if (!t->ok[i] || h[2 * i] != h0 || h[2 * i + 1] != h0) continue;
+            CUDA_CHECK(cudaEventElapsedTime(&ms, t->ev[i][0], t->ev[i][1]));
+            same++;
+            if (ms < 0.98f * t0 && ms < best_t) best = i, best_t = ms;
+        }
+        g_counts.identical += same, g_counts.switched += best != 0;
+    } else {
+        g_counts.identical += 1;
     }
-    if (holds != best) MT_CHECK(run(c, &cand[best]), "gemm tune: the chosen algorithm failed");
-    g_counts.identical += same, g_counts.switched += best != 0;
     if (lt_tune_level() == 2)
         fprintf(stderr, "gemm tune: %dx%d: candidate %d of %d (%d with the first's bits), %.3f ms against %.3f\n",
-                c->m, c->n, best, n, same, best_t, t0);
+                t->m, t->cols, best, t->n, same, best_t / 3, t0 / 3);
+    trial_free(t);
     return best;
+}
+
+void lt_tune_drop(struct lt_tune_trial *t)
+{
+    CUDA_CHECK(cudaEventSynchronize(t->done)); /* the copy into its slot has landed */
+    trial_free(t);
 }

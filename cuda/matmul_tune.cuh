@@ -1,10 +1,12 @@
-/* A cuBLASLt algorithm chosen by timing among those that give the default's bits (MT_GEMM_TUNE=1;
- * used by matmul.cu's plans). The heuristic's first choice is not always the fastest (H200,
- * thirteenth session: the q projection's forward 13% faster with its seventh candidate, ~3.7 ms a
- * bench step in all), but a choice by timing can differ between runs, and with it the result's last
- * bits, which resume promises to keep. Only candidates whose result is bit for bit the first
- * candidate's, on the call's own operands and on every run of the candidate, are timed and may be
- * chosen: whatever the timing picks, the bits are the heuristic's. */
+/* A cuBLASLt algorithm chosen by timing among those that give the default's bits (on unless
+ * MT_GEMM_TUNE=0; used by matmul.cu's plans). The heuristic's first choice is not always the
+ * fastest (H200, thirteenth session: the q projection's forward 13% faster with its seventh
+ * candidate), but a choice by timing can differ between runs, and with it the result's last bits,
+ * which resume promises to keep. Only candidates whose result is bit for bit the first candidate's,
+ * on the call's own operands and on every run of the candidate, are timed and may be chosen:
+ * whatever the timing picks, the bits are the heuristic's. The trial is queued on the stream at a
+ * plan's first call that can run twice and read back at a later call once the GPU has done it: the
+ * host never waits for it (a pipeline stage or an EP rank would otherwise stall its peers). */
 #ifndef MT_CUDA_MATMUL_TUNE_CUH
 #define MT_CUDA_MATMUL_TUNE_CUH
 
@@ -21,6 +23,8 @@ void cuda_gemm_tune_counts(struct gemm_tune_counts *out);
 /* MT_GEMM_TUNE's level from here on, whatever the environment said (for the tests): plans made
  * under another level are other plans */
 void cuda_gemm_tune_set(int level);
+/* waits for the stream and gives every plan whose trial is in flight its choice (for the tests) */
+void cuda_gemm_tune_settle(void);
 #ifdef __cplusplus
 }
 #endif
@@ -42,14 +46,20 @@ struct lt_tune_call {
     size_t d_elem;  /* bytes per element of D: 2 or 4 */
 };
 
-/* Which MT_GEMM_TUNE asks for: 0 off (the default), 1 on, 2 on with one line per choice on stderr */
+/* Which MT_GEMM_TUNE asks for: 0 off, 1 on (the default), 2 on with one line per choice on stderr */
 int lt_tune_level(void);
 
-/* The index of the fastest of cand[0 .. n) whose D is bit for bit cand[0]'s (the heuristic's first
- * choice, always eligible), timed on the call's operands; a candidate must be 2% faster than cand[0]
- * to be taken. Leaves D as that candidate computes it (the bits of cand[0]). Synchronises the
- * stream: for the first call of a plan only. */
-int lt_tune_pick(const struct lt_tune_call *call, const cublasLtMatmulAlgo_t *cand, int n);
+/* A trial of cand[0 .. n) on this call's operands, queued on the stream: each candidate's D hashed
+ * after its first run and after three timed runs, then cand[0] once more so that D holds the bits
+ * the call owes (cand[0]'s). NULL where too many trials are in flight (the call then ran cand[0]). */
+struct lt_tune_trial;
+struct lt_tune_trial *lt_tune_start(const struct lt_tune_call *call, const cublasLtMatmulAlgo_t *cand, int n);
+/* -1 while the GPU has not finished the trial (never waits); else the index of the fastest
+ * candidate whose D was cand[0]'s bits on both hashes (cand[0] unless another is 2% faster), and
+ * the trial is freed. */
+int lt_tune_poll(struct lt_tune_trial *trial);
+/* frees a trial whose plan goes away (waits for its last copy) */
+void lt_tune_drop(struct lt_tune_trial *trial);
 
 #endif /* __cplusplus */
 #endif

@@ -1,5 +1,6 @@
-/* MT_GEMM_TUNE (cuda/matmul_tune.cuh): the dense matmuls with the algorithm chosen by timing among
- * cuBLASLt's candidates give the bits of the heuristic's first choice, in both CUDA modes, and the
+/* MT_GEMM_TUNE (cuda/matmul_tune.cuh): the dense matmuls, at the call that queues the trial of
+ * cuBLASLt's candidates and with the algorithm it chose by timing, give the bits of the heuristic's
+ * first choice, in both CUDA modes, and the
  * CPU reference's values within the mode's tolerance (gpu_ops_util.h) on fresh random inputs.
  * Shapes of the bench's projections at 512 tokens (the CPU reference's time): q (2048 -> 4096), o
  * with its residual (4096 -> 2048) and k (2048 -> 512), forward and din. */
@@ -43,31 +44,37 @@ Test(gpu, gemm_tune_keeps_the_bits)
             float *dout = hrand(&rng, no, 1.0);
             void *d_in = dx_from(&M, in, ni), *d_w = dx_from(&M, w, oi), *d_res = dx_from(&M, res, no);
             void *d_dout = dx_from(&M, dout, no);
-            float *out[2], *out_r[2], *din[2];
-            for (int level = 0; level < 2; level++) { /* the heuristic's choice, then the tuned one */
-                cuda_gemm_tune_set(level);
-                run_shape(&M, d_in, d_w, d_res, d_dout, N, I, O, &out[level], &out_r[level], &din[level]);
+            /* the heuristic's choice; the calls that queue the trials; after they are read, the
+             * tuned choice */
+            float *out[3], *out_r[3], *din[3];
+            for (int run = 0; run < 3; run++) {
+                cuda_gemm_tune_set(run > 0);
+                if (run == 2) cuda_gemm_tune_settle();
+                run_shape(&M, d_in, d_w, d_res, d_dout, N, I, O, &out[run], &out_r[run], &din[run]);
             }
             cuda_gemm_tune_set(0);
             char what[128];
-            snprintf(what, sizeof what, "tuned matmul forward %dx%dx%d: the untuned bits", N, I, O);
-            check_exact(&M, what, out[1], out[0], no * sizeof(float));
-            snprintf(what, sizeof what, "tuned matmul forward + residual %dx%dx%d: the untuned bits", N, I, O);
-            check_exact(&M, what, out_r[1], out_r[0], no * sizeof(float));
-            snprintf(what, sizeof what, "tuned matmul backward din %dx%dx%d: the untuned bits", N, I, O);
-            check_exact(&M, what, din[1], din[0], ni * sizeof(float));
+            for (int run = 1; run < 3; run++) {
+                const char *when = run == 1 ? "while tuning" : "tuned";
+                snprintf(what, sizeof what, "matmul forward %dx%dx%d %s: the untuned bits", N, I, O, when);
+                check_exact(&M, what, out[run], out[0], no * sizeof(float));
+                snprintf(what, sizeof what, "matmul forward + residual %dx%dx%d %s: the untuned bits", N, I, O, when);
+                check_exact(&M, what, out_r[run], out_r[0], no * sizeof(float));
+                snprintf(what, sizeof what, "matmul backward din %dx%dx%d %s: the untuned bits", N, I, O, when);
+                check_exact(&M, what, din[run], din[0], ni * sizeof(float));
+            }
 
             float *ref = fnew(no), *ref_r = fnew(no), *din_ref = fnew(ni);
             M.c->matmul_forward(ref, in, w, N, I, O);
             M.c->matmul_forward_residual(ref_r, in, w, res, N, I, O);
             M.c->matmul_backward(din_ref, NULL, dout, in, w, N, I, O, false);
             snprintf(what, sizeof what, "tuned matmul forward %dx%dx%d", N, I, O);
-            check_close(&M, what, out[1], ref, no, M.tol);
+            check_close(&M, what, out[2], ref, no, M.tol);
             snprintf(what, sizeof what, "tuned matmul forward + residual %dx%dx%d", N, I, O);
-            check_close(&M, what, out_r[1], ref_r, no, M.tol);
+            check_close(&M, what, out_r[2], ref_r, no, M.tol);
             snprintf(what, sizeof what, "tuned matmul backward din %dx%dx%d", N, I, O);
-            check_close(&M, what, din[1], din_ref, ni, M.tol);
-            for (int level = 0; level < 2; level++) free(out[level]), free(out_r[level]), free(din[level]);
+            check_close(&M, what, din[2], din_ref, ni, M.tol);
+            for (int run = 0; run < 3; run++) free(out[run]), free(out_r[run]), free(din[run]);
             free(ref), free(ref_r), free(din_ref), free(in), free(w), free(res), free(dout);
             M.g->free(d_in), M.g->free(d_w), M.g->free(d_res), M.g->free(d_dout);
         }
