@@ -29,6 +29,10 @@
 #   train bf16, the sm_80 path (MT_FORCE_SM80=1) vs the Hopper path on 1 GPU: TRAIN_BF16_TOL (the
 #                 expert GEMMs differ in summation order only, and the attention's dK/dV where its pass
 #                 runs in parts of the kv group: src/attention_parts.h)
+#   train bf16, head_dim 64, resumed from its own checkpoint at step 2 vs uninterrupted: identical
+#                 losses after step 2 (with cuBLASLt's tuned algorithms, MT_GEMM_TUNE); tuning off vs
+#                 on: identical losses (added 2026-11-29; the same checks by hand on one H200 passed,
+#                 this script's form not yet run on a GPU)
 set -u
 B=${1:-build}
 LOG=${MT_GPU_LOGS:-$B/test-gpu}
@@ -88,6 +92,37 @@ compare_losses() {
           printf "  step %d: %.6f vs %.6f  rel diff %.2e\n", NR, $1, $2, rel;
           if (!(rel <= tol)) bad = 1 }
         END { printf "  worst rel diff %.2e (tol %s)\n", worst, tol; exit bad }')
+    local rc=$?
+    echo "$out"
+    if [ "$rc" -eq 0 ]; then record "$name" PASS; else record "$name" FAIL; fi
+}
+
+# compare_tail NAME RESUMED.jsonl FULL.jsonl AFTER: the resumed run's steps (AFTER + 1 .. STEPS)
+# against the same steps of the uninterrupted run, bit for bit (the numbers as written)
+compare_tail() {
+    local name=$1 a=$2 b=$3 after=$4 out
+    out=$(python3 - "$a" "$b" "$after" "$STEPS" <<'PY'
+import json, sys
+def losses(path, after):
+    try:
+        rows = [json.loads(l) for l in open(path) if l.strip()]
+    except (OSError, ValueError) as e:
+        return None, str(e)
+    return {r["step"]: r.get("loss") for r in rows if r.get("step", 0) > after}, None
+after, steps = int(sys.argv[3]), int(sys.argv[4])
+a, ea = losses(sys.argv[1], after)
+b, eb = losses(sys.argv[2], after)
+want = list(range(after + 1, steps + 1))
+if ea or eb or sorted(a) != want or sorted(b) != want:
+    print(f"  steps {after + 1}..{steps} missing ({ea or eb or ''}): {sorted(a or {})} and {sorted(b or {})}")
+    sys.exit(1)
+bad = 0
+for s in want:
+    print(f"  step {s}: {a[s]!r} vs {b[s]!r}{'' if a[s] == b[s] else '  DIFFER'}")
+    bad |= a[s] != b[s]
+sys.exit(bad)
+PY
+)
     local rc=$?
     echo "$out"
     if [ "$rc" -eq 0 ]; then record "$name" PASS; else record "$name" FAIL; fi
@@ -155,6 +190,26 @@ run_step "train bf16, 1 GPU, weight_copy=cast" "$LOG/train_1gpu_bf16_cast.log" \
     --set log.metrics="$LOG/train_1gpu_bf16_cast.jsonl"
 compare_losses "losses weight_copy cast vs keep, bf16 (identical)" \
     "$LOG/train_1gpu_bf16_cast.jsonl" "$LOG/train_1gpu_bf16.jsonl" 0
+# exact resume on the GPU with cuBLASLt's tuned algorithms (MT_GEMM_TUNE, on by default) and the
+# attention's dK/dV pass in parts (head_dim 64: the tensor-core attention; 2 kv heads, few blocks):
+# the run resumed from its own checkpoint at step 2 gives the uninterrupted run's later losses bit
+# for bit, and the tuning off gives the same losses as on
+rm -rf "$LOG/ck_resume" "$LOG/ck_resumed"
+run_step "train bf16, 1 GPU, head_dim 64, checkpoint at step 2" "$LOG/train_1gpu_bf16_d64_ck.log" \
+    "$B/moetrain" $T --backend cuda --set model.precision=bf16 --set model.head_dim=64 \
+    --set checkpoint.dir="$LOG/ck_resume" --set checkpoint.interval=2 --set checkpoint.keep=0 \
+    --set log.metrics="$LOG/train_1gpu_bf16_d64_ck.jsonl"
+run_step "train bf16, 1 GPU, head_dim 64, resumed at step 2" "$LOG/train_1gpu_bf16_d64_resumed.log" \
+    "$B/moetrain" $T --backend cuda --set model.precision=bf16 --set model.head_dim=64 \
+    --resume "$LOG/ck_resume/step_00000002" --set checkpoint.dir="$LOG/ck_resumed" \
+    --set log.metrics="$LOG/train_1gpu_bf16_d64_resumed.jsonl"
+compare_tail "losses resumed at step 2 vs uninterrupted, bf16 head_dim 64 (identical)" \
+    "$LOG/train_1gpu_bf16_d64_resumed.jsonl" "$LOG/train_1gpu_bf16_d64_ck.jsonl" 2
+run_step "train bf16, 1 GPU, head_dim 64, MT_GEMM_TUNE=0" "$LOG/train_1gpu_bf16_d64_notune.log" \
+    env MT_GEMM_TUNE=0 "$B/moetrain" $T --backend cuda --set model.precision=bf16 --set model.head_dim=64 \
+    --set log.metrics="$LOG/train_1gpu_bf16_d64_notune.jsonl"
+compare_losses "losses MT_GEMM_TUNE=0 vs on, bf16 head_dim 64 (identical)" \
+    "$LOG/train_1gpu_bf16_d64_notune.jsonl" "$LOG/train_1gpu_bf16_d64_ck.jsonl" 0
 run_step "train bf16, 1 GPU, bf16 Adam moments" "$LOG/train_1gpu_bf16_m16.log" \
     "$B/moetrain" $T --backend cuda --set model.precision=bf16 --set train.optimizer_state_dtype=bf16 \
     --set log.metrics="$LOG/train_1gpu_bf16_m16.jsonl"
