@@ -179,8 +179,8 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
         bwd_store_rows<D>(p.dv + at, kstride, dva, key0, S, 1.0f);
     } else { /* the part's sums, unscaled: dkdv_sum_kernel scales their total as above */
         const size_t plane = (size_t)gridDim.x / Hkv * S * kstride;
-        bwd_store_rows_f32<D>(p.dkdv_part + blockIdx.z * plane + at, kstride, dka, key0, S);
-        bwd_store_rows_f32<D>(p.dkdv_part + (gridDim.z + blockIdx.z) * plane + at, kstride, dva, key0, S);
+        bwd_store_rows<D>(p.dkdv_part + blockIdx.z * plane + at, kstride, dka, key0, S, 1.0f);
+        bwd_store_rows<D>(p.dkdv_part + (gridDim.z + blockIdx.z) * plane + at, kstride, dva, key0, S, 1.0f);
     }
 #endif
 }

@@ -20,6 +20,8 @@
 
 #include "attention_tc_common.cuh"
 
+#include <type_traits>
+
 namespace {
 
 /* keeps the compiler from moving reads of an accumulator above the wait for its MMA */
@@ -289,10 +291,11 @@ __device__ __forceinline__ void bwd_product(float (&acc)[D / 2], const float (&x
     wgmma_commit();
 }
 
-/* The thread's rows row0 and row0 + 8 (of S) of a 64×D accumulator times scale, as bf16 at
- * base + row·stride (base: the tensor at the head's first column, plus 2t) */
-template <int D>
-__device__ __forceinline__ void bwd_store_rows(bf16 *base, size_t stride, const float (&acc)[D / 2], int row0,
+/* The thread's rows row0 and row0 + 8 (of S) of a 64×D accumulator times scale, as bf16 (or,
+ * unscaled, as fp32: a part's sums) at base + row·stride (base: the tensor at the head's first
+ * column, plus 2t) */
+template <int D, typename OUT>
+__device__ __forceinline__ void bwd_store_rows(OUT *base, size_t stride, const float (&acc)[D / 2], int row0,
                                                int S, float scale)
 {
 #pragma unroll
@@ -300,23 +303,14 @@ __device__ __forceinline__ void bwd_store_rows(bf16 *base, size_t stride, const 
         const int row = row0 + 8 * r;
         if (row >= S) continue;
 #pragma unroll
-        for (int j = 0; j < D / 8; j++)
-            *reinterpret_cast<__nv_bfloat162 *>(base + (size_t)row * stride + j * 8) =
-                __floats2bfloat162_rn(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
-    }
-}
-
-/* the same rows as fp32, unscaled (base: the tensor at the head's first column, plus 2t) */
-template <int D>
-__device__ __forceinline__ void bwd_store_rows_f32(float *base, size_t stride, const float (&acc)[D / 2], int row0, int S)
-{
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = row0 + 8 * r;
-        if (row >= S) continue;
-#pragma unroll
-        for (int j = 0; j < D / 8; j++)
-            *reinterpret_cast<float2 *>(base + (size_t)row * stride + j * 8) = make_float2(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
+        for (int j = 0; j < D / 8; j++) {
+            const float x = acc[4 * j + 2 * r], y = acc[4 * j + 2 * r + 1];
+            if constexpr (std::is_same<OUT, float>::value)
+                *reinterpret_cast<float2 *>(base + (size_t)row * stride + j * 8) = make_float2(x, y);
+            else
+                *reinterpret_cast<__nv_bfloat162 *>(base + (size_t)row * stride + j * 8) =
+                    __floats2bfloat162_rn(x * scale, y * scale);
+        }
     }
 }
 
