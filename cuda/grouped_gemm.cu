@@ -184,15 +184,22 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
             const tile_info ti = decode<KIND, PARTS>(p, tile_start, order, t);
             const int nk = k_blocks<KIND>(p, ti), e = p.e_base + ti.e;
             set_walk walk;
+            walk.start(ti);
             for (int kb = 0; kb < (nk == 0 ? 1 : nk); kb++) {
                 const uint32_t sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES, fb = full_bar(stage);
                 mbar_wait(empty_bar(stage), phase ^ 1);
-                if (kb == 0) /* e, mi, ni, r0[0], rows[0..3]: what the consumers use */
+                /* wgrad: the block's first row in its set and its valid rows, which the consumers
+                 * read from the stage's header (the rows past them are the next expert's) */
+                int k0 = 0, valid = BK;
+                if (KIND == KIND_WGRAD && nk > 0) k0 = walk.next(p, ti.e, &valid);
+                if (kb == 0) /* e, mi, ni, r0, rows, K blocks, -, the first block's valid rows */
                     asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n\t"
                                  "st.shared.v4.s32 [%0+16], {%5, %6, %7, %8};" ::"r"(hdr(stage)),
-                                 "r"(ti.e), "r"(ti.mi), "r"(ti.ni), "r"(ti.r0[0]), "r"(ti.rows[0]),
-                                 "r"(ti.rows[1]), "r"(ti.rows[2]), "r"(ti.rows[3])
+                                 "r"(ti.e), "r"(ti.mi), "r"(ti.ni), "r"(ti.r0), "r"(ti.rows),
+                                 "r"(nk), "r"(0), "r"(valid)
                                  : "memory");
+                else if (KIND == KIND_WGRAD)
+                    asm volatile("st.shared.s32 [%0+28], %1;" ::"r"(hdr(stage)), "r"(valid) : "memory");
                 if (nk == 0) { /* the header alone; the arrive releases it to the consumers */
                     mbar_arrive(fb);
                     if (++stage == STAGES) stage = 0, phase ^= 1;
@@ -201,15 +208,13 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                 mbar_expect_tx(fb, STAGE_BYTES); /* out-of-bounds box parts count too; the arrive
                                                   * releases the header to the consumers */
                 if (KIND == KIND_FWD) {
-                    tma_2d(sa, &p.map_a[0], kb * BK, ti.r0[0] + ti.mi * BM, fb);
+                    tma_2d(sa, &p.map_a[0], kb * BK, ti.r0 + ti.mi * BM, fb);
                     tma_3d(sb, &p.map_b[0], kb * BK, ti.ni * BN, e, fb);
                 } else if (KIND == KIND_DGRAD) {
-                    tma_2d(sa, &p.map_a[0], kb * BK, ti.r0[0] + ti.mi * BM, fb);
+                    tma_2d(sa, &p.map_a[0], kb * BK, ti.r0 + ti.mi * BM, fb);
                     for (int j = 0; j < BN / 64; j++)
                         tma_3d(sb + j * BOX_BYTES, &p.map_b[0], ti.ni * BN + 64 * j, kb * BK, e, fb);
                 } else { /* the K blocks of the row sets in order */
-                    walk.next(ti);
-                    const int k0 = pick(ti.r0, walk.s) + walk.kb++ * BK;
                     const CUtensorMap *ma = &p.map_a[walk.s], *mb = &p.map_b[walk.s];
                     for (int j = 0; j < BM / 64; j++)
                         tma_2d(sa + j * BOX_BYTES, ma, ti.mi * BM + 64 * j, k0, fb);
@@ -238,13 +243,15 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
     uint32_t phase = 0, tile_phase = 0;
     for (int t = blockIdx.x; PARTS || t < total; t += gridDim.x) {
         tile_info ti;
+        int pad, valid0;
         mbar_wait(full_bar(stage), phase); /* the tile's first K block, and its header */
         asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%8];\n\t"
                      "ld.shared.v4.s32 {%4, %5, %6, %7}, [%8+16];"
-                     : "=r"(ti.e), "=r"(ti.mi), "=r"(ti.ni), "=r"(ti.r0[0]), "=r"(ti.rows[0]),
-                       "=r"(ti.rows[1]), "=r"(ti.rows[2]), "=r"(ti.rows[3])
+                     : "=r"(ti.e), "=r"(ti.mi), "=r"(ti.ni), "=r"(ti.r0), "=r"(ti.rows),
+                       "=r"(ti.nk), "=r"(pad), "=r"(valid0)
                      : "r"(hdr(stage))
                      : "memory");
+        (void)pad, (void)valid0;
         if (PARTS && ti.e < 0) { /* no more tiles; the dw warp learns it as it learns of a staged tile */
             {
                 mbar_wait(free_bar, tile_phase);
@@ -269,7 +276,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
         /* Forward/dgrad: an expert's last tile often has <= 64 valid rows. The warpgroup whose 64
          * rows are all past them (never stored) skips its MMAs, leaving the SM's tensor cores to
          * the other; it still waits for and releases every stage with it. */
-        const bool idle = KIND != KIND_WGRAD && w * 64 >= ti.rows[0] - ti.mi * BM;
+        const bool idle = KIND != KIND_WGRAD && w * 64 >= ti.rows - ti.mi * BM;
         if (idle)
             for (int kb = 0; kb < nk; kb++) {
                 mbar_wait(full_bar(stage), phase);
@@ -278,15 +285,12 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
         int prev = -1;
-        set_walk walk;
         for (int kb = 0; kb < (idle ? 0 : nk); kb++) {
             const uint32_t sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES;
             mbar_wait(full_bar(stage), phase);
             int valid = BK;
-            if (KIND == KIND_WGRAD) {
-                walk.next(ti);
-                valid = pick(ti.rows, walk.s) - walk.kb++ * BK;
-            }
+            if (KIND == KIND_WGRAD) /* the producer's set_walk wrote it with the block */
+                asm volatile("ld.shared.s32 %0, [%1+28];" : "=r"(valid) : "r"(hdr(stage)) : "memory");
             if (KIND == KIND_WGRAD && valid < BK) {
                 /* K rows past the expert's end in its row set (the next expert's rows): zero them
                  * in all six boxes of the stage (A's 2 then B's 4, contiguous). Swizzling
@@ -368,8 +372,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                 }
             fence_proxy_async(); /* for the TMA's reads */
             asm volatile("bar.sync 2, 256;" ::: "memory");
-            const int valid_m = ti.rows[0] - ti.mi * BM;
-            const int row0 = ti.r0[0] + ti.mi * BM;
+            const int valid_m = ti.rows - ti.mi * BM;
+            const int row0 = ti.r0 + ti.mi * BM;
             if (valid_m >= BM) {
                 if (ctid == 0) {
                     for (int b = 0; b < BN / 64 && ti.ni * BN + 64 * b < p.N; b++)

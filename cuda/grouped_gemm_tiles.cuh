@@ -18,7 +18,6 @@ constexpr int BM = 128, BN = 256;
 constexpr int THREADS = 384;                 /* producer warpgroup + 2 consumer warpgroups */
 constexpr int MAX_EXPERTS = 256;             /* per launch: its tile starts live in shared memory */
 constexpr int MAX_SETS = MT_WGRAD_MAX_SETS;  /* wgrad row sets a launch (grouped_gemm_wgrad_sets) */
-static_assert(MAX_SETS == 4, "a tile header holds e, mi, ni, r0 and four sets' rows (32 bytes)");
 /* Forward/dgrad visit an expert's tiles in groups of GROUP_M row tiles, every column tile of a
  * group before the next group, so the CTAs running together share both operands' tiles in L2.
  * Down an expert's whole row range first (as before), a large expert's concurrent tiles each read
@@ -88,9 +87,11 @@ static_assert(sizeof(gg_params) <= 4096, "gg_params exceeds the kernel parameter
 
 struct tile_info {
     int e;     /* expert */
-    int r0[MAX_SETS];   /* the expert's first row in each row set (forward/dgrad: [0] only) */
-    int rows[MAX_SETS]; /* its row counts (forward/dgrad: [0] >= 1; wgrad: all 0 for an
-                         * overwriting wgrad's zero tiles; sets past n_sets 0) */
+    int r0;    /* the expert's first row (forward/dgrad; wgrad: in the first row set) */
+    int rows;  /* its row count (forward/dgrad >= 1; wgrad: in the first row set) */
+    int nk;    /* wgrad: the K blocks of all its row sets (0: an overwriting wgrad's zero tile);
+                * each set's rows are read where the producer's walk reaches the set (set_walk),
+                * so that the sets a launch takes (MAX_SETS) cost no registers */
     int mi, ni; /* tile coordinates. Forward/dgrad: M fastest within groups of GROUP_M row
                  * tiles, so CTAs running together share a weight slab (measured on H100: 5-25%
                  * faster than N fastest, skewed rows included); wgrad: N fastest (measured only
@@ -120,13 +121,11 @@ __device__ void tile_starts(const gg_params &p, int *tile_start /*[MAX_EXPERTS +
         const int64_t rows = __ldg(p.off[0] + e + 1) - __ldg(p.off[0] + e);
         bool any = rows > 0 || p.overwrite;
         k_total = (int)((rows + bk_of<KIND>() - 1) / bk_of<KIND>());
-#pragma unroll
-        for (int s = 1; s < MAX_SETS; s++)
-            if (s < p.n_sets) {
-                const int64_t rs = __ldg(p.off[s] + e + 1) - __ldg(p.off[s] + e);
-                any = any || rs > 0;
-                k_total += (int)((rs + bk_of<KIND>() - 1) / bk_of<KIND>());
-            }
+        for (int s = 1; KIND == KIND_WGRAD && s < p.n_sets; s++) { /* forward/dgrad: one set */
+            const int64_t rs = __ldg(p.off[s] + e + 1) - __ldg(p.off[s] + e);
+            any = any || rs > 0;
+            k_total += (int)((rs + bk_of<KIND>() - 1) / bk_of<KIND>());
+        }
         if (any) v = (p.tiles_m ? p.tiles_m : (int)((rows + BM - 1) / BM)) * ((p.N + BN - 1) / BN);
     }
     if (KIND == KIND_WGRAD && p.heavy_first) {
@@ -188,10 +187,14 @@ __device__ __forceinline__ tile_info decode(const gg_params &p, const int *tile_
     tile_info ti;
     const int e = order[lo];
     ti.e = e;
-#pragma unroll
-    for (int s = 0; s < MAX_SETS; s++) {
-        ti.r0[s] = s < p.n_sets ? (int)__ldg(p.off[s] + e) : 0;
-        ti.rows[s] = s < p.n_sets ? (int)__ldg(p.off[s] + e + 1) - ti.r0[s] : 0;
+    ti.r0 = (int)__ldg(p.off[0] + e);
+    ti.rows = (int)__ldg(p.off[0] + e + 1) - ti.r0;
+    ti.nk = 0;
+    if (KIND == KIND_WGRAD) {
+        constexpr int BK = bk_of<KIND>();
+        ti.nk = (ti.rows + BK - 1) / BK;
+        for (int s = 1; s < p.n_sets; s++)
+            ti.nk += ((int)(__ldg(p.off[s] + e + 1) - __ldg(p.off[s] + e)) + BK - 1) / BK;
     }
     const int local = t - tile_start[lo];
     if (KIND == KIND_WGRAD) {
@@ -199,7 +202,7 @@ __device__ __forceinline__ tile_info decode(const gg_params &p, const int *tile_
         ti.ni = local % nt;
         ti.mi = local / nt;
     } else {
-        const int mt = (ti.rows[0] + BM - 1) / BM, nt = (p.N + BN - 1) / BN;
+        const int mt = (ti.rows + BM - 1) / BM, nt = (p.N + BN - 1) / BN;
         const int g0 = local / (GROUP_M * nt) * GROUP_M, gm = min(GROUP_M, mt - g0);
         const int in = local - g0 * nt;
         ti.mi = g0 + in % gm;
@@ -247,30 +250,31 @@ __device__ __forceinline__ bool exchange_arrived(const gg_params &p)
     return true;
 }
 
-/* v[s] without a local-memory array (s < MAX_SETS) */
-__device__ __forceinline__ int pick(const int (&v)[MAX_SETS], int s)
-{
-    return s == 0 ? v[0] : s == 1 ? v[1] : s == 2 ? v[2] : v[3];
-}
-
-/* Wgrad's walk over the row sets' K blocks: before each block, the set it comes from and its
- * index there (sets with no rows for the expert are passed over). */
+/* Wgrad's walk over the row sets' K blocks, in the producer: before each block, the set it comes
+ * from, the block's first row there and how many of its BK rows are the expert's (sets with no
+ * rows for the expert are passed over; a set's offsets are read when the walk reaches it). */
 struct set_walk {
-    int s = 0, kb = 0;
-    __device__ __forceinline__ void next(const tile_info &ti)
+    int s = 0, kb = 0, r0 = 0, rows = 0;
+    __device__ __forceinline__ void start(const tile_info &ti) { s = 0, kb = 0, r0 = ti.r0, rows = ti.rows; }
+    /* the next K block: its first row (in set s) and its valid rows (<= BK) */
+    __device__ __forceinline__ int next(const gg_params &p, int e, int *valid)
     {
-        while (kb * bk_of<KIND_WGRAD>() >= pick(ti.rows, s)) s++, kb = 0;
+        constexpr int BK = bk_of<KIND_WGRAD>();
+        while (kb * BK >= rows) {
+            s++, kb = 0;
+            r0 = (int)__ldg(p.off[s] + e);
+            rows = (int)__ldg(p.off[s] + e + 1) - r0;
+        }
+        const int left = rows - kb * BK;
+        *valid = left < BK ? left : BK;
+        return r0 + kb++ * BK;
     }
 };
 
 template <int KIND> __device__ __forceinline__ int k_blocks(const gg_params &p, const tile_info &ti)
 {
     constexpr int BK = bk_of<KIND>();
-    if (KIND != KIND_WGRAD) return (p.K + BK - 1) / BK;
-    int n = 0;
-#pragma unroll
-    for (int s = 0; s < MAX_SETS; s++) n += (ti.rows[s] + BK - 1) / BK;
-    return n;
+    return KIND == KIND_WGRAD ? ti.nk : (p.K + BK - 1) / BK;
 }
 
 } // namespace

@@ -86,12 +86,12 @@ struct parallel_config {
                                    * (MT_MAX_LAYERS = all, the default) */
     int expert_wgrad_group;       /* micro-steps a grouping layer's expert weight gradients wait for:
                                    * 2 .. MT_WGRAD_MAX_SETS, 0 = auto (2, and 4 in the layers where
-                                   * that fits too) */
+                                   * that fits too, 8 in every layer where that fits) */
     bool expert_wgrad_jobs;       /* grouped expert wgrads fill later exchanges' waits
                                    * (moe_wgrad_jobs.h; EP > 1 with expert_wgrad_pairs) */
     int wgrad_group_layers;       /* not a key: how many of the pairing layers (their first ones) take
                                    * groups of wgrad_group micro-steps instead of 2 */
-    int wgrad_group;              /* not a key: the resolved group of those layers (2 .. 4) */
+    int wgrad_group;              /* not a key: the resolved group of those layers (2 .. 8) */
 };
 
 struct train_config {

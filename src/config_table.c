@@ -94,7 +94,7 @@ const struct cfg_key cfg_keys[] = {
     INT("parallel", "moe_chunks", parallel.moe_chunks, POS),
     TRI("parallel", "moe_fixed_exchange", parallel.moe_fixed_exchange),
     TRI("parallel", "expert_wgrad_pairs", parallel.expert_wgrad_pairs),
-    INT("parallel", "expert_wgrad_group", parallel.expert_wgrad_group, CFG_LO | CFG_HI, 0, 4),
+    INT("parallel", "expert_wgrad_group", parallel.expert_wgrad_group, CFG_LO | CFG_HI, 0, 8), /* ops.h MT_WGRAD_MAX_SETS */
     BOOL("parallel", "expert_wgrad_jobs", parallel.expert_wgrad_jobs),
 
     INT("train", "steps", train.steps, POS),

@@ -110,7 +110,7 @@ bool cfg_validate(struct loader *L)
            "parallel.expert_wgrad_pairs not false and parallel.moe_chunks: 1");
     CHECK2(c->parallel.expert_wgrad_group != 1, "parallel", "expert_wgrad_group", "parallel",
            "expert_wgrad_group",
-           "parallel.expert_wgrad_group is 2, 3 or 4 micro-steps, or 0 (auto); to never group set "
+           "parallel.expert_wgrad_group is 2 to 8 micro-steps, or 0 (auto); to never group set "
            "parallel.expert_wgrad_pairs: false");
     CHECK2((int64_t)t->seq_len * t->global_batch_size <= INT64_C(1) << 52, "train", "seq_len", "train",
            "global_batch_size", "train.seq_len x train.global_batch_size = %lld tokens per step is "

@@ -389,6 +389,13 @@ void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dim
         k_fit = k;
     }
     c->parallel.wgrad_group_layers = k_fit == c->model.num_hidden_layers ? MT_MAX_LAYERS : k_fit;
+    /* every layer groups 4: groups of MT_WGRAD_AUTO_GROUP_MAX where they fit in every layer (a
+     * Qwen3-235B-A22B layer at micro-batch 1 moves 19 GB of fp32 dw a group, ~5.5 ms on an H200
+     * of ~14, docs/benchmarks.md), with more micro-steps than 4 */
+    if (c->parallel.wgrad_group_layers != MT_MAX_LAYERS || micro_steps(c, d) <= MT_WGRAD_AUTO_GROUP) return;
+    c->parallel.wgrad_group = MT_WGRAD_AUTO_GROUP_MAX;
+    if (estimate_peak_bytes(c, d, keep_copy) > MT_GROUP_MEM_SHARE * device_bytes)
+        c->parallel.wgrad_group = MT_WGRAD_AUTO_GROUP;
 }
 
 bool estimate_expert_grads_kept(const struct config *c, const struct mesh_dims *d)

@@ -60,8 +60,10 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
  * again: at 85% an H200 grouped 3 of the bench's 8 layers (-0.4% a step against pairs) where all
  * 8 (-0.9%) needed 89% of the card (docs/benchmarks.md, sixteenth session). */
 #define MT_GROUP_MEM_SHARE 0.90
-/* parallel.expert_wgrad_group auto: the group tried after pairs in every layer */
+/* parallel.expert_wgrad_group auto: the group tried after pairs in every layer, and the one tried
+ * after that in every layer */
 #define MT_WGRAD_AUTO_GROUP 4
+#define MT_WGRAD_AUTO_GROUP_MAX 8
 /* The largest stage's total. */
 double estimate_peak_bytes(const struct config *c, const struct mesh_dims *d, bool keep_copy);
 /* train.weight_copy resolved: keep / cast as set; auto keeps the copy when the plan with it fits in
@@ -86,10 +88,11 @@ int estimate_expert_wgrad_pair_layers(const struct config *c, const struct mesh_
                                       double device_bytes);
 void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dims *d, bool keep_copy,
                                          double device_bytes);
-/* The same call also resolves parallel.expert_wgrad_group into wgrad_group (2 .. 4) and
+/* The same call also resolves parallel.expert_wgrad_group into wgrad_group (2 .. 8) and
  * wgrad_group_layers (how many of the pairing layers, their first ones, group; MT_MAX_LAYERS: all):
  * as set, or (0, auto) groups of MT_WGRAD_AUTO_GROUP where every layer pairs and the peak stays
- * within MT_GROUP_MEM_SHARE with them. */
+ * within MT_GROUP_MEM_SHARE with them, and groups of MT_WGRAD_AUTO_GROUP_MAX where every layer
+ * takes those and the peak still stays within it. */
 /* Whether a layer's expert gradients stay where its backward wrote them until the step's end (no
  * expert reduce-scatter between micro-steps): EP_FSDP 1, or parallel.reduce_grads step. */
 bool estimate_expert_grads_kept(const struct config *c, const struct mesh_dims *d);

@@ -48,7 +48,7 @@ struct adamw_segment {
 
 /* One row set of a grouped expert weight gradient (expert_matmul_wgrad_sets): a micro-step's
  * expert rows, expert-major, as expert_matmul_backward takes them. */
-#define MT_WGRAD_MAX_SETS 4
+#define MT_WGRAD_MAX_SETS 8
 struct expert_rows {
     const void *dout;    /* [rows, O] output gradients */
     const void *in;      /* [rows, I] inputs */

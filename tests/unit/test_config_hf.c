@@ -485,7 +485,7 @@ Test(config_hf, expert_wgrad_jobs_needs_ep_and_pairs)
     cr_expect(c.parallel.expert_wgrad_jobs);
 }
 
-/* parallel.expert_wgrad_group: 0 (auto) by default, 2 to 4 micro-steps; 1 and 5 are refused */
+/* parallel.expert_wgrad_group: 0 (auto) by default, 2 to 8 micro-steps; 1 and 9 are refused */
 Test(config_hf, expert_wgrad_group_range)
 {
     struct config c;
@@ -494,7 +494,9 @@ Test(config_hf, expert_wgrad_group_range)
     cr_assert(load(&c, put("g4.yaml", "parallel:\n  expert_wgrad_group: 4\n"), 0, NULL), "%s", errbuf);
     cr_expect_eq(c.parallel.expert_wgrad_group, 4);
     const char *m = fails("parallel:\n  expert_wgrad_group: 1\n");
-    expect(m, "parallel.expert_wgrad_group is 2, 3 or 4 micro-steps");
-    m = fails("parallel:\n  expert_wgrad_group: 5\n");
+    expect(m, "parallel.expert_wgrad_group is 2 to 8 micro-steps");
+    cr_assert(load(&c, put("g8.yaml", "parallel:\n  expert_wgrad_group: 8\n"), 0, NULL), "%s", errbuf);
+    cr_expect_eq(c.parallel.expert_wgrad_group, 8);
+    m = fails("parallel:\n  expert_wgrad_group: 9\n");
     expect(m, "expert_wgrad_group");
 }

@@ -367,6 +367,8 @@ Test(gpu, expert_matmul_wgrad_sets)
     const int *many2[] = {many[0], many[1]}, *many4[] = {many[0], many[1], many[2], many[3]};
     const int *abc[] = {a, b, c}, *abcd[] = {a, b, c, d}, *a_c_[] = {a, none, c, none}, *_bcd[] = {none, b, c, d};
     const int *one[] = {b};
+    /* eight sets (parallel.expert_wgrad_group 8): empty ones first, between and last */
+    const int *eight[] = {none, a, b, none, c, d, a, none}, *eight_full[] = {a, b, c, d, b, a, d, c};
     /* 40 experts of 0-240 rows (every ninth none), 12 tiles each at 520->392: 480 tiles, more than
      * three rounds of a 132-SM grid, so the grouped kernel's heaviest-first order and its backward
      * odd rounds (grouped_gemm_tiles.cuh) place every tile once */
@@ -394,6 +396,8 @@ Test(gpu, expert_matmul_wgrad_sets)
         wgrad_sets_case(&M, &rng, "300 experts 64->72", MANY, 4, many4, 64, 72);
         wgrad_sets_case(&M, &rng, "I, O not /8 (fallback)", 8, 4, abcd, 100, 60);
         wgrad_sets_case(&M, &rng, "40 skewed experts, 480 tiles 520->392", SKEW, 2, skew2, 520, 392);
+        wgrad_sets_case(&M, &rng, "eight sets, three empty", 8, 8, eight, 256, 512);
+        wgrad_sets_case(&M, &rng, "eight sets 200->136", 8, 8, eight_full, 200, 136);
     }
 }
 

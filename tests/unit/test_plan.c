@@ -323,7 +323,7 @@ Test(plan, expert_wgrad_pairs_stash_and_auto_layers)
 
 /* parallel.expert_wgrad_group: a layer grouping g micro-steps parks g - 1 (no more than the step
  * has, less one); auto groups 4 once every MoE layer pairs, in as many layers as keep the peak
- * within MT_GROUP_MEM_SHARE; set by hand it applies to every pairing layer and counts in auto's
+ * within MT_GROUP_MEM_SHARE, and 8 once every layer groups 4 and 8 fits in every layer; set by hand it applies to every pairing layer and counts in auto's
  * choice of pairing layers. The hand model: 3 MoE layers, 8 micro-steps. */
 Test(plan, expert_wgrad_group_stash_and_auto_layers)
 {
@@ -368,9 +368,19 @@ Test(plan, expert_wgrad_group_stash_and_auto_layers)
     cr_assert_eq(c.parallel.wgrad_group_layers, 2, "3 + 2 x 2 stashes fit, 3 + 3 x 2 do not");
     cr_assert_gt(base + 7 * stash, MT_PAIRS_MEM_SHARE * (base + 7.5 * stash) / MT_GROUP_MEM_SHARE,
                  "the pairs' share alone would not hold the two groups");
+    /* groups of 4 in every layer (3 x 3 stashes): then groups of 8 where every layer's fit (3 x 7) */
+    c.parallel.expert_wgrad_pairs = MT_TRI_TRUE, c.parallel.wgrad_pair_layers = MT_MAX_LAYERS;
+    estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 20.5 * stash) / MT_GROUP_MEM_SHARE);
+    cr_assert(c.parallel.wgrad_group == 4 && c.parallel.wgrad_group_layers == MT_MAX_LAYERS,
+              "groups of 4 everywhere, no room for 8 (%d, %d)", c.parallel.wgrad_group, c.parallel.wgrad_group_layers);
+    c.parallel.expert_wgrad_pairs = MT_TRI_TRUE, c.parallel.wgrad_pair_layers = MT_MAX_LAYERS;
+    estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 21.5 * stash) / MT_GROUP_MEM_SHARE);
+    cr_assert(c.parallel.wgrad_group == 8 && c.parallel.wgrad_group_layers == MT_MAX_LAYERS,
+              "groups of 8 everywhere (%d, %d)", c.parallel.wgrad_group, c.parallel.wgrad_group_layers);
     c.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
     estimate_resolve_expert_wgrad_pairs(&c, &d, true, 1e15);
     cr_assert_eq(c.parallel.wgrad_group_layers, MT_MAX_LAYERS, "every layer fits");
+    cr_assert_eq(c.parallel.wgrad_group, 8, "every layer fits groups of 8");
     c.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
     estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 2.5 * stash) / MT_PAIRS_MEM_SHARE);
     cr_assert(c.parallel.wgrad_pair_layers == 2 && c.parallel.wgrad_group_layers == 0,

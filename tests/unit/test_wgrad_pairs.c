@@ -18,7 +18,7 @@
 #define WB 2
 #define WS 8
 #define N_MICRO 3
-#define MAX_MICRO 6
+#define MAX_MICRO 10
 
 struct run {
     struct model m;
@@ -177,13 +177,37 @@ Test(wgrad_pairs, groups_of_four_and_three)
     accumulate_n(&ref, 5, p_ref, NULL);
     run_init_groups(&got, MT_MAX_LAYERS, MT_MAX_LAYERS, 3);
     accumulate_n(&got, 5, p_got, parked);
-    const int want3[6] = {1, 2, 0, 1, 0};
+    const int want3[5] = {1, 2, 0, 1, 0};
     for (int l = 0; l < 2; l++)
         for (int k = 0; k < 5; k++)
             cr_expect(parked[l][k] == want3[k], "group 3: layer %d parked %d after backward %d, expected %d", l,
                       parked[l][k], k, want3[k]);
     cr_expect(!got.m.wstash[0].slot[2].x_exp, "a group of 3 used a third slot");
     expect_same_grads(&ref, &got, "with groups of 3");
+    run_free(&ref);
+    run_free(&got);
+}
+
+/* groups of 8 (the kernel's MT_WGRAD_MAX_SETS row sets) in both layers over 10 micro-steps: a group
+ * of 8, then one of 2 that the step's end closes. Same bits as no grouping on the CPU backend. */
+Test(wgrad_pairs, groups_of_eight)
+{
+    struct run ref, got;
+    bool p_ref[MAX_MICRO], p_got[MAX_MICRO];
+    int parked[2][MAX_MICRO];
+    run_init(&ref, 0);
+    accumulate_n(&ref, 10, p_ref, NULL);
+    run_init_groups(&got, MT_MAX_LAYERS, MT_MAX_LAYERS, 8);
+    cr_expect(got.m.wstash[0].n_slots == 7 && got.m.wstash[1].n_slots == 7, "slots %d %d, expected 7 7",
+              got.m.wstash[0].n_slots, got.m.wstash[1].n_slots);
+    accumulate_n(&got, 10, p_got, parked);
+    const int want8[10] = {1, 2, 3, 4, 5, 6, 7, 0, 1, 0};
+    for (int l = 0; l < 2; l++)
+        for (int k = 0; k < 10; k++)
+            cr_expect(parked[l][k] == want8[k], "group 8: layer %d parked %d after backward %d, expected %d", l,
+                      parked[l][k], k, want8[k]);
+    cr_expect(got.m.wstash[1].slot[6].x_exp && got.m.wstash[1].slot[6].off, "layer 1's seventh slot was never filled");
+    expect_same_grads(&ref, &got, "with groups of 8");
     run_free(&ref);
     run_free(&got);
 }
