@@ -285,13 +285,16 @@ static void bench(const char *dist, const int *rows, struct gemm *g, int ng, con
     CUDA_CALL(cudaEventDestroy(t1));
 }
 
-/* parallel.expert_wgrad_pairs / expert_wgrad_group: four micro-steps' weight gradients of one
- * GEMM, as four wgrad calls (one per micro-step), as two calls of two row sets (pairs) and as one
- * call of four; each micro-step's rows in buffers of their own, as in training (the same rows
- * again are reread from the L2, which overstated the group's gain: 1.28x against two pairs, H200);
- * median ms of `reps` after WARM, TFLOPS of the four micro-steps */
+/* parallel.expert_wgrad_pairs / expert_wgrad_group: MT_WGRAD_MAX_SETS micro-steps' weight gradients
+ * of one GEMM, as one wgrad call per micro-step, as calls of two row sets (pairs), of four, and (where
+ * the kernel takes them) of eight; each micro-step's rows in buffers of their own, as in training
+ * (the same rows again are reread from the L2, which overstated the group's gain: 1.28x against two
+ * pairs, H200); median ms of `reps` after WARM, TFLOPS of all the micro-steps */
 static void bench_groups(const char *label, const int *rows, const struct gemm *g, int n, int reps)
 {
+    enum { SETS = MT_WGRAD_MAX_SETS };
+    static const int groups[] = {1, 2, 4, 8};
+    const int nv = SETS >= 8 ? 4 : 3;
     int64_t off[E + 1];
     off[0] = 0;
     for (int e = 0; e < E; e++) off[e + 1] = off[e] + rows[e];
@@ -299,24 +302,27 @@ static void bench_groups(const char *label, const int *rows, const struct gemm *
     cudaEvent_t t0, t1;
     CUDA_CALL(cudaEventCreate(&t0));
     CUDA_CALL(cudaEventCreate(&t1));
-    printf("\n%s, four micro-steps' wgrad (parallel.expert_wgrad_pairs, expert_wgrad_group)\n", label);
-    printf("%-16s %-11s %9s %8s %9s %8s %9s %8s %7s\n", "GEMM", "I -> O", "4 calls", "TFLOPS", "2 pairs", "TFLOPS",
-           "1 group", "TFLOPS", "4/pairs");
+    printf("\n%s, %d micro-steps' wgrad (parallel.expert_wgrad_pairs, expert_wgrad_group): ms (TFLOPS) "
+           "by calls of g sets\n",
+           label, SETS);
+    printf("%-16s %-11s", "GEMM", "I -> O");
+    for (int v = 0; v < nv; v++) printf("        g=%d       ", groups[v]);
+    printf(" %s\n", nv > 3 ? "4/8" : "2/4");
     for (int i = 0; i < n; i++) {
         if (g[i].kind != WGRAD) continue;
-        struct expert_rows sets[4] = {{g[i].a, g[i].b, doff, R}};
-        for (int k = 1; k < 4; k++)
+        struct expert_rows sets[SETS] = {{g[i].a, g[i].b, doff, R}};
+        for (int k = 1; k < SETS; k++)
             sets[k] = (struct expert_rows){dev_random((size_t)R * g[i].O, 2), dev_random((size_t)R * g[i].I, 2),
                                            doff, R};
-        float ms[3];
-        for (int v = 0; v < 3; v++) {
+        float ms[4];
+        for (int v = 0; v < nv; v++) {
             float *t = mt_malloc((size_t)reps * sizeof *t);
-            const int group = v == 0 ? 1 : v == 1 ? 2 : 4;
+            const int group = groups[v];
             for (int r = 0; r < WARM + reps; r++) {
                 CUDA_CALL(cudaEventRecord(t0, stream));
                 bool ok = true;
-                for (int k = 0; k < 4; k += group)
-                    ok = ok && grouped_gemm_wgrad_sets(g[i].out[0], sets, group, E, g[i].I, g[i].O, false);
+                for (int k = 0; k < SETS; k += group)
+                    ok = ok && grouped_gemm_wgrad_sets(g[i].out[0], sets + k, group, E, g[i].I, g[i].O, false);
                 if (!ok) mt_fatal("grouped_gemm refused %s", g[i].name);
                 CUDA_CALL(cudaEventRecord(t1, stream));
                 CUDA_CALL(cudaEventSynchronize(t1));
@@ -326,12 +332,13 @@ static void bench_groups(const char *label, const int *rows, const struct gemm *
             ms[v] = t[reps / 2];
             free(t);
         }
-        const double flop = 4.0 * 2.0 * (double)R * g[i].I * g[i].O;
+        const double flop = SETS * 2.0 * (double)R * g[i].I * g[i].O;
         char io[32];
         snprintf(io, sizeof io, "%d -> %d", g[i].I, g[i].O);
-        printf("%-16s %-11s %9.3f %8.0f %9.3f %8.0f %9.3f %8.0f %6.2fx\n", g[i].name, io, ms[0], flop / ms[0] / 1e9,
-               ms[1], flop / ms[1] / 1e9, ms[2], flop / ms[2] / 1e9, ms[1] / ms[2]);
-        for (int k = 1; k < 4; k++) {
+        printf("%-16s %-11s", g[i].name, io);
+        for (int v = 0; v < nv; v++) printf(" %8.3f (%5.0f)  ", ms[v], flop / ms[v] / 1e9);
+        printf(" %5.2fx\n", ms[nv - 2] / ms[nv - 1]);
+        for (int k = 1; k < SETS; k++) {
             CUDA_CALL(cudaFree((void *)sets[k].dout));
             CUDA_CALL(cudaFree((void *)sets[k].in));
         }
