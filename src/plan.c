@@ -257,18 +257,18 @@ static void print_stage_row(FILE *f, const struct config *c, const struct mesh_d
 
 void plan_print(FILE *f, const struct config *c, const struct mesh_dims *d, const int *node_of_rank)
 {
-    plan_print_opts(f, c, d, node_of_rank, false);
+    plan_print_opts(f, c, d, node_of_rank, false, PLAN_DEVICE_BYTES);
 }
 
 void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims *d, const int *node_of_rank,
-                     bool fold)
+                     bool fold, double device_bytes)
 {
-    /* the layout as it would run on GPUs of PLAN_DEVICE_BYTES (on the CPU backend: no device), the
-     * auto FSDP settings resolved as train resolves them (train --dry-run passes them resolved) */
+    /* the layout as it would run on GPUs of device_bytes (on the CPU backend: no device), the auto
+     * FSDP settings resolved as train resolves them */
     struct config *c = mt_malloc(sizeof *c);
     *c = *c_in;
-    const double device = c_in->parallel.backend == MT_BACKEND_CPU ? 0 : PLAN_DEVICE_BYTES;
-    const bool keep = estimate_keep_copy(c_in, d, PLAN_DEVICE_BYTES);
+    const double device = c_in->parallel.backend == MT_BACKEND_CPU ? 0 : device_bytes;
+    const bool keep = estimate_keep_copy(c_in, d, device_bytes);
     c->parallel.reduce_grads = estimate_reduce_grads(c_in, d, keep, device);
     c->parallel.reshard_after_forward = estimate_reshard(c, d, keep, device) ? MT_TRI_TRUE : MT_TRI_FALSE;
     /* kept as auto (counted as off) where train would refuse it: its error comes from train */
@@ -283,7 +283,7 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
     int *first_moe = mt_malloc((size_t)d->pp * sizeof *first_moe);
     double max_total = 0;
     for (int s = 0; s < d->pp; s++) {
-        estimate_stage(c, &tt, d, s, estimate_keep_copy(c, d, PLAN_DEVICE_BYTES), &st[s]);
+        estimate_stage(c, &tt, d, s, estimate_keep_copy(c, d, device_bytes), &st[s]);
         max_total = MT_MAX(max_total, st[s].total_bytes);
         first_moe[s] = -1;
         for (int l = st[s].layer0; l < st[s].layer1 && first_moe[s] < 0; l++)
@@ -293,7 +293,10 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
     const double unit = gib ? 1024.0 * 1024 * 1024 : 1024.0 * 1024;
 
     print_header(f, c, d, &tt, n_nodes);
-    fprintf(f, "\nper-rank layout; memory per rank in %s (estimate; legend below)\n", gib ? "GiB" : "MiB");
+    char on[96] = "";
+    if (device > 0)
+        snprintf(on, sizeof on, ", auto settings as on GPUs of %.1f GiB", device / (1024.0 * 1024 * 1024));
+    fprintf(f, "\nper-rank layout; memory per rank in %s (estimate%s; legend below)\n", gib ? "GiB" : "MiB", on);
     if (fold) {
         fprintf(f, "%11s %7s %5s %-10s %4s %5s %-11s %17s %17s %12s %8s %8s %8s %8s %8s %8s %8s\n", "ranks",
                 "nodes", "stage", "layers", "ep", "fsdp", "experts", "gate_up shard", "down shard",
@@ -325,7 +328,7 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
             "use (%s); grads = the fp32 gradient of the shard plus %s where the group has several ranks; "
             "master = fp32 master weights of the shard; adam = the two moments of the shard (%s)\n",
             fp32 ? "fp32" : "bf16",
-            estimate_keep_copy(c, d, PLAN_DEVICE_BYTES) ? "the shard's kept compute copy (train.weight_copy)"
+            estimate_keep_copy(c, d, device_bytes) ? "the shard's kept compute copy (train.weight_copy)"
                                                         : "no kept copy (train.weight_copy: cast)",
             c->parallel.reshard_after_forward != MT_TRI_FALSE ? "one of the largest unit, one of the largest layer"
                                               : "every unit's, parallel.reshard_after_forward: false",
@@ -368,10 +371,10 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
 
 void plan_print_mesh(FILE *f, const struct config *c, const struct mesh *m)
 {
-    plan_print_mesh_opts(f, c, m, false);
+    plan_print_mesh_opts(f, c, m, false, PLAN_DEVICE_BYTES);
 }
 
-void plan_print_mesh_opts(FILE *f, const struct config *c, const struct mesh *m, bool fold)
+void plan_print_mesh_opts(FILE *f, const struct config *c, const struct mesh *m, bool fold, double device_bytes)
 {
     int size = 0, rank = 0;
     MT_CHECK_MPI(MPI_Comm_size(m->world_comm, &size));
@@ -379,7 +382,7 @@ void plan_print_mesh_opts(FILE *f, const struct config *c, const struct mesh *m,
     MT_CHECK(size == m->d.world, "mesh world communicator has %d ranks, mesh expects %d", size, m->d.world);
     int *nodes = rank == 0 ? mt_malloc((size_t)size * sizeof *nodes) : NULL;
     MT_CHECK_MPI(MPI_Gather(&m->node, 1, MPI_INT, nodes, 1, MPI_INT, 0, m->world_comm));
-    if (rank == 0) plan_print_opts(f, c, &m->d, nodes, fold);
+    if (rank == 0) plan_print_opts(f, c, &m->d, nodes, fold, device_bytes);
     free(nodes);
 }
 

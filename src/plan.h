@@ -24,13 +24,15 @@
 void plan_print(FILE *f, const struct config *c, const struct mesh_dims *d, const int *node_of_rank);
 
 /* The same with one row per pipeline stage when fold is true (every rank of a stage has the same
- * layers, shard shapes and memory): train's start-up table. */
+ * layers, shard shapes and memory): train's start-up table; and with the auto settings resolved
+ * for GPUs of device_bytes (plan_print: PLAN_DEVICE_BYTES; train: the job's smallest GPU, 0 on
+ * the CPU backend), so that a job's start-up table is the layout it runs. */
 void plan_print_opts(FILE *f, const struct config *c, const struct mesh_dims *d, const int *node_of_rank,
-                     bool fold);
+                     bool fold, double device_bytes);
 
 /* Collective over m->world_comm: gathers every rank's node index to rank 0, which calls plan_print
  * on f. The other ranks print nothing. */
 void plan_print_mesh(FILE *f, const struct config *c, const struct mesh *m);
-void plan_print_mesh_opts(FILE *f, const struct config *c, const struct mesh *m, bool fold);
+void plan_print_mesh_opts(FILE *f, const struct config *c, const struct mesh *m, bool fold, double device_bytes);
 
 #endif

@@ -145,7 +145,7 @@ static struct comm *comm_for_backend(const struct backend *be, MPI_Comm c)
 /* The auto memory-for-speed settings (parallel.reduce_grads, reshard_after_forward,
  * expert_wgrad_pairs) as this job runs them: on the smallest device of the job (0: the CPU
  * backend), so that every rank takes the same collectives. */
-static void resolve_fsdp_auto(struct config *c, const struct mesh *mesh, bool keep_copy, double device_bytes)
+static double resolve_fsdp_auto(struct config *c, const struct mesh *mesh, bool keep_copy, double device_bytes)
 {
     MT_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, &device_bytes, 1, MPI_DOUBLE, MPI_MIN, mesh->world_comm));
     c->parallel.reduce_grads = estimate_reduce_grads(c, &mesh->d, keep_copy, device_bytes);
@@ -156,6 +156,7 @@ static void resolve_fsdp_auto(struct config *c, const struct mesh *mesh, bool ke
         mt_user_error("%s: parallel.expert_wgrad_pairs: true needs the expert gradients kept over the "
                       "step; with ep_fsdp %d they are reduce-scattered every micro-step: set "
                       "parallel.reduce_grads: step", c->path, mesh->d.ep_fsdp);
+    return device_bytes;
 }
 
 /* What the dry run decides the auto settings on: the GPU the training would use here, or none
@@ -170,7 +171,7 @@ static void resolve_fsdp_auto_dry(struct config *c, const struct mesh *mesh)
     }
     const bool keep_copy = device_bytes <= 0 && c->train.weight_copy == MT_COPY_AUTO
                                ? true : estimate_keep_copy(c, &mesh->d, device_bytes);
-    resolve_fsdp_auto(c, mesh, keep_copy, device_bytes);
+    (void)resolve_fsdp_auto(c, mesh, keep_copy, device_bytes);
 }
 
 int cmd_train(const struct cli *a)
@@ -237,7 +238,7 @@ int cmd_train(const struct cli *a)
     float *bias_h = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(float));
     struct params p;
     const bool keep_copy = train_keep_weight_copy(&c, &mesh.d, be);
-    resolve_fsdp_auto(&c, &mesh, keep_copy, be->mem_bytes);
+    const double job_device_bytes = resolve_fsdp_auto(&c, &mesh, keep_copy, be->mem_bytes);
     params_init_opts(&p, &m, stage, fsdp, keep_copy, tc->optimizer_state_dtype == MT_STATE_BF16);
     int start_step = 0;
     if (resuming) {
@@ -276,7 +277,7 @@ int cmd_train(const struct cli *a)
     if (*c.data.routing_replay &&
         !route_replay_open(&m, c.data.routing_replay, (int64_t)tc->steps * tc->global_batch_size, err, sizeof err))
         mt_user_error("data.routing_replay: %s", err);
-    plan_print_mesh_opts(stdout, &c, &mesh, mesh.d.world > 16);
+    plan_print_mesh_opts(stdout, &c, &mesh, mesh.d.world > 16, job_device_bytes);
     char init[3 * MT_PATH_MAX];
     if (resuming) snprintf(init, sizeof init, "resumed from %s (step %d)", resume_dir, start_step);
     else if (*c.model.init_from) snprintf(init, sizeof init, "weights from %s", c.model.init_from);

@@ -205,7 +205,7 @@ Test(plan, folded_table_has_one_row_per_stage)
     size_t len = 0;
     FILE *f = open_memstream(&folded, &len);
     cr_assert_not_null(f);
-    plan_print_opts(f, &c, &d, nodes, true);
+    plan_print_opts(f, &c, &d, nodes, true, PLAN_DEVICE_BYTES);
     fclose(f);
     const char *p = strstr(folded, "\n      ranks ");
     cr_assert(p, "%s", folded);
@@ -236,4 +236,34 @@ Test(plan, folded_table_has_one_row_per_stage)
     free(full);
     free(folded);
     free(nodes);
+}
+
+/* train's start-up table is the layout the job runs: the auto settings resolved for the job's
+ * GPUs, whose memory the header names; `plan` and --dry-run resolve them for PLAN_DEVICE_BYTES.
+ * The full 30B model on one rank fits nothing auto trades for speed in 80 GiB, and groups of eight
+ * micro-steps in every layer in 1 TiB. */
+Test(plan, start_up_table_on_the_jobs_gpus)
+{
+    struct config c;
+    qwen3_30b_config(&c, 1, 1);
+    c.parallel.backend = MT_BACKEND_CUDA, c.parallel.moe_chunks = 1;
+    c.parallel.expert_wgrad_pairs = MT_TRI_AUTO, c.parallel.reduce_grads = MT_REDUCE_AUTO;
+    c.parallel.reshard_after_forward = MT_TRI_AUTO, c.train.weight_copy = MT_COPY_AUTO;
+    c.train.global_batch_size = 8;
+    struct mesh_dims d;
+    dims(&c, 1, &d);
+    int *nodes = nodes_of(1, 1);
+    char *at_plan = plan_text(&c, &d, nodes), *at_job = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&at_job, &len);
+    cr_assert_not_null(f);
+    plan_print_opts(f, &c, &d, nodes, false, 1024.0 * 1024 * 1024 * 1024);
+    fclose(f);
+    cr_expect_not_null(strstr(at_plan, "(estimate, auto settings as on GPUs of 80.0 GiB; legend below)"), "%s",
+                       at_plan);
+    cr_expect_not_null(strstr(at_job, "(estimate, auto settings as on GPUs of 1024.0 GiB; legend below)"), "%s",
+                       at_job);
+    cr_expect_null(strstr(at_plan, "parallel.expert_wgrad_pairs"), "%s", at_plan);
+    cr_expect_not_null(strstr(at_job, "(7 in the first 48: parallel.expert_wgrad_group 8)"), "%s", at_job);
+    free(at_plan), free(at_job), free(nodes);
 }
