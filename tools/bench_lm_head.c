@@ -25,12 +25,6 @@
 #ifdef MT_HAVE_CUDA
 #include <cublasLt.h>
 
-#define LT(call)                                                                                   \
-    do {                                                                                           \
-        cublasStatus_t s_ = (call);                                                                \
-        if (s_ != CUBLAS_STATUS_SUCCESS) mt_fatal("%s: cuBLAS status %d", #call, (int)s_);        \
-    } while (0)
-
 enum { V = 151936, CANDS = 8, WARM = 2, LT_WORKSPACE = 32 << 20 /* the backend's */ };
 
 static cublasLtHandle_t lt;

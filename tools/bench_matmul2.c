@@ -67,12 +67,6 @@ static double v_flops(int v)
 
 /* ---------------------------------------------------------------- cuBLASLt's own batch-2 choice */
 #ifdef MT_HAVE_CUDA
-#define LT(call)                                                                                   \
-    do {                                                                                           \
-        cublasStatus_t s_ = (call);                                                                \
-        if (s_ != CUBLAS_STATUS_SUCCESS) mt_fatal("%s: cuBLAS status %d", #call, (int)s_);        \
-    } while (0)
-
 enum { LT_WORKSPACE = 32 << 20 }; /* the backend's */
 
 struct lt_batch2 {

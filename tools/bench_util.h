@@ -1,6 +1,6 @@
 /* Shared by the micro-benchmarks in tools/ (C files: the CUDA backend's CUDA_CHECK lives in a C++
- * header): a checked CUDA runtime call, ascending sorts of timings, and the median time of a call
- * measured in batches. */
+ * header): a checked CUDA runtime call and cuBLAS call, ascending sorts of timings, and the median
+ * time of a call measured in batches. */
 #ifndef MT_TOOLS_BENCH_UTIL_H
 #define MT_TOOLS_BENCH_UTIL_H
 
@@ -10,12 +10,20 @@
 #include "ops.h"
 
 #ifdef MT_HAVE_CUDA
+#include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
 #define CUDA_CALL(call)                                                                            \
     do {                                                                                           \
         cudaError_t ce_ = (call);                                                                  \
         if (ce_ != cudaSuccess) mt_fatal("%s: %s", #call, cudaGetErrorString(ce_));               \
+    } while (0)
+
+/* a checked cuBLAS / cuBLASLt call */
+#define LT(call)                                                                                   \
+    do {                                                                                           \
+        cublasStatus_t s_ = (call);                                                                \
+        if (s_ != CUBLAS_STATUS_SUCCESS) mt_fatal("%s: cuBLAS status %d", #call, (int)s_);        \
     } while (0)
 #endif
 

@@ -15,16 +15,23 @@
 #include "plan.h"
 #include "plan_test_util.h"
 
-/* plan_print into memory. */
-static char *plan_text(const struct config *c, const struct mesh_dims *d, const int *nodes)
+/* plan_print_opts into memory. */
+static char *plan_text_opts(const struct config *c, const struct mesh_dims *d, const int *nodes, bool fold,
+                            double device_bytes)
 {
     char *buf = NULL;
     size_t len = 0;
     FILE *f = open_memstream(&buf, &len);
     cr_assert_not_null(f);
-    plan_print(f, c, d, nodes);
+    plan_print_opts(f, c, d, nodes, fold, device_bytes);
     fclose(f);
     return buf;
+}
+
+/* plan_print (what `plan` prints) into memory. */
+static char *plan_text(const struct config *c, const struct mesh_dims *d, const int *nodes)
+{
+    return plan_text_opts(c, d, nodes, false, PLAN_DEVICE_BYTES);
 }
 
 static int *nodes_of(int world, int per_node)
@@ -201,12 +208,7 @@ Test(plan, folded_table_has_one_row_per_stage)
     struct mesh_dims d;
     dims(&c, 64, &d);
     int *nodes = nodes_of(64, 8);
-    char *full = plan_text(&c, &d, nodes), *folded = NULL;
-    size_t len = 0;
-    FILE *f = open_memstream(&folded, &len);
-    cr_assert_not_null(f);
-    plan_print_opts(f, &c, &d, nodes, true, PLAN_DEVICE_BYTES);
-    fclose(f);
+    char *full = plan_text(&c, &d, nodes), *folded = plan_text_opts(&c, &d, nodes, true, PLAN_DEVICE_BYTES);
     const char *p = strstr(folded, "\n      ranks ");
     cr_assert(p, "%s", folded);
     p = strchr(p + 1, '\n') + 1;
@@ -253,12 +255,8 @@ Test(plan, start_up_table_on_the_jobs_gpus)
     struct mesh_dims d;
     dims(&c, 1, &d);
     int *nodes = nodes_of(1, 1);
-    char *at_plan = plan_text(&c, &d, nodes), *at_job = NULL;
-    size_t len = 0;
-    FILE *f = open_memstream(&at_job, &len);
-    cr_assert_not_null(f);
-    plan_print_opts(f, &c, &d, nodes, false, 1024.0 * 1024 * 1024 * 1024);
-    fclose(f);
+    char *at_plan = plan_text(&c, &d, nodes);
+    char *at_job = plan_text_opts(&c, &d, nodes, false, 1024.0 * 1024 * 1024 * 1024);
     cr_expect_not_null(strstr(at_plan, "(estimate, auto settings as on GPUs of 80.0 GiB; legend below)"), "%s",
                        at_plan);
     cr_expect_not_null(strstr(at_job, "(estimate, auto settings as on GPUs of 1024.0 GiB; legend below)"), "%s",
