@@ -268,7 +268,7 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
     struct config *c = mt_malloc(sizeof *c);
     *c = *c_in;
     const double device = c_in->parallel.backend == MT_BACKEND_CPU ? 0 : device_bytes;
-    const bool keep = estimate_keep_copy(c_in, d, device_bytes);
+    const bool keep = estimate_keep_copy(c_in, d, device);
     c->parallel.reduce_grads = estimate_reduce_grads(c_in, d, keep, device);
     c->parallel.reshard_after_forward = estimate_reshard(c, d, keep, device) ? MT_TRI_TRUE : MT_TRI_FALSE;
     /* kept as auto (counted as off) where train would refuse it: its error comes from train */
@@ -283,7 +283,7 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
     int *first_moe = mt_malloc((size_t)d->pp * sizeof *first_moe);
     double max_total = 0;
     for (int s = 0; s < d->pp; s++) {
-        estimate_stage(c, &tt, d, s, estimate_keep_copy(c, d, device_bytes), &st[s]);
+        estimate_stage(c, &tt, d, s, estimate_keep_copy(c, d, device), &st[s]);
         max_total = MT_MAX(max_total, st[s].total_bytes);
         first_moe[s] = -1;
         for (int l = st[s].layer0; l < st[s].layer1 && first_moe[s] < 0; l++)
@@ -328,7 +328,7 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
             "use (%s); grads = the fp32 gradient of the shard plus %s where the group has several ranks; "
             "master = fp32 master weights of the shard; adam = the two moments of the shard (%s)\n",
             fp32 ? "fp32" : "bf16",
-            estimate_keep_copy(c, d, device_bytes) ? "the shard's kept compute copy (train.weight_copy)"
+            estimate_keep_copy(c, d, device) ? "the shard's kept compute copy (train.weight_copy)"
                                                         : "no kept copy (train.weight_copy: cast)",
             c->parallel.reshard_after_forward != MT_TRI_FALSE ? "one of the largest unit, one of the largest layer"
                                               : "every unit's, parallel.reshard_after_forward: false",

@@ -1,6 +1,9 @@
-/* The layout printout shared by `moetrain plan` (one process, no MPI launch) and
- * `moetrain train --dry-run` (the real ranks). Both print byte-identical text for the same config,
- * world size and node placement: nothing host- or time-dependent is printed. */
+/* The layout printout shared by `moetrain plan` (one process, no MPI launch), `moetrain train
+ * --dry-run` (the real ranks) and train's start-up. Each decides the auto settings for the GPU
+ * memory it is given: plan for PLAN_DEVICE_BYTES (none with the CPU backend), the dry run and the
+ * training for the job's smallest GPU here (PLAN_DEVICE_BYTES with parallel.backend: cuda and no
+ * GPU). For the same config, world size, node placement and GPU memory they print byte-identical
+ * text: nothing else host- or time-dependent is printed. */
 #ifndef MT_PLAN_H
 #define MT_PLAN_H
 

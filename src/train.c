@@ -159,10 +159,10 @@ static double resolve_fsdp_auto(struct config *c, const struct mesh *mesh, bool 
     return device_bytes;
 }
 
-/* What the dry run decides the auto settings on: the GPU the training would use here, or none
- * (the CPU backend); with parallel.backend: cuda and no GPU here (a login node previewing a GPU
- * job) the GPU `plan` assumes. */
-static void resolve_fsdp_auto_dry(struct config *c, const struct mesh *mesh)
+/* What the dry run decides the auto settings on, returned: the GPU the training would use here,
+ * or none (0: the CPU backend); with parallel.backend: cuda and no GPU here (a login node
+ * previewing a GPU job) the GPU `plan` assumes. */
+static double resolve_fsdp_auto_dry(struct config *c, const struct mesh *mesh)
 {
     double device_bytes = 0;
     if (c->parallel.backend != MT_BACKEND_CPU) {
@@ -171,7 +171,7 @@ static void resolve_fsdp_auto_dry(struct config *c, const struct mesh *mesh)
     }
     const bool keep_copy = device_bytes <= 0 && c->train.weight_copy == MT_COPY_AUTO
                                ? true : estimate_keep_copy(c, &mesh->d, device_bytes);
-    (void)resolve_fsdp_auto(c, mesh, keep_copy, device_bytes);
+    return resolve_fsdp_auto(c, mesh, keep_copy, device_bytes);
 }
 
 int cmd_train(const struct cli *a)
@@ -184,8 +184,7 @@ int cmd_train(const struct cli *a)
     mesh_build(&mesh, &c, MPI_COMM_WORLD);
     const int n_micro = train_check_or_exit(&c, &mesh.d);
     if (a->dry_run) {   /* the layout the training would print: the same backend decides the autos */
-        resolve_fsdp_auto_dry(&c, &mesh);
-        plan_print_mesh(stdout, &c, &mesh);
+        plan_print_mesh_opts(stdout, &c, &mesh, false, resolve_fsdp_auto_dry(&c, &mesh));
         run_note_dry_run(&c);
         fflush(stdout);
         mesh_free(&mesh);
