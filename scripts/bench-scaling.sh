@@ -2,12 +2,12 @@
 # `make bench-scaling` on a machine with 4 or more GPUs: the bench config (configs/bench-qwen3-30b-8l.yaml,
 # 65,536 tokens per optimizer step per GPU) on every mesh of SCALING_MESHES that fits the GPUs
 # present, each with its all-to-all micro-benchmark. Prints tokens/s per GPU, MFU, peak memory
-# (nvidia-smi, sampled every 200 ms) beside what `moetrain plan` predicts for rank 0, and the
+# (nvidia-smi, sampled every 200 ms) beside the plan the training prints for its peak rank, and the
 # scaling efficiency against REF_1GPU (tokens/s of 1 GPU; measured here first unless given).
 #   scripts/bench-scaling.sh [BUILD]     SCALING_MESHES="4:4 4:2 8:8 8:4" (gpus:ep; ep_fsdp = gpus/ep)
 # FULL_MODEL=1 adds, when 8 GPUs are present, three steps of the full 48-layer Qwen3-30B-A3B
 # (configs/qwen3-30b-a3b.yaml, synthetic data, EP=8, 2 sequences per GPU per step) with its peak
-# memory beside plan's.
+# memory beside its plan.
 set -euo pipefail
 BUILD=${1:-build}
 OUT=${BENCH_OUT:-$BUILD/bench-scaling}
@@ -25,9 +25,6 @@ run_mesh() {  # n ep [config tag extra --set args...] -> one JSON line
     shift 4 2>/dev/null || shift $#
     local sets=(--set train.global_batch_size=$((16 * n)) --set parallel.expert_parallel_size="$ep"
                 --set train.steps="$STEPS" --set log.metrics="$OUT/$tag.jsonl" "$@")
-    local plan_gib
-    plan_gib=$("$BUILD/moetrain" plan "$cfg" --world "$n" "${sets[@]}" 2>/dev/null |
-               awk '$1 == "0" && NF > 10 { print $NF; exit }')
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$OUT/$tag.mem" 2>/dev/null &
     local smi=$!
     local rc=0
@@ -40,6 +37,11 @@ run_mesh() {  # n ep [config tag extra --set args...] -> one JSON line
         echo "{\"gpus\": $n, \"ep\": $ep, \"error\": \"exit $rc, see $OUT/$tag.log\"}"
         return
     fi
+    # the plan of the job's own GPUs, from its memory line (`moetrain plan` decides the auto
+    # settings for 80 GB ones)
+    local plan_gib
+    plan_gib=$(awk '/^memory: peak/ { for (i = 1; i < NF; i++) if ($i == "plan") {
+                   print ($(i + 2) ~ /^MiB/ ? $(i + 1) / 1024 : $(i + 1)); exit } }' "$OUT/$tag.log")
     local a2a=""
     [ "$ep" -ge 2 ] && a2a=$(mpirun --oversubscribe --bind-to none -np "$ep" "$BUILD/tools/bench_alltoall" 8192 20 2>&1 | tail -1)
     python3 - "$OUT/$tag.jsonl" "$OUT/$tag.mem" "$n" "$ep" "${plan_gib:-0}" "$a2a" <<'PY'
