@@ -17,13 +17,13 @@
  *    the consumers zero those rows of both operands in shared memory before the MMA.
  *
  * CTA: 3 warpgroups. Warpgroup 0 is the producer (one thread issues the TMA loads into a ring of
- * 3 stages of 64 K (forward, dgrad) or 4 of 32 K (wgrad), each guarded by a "full" mbarrier the
+ * 3 stages of 64 K, each guarded by a "full" mbarrier the
  * TMA completes and an "empty" one the consumers release; a stage carries a header with the
  * coordinates of the tile it starts); warpgroups 1 and 2 each compute 64 rows
  * × 256 columns of the tile with wgmma.m64n256k16 (128 fp32 accumulators a thread). Forward/dgrad
  * write the bf16 tile into a shared-memory staging buffer that one thread stores with TMA while
- * the next tile's MMAs run. Wgrad stages its fp32 tile the same way, and a second producer thread
- * (the dw warp) has the L2 add it onto dw by TMA (each dw element belongs to exactly one tile, so
+ * the next tile's MMAs run. Wgrad stages its fp32 tile the same way, half of its columns at a time,
+ * and a second producer thread (the dw warp) has the L2 add each half onto dw by TMA (each dw element belongs to exactly one tile, so
  * the += is one add a call and deterministic).
  *
  * Shared-memory layouts are the TMA's 128-byte swizzle, which is what wgmma's SW128 descriptors
@@ -132,40 +132,45 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                 int nk = 0, e = 0, nb = 0;
                 auto place = [&] { e = p.e_base + ti.e, nb = min(BN / 32, (p.N - ti.ni * BN + 31) / 32); };
                 if (!PARTS) place();
-                mbar_arrive(free_bar);
-                mbar_wait(staged_bar, ph);
-                if (PARTS) {
-                    asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
-                                 : "=r"(ti.e), "=r"(ti.mi), "=r"(ti.ni), "=r"(nk)
-                                 : "r"(dw_hdr)
-                                 : "memory");
-                    if (ti.e < 0) break;
-                    place();
+                for (int half = 0; half < WGRAD_HALVES; half++) {
+                    mbar_arrive(free_bar);
+                    mbar_wait(staged_bar, ph);
+                    ph ^= 1;
+                    if (PARTS && half == 0) {
+                        asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
+                                     : "=r"(ti.e), "=r"(ti.mi), "=r"(ti.ni), "=r"(nk)
+                                     : "r"(dw_hdr)
+                                     : "memory");
+                        if (ti.e < 0) break;
+                        place();
+                    }
+                    /* Every CTA of a balanced launch stages its tile at about the same moment;
+                     * issued at once, the adds (128 KB read and written in DRAM a CTA) hold up
+                     * the next tile's operand loads. The last part's are spread over part of the
+                     * next tile's MMAs (its K blocks times the 16 clocks a K row's MMAs take at
+                     * the SM's peak), sharing DRAM with them; the parts before go at once, as
+                     * the consumers wait for them to be read. A clock measured per tile misleads
+                     * where experts have a few rows (a K block's tile is all epilogue). */
+                    const int b0 = half * WGRAD_BOXES_PER_PART, b1 = min(nb, b0 + WGRAD_BOXES_PER_PART);
+                    const long long now = clock64();
+                    long long gap = 0;
+                    if (half == WGRAD_HALVES - 1 && b1 > b0 && p.dw_pace && (PARTS || t + (int)gridDim.x < total)) {
+                        /* claimed tiles: the next one is not known here; heaviest first, this
+                         * one's K blocks are close to it */
+                        const int nk_next = PARTS ? nk : k_blocks<KIND>(p, decode<KIND, PARTS>(p, tile_start, order, t + gridDim.x));
+                        gap = 16ll * BK * nk_next * p.dw_pace / 1000 / (b1 - b0);
+                    }
+                    for (int b = b0; b < b1; b++) {
+                        if (b > b0 && gap)
+                            while (clock64() < now + (b - b0) * gap) __nanosleep(64);
+                        const uint32_t src = staging + (b - b0) * (BM * 128);
+                        if (p.overwrite) tma_store_3d(&p.map_out, src, ti.ni * BN + 32 * b, ti.mi * BM, e);
+                        else tma_reduce_add_3d(&p.map_out, src, ti.ni * BN + 32 * b, ti.mi * BM, e);
+                        bulk_commit();
+                    }
+                    bulk_wait_read();
                 }
-                /* Every CTA of a balanced launch stages its tile at about the same moment; issued
-                 * at once, the adds (128 KB read and written in DRAM a CTA) hold up the next
-                 * tile's operand loads. Spread over part of the next tile's MMAs (its K blocks
-                 * times the 512 clocks a K block's 2.1 MFLOP take at the SM's peak), they share
-                 * DRAM with them. A clock measured per tile misleads where experts have a few
-                 * rows (a K block's tile is all epilogue). */
-                const long long now = clock64();
-                long long gap = 0;
-                if (p.dw_pace && (PARTS || t + (int)gridDim.x < total)) {
-                    /* claimed tiles: the next one is not known here; heaviest first, this one's
-                     * K blocks are close to it */
-                    const int nk_next = PARTS ? nk : k_blocks<KIND>(p, decode<KIND, PARTS>(p, tile_start, order, t + gridDim.x));
-                    gap = 512ll * nk_next * p.dw_pace / 1000 / nb;
-                }
-                for (int b = 0; b < nb; b++) {
-                    if (b && gap)
-                        while (clock64() < now + b * gap) __nanosleep(64);
-                    const uint32_t src = staging + b * (BM * 128);
-                    if (p.overwrite) tma_store_3d(&p.map_out, src, ti.ni * BN + 32 * b, ti.mi * BM, e);
-                    else tma_reduce_add_3d(&p.map_out, src, ti.ni * BN + 32 * b, ti.mi * BM, e);
-                    bulk_commit();
-                }
-                bulk_wait_read();
-                ph ^= 1;
+                if (PARTS && ti.e < 0) break;
             }
             bulk_wait_all();
             return;
@@ -329,28 +334,33 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
             /* the tile into the staging buffer, in the layout of the dw map's boxes: eight boxes
              * of 32 columns × 128 rows, 128-byte swizzled (conflict-free: a warp's 8 rows × 32
              * bytes land in distinct 16-byte chunk columns). */
-            mbar_wait(free_bar, tile_phase);
             const int q = lane & 3;
 #pragma unroll
-            for (int j = 0; j < BN / 8; j++)
+            for (int half = 0; half < WGRAD_HALVES; half++) {
+                mbar_wait(free_bar, tile_phase);
+                tile_phase ^= 1;
+                constexpr int JS = BN / 8 / WGRAD_HALVES; /* accumulator column groups a part */
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int row = row_in_tile + 8 * h, chunk = 2 * (j & 3) + (q >> 1);
-                    const uint32_t a = staging + (j >> 2) * (BM * 128) + row * 128 +
-                                       ((chunk ^ (row & 7)) << 4) + 8 * (q & 1);
-                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a),
-                                 "f"(zero_tile ? 0.0f : acc[4 * j + 2 * h]),
-                                 "f"(zero_tile ? 0.0f : acc[4 * j + 2 * h + 1])
+                for (int jj = 0; jj < JS; jj++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int j = half * JS + jj;
+                        const int row = row_in_tile + 8 * h, chunk = 2 * (j & 3) + (q >> 1);
+                        const uint32_t a = staging + (jj >> 2) * (BM * 128) + row * 128 +
+                                           ((chunk ^ (row & 7)) << 4) + 8 * (q & 1);
+                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a),
+                                     "f"(zero_tile ? 0.0f : acc[4 * j + 2 * h]),
+                                     "f"(zero_tile ? 0.0f : acc[4 * j + 2 * h + 1])
+                                     : "memory");
+                    }
+                if (PARTS && half == 0 && ctid == 0)
+                    asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};" ::"r"(dw_hdr), "r"(ti.e), "r"(ti.mi),
+                                 "r"(ti.ni), "r"(nk)
                                  : "memory");
-                }
-            if (PARTS && ctid == 0)
-                asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};" ::"r"(dw_hdr), "r"(ti.e), "r"(ti.mi),
-                             "r"(ti.ni), "r"(nk)
-                             : "memory");
-            fence_proxy_async(); /* for the TMA's reads */
-            __syncwarp();
-            if (lane == 0) mbar_arrive(staged_bar);
-            tile_phase ^= 1;
+                fence_proxy_async(); /* for the TMA's reads */
+                __syncwarp();
+                if (lane == 0) mbar_arrive(staged_bar);
+            }
         } else {
             /* Through shared memory: the tile is written (bf16, in the 128-byte-swizzled layout of
              * four 64-column boxes) and stored by TMA, which runs on while the consumers start the

@@ -28,17 +28,23 @@ constexpr int GROUP_M = 8;
 enum { KIND_FWD, KIND_DGRAD, KIND_WGRAD };
 
 /* Every kind stages its output tile in shared memory for the TMA: forward/dgrad the bf16 tile
- * (64 KB) beside 3 operand stages of 64 K; wgrad the fp32 tile (128 KB) beside 4 stages of 32 K
- * (the same 96 KB as 2 of 64, which fed the MMAs 12% slower: H200, wgrad2 gate_up without its
- * epilogue 1.45 ms against 1.29). */
-template <int KIND> __host__ __device__ constexpr int bk_of() { return KIND == KIND_WGRAD ? 32 : 64; }
-template <int KIND> __host__ __device__ constexpr int stages_of() { return KIND == KIND_WGRAD ? 4 : 3; }
+ * (64 KB) beside 3 operand stages of 64 K; wgrad half its fp32 tile at a time (64 KB: the dw warp
+ * sends one half while the consumers wait, then the other under the next tile's MMAs) beside 3
+ * stages of 64 K, so each stage handshake feeds four MMAs a warpgroup, as in the forward. Before:
+ * the whole fp32 tile (128 KB) beside 4 stages of 32 K (2 of 64 fed the MMAs 12% slower: H200,
+ * wgrad2 gate_up without its epilogue 1.45 ms against 1.29; half the tile beside 6 of 32 was no
+ * faster in the step: docs/benchmarks.md, nineteenth session). */
+constexpr int WGRAD_HALVES = 2; /* the fp32 tile is staged in this many column halves */
+template <int KIND> __host__ __device__ constexpr int bk_of() { return 64; }
+template <int KIND> __host__ __device__ constexpr int stages_of() { return 3; }
 template <int KIND> __host__ __device__ constexpr int a_bytes_of() { return BM * bk_of<KIND>() * 2; }
 template <int KIND> __host__ __device__ constexpr int b_bytes_of() { return BN * bk_of<KIND>() * 2; }
 /* one MN-major box: 64 MN-elements x bk K-rows */
 template <int KIND> __host__ __device__ constexpr int box_bytes_of() { return 64 * bk_of<KIND>() * 2; }
 template <int KIND> __host__ __device__ constexpr int stage_bytes_of() { return a_bytes_of<KIND>() + b_bytes_of<KIND>(); }
-template <int KIND> __host__ __device__ constexpr int out_bytes_of() { return BM * BN * (KIND == KIND_WGRAD ? 4 : 2); }
+template <int KIND> __host__ __device__ constexpr int out_bytes_of() { return KIND == KIND_WGRAD ? BM * BN * 4 / WGRAD_HALVES : BM * BN * 2; }
+/* wgrad: the dw map's boxes (32 fp32 columns x BM rows) in one staged part of the tile */
+constexpr int WGRAD_BOXES_PER_PART = BN / 32 / WGRAD_HALVES;
 template <int KIND> constexpr int smem_bytes_of()
 {
     return stages_of<KIND>() * stage_bytes_of<KIND>() + out_bytes_of<KIND>() + 1024 /* alignment slack */ +
