@@ -17,14 +17,14 @@
  *    the consumers zero those rows of both operands in shared memory before the MMA.
  *
  * CTA: 3 warpgroups. Warpgroup 0 is the producer (one thread issues the TMA loads into a ring of
- * 3 stages of 64 K, each guarded by a "full" mbarrier the
- * TMA completes and an "empty" one the consumers release; a stage carries a header with the
- * coordinates of the tile it starts); warpgroups 1 and 2 each compute 64 rows
- * × 256 columns of the tile with wgmma.m64n256k16 (128 fp32 accumulators a thread). Forward/dgrad
- * write the bf16 tile into a shared-memory staging buffer that one thread stores with TMA while
- * the next tile's MMAs run. Wgrad stages its fp32 tile the same way, half of its columns at a time,
- * and a second producer thread (the dw warp) has the L2 add each half onto dw by TMA (each dw element belongs to exactly one tile, so
- * the += is one add a call and deterministic).
+ * 3 stages of 64 K, each guarded by a "full" mbarrier the TMA completes and an "empty" one the
+ * consumers release; a stage carries a header with the coordinates of the tile it starts);
+ * warpgroups 1 and 2 each compute 64 rows × 256 columns of the tile with wgmma.m64n256k16 (128 fp32
+ * accumulators a thread). Forward/dgrad write the bf16 tile into a shared-memory staging buffer
+ * that one thread stores with TMA while the next tile's MMAs run. Wgrad stages its fp32 tile half
+ * its columns at a time, and a second producer thread (the dw warp) has the L2 add each half onto
+ * dw by TMA (each dw element belongs to exactly one tile, so the += is one add a call and
+ * deterministic).
  *
  * Shared-memory layouts are the TMA's 128-byte swizzle, which is what wgmma's SW128 descriptors
  * read: a K-major operand tile is rows of 64 K-elements (128 B), 8-row groups 1024 B apart; an
