@@ -4,6 +4,8 @@
  * results collide with probability ~2^-64. */
 #include "matmul_tune.cuh"
 
+#include "env_flag.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,13 +18,8 @@ static int g_level = -1; /* MT_GEMM_TUNE, read once; cuda_gemm_tune_set override
 
 int lt_tune_level(void)
 {
-    if (g_level < 0) {
-        const char *env = getenv("MT_GEMM_TUNE");
-        if (!env || !*env) g_level = 1;
-        else if (env[1] == '\0' && env[0] >= '0' && env[0] <= '2') g_level = env[0] - '0';
-        else mt_user_error("environment variable MT_GEMM_TUNE=%s: expected 0 (off), 1 (on, the default) or 2 (on, "
-                           "each choice printed)", env);
-    }
+    static const char *const levels[] = {"0", "1", "2"}; /* off, on, on with each choice printed */
+    if (g_level < 0) g_level = mt_env_choice("MT_GEMM_TUNE", levels, 3, 1);
     return g_level;
 }
 
@@ -52,15 +49,32 @@ __global__ void tune_hash_kernel(const void *D, size_t elem, int m, int n, int l
 
 /* Trials in flight: each holds two hashes a candidate (its first run's, its last timed run's) in a
  * row of a device array that one copy brings to pinned host memory at the trial's end. */
-enum { TRIAL_SLOTS = 64, TRIAL_HASHES = 2 * LT_TUNE_MAX };
+enum { TRIAL_SLOTS = 64, TRIAL_HASHES = 2 * LT_TUNE_MAX, TRIAL_ROUNDS_MAX = 8, TRIAL_ROUNDS_DEFAULT = 5 };
 static unsigned long long *g_hash_dev, *g_hash_host;
 static bool g_slot_used[TRIAL_SLOTS];
 
+/* MT_GEMM_TUNE_ROUNDS: how a trial times its candidates. 1..8 (default 5): that many rounds, each
+ * running every candidate once, so that a clock falling under the power cap as the trial goes on
+ * slows every candidate alike; "seq": three runs of each candidate back to back, the later
+ * candidates on a hotter card (the trial before the thirty-third session). */
+static int g_rounds = -1;
+static bool g_sequential;
+
+static int trial_rounds(void)
+{
+    static const char *const choices[TRIAL_ROUNDS_MAX + 1] = {"seq", "1", "2", "3", "4", "5", "6", "7", "8"};
+    if (g_rounds < 0) {
+        const int c = mt_env_choice("MT_GEMM_TUNE_ROUNDS", choices, TRIAL_ROUNDS_MAX + 1, TRIAL_ROUNDS_DEFAULT);
+        g_sequential = c == 0, g_rounds = c == 0 ? 3 : c;
+    }
+    return g_rounds;
+}
+
 struct lt_tune_trial {
-    int slot, n, m, cols;
-    bool ok[LT_TUNE_MAX];           /* cuBLASLt took every run of the candidate */
-    cudaEvent_t ev[LT_TUNE_MAX][2]; /* around the candidate's three timed runs */
-    cudaEvent_t done;               /* the hashes are on the host */
+    int slot, n, m, cols, rounds;
+    bool ok[LT_TUNE_MAX];                              /* cuBLASLt took every run of the candidate */
+    cudaEvent_t ev[LT_TUNE_MAX][TRIAL_ROUNDS_MAX][2]; /* around each timed run */
+    cudaEvent_t done;                                 /* the hashes are on the host */
 };
 
 /* false where cuBLASLt refuses the candidate for this call (it is then not eligible) */
@@ -79,6 +93,16 @@ static void hash_into(const struct lt_tune_call *c, unsigned long long *h)
     CUDA_LAUNCH_CHECK("gemm tune hash");
 }
 
+/* candidate i's r-th timed run; its D hashed into *h after it when h is not NULL */
+static void timed_run(struct lt_tune_trial *t, const struct lt_tune_call *c, const cublasLtMatmulAlgo_t *cand,
+                      int i, int r, unsigned long long *h)
+{
+    CUDA_CHECK(cudaEventRecord(t->ev[i][r][0], g_cuda.stream));
+    if (t->ok[i]) t->ok[i] = run(c, &cand[i]);
+    CUDA_CHECK(cudaEventRecord(t->ev[i][r][1], g_cuda.stream));
+    if (h && t->ok[i]) hash_into(c, h);
+}
+
 struct lt_tune_trial *lt_tune_start(const struct lt_tune_call *c, const cublasLtMatmulAlgo_t *cand, int n)
 {
     MT_CHECK(c->beta == 0.0f || c->C != c->D, "gemm tune: a call that reads its own output cannot run twice");
@@ -95,20 +119,22 @@ struct lt_tune_trial *lt_tune_start(const struct lt_tune_call *c, const cublasLt
     }
     struct lt_tune_trial *t = (struct lt_tune_trial *)mt_calloc(1, sizeof *t);
     g_slot_used[slot] = true;
-    t->slot = slot, t->n = n, t->m = c->m, t->cols = c->n;
+    const int R = trial_rounds();
+    t->slot = slot, t->n = n, t->m = c->m, t->cols = c->n, t->rounds = R;
     unsigned long long *h = g_hash_dev + (size_t)slot * TRIAL_HASHES;
     CUDA_CHECK(cudaMemsetAsync(h, 0, sizeof *h * TRIAL_HASHES, g_cuda.stream));
+    /* each candidate's first run, untimed (it warms the candidate up), gives its bits; its last
+     * timed run must give them too */
     for (int i = 0; i < n; i++) {
-        /* the first run's bits, then three timed runs, the last of which must have them too */
-        for (int e = 0; e < 2; e++) CUDA_CHECK(cudaEventCreate(&t->ev[i][e]));
+        for (int r = 0; r < R; r++)
+            for (int e = 0; e < 2; e++) CUDA_CHECK(cudaEventCreate(&t->ev[i][r][e]));
         t->ok[i] = run(c, &cand[i]);
         MT_CHECK(i > 0 || t->ok[0], "gemm tune: the heuristic's first algorithm failed");
         if (t->ok[i]) hash_into(c, &h[2 * i]);
-        CUDA_CHECK(cudaEventRecord(t->ev[i][0], g_cuda.stream));
-        for (int r = 0; r < 3 && t->ok[i]; r++) t->ok[i] = run(c, &cand[i]);
-        CUDA_CHECK(cudaEventRecord(t->ev[i][1], g_cuda.stream));
-        if (t->ok[i]) hash_into(c, &h[2 * i + 1]);
+        for (int r = 0; g_sequential && r < R; r++) timed_run(t, c, cand, i, r, r == R - 1 ? &h[2 * i + 1] : NULL);
     }
+    for (int r = 0; !g_sequential && r < R; r++)
+        for (int i = 0; i < n; i++) timed_run(t, c, cand, i, r, r == R - 1 ? &h[2 * i + 1] : NULL);
     /* D as the call would have left it: the first candidate's */
     if (n > 1) MT_CHECK(run(c, &cand[0]), "gemm tune: the heuristic's first algorithm failed");
     CUDA_CHECK(cudaMemcpyAsync(g_hash_host + (size_t)slot * TRIAL_HASHES, h, sizeof *h * TRIAL_HASHES,
@@ -121,10 +147,26 @@ struct lt_tune_trial *lt_tune_start(const struct lt_tune_call *c, const cublasLt
 static void trial_free(struct lt_tune_trial *t)
 {
     for (int i = 0; i < t->n; i++)
-        for (int e = 0; e < 2; e++) CUDA_CHECK(cudaEventDestroy(t->ev[i][e]));
+        for (int r = 0; r < t->rounds; r++)
+            for (int e = 0; e < 2; e++) CUDA_CHECK(cudaEventDestroy(t->ev[i][r][e]));
     CUDA_CHECK(cudaEventDestroy(t->done));
     g_slot_used[t->slot] = false;
     free(t);
+}
+
+/* the median of candidate i's timed runs (ms): one slow run (a clock step, another process) does
+ * not decide */
+static float median_ms(const struct lt_tune_trial *t, int i)
+{
+    float ms[TRIAL_ROUNDS_MAX];
+    for (int r = 0; r < t->rounds; r++) {
+        CUDA_CHECK(cudaEventElapsedTime(&ms[r], t->ev[i][r][0], t->ev[i][r][1]));
+        for (int j = r; j > 0 && ms[j] < ms[j - 1]; j--) {
+            const float x = ms[j];
+            ms[j] = ms[j - 1], ms[j - 1] = x;
+        }
+    }
+    return t->rounds % 2 ? ms[t->rounds / 2] : 0.5f * (ms[t->rounds / 2 - 1] + ms[t->rounds / 2]);
 }
 
 int lt_tune_poll(struct lt_tune_trial *t)
@@ -133,8 +175,8 @@ int lt_tune_poll(struct lt_tune_trial *t)
     if (q == cudaErrorNotReady) return -1;
     CUDA_CHECK(q);
     const unsigned long long *h = g_hash_host + (size_t)t->slot * TRIAL_HASHES, h0 = h[0];
-    float t0 = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&t0, t->ev[0][0], t->ev[0][1]));
+    const float t0 = median_ms(t, 0);
+    float ms[LT_TUNE_MAX] = {t0};
     g_counts.plans++, g_counts.candidates += t->n;
     /* an algorithm whose sums depend on the order its CTAs finish (split-K by atomics) gives other
      * bits on another run: the first candidate being one, nothing is compared with it */
@@ -142,19 +184,24 @@ int lt_tune_poll(struct lt_tune_trial *t)
     float best_t = t0;
     if (t->ok[0] && h[1] == h0) {
         for (int i = 1; i < t->n; i++) {
-            float ms = 0;
+            ms[i] = -1.0f; /* not eligible */
             if (!t->ok[i] || h[2 * i] != h0 || h[2 * i + 1] != h0) continue;
-            CUDA_CHECK(cudaEventElapsedTime(&ms, t->ev[i][0], t->ev[i][1]));
+            ms[i] = median_ms(t, i);
             same++;
-            if (ms < 0.98f * t0 && ms < best_t) best = i, best_t = ms;
+            if (ms[i] < 0.98f * t0 && ms[i] < best_t) best = i, best_t = ms[i];
         }
         g_counts.identical += same, g_counts.switched += best != 0;
     } else {
         g_counts.identical += 1;
     }
-    if (lt_tune_level() == 2)
-        fprintf(stderr, "gemm tune: %dx%d: candidate %d of %d (%d with the first's bits), %.3f ms against %.3f\n",
-                t->m, t->cols, best, t->n, same, best_t / 3, t0 / 3);
+    if (lt_tune_level() == 2) {
+        char each[LT_TUNE_MAX * 12] = "", *w = each;
+        for (int i = 0; i < t->n && (t->ok[0] && h[1] == h0); i++)
+            w += ms[i] < 0 ? sprintf(w, " -") : sprintf(w, " %.3f", ms[i]);
+        fprintf(stderr, "gemm tune: %dx%d: candidate %d of %d (%d with the first's bits), %.3f ms against %.3f "
+                "(median of %d%s; each:%s)\n", t->m, t->cols, best, t->n, same, best_t, t0, t->rounds,
+                g_sequential ? " back to back" : " rounds", each);
+    }
     trial_free(t);
     return best;
 }

@@ -50,13 +50,14 @@ struct lt_tune_call {
 int lt_tune_level(void);
 
 /* A trial of cand[0 .. n) on this call's operands, queued on the stream: each candidate's D hashed
- * after its first run and after three timed runs, then cand[0] once more so that D holds the bits
- * the call owes (cand[0]'s). NULL where too many trials are in flight (the call then ran cand[0]). */
+ * after its first run and after its last timed run (MT_GEMM_TUNE_ROUNDS rounds of one run of every
+ * candidate, matmul_tune.cu), then cand[0] once more so that D holds the bits the call owes
+ * (cand[0]'s). NULL where too many trials are in flight (the call then ran cand[0]). */
 struct lt_tune_trial;
 struct lt_tune_trial *lt_tune_start(const struct lt_tune_call *call, const cublasLtMatmulAlgo_t *cand, int n);
-/* -1 while the GPU has not finished the trial (never waits); else the index of the fastest
- * candidate whose D was cand[0]'s bits on both hashes (cand[0] unless another is 2% faster), and
- * the trial is freed. */
+/* -1 while the GPU has not finished the trial (never waits); else the index of the candidate with
+ * the least median time whose D was cand[0]'s bits on both hashes (cand[0] unless another is 2%
+ * faster), and the trial is freed. */
 int lt_tune_poll(struct lt_tune_trial *trial);
 /* frees a trial whose plan goes away (waits for its last copy) */
 void lt_tune_drop(struct lt_tune_trial *trial);

@@ -13,6 +13,9 @@ extern "C" {
 bool mt_env_flag(const char *name);
 /* A positive number from the environment; unset or empty: fallback; anything else a user error. */
 double mt_env_positive(const char *name, double fallback);
+/* The index of the environment's value among values[0 .. n); unset or empty: fallback; any other
+ * value a user error listing the n values. */
+int mt_env_choice(const char *name, const char *const *values, int n, int fallback);
 
 #ifdef __cplusplus
 }
