@@ -9,7 +9,8 @@
 #include <sys/stat.h>
 
 #include "checkpoint.h"
-#include "checkpoint_internal.h"
+#include "checkpoint_h5.h"
+#include "checkpoint_index.h"
 #include "common.h"
 
 /* Elements per HDF5 chunk (1 MiB of fp32): each chunk carries a Fletcher-32 checksum, so a

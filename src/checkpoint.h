@@ -18,11 +18,11 @@
 
 #include <stdbool.h>
 
+#include "checkpoint_fs.h"       /* ckpt_check_dir, ckpt_latest, ckpt_due, ckpt_resume_dir, ckpt_is_checkpoint */
+#include "checkpoint_manifest.h" /* ckpt_read_config */
 #include "config.h"
 #include "mesh.h"
 #include "params.h"
-
-#define CKPT_FORMAT_VERSION 1
 
 /* Collective over mesh->world_comm. Saves p's master weights and Adam moments (p->step is the
  * optimizer step) as checkpoint `step` under `root`, then deletes complete checkpoints beyond
@@ -32,30 +32,6 @@
  * aborts every rank (mt_fatal) and leaves only a .tmp directory behind. */
 void ckpt_save(const char *root, int step, const struct params *p, const struct mesh *mesh,
                const struct config *c, const float *bias_host);
-
-/* Collective; call once at start-up when checkpoint.dir is set. Creates checkpoint.dir (mkdir -p)
- * and checks that every rank sees it (checkpoints need a filesystem shared by all ranks), so a bad
- * path is a one-line error before training rather than at the first save. An existing directory
- * that holds other files and neither a moetrain checkpoint nor the marker of an earlier run is
- * refused unless force (--force); the marker is written when the directory is accepted. */
-void ckpt_check_dir(const struct config *c, const struct mesh *mesh, bool force);
-
-/* Not collective. The step of the newest complete moetrain checkpoint under root (its directory in
- * dir_out), or -1 when there is none (or root does not exist). Newest = the highest save sequence
- * recorded in the manifests (every save numbers itself 1 + the highest under root), then the
- * highest step: after a rewind, the rewound run's saves are newer than the stale higher steps. */
-int ckpt_latest(const char *root, char *dir_out, int cap);
-
-/* Whether the train loop saves after `step`: checkpoint.dir set and (step % interval == 0 or
- * step is the last one; interval 0 = only at the end). */
-bool ckpt_due(const struct config *c, int step);
-
-/* Collective. Interprets --resume (NULL = not given): "auto" = the newest complete checkpoint
- * under checkpoint.dir (false, i.e. start fresh, when there is none; a user error when
- * checkpoint.dir is empty); anything else = that checkpoint directory (checked by ckpt_load).
- * Rank 0 looks; every rank gets the same answer. Returns true with dir_out set to resume. */
-bool ckpt_resume_dir(const char *resume, const struct config *c, const struct mesh *mesh,
-                     char *dir_out, int cap);
 
 /* Collective. Restores p (master, m1, m2 of both groups and p->step; the compute-dtype copies of
  * the masters too) from checkpoint directory `dir`, which may come from any mesh; the caller then
@@ -74,12 +50,6 @@ void ckpt_load(const char *dir, struct params *p, const struct mesh *mesh, const
 bool ckpt_load_checked(const char *dir, struct params *p, const struct mesh *mesh,
                        const struct config *c, float *bias_host_out, int *step_out,
                        bool weights_only, char *err, int errcap);
-
-/* Not collective: whether dir looks like a checkpoint directory (holds a manifest.h5), e.g. to
- * tell a checkpoint from a Hugging Face directory in model.init_from. */
-bool ckpt_is_checkpoint(const char *dir);
-/* The config a checkpoint was saved with (its manifest's YAML), with `sets` applied after it. */
-bool ckpt_read_config(const char *dir, int n_sets, char **sets, struct config *c, char *err, int cap);
 
 /* Not collective, one process: reads the master weights of checkpoint `dir` one flat range of one
  * tensor at a time (moetrain export), never the whole model. open checks the manifest against

@@ -11,8 +11,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "checkpoint.h"
-#include "checkpoint_internal.h"
+#include "checkpoint_fs.h"
+#include "checkpoint_h5.h"
 #include "common.h"
 
 void ck_path(char *out, size_t cap, const char *fmt, ...)

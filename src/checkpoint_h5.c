@@ -2,12 +2,13 @@
  * line; and the loader's collective error agreement. The lowest checkpoint layer: it uses no other
  * checkpoint*.c file. */
 #include <errno.h>
+#include <mpi.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "checkpoint_internal.h"
+#include "checkpoint_h5.h"
 #include "common.h"
 
 const char *const ck_buf_group[CK_N_BUFS] = {"master", "adam_m", "adam_v"};

@@ -9,7 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "checkpoint_internal.h"
+#include "checkpoint_index.h"
+#include "checkpoint_fs.h"
+#include "checkpoint_h5.h"
 #include "common.h"
 
 /* --- the runs of a rank's shard (save and load) -------------------------------------------- */

@@ -16,7 +16,8 @@
 #include <string.h>
 
 #include "checkpoint.h"
-#include "checkpoint_internal.h"
+#include "checkpoint_h5.h"
+#include "checkpoint_index.h"
 #include "common.h"
 
 /* --- phase 3: reading this rank's shard ---------------------------------------------------- */

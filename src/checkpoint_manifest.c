@@ -11,8 +11,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "checkpoint.h"
-#include "checkpoint_internal.h"
+#include "checkpoint_manifest.h"
+#include "checkpoint_fs.h"
+#include "checkpoint_h5.h"
 #include "common.h"
 
 /* The fields of the model section that decide tensor shapes. `relevant` is false for those that

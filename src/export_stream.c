@@ -8,7 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "checkpoint_internal.h"
+#include "checkpoint_h5.h"
+#include "checkpoint_index.h"
 #include "common.h"
 #include "hf_export.h"
 #include "mesh.h"

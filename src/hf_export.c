@@ -10,7 +10,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "checkpoint_internal.h"
+#include "checkpoint_fs.h"
 #include "hf_load.h"
 
 bool hf_write_config_json(const char *path, const struct model_config *m, enum st_dtype dtype, char *err,

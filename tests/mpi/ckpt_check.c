@@ -20,7 +20,7 @@
 #include <string.h>
 
 #include "checkpoint.h"
-#include "checkpoint_internal.h"
+#include "checkpoint_index.h"
 #include "comm.h"
 #include "common.h"
 #include "config.h"
