@@ -274,6 +274,23 @@ static void free_layer(const struct model *m, struct layer_acts *a)
     free(r->recv_counts);
 }
 
+/* the stash of parked expert rows (moe_buffers.c allocates it) */
+static void free_expert_wgrad_stash(struct model *m)
+{
+    if (!m->wstash) return;
+    for (int l = 0; l < m->L; l++) {
+        for (int k = 0; k < MT_WGRAD_MAX_SETS; k++) {
+            struct expert_rows_parked *p = &m->wstash[l].slot[k];
+            void *bufs[] = {p->x_exp, p->act, p->d_gu, p->d_y_exp, p->off};
+            for (int i = 0; i < 5; i++)
+                if (bufs[i]) m->be->free(bufs[i]);
+        }
+        if (m->wstash[l].cursor) m->be->free(m->wstash[l].cursor);
+    }
+    free(m->wstash);
+    m->wstash = NULL;
+}
+
 void model_free(struct model *m)
 {
     const struct backend *be = m->be;
@@ -303,7 +320,7 @@ void model_free(struct model *m)
     free(m->stats_h);
     free(m->wp);
     free(m->gp);
-    model_free_expert_wgrad_pairs(m);
+    free_expert_wgrad_stash(m);
     free(m->exp_dw_fresh);
     tensor_table_free(&m->tt);
     memset(m, 0, sizeof *m);

@@ -302,7 +302,6 @@ void model_fixed_exchange_grow(struct model *m, const int64_t *need);
 void model_enable_expert_wgrad_pairs(struct model *m, int n_layers);
 /* ... and groups of `group` micro-steps (2 .. MT_WGRAD_MAX_SETS) in the first n_group of them */
 void model_enable_expert_wgrad_groups(struct model *m, int n_layers, int n_group, int group);
-void model_free_expert_wgrad_pairs(struct model *m);
 bool model_expert_wgrad_pending(const struct model *m);
 /* Lets a backward that another follows (more_backwards) hold each layer's o_proj and q_proj weight
  * gradients back until the next MoE layer's backward exchanges have started (the first, the rows

@@ -169,25 +169,6 @@ static void route_plan(struct model *m, struct layer_acts *a, int l)
     moe_ensure_rows(m, a, r->R_exp);
 }
 
-/* counts are host data: exchange them over MPI whatever backend moves the rows. Each rank's pair
- * count travels with the expert rows those pairs make (moe_pair_plan rows_host), so the receiver
- * knows its row count (returned) without reading its route plan back. */
-int64_t moe_exchange_counts(struct model *m, int64_t *recv_counts, const int64_t *send_counts,
-                            const int64_t *send_rows)
-{
-    if (!m->ep_comm) {
-        recv_counts[0] = send_counts[0];
-        return send_rows[0];
-    }
-    const int ep = m->ep;
-    int64_t out[2 * ep], in[2 * ep], rows = 0;
-    memset(out, 0, sizeof out); /* the loop fills it; cleared so that the compiler sees it set */
-    for (int s = 0; s < ep; s++) out[2 * s] = send_counts[s], out[2 * s + 1] = send_rows[s];
-    MT_CHECK_MPI(MPI_Alltoall(out, 2, MPI_INT64_T, in, 2, MPI_INT64_T, m->ep_comm->mpi));
-    for (int s = 0; s < ep; s++) recv_counts[s] = in[2 * s], rows += in[2 * s + 1];
-    return rows;
-}
-
 /* out = resid + the dense MLP of the normed rows */
 static void dense_mlp_forward(struct model *m, struct layer_acts *a, int l, void *out,
                               const void *resid)

@@ -98,23 +98,6 @@ void model_enable_expert_wgrad_pairs(struct model *m, int n_layers)
     model_enable_expert_wgrad_groups(m, n_layers, 0, 2);
 }
 
-void model_free_expert_wgrad_pairs(struct model *m)
-{
-    if (!m->wstash) return;
-    for (int l = 0; l < m->L; l++)
-    {
-        for (int k = 0; k < MT_WGRAD_MAX_SETS; k++) {
-            struct expert_rows_parked *p = &m->wstash[l].slot[k];
-            void *bufs[] = {p->x_exp, p->act, p->d_gu, p->d_y_exp, p->off};
-            for (int i = 0; i < 5; i++)
-                if (bufs[i]) m->be->free(bufs[i]);
-        }
-        if (m->wstash[l].cursor) m->be->free(m->wstash[l].cursor);
-    }
-    free(m->wstash);
-    m->wstash = NULL;
-}
-
 bool model_expert_wgrad_pending(const struct model *m)
 {
     for (int l = 0; m->wstash && l < m->L; l++)

@@ -31,8 +31,9 @@ struct moe_chunk {
 void moe_exchange_forward(struct model *m, struct layer_acts *a, int l, void *out, const void *resid);
 void moe_exchange_backward(struct model *m, struct layer_acts *a, int l);
 
-/* moe.c's count exchange, which the chunked path shares: pairs per rank both ways, and the expert
- * rows the pairs sent to each rank make there (send_rows [ep]); returns the rows this rank gets */
+/* The count exchange of moe.c's one-piece path and of the chunked one: pairs per rank both ways,
+ * and the expert rows the pairs sent to each rank make there (send_rows [ep]); returns the rows
+ * this rank gets */
 int64_t moe_exchange_counts(struct model *m, int64_t *recv_counts, const int64_t *send_counts,
                             const int64_t *send_rows);
 
