@@ -8,7 +8,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "config_internal.h"
+#include "config_loader.h"
 
 /* ---- model.hf_config ----------------------------------------------------------------------- */
 

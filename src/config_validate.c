@@ -7,7 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "config_internal.h"
+#include "config_loader.h"
 #include "router_opts.h"
 
 /* ---- validation ---------------------------------------------------------------------------- */

@@ -1,12 +1,12 @@
 /* The YAML side of config loading: libyaml documents walked section by section into the key table
  * (scalars, integer lists, string lists, the data.validation mapping), and --set section.key=value
- * strings. Separate from config.c because it is the only part that knows libyaml. */
+ * strings. Separate from config_load.c because it is the only part that knows libyaml. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <yaml.h>
 
-#include "config_internal.h"
+#include "config_loader.h"
 
 /* ---- YAML ---------------------------------------------------------------------------------- */
 

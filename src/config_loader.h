@@ -1,9 +1,9 @@
 /* What the config_*.c files that load a config share: struct loader (the config being filled and,
  * per key, where its value came from) and the helpers that turn that origin into the FILE:LINE:COL,
- * --set or JSON location an error names. Private to the loader files (config.c, config_yaml.c,
+ * --set or JSON location an error names. Private to the loader files (config_load.c, config_yaml.c,
  * config_hf_apply.c, config_validate.c): config.h stays the public API. */
-#ifndef MT_CONFIG_INTERNAL_H
-#define MT_CONFIG_INTERNAL_H
+#ifndef MT_CONFIG_LOADER_H
+#define MT_CONFIG_LOADER_H
 
 #include <stdarg.h>
 #include <stdbool.h>
@@ -82,7 +82,7 @@ static inline void where2(const struct loader *L, const char *sa, const char *ka
     where(L, L->org[b].kind > L->org[a].kind ? b : a, buf, cap);
 }
 
-/* The steps of loading, in the order load_common (config.c) runs them. Each returns false after
+/* The steps of loading, in the order load_common (config_load.c) runs them. Each returns false after
  * writing the one-line error into L->err. */
 bool cfg_load_yaml_text(struct loader *L, const char *text, size_t len);  /* config_yaml.c */
 bool cfg_apply_set(struct loader *L, int i);                               /* config_yaml.c */
