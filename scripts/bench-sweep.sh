@@ -8,13 +8,20 @@
 # shapes, 235b = Qwen3-235B-A22B's: hidden 4096, expert width 1536, 64/4 heads). Layers "auto" =
 # as many as one GPU holds beside moetrain's fp32 master and Adam state (8 of 30B on 141 GB, 4 on
 # 80 GB; 2 of 235B on 141 GB, 1 on 80 GB). SWEEP_TIMEOUT: seconds per run (default 300); SWEEP_BASELINE=0 runs moetrain
-# only. Exits 0 unless no moetrain run finished.
+# only. SWEEP_ROUNDS=n (1-9, default 1): each shape's pair n times, moetrain and the baseline
+# alternating, the row holding the medians (a card's clock drifts at its power cap, so one pair's
+# ratio moves by ~3%; docs/benchmarks.md, thirty-second session). SWEEP_BASELINE_CMD: the baseline's
+# command (default python3 tools/hf_baseline.py; its last line is JSON with tok_s).
+# Exits 0 unless no moetrain run finished.
 set -uo pipefail
 BUILD=${1:-build}
 OUT=${BENCH_OUT:-$BUILD/bench-sweep}
 CONFIG=configs/bench-qwen3-30b-8l.yaml
 STEPS=${SWEEP_STEPS:-6}
 TIMEOUT=${SWEEP_TIMEOUT:-300}
+ROUNDS=${SWEEP_ROUNDS:-1}
+BASELINE=${SWEEP_BASELINE_CMD:-python3 tools/hf_baseline.py}
+case $ROUNDS in [1-9]) ;; *) echo "bench-sweep: SWEEP_ROUNDS=$ROUNDS: expected 1 to 9"; exit 2;; esac
 TOKENS=65536
 SHAPES=${SWEEP_SHAPES:-"30b:auto:4096:2 30b:auto:4096:1 30b:auto:2048:4 30b:auto:1024:8 30b:auto:8192:1 235b:auto:4096:1"}
 mkdir -p "$OUT"
@@ -50,6 +57,14 @@ print(f"{statistics.median(busy):.0f}" if busy else "-")
 PY
 }
 
+median() {  # the median of the numbers given (- entries skipped), or - when there are none
+    python3 -c '
+import statistics, sys
+v = [float(x) for x in sys.argv[1:] if x != "-"]
+m = statistics.median(v) if v else None
+print("-" if m is None else int(m) if m == int(m) else m)' "$@"
+}
+
 median_tok_s() {  # metrics.jsonl -> "tok/s mfu" over the steps after the first two
     python3 - "$1" <<'PY'
 import json, statistics, sys
@@ -78,28 +93,35 @@ for shape in $SHAPES; do
     gbs=$(( TOKENS / seq ))
     if [ $(( gbs % mb )) -ne 0 ] || [ "$gbs" -lt 1 ]; then echo "bench-sweep: $shape: $TOKENS tokens are not whole micro-batches"; continue; fi
     tag="${model}_l${layers}_s${seq}_b${mb}"
-    echo "bench-sweep: $tag: moetrain ..."
-    mt="-" mfu="-" base="-" ratio="-"
-    if clocked "$OUT/$tag.moetrain" timeout "$TIMEOUT" mpirun --oversubscribe --bind-to none -np 1 "$BUILD/moetrain" train "$CONFIG" \
-            "${shape_set[@]}" --set model.num_hidden_layers="$layers" --set model.max_position_embeddings="$seq" \
-            --set train.seq_len="$seq" --set train.micro_batch_size="$mb" --set train.global_batch_size="$gbs" \
-            --set train.steps="$STEPS" --set log.metrics="$OUT/$tag.jsonl" > "$OUT/$tag.moetrain.log" 2>&1; then
-        read -r mt mfu <<< "$(median_tok_s "$OUT/$tag.jsonl")"
-    else
-        echo "  moetrain failed or timed out: $(tail -1 "$OUT/$tag.moetrain.log")"
-    fi
-    if [ "${SWEEP_BASELINE:-1}" = 0 ]; then
-        echo "bench-sweep: $tag: PyTorch baseline not run (SWEEP_BASELINE=0)"
-    elif echo "bench-sweep: $tag: PyTorch baseline ..." && clocked "$OUT/$tag.baseline" timeout "$TIMEOUT" env "${base_env[@]}" LAYERS="$layers" SEQ="$seq" BATCH="$mb" ACCUM=$(( gbs / mb )) \
-            python3 tools/hf_baseline.py > "$OUT/$tag.baseline.log" 2>&1; then
-        base=$(tail -1 "$OUT/$tag.baseline.log" | python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["tok_s"])')
-    else
-        echo "  baseline failed or timed out: $(tail -1 "$OUT/$tag.baseline.log")"
-    fi
+    mts=() mfus=() bases=() mhz_mts=() mhz_bases=()
+    for round in $(seq 1 "$ROUNDS"); do
+        rtag=$tag; [ "$ROUNDS" -gt 1 ] && rtag="${tag}_r$round"
+        echo "bench-sweep: $rtag: moetrain ..."
+        if clocked "$OUT/$rtag.moetrain" timeout "$TIMEOUT" mpirun --oversubscribe --bind-to none -np 1 "$BUILD/moetrain" train "$CONFIG" \
+                "${shape_set[@]}" --set model.num_hidden_layers="$layers" --set model.max_position_embeddings="$seq" \
+                --set train.seq_len="$seq" --set train.micro_batch_size="$mb" --set train.global_batch_size="$gbs" \
+                --set train.steps="$STEPS" --set log.metrics="$OUT/$rtag.jsonl" > "$OUT/$rtag.moetrain.log" 2>&1; then
+            read -r t u <<< "$(median_tok_s "$OUT/$rtag.jsonl")"
+            mts+=("$t"); mfus+=("$u"); mhz_mts+=("$(busy_mhz "$OUT/$rtag.moetrain.clk")")
+        else
+            echo "  moetrain failed or timed out: $(tail -1 "$OUT/$rtag.moetrain.log")"
+        fi
+        if [ "${SWEEP_BASELINE:-1}" = 0 ]; then
+            echo "bench-sweep: $rtag: PyTorch baseline not run (SWEEP_BASELINE=0)"
+        elif echo "bench-sweep: $rtag: PyTorch baseline ..." && clocked "$OUT/$rtag.baseline" timeout "$TIMEOUT" env "${base_env[@]}" LAYERS="$layers" SEQ="$seq" BATCH="$mb" ACCUM=$(( gbs / mb )) \
+                $BASELINE > "$OUT/$rtag.baseline.log" 2>&1; then
+            bases+=("$(tail -1 "$OUT/$rtag.baseline.log" | python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["tok_s"])')")
+            mhz_bases+=("$(busy_mhz "$OUT/$rtag.baseline.clk")")
+        else
+            echo "  baseline failed or timed out: $(tail -1 "$OUT/$rtag.baseline.log")"
+        fi
+    done
+    mt=$(median "${mts[@]}") mfu=$(median "${mfus[@]}") base=$(median "${bases[@]}") ratio="-"
+    mhz_mt=$(median "${mhz_mts[@]}") mhz_base=$(median "${mhz_bases[@]}")
     if [ "$mt" != - ] && [ "$base" != - ]; then ratio=$(python3 -c "print(f'{$mt / $base:.2f}')"); fi
-    mhz_mt=$(busy_mhz "$OUT/$tag.moetrain.clk"); mhz_base=$(busy_mhz "$OUT/$tag.baseline.clk")
     printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$day" "$gpu_name" "$model" "$layers" "$seq" "$mb" "$mt" "$mfu" "$base" "$ratio" "$mhz_mt" "$mhz_base" >> "$OUT/sweep.tsv"
-    echo "  moetrain $mt tok/s (MFU $mfu, $mhz_mt MHz), baseline $base tok/s ($mhz_base MHz): ${ratio}x"
+    each=""; [ "$ROUNDS" -gt 1 ] && each=" (rounds: moetrain ${mts[*]:-none}; baseline ${bases[*]:-none})"
+    echo "  moetrain $mt tok/s (MFU $mfu, $mhz_mt MHz), baseline $base tok/s ($mhz_base MHz): ${ratio}x$each"
     [ "$mt" != - ] && ran=$((ran + 1))
 done
 

@@ -334,3 +334,46 @@ Test(bench_script, sweep_row_with_clock, .timeout = 150)
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     cr_expect_eq(system(cmd), 0);
 }
+
+/* SWEEP_ROUNDS: moetrain and the baseline alternate, round by round, and the row holds the medians
+ * (a stand-in baseline answers 60,000, 75,000, then 50,000 tok/s: median 60,000, ratio 1.50); a
+ * rounds count out of range is a one-line error */
+Test(bench_script, sweep_rounds_alternate_and_take_medians, .timeout = 200)
+{
+    char dir[] = "/tmp/mt_sweep_rounds_XXXXXX";
+    cr_assert(mkdtemp(dir));
+    stand_ins(dir, 90000, 0.48, false);
+    char path[600], text[512];
+    snprintf(path, sizeof path, "%s/bin/baseline", dir);
+    snprintf(text, sizeof text,
+             "#!/bin/bash\n"
+             "n=$(cat %s/calls 2>/dev/null || echo 0); n=$((n + 1)); echo $n > %s/calls\n"
+             "tok=(0 60000 75000 50000)\n"
+             "echo \"{\\\"tok_s\\\": ${tok[$n]}}\"\n",
+             dir, dir);
+    write_exec(path, text);
+    char cmd[2048], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "PATH=%s/bin:$PATH BENCH_OUT=%s/out SWEEP_ROUNDS=3 SWEEP_BASELINE_CMD=%s/bin/baseline "
+             "SWEEP_SHAPES=30b:1:1024:8 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 180 "
+             "bash scripts/bench-sweep.sh %s/build",
+             dir, dir, dir, dir);
+    int rc = tu_run(cmd, &out);
+    cr_expect_eq(rc, 0, "bench-sweep.sh exited %d:\n%s", rc, out);
+    char want[160];
+    snprintf(want, sizeof want, "| 30b | 1 | 1024 | 8 | 90,000 | 48.0%% | 60,000 | 1.50x | %d / %d |", BUSY_MHZ, BUSY_MHZ);
+    cr_expect(strstr(out, want), "no row '%s':\n%s", want, out);
+    cr_expect(strstr(out, "baseline 60000 75000 50000"), "no list of the baseline's rounds:\n%s", out);
+    /* the runs alternate: round 1's baseline before round 2's moetrain */
+    const char *b1 = strstr(out, "30b_l1_s1024_b8_r1: PyTorch baseline"), *m2 = strstr(out, "30b_l1_s1024_b8_r2: moetrain");
+    cr_expect(b1 && m2 && b1 < m2, "rounds not alternating:\n%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "PATH=%s/bin:$PATH BENCH_OUT=%s/out SWEEP_ROUNDS=0 bash scripts/bench-sweep.sh %s/build",
+             dir, dir, dir);
+    rc = tu_run(cmd, &out);
+    cr_expect_eq(rc, 2, "SWEEP_ROUNDS=0 exited %d:\n%s", rc, out);
+    cr_expect(strstr(out, "SWEEP_ROUNDS=0: expected 1 to 9"), "no one-line error:\n%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    cr_expect_eq(system(cmd), 0);
+}
