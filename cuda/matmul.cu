@@ -8,6 +8,8 @@
 #include "matmul.cuh"
 #include "matmul_tune.cuh"
 
+#include "env_flag.h"
+
 #include <string.h>
 
 /* ---------------------------------------------------------------- cuBLASLt plans */
@@ -200,6 +202,10 @@ static void copy_c_to_d(void *D, const void *C, int m, int n, int ldc, cudaDataT
 static struct lt_tune_trial *tune_in_place(struct lt_plan *p, const void *A, const void *B, const void *C, int m,
                                            int n, int ldc, size_t es, float beta)
 {
+    static int on = -1; /* MT_GEMM_TUNE_IN_PLACE=0: in-place calls keep the first choice, as before */
+    static const char *const off_on[] = {"0", "1"};
+    if (on < 0) on = mt_env_choice("MT_GEMM_TUNE_IN_PLACE", off_on, 2, 1);
+    if (!on) return NULL;
     void *scratch = NULL;
     const cudaError_t e = cudaMallocAsync(&scratch, (size_t)ldc * n * es, g_cuda.stream);
     if (e == cudaErrorMemoryAllocation) {
