@@ -8,6 +8,8 @@
 #include "matmul.cuh"
 #include "matmul_tune.cuh"
 
+#include "env_flag.h"
+
 #include <string.h>
 
 /* ---------------------------------------------------------------- cuBLASLt plans */
@@ -191,6 +193,32 @@ static void copy_c_to_d(void *D, const void *C, int m, int n, int ldc, cudaDataT
                                  cudaMemcpyDeviceToDevice, g_cuda.stream));
 }
 
+/* The trial of an in-place call (D = C, beta != 0: the fp32 dw +=, whose heuristic's first choice
+ * is 15% slower than its fastest same-bits candidate on the Qwen3-235B-A22B LM head, H200,
+ * docs/benchmarks.md): its candidates write D = A·B + beta·C into a stream-ordered scratch of D's
+ * size instead, so C is read unchanged by every run, and the scratch goes back to the pool once
+ * the trial is done. NULL (the plan stays at the first choice, for good) where the scratch does not
+ * fit: a job near its memory's end is not pushed over it for a faster GEMM. */
+static struct lt_tune_trial *tune_in_place(struct lt_plan *p, const void *A, const void *B, const void *C, int m,
+                                           int n, int ldc, size_t es, float beta)
+{
+    static int on = -1; /* MT_GEMM_TUNE_IN_PLACE=0: in-place calls keep the first choice, as before */
+    static const char *const off_on[] = {"0", "1"};
+    if (on < 0) on = mt_env_choice("MT_GEMM_TUNE_IN_PLACE", off_on, 2, 1);
+    if (!on) return NULL;
+    void *scratch = NULL;
+    const cudaError_t e = cudaMallocAsync(&scratch, (size_t)ldc * n * es, g_cuda.stream);
+    if (e == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError(); /* not sticky: clears it */
+        return NULL;
+    }
+    CUDA_CHECK(e);
+    const struct lt_tune_call call = {p->desc, A, B, C, scratch, p->la, p->lb, p->lc, beta, m, n, ldc, es};
+    struct lt_tune_trial *t = lt_tune_start(&call, p->cand, p->n_cand);
+    CUDA_CHECK(cudaFreeAsync(scratch, g_cuda.stream));
+    return t;
+}
+
 /* D = op(A)·op(B) + beta·C, C and D distinct or the same (one layout); the plan is keyed on the
  * lesser alignment of the two. cuBLASLt reads C in its epilogue, so an out-of-place residual costs
  * no pass of its own. */
@@ -209,12 +237,16 @@ static void gemm_lt_cd(cublasOperation_t ta, cublasOperation_t tb, int m, int n,
         return;
     }
     if (p->trial) tune_take(p);
+    const size_t es = c == CUDA_R_32F ? 4 : 2;
     if (p->tune_pending && !p->trial && (beta == 0.0f || C != D)) { /* the trial leaves cand[0]'s D */
-        const struct lt_tune_call call = {p->desc, A, B, C, D, p->la, p->lb, p->lc, beta, m, n, ldc,
-                                          (size_t)(c == CUDA_R_32F ? 4 : 2)};
+        const struct lt_tune_call call = {p->desc, A, B, C, D, p->la, p->lb, p->lc, beta, m, n, ldc, es};
         p->trial = lt_tune_start(&call, p->cand, p->n_cand);
         p->tune_pending = p->trial != NULL;
         return;
+    }
+    if (p->tune_pending && !p->trial) { /* dw += in place: tune_in_place, then the call itself */
+        p->trial = tune_in_place(p, A, B, C, m, n, ldc, es, beta);
+        p->tune_pending = p->trial != NULL;
     }
     const float alpha = 1.0f;
     CUBLAS_CHECK(cublasLtMatmul(g_cuda.lt, p->desc, &alpha, A, p->la, B, p->lb, &beta, C, p->lc, D,

@@ -3,9 +3,8 @@
  * first choice, in both CUDA modes, and the
  * CPU reference's values within the mode's tolerance (gpu_ops_util.h) on fresh random inputs.
  * Shapes of the bench's projections at 512 tokens (the CPU reference's time): q (2048 -> 4096), o
- * with its residual (4096 -> 2048) and k (2048 -> 512), forward, din and the fp32 dw += onto a random starting dw (in place: never tuned, since
- * a trial cannot run it twice; a trial in a scratch of dw's size found 3% on the 235B LM head's
- * wgrad and no measurable step gain, docs/benchmarks.md, thirty-first session). */
+ * with its residual (4096 -> 2048) and k (2048 -> 512), forward, din and the fp32 dw += (in place:
+ * its trial runs in a scratch, matmul.cu tune_in_place) onto a random starting dw. */
 #include <criterion/criterion.h>
 
 #include <stdio.h>
