@@ -244,8 +244,9 @@ Test(bench_script, failed_one_gpu_run_exits_1, .timeout = 150)
 
 /* scripts/ab-train.sh against the stand-ins: alternating runs, the medians, the relative change,
  * the clock of the busy samples, and whether the losses agree */
-/* old_ms > 0: side A runs another build, dir/old/build, whose stand-in steps take old_ms */
-static int run_ab_builds(const char *env_a, const char *env_b, int rounds, int old_ms, char **out)
+/* old_ms > 0: side A runs another build, dir/old/build, whose stand-in steps take old_ms; more:
+ * further sides' environments, quoted ("" none) */
+static int run_ab_builds(const char *env_a, const char *env_b, int rounds, int old_ms, const char *more, char **out)
 {
     char dir[] = "/tmp/mt_ab_script_XXXXXX";
     cr_assert(mkdtemp(dir));
@@ -261,7 +262,7 @@ static int run_ab_builds(const char *env_a, const char *env_b, int rounds, int o
         snprintf(build_a, sizeof build_a, "AB_BUILD_A=%s/old/build", dir);
     }
     snprintf(cmd, sizeof cmd, "PATH=%s/bin:$PATH BUILD=%s/build %s AB_OUT=%s/out AB_ROUNDS=%d timeout 120 "
-             "bash scripts/ab-train.sh '%s' '%s'", dir, dir, build_a, dir, rounds, env_a, env_b);
+             "bash scripts/ab-train.sh '%s' '%s' %s", dir, dir, build_a, dir, rounds, env_a, env_b, more);
     const int rc = tu_run(cmd, out);
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     cr_expect_eq(system(cmd), 0);
@@ -270,7 +271,7 @@ static int run_ab_builds(const char *env_a, const char *env_b, int rounds, int o
 
 static int run_ab(const char *env_a, const char *env_b, int rounds, char **out)
 {
-    return run_ab_builds(env_a, env_b, rounds, 0, out);
+    return run_ab_builds(env_a, env_b, rounds, 0, "", out);
 }
 
 /* AB_BUILD_A: side A from another build (a stand-in at 707 ms a step), named in the table; a
@@ -278,7 +279,7 @@ static int run_ab(const char *env_a, const char *env_b, int rounds, char **out)
 Test(bench_script, ab_train_two_builds, .timeout = 150)
 {
     char *out = NULL;
-    int rc = run_ab_builds("", "", 1, 707, &out);
+    int rc = run_ab_builds("", "", 1, 707, "", &out);
     cr_expect_eq(rc, 0, "ab-train.sh exited %d:\n%s", rc, out);
     cr_expect(strstr(out, "A 707.0 ms, B 700.0 ms: B is -0.99% against A"), "%s", out);
     int named = 0; /* A's "[.../old/build]" and B's "[.../build]" */
@@ -310,6 +311,23 @@ Test(bench_script, ab_train_reports_different_losses, .timeout = 150)
     const int rc = run_ab("", "STANDIN_LOSS=12.4", 2, &out);
     cr_expect_eq(rc, 0, "ab-train.sh exited %d:\n%s", rc, out);
     cr_expect(strstr(out, "losses: DIFFER between runs; the same within A and within B"), "%s", out);
+    free(out);
+}
+
+/* A third side joins the alternation and is compared with A; five sides are refused */
+Test(bench_script, ab_train_three_sides, .timeout = 150)
+{
+    char *out = NULL;
+    int rc = run_ab_builds("", "STANDIN_MS=693", 2, 0, "'STANDIN_MS=707'", &out);
+    cr_expect_eq(rc, 0, "ab-train.sh exited %d:\n%s", rc, out);
+    cr_expect(strstr(out, "A 700.0 ms, B 693.0 ms: B is -1.00% against A"), "%s", out);
+    cr_expect(strstr(out, "C 707.0 ms: C is +1.00% against A"), "%s", out);
+    cr_expect(strstr(out, "C_1") && strstr(out, "C_2") && strstr(out, "STANDIN_MS=707"), "%s", out);
+    cr_expect(strstr(out, "losses: the same in every run"), "%s", out);
+    free(out);
+    rc = tu_run("bash scripts/ab-train.sh a b c d e", &out);
+    cr_expect_eq(rc, 2, "%s", out);
+    cr_expect(strstr(out, "usage: scripts/ab-train.sh"), "%s", out);
     free(out);
 }
 
