@@ -367,6 +367,7 @@ Test(bench_script, sweep_rounds_alternate_and_take_medians, .timeout = 200)
              "#!/bin/bash\n"
              "n=$(cat %s/calls 2>/dev/null || echo 0); n=$((n + 1)); echo $n > %s/calls\n"
              "tok=(0 60000 75000 50000)\n"
+             "sleep 1.5\n" /* past the stand-in nvidia-smi's two idle samples, as moetrain's does */
              "echo \"{\\\"tok_s\\\": ${tok[$n]}}\"\n",
              dir, dir);
     write_exec(path, text);
