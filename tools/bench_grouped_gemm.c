@@ -7,6 +7,8 @@
  * shared/bench/cublas_grouped_probe.c).
  *
  *   bench_grouped_gemm [reps]      (default 20 timed repeats after 3 warm-ups; median reported)
+ *   bench_grouped_gemm 0           each GEMM once a routing, the wgrad in MT_WGRAD_MAX_SETS sets,
+ *                                  nothing else (for a profiler: scripts/ncu-kernels.sh)
  *
  * Inputs are random bf16 in [-1, 1) (never zeros), dw starts random. Each GEMM is first run once
  * by both implementations into separate outputs and compared (‖ours − cuBLAS‖ / ‖cuBLAS‖; for dw,
@@ -347,6 +349,39 @@ static void bench_groups(const char *label, const int *rows, const struct gemm *
     CUDA_CALL(cudaEventDestroy(t1));
 }
 
+/* `bench_grouped_gemm 0`: each GEMM once at each routing, the wgrad as one call of
+ * MT_WGRAD_MAX_SETS micro-steps' row sets (as training groups them at the bench shape), and nothing
+ * else: the launches a profiler sees (scripts/ncu-kernels.sh), in the order printed here */
+static void profile_once(const char *label, const int *rows, const struct gemm *g, int n)
+{
+    enum { SETS = MT_WGRAD_MAX_SETS };
+    int64_t off[E + 1];
+    off[0] = 0;
+    for (int e = 0; e < E; e++) off[e + 1] = off[e] + rows[e];
+    const int64_t *doff = dev_offsets(off);
+    for (int i = 0; i < n; i++) {
+        if (g[i].kind != WGRAD) {
+            run_ours(&g[i], doff, g[i].out[0]);
+            printf("launch: %s %s\n", label, g[i].name);
+            continue;
+        }
+        struct expert_rows sets[SETS] = {{g[i].a, g[i].b, doff, R}};
+        for (int k = 1; k < SETS; k++)
+            sets[k] = (struct expert_rows){dev_random((size_t)R * g[i].O, 2), dev_random((size_t)R * g[i].I, 2),
+                                           doff, R};
+        if (!grouped_gemm_wgrad_sets(g[i].out[0], sets, SETS, E, g[i].I, g[i].O, false))
+            mt_fatal("grouped_gemm refused %s in %d sets", g[i].name, SETS);
+        printf("launch: %s %s (%d sets)\n", label, g[i].name, SETS);
+        CUDA_CALL(cudaStreamSynchronize(stream));
+        for (int k = 1; k < SETS; k++) {
+            CUDA_CALL(cudaFree((void *)sets[k].dout));
+            CUDA_CALL(cudaFree((void *)sets[k].in));
+        }
+    }
+    CUDA_CALL(cudaStreamSynchronize(stream));
+    CUDA_CALL(cudaGetLastError());
+}
+
 static int run_bench(int reps)
 {
     const struct backend *be = backend_cuda(false, 0);
@@ -377,8 +412,10 @@ static int run_bench(int reps)
 
     struct cudaDeviceProp prop;
     CUDA_CALL(cudaGetDeviceProperties(&prop, 0));
-    printf("bench_grouped_gemm: %s, %d SMs; median of %d runs after %d warm-ups\n", prop.name,
-           prop.multiProcessorCount, reps, WARM);
+    if (reps == 0) printf("bench_grouped_gemm: %s, %d SMs; one launch of each (profile)\n", prop.name,
+                          prop.multiProcessorCount);
+    else printf("bench_grouped_gemm: %s, %d SMs; median of %d runs after %d warm-ups\n", prop.name,
+                prop.multiProcessorCount, reps, WARM);
 
     int bal[E], skew[E];
     double wsum = 0.0, wt[E];
@@ -387,10 +424,15 @@ static int run_bench(int reps)
     int s = 0;
     for (int e = 0; e < E; e++) s += skew[e] = (int)(R * wt[e] / wsum);
     skew[0] += R - s;
-    bench("balanced", bal, g, 6, dw0, reps);
-    bench("skewed (Zipf-like)", skew, g, 6, dw0, reps);
-    bench_groups("balanced", bal, g, 6, reps);
-    bench_groups("skewed (Zipf-like)", skew, g, 6, reps);
+    if (reps == 0) {
+        profile_once("balanced", bal, g, 6);
+        profile_once("skewed", skew, g, 6);
+    } else {
+        bench("balanced", bal, g, 6, dw0, reps);
+        bench("skewed (Zipf-like)", skew, g, 6, dw0, reps);
+        bench_groups("balanced", bal, g, 6, reps);
+        bench_groups("skewed (Zipf-like)", skew, g, 6, reps);
+    }
 
     for (int i = 0; i < 6; i++)
         for (int j = 0; j < 2; j++) CUDA_CALL(cudaFree(g[i].out[j]));
@@ -407,8 +449,8 @@ int main(int argc, char **argv)
     if (argc > 1) {
         char *end;
         const long v = strtol(argv[1], &end, 10);
-        if (*end || v < 1 || v > 10000) {
-            fprintf(stderr, "bench_grouped_gemm: repeats must be an integer in 1..10000, got '%s'\n",
+        if (*end || v < 0 || v > 10000) {
+            fprintf(stderr, "bench_grouped_gemm: repeats must be an integer in 0..10000, got '%s'\n",
                     argv[1]);
             return 2;
         }
