@@ -58,8 +58,9 @@ header() {
 
 if [ "${1:-}" = "--table" ]; then
     [ -r "${2:-}" ] || { echo "ncu-kernels.sh: --table needs a readable ncu text report, got '${2:-}'" >&2; exit 2; }
+    rows=$(ncu_table "$2") || exit 1 # the header only above rows: an error stays one line
     header
-    ncu_table "$2"
+    echo "$rows"
     exit
 fi
 
@@ -83,7 +84,9 @@ profile() {
 }
 profile grouped grouped_gemm_kernel bench_grouped_gemm
 profile attention tc_ bench_attention
+grouped=$(ncu_table "$OUT/grouped.txt") || exit 1
+attention=$(ncu_table "$OUT/attention.txt") || exit 1
 header
-ncu_table "$OUT/grouped.txt"
-ncu_table "$OUT/attention.txt"
+echo "$grouped"
+echo "$attention"
 echo "raw reports: $OUT" >&2

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 static inline const char *tu_env(const char *name, const char *dflt)
@@ -62,6 +63,17 @@ static inline int tu_read_metric(const char *path, const char *field, double *va
 static inline int tu_read_losses(const char *path, double *losses, int cap)
 {
     return tu_read_metric(path, "loss", losses, cap);
+}
+
+/* Writes `text` to `path` as an executable (a stand-in program for a script under test).
+ * Returns 0, or -1 when the file cannot be written. */
+static inline int tu_write_exec(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    if (!f) return -1;
+    const int put = fputs(text, f);
+    if (fclose(f) != 0 || put < 0) return -1;
+    return chmod(path, 0755) == 0 ? 0 : -1;
 }
 
 #endif

@@ -23,15 +23,6 @@
 #define TRACE_ADAM_NS 1500000
 #define TRACE_EP_LATE_NS 100000 /* rank 1's GEMM runs this much longer at EP=2 */
 
-static void write_exec(const char *path, const char *text)
-{
-    FILE *f = fopen(path, "w");
-    cr_assert(f, "cannot write %s", path);
-    fputs(text, f);
-    fclose(f);
-    cr_assert_eq(chmod(path, 0755), 0);
-}
-
 /* makes dir/bin/nvidia-smi (ngpu GPUs) and dir/build/moetrain; the moetrain stand-in writes `tok_s`
  * and `mfu` into its metrics file (step_ms $STANDIN_MS or 700, loss $STANDIN_LOSS or 12.3), or exits
  * 3 when fail. With parallel.expert_parallel_size=2 (under mpirun, rank 0 writing) it reports 1.9 x
@@ -56,7 +47,7 @@ static void stand_ins_n(const char *dir, int tok_s, double mfu, bool fail, int n
              "esac\n",
              ngpu - 1, IDLE_W, IDLE_MHZ, IDLE_W, IDLE_MHZ, BUSY_W, BUSY_MHZ, IDLE_W, IDLE_MHZ, IDLE_W, IDLE_MHZ, BUSY_W,
              BUSY_MHZ);
-    write_exec(path, text);
+    cr_assert_eq(tu_write_exec(path, text), 0, "cannot write %s", path);
     snprintf(path, sizeof path, "%s/build/moetrain", dir);
     snprintf(text, sizeof text,
              "#!/bin/bash\n"
@@ -86,7 +77,7 @@ static void stand_ins_n(const char *dir, int tok_s, double mfu, bool fail, int n
              "    echo K,$((b + %d)),$((b + %d)),7,adamw_kernel >> $tf; done; fi\n",
              tok_s, fail ? "exit 3\n" : "", mfu, TRACE_EP_LATE_NS, TRACE_GEMM_NS, TRACE_GEMM_NS + TRACE_GAP_NS,
              TRACE_GEMM_NS + TRACE_GAP_NS + TRACE_ADAM_NS);
-    write_exec(path, text);
+    cr_assert_eq(tu_write_exec(path, text), 0, "cannot write %s", path);
 }
 
 static void stand_ins(const char *dir, int tok_s, double mfu, bool fail)
@@ -258,7 +249,7 @@ static int run_ab_builds(const char *env_a, const char *env_b, int rounds, int o
         char path[600], text[800];
         snprintf(path, sizeof path, "%s/old/build/moetrain", dir);
         snprintf(text, sizeof text, "#!/bin/bash\nSTANDIN_MS=%d exec %s/build/moetrain \"$@\"\n", old_ms, dir);
-        write_exec(path, text);
+        cr_assert_eq(tu_write_exec(path, text), 0, "cannot write %s", path);
         snprintf(build_a, sizeof build_a, "AB_BUILD_A=%s/old/build", dir);
     }
     snprintf(cmd, sizeof cmd, "PATH=%s/bin:$PATH BUILD=%s/build %s AB_OUT=%s/out AB_ROUNDS=%d timeout 120 "
@@ -370,7 +361,7 @@ Test(bench_script, sweep_rounds_alternate_and_take_medians, .timeout = 200)
              "sleep 1.5\n" /* past the stand-in nvidia-smi's two idle samples, as moetrain's does */
              "echo \"{\\\"tok_s\\\": ${tok[$n]}}\"\n",
              dir, dir);
-    write_exec(path, text);
+    cr_assert_eq(tu_write_exec(path, text), 0, "cannot write %s", path);
     char cmd[2048], *out = NULL;
     snprintf(cmd, sizeof cmd,
              "PATH=%s/bin:$PATH BENCH_OUT=%s/out SWEEP_ROUNDS=3 SWEEP_BASELINE_CMD=%s/bin/baseline "

@@ -11,15 +11,6 @@
 
 #include "../test_util.h"
 
-static void write_exec(const char *path, const char *text)
-{
-    FILE *f = fopen(path, "w");
-    cr_assert(f, "cannot write %s", path);
-    fputs(text, f);
-    fclose(f);
-    cr_assert_eq(chmod(path, 0755), 0);
-}
-
 /* the rows' values are the report's own, converted by hand: Duration 589.63 us -> 0.590 ms,
  * 1.22 ms -> 1.220; SM Frequency, Compute (SM), DRAM and L2 Throughput rounded as printed */
 Test(ncu_script, table_of_a_real_report)
@@ -65,23 +56,27 @@ Test(ncu_script, launch_lines_name_the_rows)
 
 Test(ncu_script, bad_input_is_one_line_and_nonzero)
 {
-    char *out = NULL;
-    int rc = tu_run("bash scripts/ncu-kernels.sh --table /nonexistent/report.txt", &out);
-    cr_expect_eq(rc, 2, "%s", out);
-    cr_expect(strstr(out, "--table needs a readable ncu text report, got '/nonexistent/report.txt'"), "%s", out);
-    free(out);
-    rc = tu_run("bash scripts/ncu-kernels.sh --table tests/fixtures/README.md", &out);
-    cr_expect_eq(rc, 1, "%s", out);
-    cr_expect(strstr(out, "no kernel records in the report"), "%s", out);
-    free(out);
-    rc = tu_run("NCU=/nonexistent/ncu bash scripts/ncu-kernels.sh build", &out);
-    cr_expect_eq(rc, 1, "%s", out);
-    cr_expect(strstr(out, "no Nsight Compute at '/nonexistent/ncu'"), "%s", out);
-    free(out);
-    rc = tu_run("NCU=/bin/true bash scripts/ncu-kernels.sh /nonexistent/build", &out);
-    cr_expect_eq(rc, 1, "%s", out);
-    cr_expect(strstr(out, "/nonexistent/build/tools/bench_grouped_gemm is missing"), "%s", out);
-    free(out);
+    static const struct {
+        const char *cmd;
+        int rc;
+        const char *says;
+    } cases[] = {
+        {"bash scripts/ncu-kernels.sh --table /nonexistent/report.txt", 2,
+         "--table needs a readable ncu text report, got '/nonexistent/report.txt'"},
+        {"bash scripts/ncu-kernels.sh --table tests/fixtures/README.md", 1, "no kernel records in the report"},
+        {"NCU=/nonexistent/ncu bash scripts/ncu-kernels.sh build", 1, "no Nsight Compute at '/nonexistent/ncu'"},
+        {"NCU=/bin/true bash scripts/ncu-kernels.sh /nonexistent/build", 1,
+         "/nonexistent/build/tools/bench_grouped_gemm is missing"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        char *out = NULL;
+        const int rc = tu_run(cases[i].cmd, &out);
+        cr_expect_eq(rc, cases[i].rc, "%s: exit %d:\n%s", cases[i].cmd, rc, out);
+        cr_expect(strstr(out, cases[i].says), "%s:\n%s", cases[i].cmd, out);
+        cr_expect(!strchr(out, '\n') || strchr(out, '\n') == out + strlen(out) - 1, "%s: more than one line:\n%s",
+                  cases[i].cmd, out);
+        free(out);
+    }
 }
 
 /* the whole run with a stand-in ncu: each tool's profile mode under it, both tables; an ncu that
@@ -95,7 +90,7 @@ Test(ncu_script, run_with_a_stand_in_ncu)
     cr_assert_eq(system(cmd), 0);
     for (int i = 0; i < 2; i++) {
         snprintf(path, sizeof path, "%s/build/tools/%s", dir, i ? "bench_attention" : "bench_grouped_gemm");
-        write_exec(path, "#!/bin/bash\nexit 0\n");
+        cr_assert_eq(tu_write_exec(path, "#!/bin/bash\nexit 0\n"), 0, "cannot write %s", path);
     }
     /* prints the fixture of the tool it was given, after checking the tool's profile argument */
     snprintf(path, sizeof path, "%s/ncu", dir);
@@ -105,7 +100,7 @@ Test(ncu_script, run_with_a_stand_in_ncu)
              "tool=${@: -2:1}; [ \"${@: -1}\" = 0 ] || { echo \"not the profile mode: $*\"; exit 4; }\n"
              "case $tool in *grouped*) cat %s/grouped.txt;; *attention*) cat %s/attention.txt;; esac\n",
              dir, dir);
-    write_exec(path, text);
+    cr_assert_eq(tu_write_exec(path, text), 0, "cannot write %s", path);
     snprintf(cmd, sizeof cmd, "NCU=%s/ncu NCU_OUT=%s/out bash scripts/ncu-kernels.sh %s/build", dir, dir, dir);
     int rc = tu_run(cmd, &out);
     cr_expect_eq(rc, 0, "%s", out);
