@@ -6,6 +6,11 @@
 #   scripts/ncu-kernels.sh [BUILD]        (BUILD defaults to build; needs BUILD/tools/bench_*)
 #   NCU=/path/to/ncu                      when ncu is not on PATH or in /usr/local/cuda/bin
 #   NCU_OUT=dir                           keeps the raw reports there (default: a temporary folder)
+#   NCU_SECTIONS="SpeedOfLight WarpStateStats SourceCounters"
+#                                         ncu sections to take (default SpeedOfLight, which the
+#                                         table needs; the others stay in the raw reports: stall
+#                                         reasons, and with SourceCounters their source lines,
+#                                         since the build passes -lineinfo)
 #   scripts/ncu-kernels.sh --table FILE   only the table of an ncu text report already taken
 #
 # One row a launch: its duration, the SM clock (ncu locks it at the card's base clock, so the rows
@@ -73,10 +78,14 @@ done
 OUT=${NCU_OUT:-$(mktemp -d /tmp/ncu-kernels.XXXXXX)}
 mkdir -p "$OUT"
 
+SECTIONS=()
+for s in ${NCU_SECTIONS:-SpeedOfLight}; do SECTIONS+=(--section "$s"); done
+[[ " ${NCU_SECTIONS:-SpeedOfLight} " == *" SpeedOfLight "* ]] || SECTIONS+=(--section SpeedOfLight)
+
 # profile NAME REGEX TOOL: one ncu run of TOOL's profile mode (argument 0) into OUT/NAME.txt
 profile() {
     echo "ncu-kernels.sh: $3 0 under ncu (kernels matching $2) ..." >&2
-    if ! "$NCU" -k "regex:$2" --section SpeedOfLight "$BUILD/tools/$3" 0 > "$OUT/$1.txt" 2>&1; then
+    if ! "$NCU" -k "regex:$2" "${SECTIONS[@]}" "$BUILD/tools/$3" 0 > "$OUT/$1.txt" 2>&1; then
         echo "ncu-kernels.sh: ncu on $3 failed; the last lines of $OUT/$1.txt:" >&2
         tail -5 "$OUT/$1.txt" >&2
         exit 1

@@ -97,15 +97,26 @@ Test(ncu_script, run_with_a_stand_in_ncu)
     snprintf(text, sizeof text,
              "#!/bin/bash\n"
              "[ -n \"$STANDIN_FAIL\" ] && { echo '==ERROR== the profiler failed'; exit 3; }\n"
+             "echo \"$*\" >> %s/args\n"
              "tool=${@: -2:1}; [ \"${@: -1}\" = 0 ] || { echo \"not the profile mode: $*\"; exit 4; }\n"
              "case $tool in *grouped*) cat %s/grouped.txt;; *attention*) cat %s/attention.txt;; esac\n",
-             dir, dir);
+             dir, dir, dir);
     cr_assert_eq(tu_write_exec(path, text), 0, "cannot write %s", path);
     snprintf(cmd, sizeof cmd, "NCU=%s/ncu NCU_OUT=%s/out bash scripts/ncu-kernels.sh %s/build", dir, dir, dir);
     int rc = tu_run(cmd, &out);
     cr_expect_eq(rc, 0, "%s", out);
     cr_expect(strstr(out, "| balanced wgrad down (8 sets) |"), "%s", out);
     cr_expect(strstr(out, "| tc_bwd_dkdv_tma_kernel<128, 4, 1> |"), "%s", out);
+    free(out);
+    /* NCU_SECTIONS reaches ncu, and SpeedOfLight (which the table reads) is added when left out */
+    snprintf(cmd, sizeof cmd, "rm -f %s/args && NCU_SECTIONS='WarpStateStats SourceCounters' NCU=%s/ncu NCU_OUT=%s/out "
+             "bash scripts/ncu-kernels.sh %s/build && cat %s/args", dir, dir, dir, dir, dir);
+    rc = tu_run(cmd, &out);
+    cr_expect_eq(rc, 0, "%s", out);
+    cr_expect(strstr(out, "-k regex:grouped_gemm_kernel --section WarpStateStats --section SourceCounters "
+                          "--section SpeedOfLight "),
+              "%s", out);
+    cr_expect(strstr(out, "-k regex:tc_ --section WarpStateStats"), "%s", out);
     free(out);
     snprintf(cmd, sizeof cmd, "STANDIN_FAIL=1 NCU=%s/ncu NCU_OUT=%s/out bash scripts/ncu-kernels.sh %s/build", dir, dir,
              dir);
