@@ -11,6 +11,9 @@
 #                                         table needs; the others stay in the raw reports: stall
 #                                         reasons, and with SourceCounters their source lines,
 #                                         since the build passes -lineinfo)
+#   NCU_CLOCK=none                        leaves the clock to the card (ncu's --clock-control
+#                                         none): the SM GHz column then says what clock each
+#                                         kernel ran at, e.g. under the power cap (default base)
 #   scripts/ncu-kernels.sh --table FILE   only the table of an ncu text report already taken
 #
 # One row a launch: its duration, the SM clock (ncu locks it at the card's base clock, so the rows
@@ -70,6 +73,13 @@ if [ "${1:-}" = "--table" ]; then
 fi
 
 BUILD=${1:-build}
+NCU_ARGS=()
+for s in ${NCU_SECTIONS:-SpeedOfLight}; do NCU_ARGS+=(--section "$s"); done
+[[ " ${NCU_SECTIONS:-SpeedOfLight} " == *" SpeedOfLight "* ]] || NCU_ARGS+=(--section SpeedOfLight)
+case ${NCU_CLOCK:-base} in
+    base | none) NCU_ARGS+=(--clock-control "${NCU_CLOCK:-base}") ;;
+    *) echo "ncu-kernels.sh: NCU_CLOCK must be base or none, got '$NCU_CLOCK'" >&2; exit 2 ;;
+esac
 NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 [ -x "$NCU" ] || { echo "ncu-kernels.sh: no Nsight Compute at '$NCU' (set NCU=/path/to/ncu)" >&2; exit 1; }
 for t in bench_grouped_gemm bench_attention; do
@@ -78,14 +88,10 @@ done
 OUT=${NCU_OUT:-$(mktemp -d /tmp/ncu-kernels.XXXXXX)}
 mkdir -p "$OUT"
 
-SECTIONS=()
-for s in ${NCU_SECTIONS:-SpeedOfLight}; do SECTIONS+=(--section "$s"); done
-[[ " ${NCU_SECTIONS:-SpeedOfLight} " == *" SpeedOfLight "* ]] || SECTIONS+=(--section SpeedOfLight)
-
 # profile NAME REGEX TOOL: one ncu run of TOOL's profile mode (argument 0) into OUT/NAME.txt
 profile() {
     echo "ncu-kernels.sh: $3 0 under ncu (kernels matching $2) ..." >&2
-    if ! "$NCU" -k "regex:$2" "${SECTIONS[@]}" "$BUILD/tools/$3" 0 > "$OUT/$1.txt" 2>&1; then
+    if ! "$NCU" -k "regex:$2" "${NCU_ARGS[@]}" "$BUILD/tools/$3" 0 > "$OUT/$1.txt" 2>&1; then
         echo "ncu-kernels.sh: ncu on $3 failed; the last lines of $OUT/$1.txt:" >&2
         tail -5 "$OUT/$1.txt" >&2
         exit 1

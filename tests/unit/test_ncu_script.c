@@ -67,6 +67,8 @@ Test(ncu_script, bad_input_is_one_line_and_nonzero)
         {"NCU=/nonexistent/ncu bash scripts/ncu-kernels.sh build", 1, "no Nsight Compute at '/nonexistent/ncu'"},
         {"NCU=/bin/true bash scripts/ncu-kernels.sh /nonexistent/build", 1,
          "/nonexistent/build/tools/bench_grouped_gemm is missing"},
+        {"NCU=/bin/true NCU_CLOCK=boost bash scripts/ncu-kernels.sh tests", 2,
+         "NCU_CLOCK must be base or none, got 'boost'"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         char *out = NULL;
@@ -114,9 +116,15 @@ Test(ncu_script, run_with_a_stand_in_ncu)
     rc = tu_run(cmd, &out);
     cr_expect_eq(rc, 0, "%s", out);
     cr_expect(strstr(out, "-k regex:grouped_gemm_kernel --section WarpStateStats --section SourceCounters "
-                          "--section SpeedOfLight "),
+                          "--section SpeedOfLight --clock-control base "),
               "%s", out);
     cr_expect(strstr(out, "-k regex:tc_ --section WarpStateStats"), "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "rm -f %s/args && NCU_CLOCK=none NCU=%s/ncu NCU_OUT=%s/out bash scripts/ncu-kernels.sh %s/build "
+             "&& cat %s/args", dir, dir, dir, dir, dir);
+    rc = tu_run(cmd, &out);
+    cr_expect_eq(rc, 0, "%s", out);
+    cr_expect(strstr(out, "--section SpeedOfLight --clock-control none "), "%s", out);
     free(out);
     snprintf(cmd, sizeof cmd, "STANDIN_FAIL=1 NCU=%s/ncu NCU_OUT=%s/out bash scripts/ncu-kernels.sh %s/build", dir, dir,
              dir);
