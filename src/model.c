@@ -1,5 +1,4 @@
 #include "model.h"
-#include "route_replay.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -316,7 +315,7 @@ void model_free(struct model *m)
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(dev[i]);
     free(m->rows_cap);
-    route_replay_free(m);
+    if (m->replay_free) m->replay_free(m);
     free(m->stats_h);
     free(m->wp);
     free(m->gp);

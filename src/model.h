@@ -257,6 +257,8 @@ struct model {
     int64_t ones_cap;
     float *bias;                /* dev [L, E]: aux-free balancing selection bias (NULL if unused) */
     struct route_replay *replay; /* saved (recompute) or pre-loaded routing, route_replay.h; NULL = none */
+    void (*replay_free)(struct model *m); /* set with replay by route_replay.c, which sits above the
+                                           * model: model_free calls it without knowing the module */
 };
 
 /* Builds the model of one pipeline stage (st = NULL: the whole model, one slot) and allocates its

@@ -98,6 +98,7 @@ static bool on_stage(const struct model *m, int l) { return l >= m->st.layer0 &&
 static struct route_replay *create(struct model *m)
 {
     struct route_replay *r = mt_calloc(1, sizeof *r);
+    m->replay_free = route_replay_free;
     const size_t tk = (size_t)m->T * m->K;
     for (int l = 0; l < m->L; l++)
         r->moe_of[l] = config_layer_is_moe(&m->cfg, l) && m->E > 0 ? r->n_moe++ : -1;
