@@ -1,7 +1,8 @@
 #!/bin/bash
 # Nsight Compute over the step's largest kernels of our own, one launch each at the bench shape: the
 # grouped expert GEMMs (`bench_grouped_gemm 0`: forward, dgrad, and the wgrad in groups of eight
-# micro-steps, at balanced and Zipf-like routing) and the attention (`bench_attention 0`).
+# micro-steps, at balanced routing, Zipf-like routing, and Zipf-like in whole 128-row blocks) and
+# the attention (`bench_attention 0`).
 #
 #   scripts/ncu-kernels.sh [BUILD]        (BUILD defaults to build; needs BUILD/tools/bench_*)
 #   NCU=/path/to/ncu                      when ncu is not on PATH or in /usr/local/cuda/bin

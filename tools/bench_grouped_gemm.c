@@ -8,7 +8,8 @@
  *
  *   bench_grouped_gemm [reps]      (default 20 timed repeats after 3 warm-ups; median reported)
  *   bench_grouped_gemm 0           each GEMM once a routing, the wgrad in MT_WGRAD_MAX_SETS sets,
- *                                  nothing else (for a profiler: scripts/ncu-kernels.sh)
+ *                                  nothing else (for a profiler: scripts/ncu-kernels.sh); a third
+ *                                  routing there, the Zipf-like one in whole 128-row blocks
  *
  * Inputs are random bf16 in [-1, 1) (never zeros), dw starts random. Each GEMM is first run once
  * by both implementations into separate outputs and compared (‖ours − cuBLAS‖ / ‖cuBLAS‖; for dw,
@@ -425,8 +426,14 @@ static int run_bench(int reps)
     for (int e = 0; e < E; e++) s += skew[e] = (int)(R * wt[e] / wsum);
     skew[0] += R - s;
     if (reps == 0) {
+        /* the Zipf-like counts in whole 128-row blocks (at least one an expert, the first expert
+         * taking up the difference): what skew costs without the experts' partly empty blocks */
+        int skew128[E], s128 = 0;
+        for (int e = 0; e < E; e++) s128 += skew128[e] = MT_MAX(1, (skew[e] + 64) / 128) * 128;
+        skew128[0] += R - s128;
         profile_once("balanced", bal, g, 6);
         profile_once("skewed", skew, g, 6);
+        profile_once("skewed-128", skew128, g, 6);
     } else {
         bench("balanced", bal, g, 6, dw0, reps);
         bench("skewed (Zipf-like)", skew, g, 6, dw0, reps);
