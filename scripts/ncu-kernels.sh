@@ -55,9 +55,9 @@ ncu_table() {
     END {
         flush()
         if (labels && labels != n)
-            printf "ncu-kernels.sh: %d kernel records but %d launch lines; the what column is unreliable\n", n, labels > "/dev/stderr"
-        if (!n) { print "ncu-kernels.sh: no kernel records in the report" > "/dev/stderr"; exit 1 }
-    }' "$1"
+            printf "ncu-kernels.sh: %s: %d kernel records but %d launch lines; the what column is unreliable\n", report, n, labels > "/dev/stderr"
+        if (!n) { printf "ncu-kernels.sh: %s: no kernel records in the report\n", report > "/dev/stderr"; exit 1 }
+    }' report="$1" "$1"
 }
 
 header() {

@@ -49,7 +49,7 @@ Test(ncu_script, launch_lines_name_the_rows)
     snprintf(cmd, sizeof cmd, "bash scripts/ncu-kernels.sh --table %s", path);
     rc = tu_run(cmd, &out);
     cr_expect_eq(rc, 0, "%s", out);
-    cr_expect(strstr(out, "3 kernel records but 2 launch lines"), "%s", out);
+    cr_expect(strstr(out, ": 3 kernel records but 2 launch lines"), "%s", out);
     free(out);
     unlink(path);
 }
@@ -63,7 +63,8 @@ Test(ncu_script, bad_input_is_one_line_and_nonzero)
     } cases[] = {
         {"bash scripts/ncu-kernels.sh --table /nonexistent/report.txt", 2,
          "--table needs a readable ncu text report, got '/nonexistent/report.txt'"},
-        {"bash scripts/ncu-kernels.sh --table tests/fixtures/README.md", 1, "no kernel records in the report"},
+        {"bash scripts/ncu-kernels.sh --table tests/fixtures/README.md", 1,
+         "tests/fixtures/README.md: no kernel records in the report"},
         {"NCU=/nonexistent/ncu bash scripts/ncu-kernels.sh build", 1, "no Nsight Compute at '/nonexistent/ncu'"},
         {"NCU=/bin/true bash scripts/ncu-kernels.sh /nonexistent/build", 1,
          "/nonexistent/build/tools/bench_grouped_gemm is missing"},
