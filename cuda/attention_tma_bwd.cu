@@ -2,12 +2,6 @@
  * work), and both passes with dS stored between them. */
 #include "attention_tma_bwd.cuh"
 
-/* measuring switch (build time): 1 issues dK += dSᵀ·Q before the dS tile is staged and stored, 0
- * after (as before) */
-#ifndef MT_DKDV_DK_EARLY
-#define MT_DKDV_DK_EARLY 1
-#endif
-
 namespace {
 
 template <int D, int STAGES, bool STORE_DS> constexpr size_t dkdv_tma_smem_bytes()
@@ -159,15 +153,8 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
         for (int j = 0; j < 8; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) pt[4 * j + e] *= dp[4 * j + e] - ((e & 1) ? d2[j].y : d2[j].x);
-        /* dK += dSᵀ·Q before dS goes out: the warpgroup had no MMA in flight while it staged and
-         * stored the tile (two barriers and a proxy fence, ~10% of its stall samples) */
-        uint32_t dsa[4][4]; /* dSᵀ in bf16: the MMA's operand and the tile stored below */
+        uint32_t dsa[4][4]; /* dSᵀ in bf16: the tile stored below and dK's operand */
         pack_a64(dsa, pt);
-#if MT_DKDV_DK_EARLY
-        bwd_product_packed<D, BQ>(dka, dsa, Qt, started);
-        started = 1;
-        pend = it;
-#endif
         if constexpr (STORE_DS) {
             /* the tile's dSᵀ goes out for the dQ pass: into the warpgroup's staging tile once the
              * previous tile's bulk store has read it, then one bulk store */
@@ -189,11 +176,11 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
                 bulk_commit();
             }
         }
-#if !MT_DKDV_DK_EARLY
+        /* dK += dSᵀ·Q. Issued before the staging above (so that the warpgroup had an MMA in flight
+         * while it stored), the pass took 8% longer (H200, bench_attention; ptxas spilled 24 bytes). */
         bwd_product_packed<D, BQ>(dka, dsa, Qt, started);
         started = 1;
         pend = it;
-#endif
     }
     wgmma_wait<0>();
     fence_regs(dka);
