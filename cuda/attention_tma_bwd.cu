@@ -100,10 +100,14 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
     int started = 0, pend = -1; /* pend: the tile whose products may still read its stage */
 
     mbar_wait(kv_bar, 0);
+    /* the tile's head in the part (gl) and query tile (qt), stepped rather than divided out of it:
+     * the integer division sat on every tile's critical path (~3% of the consumers' stall samples) */
+    int gl = 0, qt = qt0 - 1;
     for (int it = 0; it < n_it; it++) {
+        if (++qt == nqt) qt = qt0, gl++;
         const int st = it % STAGES;
         mbar_wait(full_bar(st), (it / STAGES) & 1);
-        const int gl = it / nper, gi = g0 + gl, q0 = (qt0 + it - gl * nper) * BQ;
+        const int gi = g0 + gl, q0 = qt * BQ;
         if (q0 + BQ - 1 < wk0 || wk0 >= S) { /* no query of the tile sees a key of the group */
             skip_tile(empty_bar(0), STAGES, st, pend, lane);
             continue;
@@ -113,6 +117,11 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
         float s[32], dp[32], pt[32];
         bwd_scores<D, BK, BQ>(s, Ks, 64 * wg, Qt);  /* Sᵀ = K·Qᵀ */
         bwd_scores<D, BK, BQ>(dp, Vs, 64 * wg, dOt); /* dPᵀ = V·dOᵀ */
+        /* the rows' log-sum-exps into registers while Sᵀ is computed: read after the wait, under
+         * the MMAs' shared-memory traffic, their latency stalled the first exponentials */
+        float2 l2[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) l2[j] = *reinterpret_cast<const float2 *>(lt + 8 * j + 2 * t);
         wgmma_wait<1>(); /* Sᵀ has landed: every product of the tiles before has retired */
         fence_regs(s);
         if (pend >= 0) release_stage(empty_bar(pend % STAGES), lane);
@@ -121,10 +130,9 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
                                          * if-converts the mask into every tile */
 #pragma unroll
             for (int j = 0; j < 8; j++) {
-                const float2 l2 = *reinterpret_cast<const float2 *>(lt + 8 * j + 2 * t);
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    float pr = ex2(fmaf(s[4 * j + e], scale_log2, (e & 1) ? -l2.y : -l2.x));
+                    float pr = ex2(fmaf(s[4 * j + e], scale_log2, (e & 1) ? -l2[j].y : -l2[j].x));
                     if constexpr (decltype(masked)::value) {
                         const int key = key0 + ((e >> 1) << 3), qi = q0 + 8 * j + 2 * t + (e & 1);
                         if (qi < key || qi >= S) pr = 0.0f;
@@ -136,14 +144,17 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
         if (q0 < wk0 + 63 || q0 + BQ > S) probs(std::true_type{});
         else probs(std::false_type{});
         bwd_product<D, BQ>(dva, pt, dOt, started); /* dV += Pᵀ·dO */
+        float2 d2[8]; /* the rows' deltas, as the log-sum-exps above */
+#pragma unroll
+        for (int j = 0; j < 8; j++) d2[j] = *reinterpret_cast<const float2 *>(dt + 8 * j + 2 * t);
         wgmma_wait<0>();
         fence_regs(dp);
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const float2 d2 = *reinterpret_cast<const float2 *>(dt + 8 * j + 2 * t);
+        for (int j = 0; j < 8; j++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) pt[4 * j + e] *= dp[4 * j + e] - ((e & 1) ? d2.y : d2.x);
-        }
+            for (int e = 0; e < 4; e++) pt[4 * j + e] *= dp[4 * j + e] - ((e & 1) ? d2[j].y : d2[j].x);
+        uint32_t dsa[4][4]; /* dSᵀ in bf16: the tile stored below and dK's operand */
+        pack_a64(dsa, pt);
         if constexpr (STORE_DS) {
             /* the tile's dSᵀ goes out for the dQ pass: into the warpgroup's staging tile once the
              * previous tile's bulk store has read it, then one bulk store */
@@ -154,7 +165,7 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
             for (int j = 0; j < 8; j++)
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
-                    const uint32_t v = pack_bf16(pt[4 * j + 2 * r], pt[4 * j + 2 * r + 1]);
+                    const uint32_t v = dsa[j >> 1][2 * (j & 1) + r]; /* pt[4j + 2r], pt[4j + 2r + 1] */
                     const uint32_t a = dst + (16 * warp + g + 8 * r) * 128 + ((j ^ g) << 4) + 4 * t;
                     asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
                 }
@@ -165,7 +176,9 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
                 bulk_commit();
             }
         }
-        bwd_product<D, BQ>(dka, pt, Qt, started); /* dK += dSᵀ·Q */
+        /* dK += dSᵀ·Q. Issued before the staging above (so that the warpgroup had an MMA in flight
+         * while it stored), the pass took 8% longer (H200, bench_attention; ptxas spilled 24 bytes). */
+        bwd_product_packed<D, BQ>(dka, dsa, Qt, started);
         started = 1;
         pend = it;
     }

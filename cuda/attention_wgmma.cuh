@@ -277,18 +277,26 @@ __device__ __forceinline__ void bwd_scores(float (&d)[32], uint32_t a, int r0, u
     wgmma_commit();
 }
 
-/* acc[64×D] (+)= x[64×64] (registers, packed to bf16 here) · the R-row tile b read MN-major (its
- * first 64 rows): dV += Pᵀ·dO, dK += dSᵀ·Q, dQ += dS·K; acc is overwritten when !accumulate; one
- * commit group */
+/* acc[64×D] (+)= xa[64×64] (registers, bf16 as pack_a64 leaves them) · the R-row tile b read
+ * MN-major (its first 64 rows): dV += Pᵀ·dO, dK += dSᵀ·Q, dQ += dS·K; acc is overwritten when
+ * !accumulate; one commit group */
+template <int D, int R>
+__device__ __forceinline__ void bwd_product_packed(float (&acc)[D / 2], const uint32_t (&xa)[4][4], uint32_t b,
+                                                   int accumulate)
+{
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) wgmma_rs_nd<D>(acc, xa[kk], desc_mnmajor<R>(b, kk), kk > 0 || accumulate);
+    wgmma_commit();
+}
+
+/* bwd_product_packed of x, packed to bf16 here */
 template <int D, int R>
 __device__ __forceinline__ void bwd_product(float (&acc)[D / 2], const float (&x)[32], uint32_t b, int accumulate)
 {
     uint32_t xa[4][4];
     pack_a64(xa, x);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) wgmma_rs_nd<D>(acc, xa[kk], desc_mnmajor<R>(b, kk), kk > 0 || accumulate);
-    wgmma_commit();
+    bwd_product_packed<D, R>(acc, xa, b, accumulate);
 }
 
 /* The thread's rows row0 and row0 + 8 (of S) of a 64×D accumulator times scale, as bf16 (or,
