@@ -20,7 +20,9 @@
 # One row a launch: its duration, the SM clock (ncu locks it at the card's base clock, so the rows
 # compare per clock, not at the clock a power-capped step holds), and the busiest SM unit's share
 # of its peak ("Compute (SM) Throughput"; in these kernels ncu names the tensor pipe as that unit),
-# DRAM and L2 throughput in % of peak. Why: the step's kernel timeline gives milliseconds, and the
+# the SMs' average active cycles in % of the kernel's elapsed cycles (what the busiest unit's % loses
+# to SMs with no work: a last wave's tail, a launch's start and end), DRAM and L2 throughput in %
+# of peak. Why: the step's kernel timeline gives milliseconds, and the
 # card's average clock cannot say whether a GEMM is short of its peak or of its clock; this can.
 set -euo pipefail
 
@@ -33,7 +35,8 @@ ncu_table() {
         if (!name) return
         n++
         what = (n in label) ? label[n] : ""
-        printf "| %d | %s | %s | %s | %.3f | %.2f | %.1f | %.1f | %.1f |\n", n, name, what, grid, ms, ghz, sm, dram, l2
+        active = elapsed > 0 && sm_active >= 0 ? 100 * sm_active / elapsed : -1
+        printf "| %d | %s | %s | %s | %.3f | %.2f | %.1f | %.1f | %.1f | %.1f |\n", n, name, what, grid, ms, ghz, sm, active, dram, l2
         name = ""
     }
     /^launch: / { labels++; label[labels] = substr($0, 9); next }
@@ -43,13 +46,15 @@ ncu_table() {
         name = head; sub(/\(.*/, "", name); sub(/.*::/, "", name)
         match(head, /\([0-9]+, [0-9]+, [0-9]+\)x/)
         grid = substr(head, RSTART + 1, RLENGTH - 3); gsub(/ /, "", grid)
-        ms = ghz = sm = dram = l2 = -1
+        ms = ghz = sm = dram = l2 = elapsed = sm_active = -1
         next
     }
     name && /^    Duration / { v = num($NF); u = $(NF - 1)
         ms = u == "ns" ? v / 1e6 : u == "us" ? v / 1e3 : u == "ms" ? v : u == "s" ? v * 1e3 : -1 }
     name && /^    SM Frequency / { v = num($NF); u = tolower($(NF - 1)); ghz = u == "ghz" ? v : u == "mhz" ? v / 1e3 : -1 }
     name && /^    Compute \(SM\) Throughput / { sm = num($NF) }
+    name && /^    Elapsed Cycles / { elapsed = num($NF) }
+    name && /^    SM Active Cycles / { sm_active = num($NF) }
     name && /^    DRAM Throughput / { dram = num($NF) }
     name && /^    L2 Cache Throughput / { l2 = num($NF) }
     END {
@@ -61,8 +66,8 @@ ncu_table() {
 }
 
 header() {
-    echo "| # | kernel | what | grid | ms | SM GHz | SM busiest % | DRAM % | L2 % |"
-    echo "|---:|---|---|---|---:|---:|---:|---:|---:|"
+    echo "| # | kernel | what | grid | ms | SM GHz | SM busiest % | SMs active % | DRAM % | L2 % |"
+    echo "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"
 }
 
 if [ "${1:-}" = "--table" ]; then

@@ -12,15 +12,17 @@
 #include "../test_util.h"
 
 /* the rows' values are the report's own, converted by hand: Duration 589.63 us -> 0.590 ms,
- * 1.22 ms -> 1.220; SM Frequency, Compute (SM), DRAM and L2 Throughput rounded as printed */
+ * 1.22 ms -> 1.220; SM Frequency, Compute (SM), DRAM and L2 Throughput rounded as printed; SMs
+ * active: SM Active Cycles / Elapsed Cycles, 767,956.42 / 787,798 -> 97.5 and 1,636,071.68 /
+ * 1,659,359 -> 98.6 */
 Test(ncu_script, table_of_a_real_report)
 {
     char *out = NULL;
     const int rc = tu_run("bash scripts/ncu-kernels.sh --table tests/fixtures/ncu/attention.txt", &out);
     cr_expect_eq(rc, 0, "%s", out);
-    cr_expect(strstr(out, "| 1 | tc_fwd_tma_kernel<128, 128, 3, 1> |  | 64,32,1 | 0.590 | 1.32 | 67.2 | 4.8 | 33.2 |"),
+    cr_expect(strstr(out, "| 1 | tc_fwd_tma_kernel<128, 128, 3, 1> |  | 64,32,1 | 0.590 | 1.32 | 67.2 | 97.5 | 4.8 | 33.2 |"),
               "%s", out);
-    cr_expect(strstr(out, "| 3 | tc_bwd_dkdv_tma_kernel<128, 4, 1> |  | 8,32,1 | 1.220 | 1.36 | 62.4 | 43.2 | 59.1 |"),
+    cr_expect(strstr(out, "| 3 | tc_bwd_dkdv_tma_kernel<128, 4, 1> |  | 8,32,1 | 1.220 | 1.36 | 62.4 | 98.6 | 43.2 | 59.1 |"),
               "%s", out);
     cr_expect(strstr(out, "| 4 | tc_bwd_dq_ds_kernel<128, 4, 2> |"), "%s", out);
     cr_expect(!strstr(out, "| 5 |"), "four kernel records, more rows:\n%s", out);
