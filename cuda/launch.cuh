@@ -9,9 +9,13 @@
  * `pdl_begin` until the grid before has completed and its memory is visible.
  *
  * The rule that keeps this correct: every kernel calls pdl_begin() before it touches global
- * memory, so no kernel reads or writes anything while the kernel before it may still run. A
- * kernel launched without the attribute (MT_PDL unset, an A100, cuBLAS's and NCCL's kernels)
- * waits for its predecessor as before, and pdl_begin() is then a no-op. */
+ * memory, so no kernel reads or writes anything while the kernel before it may still run
+ * (tests/unit/test_launch_rule.c checks the sources). A kernel launched without the attribute
+ * (MT_PDL unset, an A100) waits for its predecessor as before, and pdl_begin() is then a no-op.
+ * Library kernels are launched by their libraries: CUB's radix sort and NCCL's without the
+ * attribute, so they wait for the kernel before them whatever it triggers; where a library does
+ * use it (CUB's merge sort, CUDA 13.0's headers), its kernels wait in griddepcontrol.wait as ours
+ * do. */
 #ifndef MT_CUDA_LAUNCH_CUH
 #define MT_CUDA_LAUNCH_CUH
 
