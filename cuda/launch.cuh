@@ -15,7 +15,9 @@
  * Library kernels are launched by their libraries: CUB's radix sort and NCCL's without the
  * attribute, so they wait for the kernel before them whatever it triggers; where a library does
  * use it (CUB's merge sort, CUDA 13.0's headers), its kernels wait in griddepcontrol.wait as ours
- * do. */
+ * do.
+ * Built with -DMT_PDL_WAIT_ONLY (for measuring), a kernel never triggers early: the grid after it
+ * launches when it exits, as without PDL, but skips the wait for the memory flush. */
 #ifndef MT_CUDA_LAUNCH_CUH
 #define MT_CUDA_LAUNCH_CUH
 
@@ -27,7 +29,9 @@ __device__ __forceinline__ void pdl_begin()
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#ifndef MT_PDL_WAIT_ONLY
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 #endif
 }
 
