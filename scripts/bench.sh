@@ -13,6 +13,8 @@
 # 2+ GPUs a traced EP=2 run gives each rank's idle time, split into the part while the other rank's
 # GPU ran (waiting for its work) and the part both idled (host waits, latencies).
 set -euo pipefail
+# never NVLink multicast: on shared hosts a program using it can take the GPUs out of service
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 BUILD=${1:-build}
 OUT=${BENCH_OUT:-$BUILD/bench}
 CONFIG=${BENCH_CONFIG:-configs/bench-qwen3-30b-8l.yaml}
