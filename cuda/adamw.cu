@@ -67,7 +67,7 @@ template <typename T, typename M>
 __global__ void adamw_kernel(adam_k k, float wd, float *master, T *param, const float *grad, M *m,
                              M *v, size_t n)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const float decay = decay_of(k, wd);
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x)
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(AD_BLOCK)
     adamw_multi_kernel(const adamw_seg_dev *__restrict__ segs, const int *__restrict__ block_seg,
                        adam_k k)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const adamw_seg_dev s = segs[block_seg[blockIdx.x]];
     const long long c = (long long)blockIdx.x - s.block0; /* chunk of the segment */
     float *master = s.master;

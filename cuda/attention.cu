@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(AT_THREADS)
 attn_fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v, int S, int Hq, int Hkv,
                 int hd, float scale, const int32_t *seg)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     constexpr int LD = D + 1, DC = D / 16;
     extern __shared__ float smem[];
     float *Qs = smem, *Ks = Qs + AT_TILE * LD, *Vs = Ks + AT_TILE * LD, *Ps = Vs + AT_TILE * LD;
@@ -188,7 +188,7 @@ attn_fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v, int S, i
 template <typename T>
 __global__ void attn_bwd_di_kernel(float *Di, const T *dout, const T *out, int B, int S, int Hq, int D)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= (size_t)B * S * Hq) return;
@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(AT_THREADS)
 attn_bwd_dq_kernel(T *dq, const T *dout, const T *q, const T *k, const T *v, const float *lse,
                    const float *Di, int S, int Hq, int Hkv, int hd, float scale, const int32_t *seg)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     constexpr int LD = D + 1, DC = D / 16;
     extern __shared__ float smem[];
     float *Qs = smem, *dOs = Qs + AT_TILE * LD, *Ks = dOs + AT_TILE * LD, *Vs = Ks + AT_TILE * LD;
@@ -275,7 +275,7 @@ attn_bwd_dkdv_kernel(T *dk, T *dv, const T *dout, const T *q, const T *k, const 
                      const float *lse, const float *Di, int S, int Hq, int Hkv, int hd,
                      float scale, const int32_t *seg)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     constexpr int LD = D + 1, DC = D / 16;
     extern __shared__ float smem[];
     float *Ks = smem, *Vs = Ks + AT_TILE * LD, *Qs = Vs + AT_TILE * LD, *dOs = Qs + AT_TILE * LD;

@@ -14,7 +14,7 @@ __global__ void tc_bwd_prep_kernel(float *__restrict__ delta, float *__restrict_
                                    const bf16 *__restrict__ dout, const bf16 *__restrict__ out,
                                    const float *__restrict__ lse, int B, int S, int Hq, int D)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= (size_t)B * S * Hq) return;
@@ -43,7 +43,7 @@ tc_bwd_dkdv_kernel(bf16 *__restrict__ dk, bf16 *__restrict__ dv, const bf16 *__r
                    const float *__restrict__ lse2, const float *__restrict__ delta, int S, int Hq,
                    int Hkv, float scale, float scale_log2, const int32_t *__restrict__ seg)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     constexpr int BK = BWD_BR, BQ = TC_BC, LDS = D + 8, DB = D / 8;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16 *Ks = reinterpret_cast<bf16 *>(smem_raw);
@@ -163,7 +163,7 @@ tc_bwd_dq_kernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dout, const bf1
                  const float *__restrict__ lse2, const float *__restrict__ delta, int S, int Hq,
                  int Hkv, float scale, float scale_log2, const int32_t *__restrict__ seg)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     constexpr int BR = BWD_BR, BC = TC_BC, LDS = D + 8, DB = D / 8;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16 *Qs = reinterpret_cast<bf16 *>(smem_raw);

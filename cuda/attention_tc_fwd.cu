@@ -13,7 +13,7 @@ tc_fwd_kernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__res
               const bf16 *__restrict__ k, const bf16 *__restrict__ v, int S, int Hq, int Hkv,
               float scale, float scale_log2, const int32_t *__restrict__ seg)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     constexpr int NT = NW * 32, BR = 16 * MW * NW, BC = TC_BC, LDS = D + 8, DB = D / 8;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16 *Qs = reinterpret_cast<bf16 *>(smem_raw);

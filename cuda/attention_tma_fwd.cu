@@ -47,7 +47,7 @@ template <int D, int BC, int STAGES, bool PWG>
 __global__ void __launch_bounds__(fwd_tma_threads<PWG>(), 1)
 tc_fwd_tma_kernel(const __grid_constant__ fwd_tma_params p)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
 #ifdef MT_NO_HOPPER_CODE
     __trap();
 #else

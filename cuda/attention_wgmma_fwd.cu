@@ -35,7 +35,7 @@ tc_fwd_wg_kernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__
                  const bf16 *__restrict__ k, const bf16 *__restrict__ v, int S, int Hq, int Hkv,
                  float scale, float scale_log2)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
 #ifdef MT_NO_HOPPER_CODE
     __trap();
 #else

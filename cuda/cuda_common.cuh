@@ -69,7 +69,7 @@ struct cuda_ctx {
     /* take the Hopper kernels (wgmma, TMA): compute capability 9.0 and MT_FORCE_SM80 unset.
      * Otherwise every op takes its sm_80 path (mma.sync attention, cuBLAS expert GEMMs). */
     bool hopper;
-    /* launch our kernels with programmatic dependent launch (launch.cuh): MT_PDL=1 on 9.0+ */
+    /* launch our kernels with programmatic dependent launch (launch.cuh): 9.0+, unless MT_PDL=0 */
     bool pdl;
     cudaStream_t stream;
     cublasHandle_t blas;

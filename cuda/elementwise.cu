@@ -9,7 +9,7 @@ enum { EW_BLOCK = 256, SUMSQ_BLOCKS = 1024 };
 template <typename O, typename I>
 __global__ void convert_kernel(O *__restrict__ out, const I *__restrict__ in, size_t n)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x)
         out[i] = from_f<O>(to_f(in[i]));
@@ -18,7 +18,7 @@ __global__ void convert_kernel(O *__restrict__ out, const I *__restrict__ in, si
 template <typename O, typename I>
 __global__ void convert_vec_kernel(O *__restrict__ out, const I *__restrict__ in, size_t n)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const size_t nch = n / 8, tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     for (size_t i = tid; i < nch; i += (size_t)gridDim.x * blockDim.x) {
         float f[8];
@@ -60,7 +60,7 @@ template <typename T> void cu_cast_x_to_f32(float *out, const void *in, size_t n
 
 template <typename T> __global__ void add_kernel(T *y, const T *x, size_t n)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x)
         y[i] = from_f<T>(to_f(y[i]) + to_f(x[i]));
@@ -68,7 +68,7 @@ template <typename T> __global__ void add_kernel(T *y, const T *x, size_t n)
 
 template <typename T> __global__ void add_vec_kernel(T *y, const T *x, size_t n)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const size_t nch = n / 8, tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     for (size_t i = tid; i < nch; i += (size_t)gridDim.x * blockDim.x) {
         float a[8], b[8];
@@ -99,7 +99,7 @@ template <typename T> void cu_add_inplace(void *y, const void *x, size_t n)
 
 __global__ void scale_kernel(float *x, size_t n, float s)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x)
         x[i] *= s;
@@ -118,7 +118,7 @@ void cu_scale_f32(float *x, size_t n, float s)
  * scalar loop moved ~2.5 TB/s on an H200, this one ~4.4 (the step's 5.6e9 gradients: 9.3 -> 5.1 ms). */
 __global__ void sumsq_partial_kernel(double *partial, const float *x, size_t n, bool vec)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     __shared__ double sh[32];
     double s = 0.0;
     const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x, stride = (size_t)gridDim.x * blockDim.x;
@@ -138,7 +138,7 @@ __global__ void sumsq_partial_kernel(double *partial, const float *x, size_t n, 
 
 __global__ void sumsq_final_kernel(double *partial, int nparts)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     __shared__ double sh[32];
     double s = 0.0;
     for (int i = threadIdx.x; i < nparts; i += blockDim.x) s += partial[i];

@@ -59,7 +59,7 @@ namespace {
 template <int KIND, bool PARTS>
 __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_constant__ gg_params p)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     static_assert(!PARTS || KIND == KIND_WGRAD, "only the wgrad runs in parts");
 #ifdef MT_NO_HOPPER_CODE
     __trap();

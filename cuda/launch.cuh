@@ -1,37 +1,36 @@
-/* Kernel launches with programmatic dependent launch (PDL, compute capability 9.0; MT_PDL=1).
+/* Kernel launches with programmatic dependent launch (PDL): on compute capability 9.0 and newer,
+ * unless MT_PDL=0.
  *
  * Every kernel of ours is ordered after the one before it on g_cuda.stream. Launched plainly, the
- * next kernel's blocks are scheduled only once the previous grid has finished and its writes are
- * flushed: 1-2 us of an idle GPU at each of the ~4,100 kernel boundaries of a bench step (7 ms,
- * docs/benchmarks.md, twenty-third session), and a grid's last wave leaves most SMs empty while
- * the next grid has not started. With PDL the next grid's blocks may be scheduled as soon as every
- * block of the running grid has begun (`pdl_begin` below lets them), and each block then waits in
- * `pdl_begin` until the grid before has completed and its memory is visible.
+ * next kernel's blocks are scheduled only once the previous grid has finished and the completion
+ * has gone through the stream: 1-2 us of an idle GPU at each of the ~4,100 kernel boundaries of a
+ * bench step (7 ms). With the PDL attribute the next grid is scheduled as soon as the last block
+ * of the one before exits, and each of its blocks waits in pdl_wait() until that grid's writes
+ * are visible. On an H200 this took 0.55% off the bench step (docs/benchmarks.md, thirty-seventh
+ * session).
  *
- * The rule that keeps this correct: every kernel calls pdl_begin() before it touches global
- * memory, so no kernel reads or writes anything while the kernel before it may still run
+ * No kernel triggers its successor early (griddepcontrol.launch_dependents). Triggering at the
+ * start of every kernel made the step 0.6-0.8% slower instead: the next grid's blocks then sat on
+ * the SMs, waiting, through the whole of the running kernel, holding registers and shared memory
+ * it could have used.
+ *
+ * The rule that keeps this correct: every kernel calls pdl_wait() before it touches global
+ * memory, since its blocks may start before the writes of the kernel before it are visible
  * (tests/unit/test_launch_rule.c checks the sources). A kernel launched without the attribute
- * (MT_PDL unset, an A100) waits for its predecessor as before, and pdl_begin() is then a no-op.
+ * (MT_PDL=0, an A100) waits for its predecessor as before, and pdl_wait() returns at once.
  * Library kernels are launched by their libraries: CUB's radix sort and NCCL's without the
- * attribute, so they wait for the kernel before them whatever it triggers; where a library does
- * use it (CUB's merge sort, CUDA 13.0's headers), its kernels wait in griddepcontrol.wait as ours
- * do.
- * Built with -DMT_PDL_WAIT_ONLY (for measuring), a kernel never triggers early: the grid after it
- * launches when it exits, as without PDL, but skips the wait for the memory flush. */
+ * attribute, so they wait for the kernel before them as before; where a library does use it
+ * (CUB's merge sort, CUDA 13.0's headers), its kernels wait in griddepcontrol.wait as ours do. */
 #ifndef MT_CUDA_LAUNCH_CUH
 #define MT_CUDA_LAUNCH_CUH
 
 #include <utility>
 
-/* the grid before this one on the stream has completed and its writes are visible; the grid after
- * this one may now be scheduled (its blocks wait in their own pdl_begin). Call it first. */
-__device__ __forceinline__ void pdl_begin()
+/* the grid before this one on the stream has completed and its writes are visible. Call it first. */
+__device__ __forceinline__ void pdl_wait()
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
-#ifndef MT_PDL_WAIT_ONLY
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 #endif
 }
 

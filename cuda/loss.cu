@@ -49,7 +49,7 @@ template <typename T>
 __global__ void __launch_bounds__(CE_BLOCK)
 ce_fwd_kernel(float *losses, float *lse, const T *logits, const int32_t *targets, int V, bool vec)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const int n = blockIdx.x;
     const int32_t tgt = targets[n];
     if (tgt == MT_IGNORE_INDEX) { /* uniform across the block: before any barrier */
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(CE_BLOCK)
 ce_bwd_kernel(T *dlogits, const T *logits, const float *lse, const int32_t *targets, int V,
               float scale, bool vec)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const int n = blockIdx.x;
     const int32_t tgt = targets[n];
     const bool ignore = tgt == MT_IGNORE_INDEX, ok = tgt >= 0 && tgt < V;
@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(CEF_THREADS)
 ce_fused_kernel(float *losses, float *lse, T *logits, const int32_t *targets, int V, int CL, int slice,
                 float scale)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
 #ifdef MT_NO_HOPPER_CODE
     __trap();
 #else

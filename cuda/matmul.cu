@@ -408,7 +408,7 @@ void cu_router_matmul_forward(float *logits, const void *in, const void *w, int 
  * result (each bf16 x bf16 product is exact in fp32) at tensor-core speed. */
 __global__ void split3_kernel(bf16 *parts, const float *d, int O, size_t n)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         const float v = d[i];
         const bf16 hi = __float2bfloat16_rn(v);
@@ -426,7 +426,7 @@ __global__ void split3_kernel(bf16 *parts, const float *d, int O, size_t n)
 /* dw += lo + mid + hi, in that order (the parts' products from one GEMM: dw3[p] for part p) */
 __global__ void add3_kernel(float *dw, const float *dw3, size_t n)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         dw[i] = ((dw[i] + dw3[2 * n + i]) + dw3[n + i]) + dw3[i];
 }

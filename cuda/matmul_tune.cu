@@ -36,7 +36,7 @@ __device__ __forceinline__ unsigned long long mix64(unsigned long long z)
 /* *h += Σ mix64(place · φ ^ bits) over D's m x n elements (column-major, leading dimension ldc) */
 __global__ void tune_hash_kernel(const void *D, size_t elem, int m, int n, int ldc, unsigned long long *h)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     unsigned long long s = 0;
     const size_t total = (size_t)m * n;
     for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < total; t += (size_t)gridDim.x * blockDim.x) {

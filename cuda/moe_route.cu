@@ -54,7 +54,7 @@ __device__ void publish_hist(const int *hist, int n, int *counts, int *chunk_his
 __global__ void route_sort_count_kernel(int32_t *topk_idx, float *topk_w, int32_t *slot_row,
                                         int *counts, int *chunk_hist, int T, int E, int k)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     extern __shared__ int hist[]; /* [E + 1] */
     for (int e = threadIdx.x; e <= E; e += blockDim.x) hist[e] = 0;
     __syncthreads();
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(ROUTE_THREADS)
 route_rows_kernel(const int32_t *topk_idx, const int *counts, const int *chunk_hist, int32_t *src_row,
                   int32_t *slot_row, int64_t *off, int *bad, int T, int E, int k)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     __shared__ int warp_tot[ROUTE_THREADS / 32];
     const int e = blockIdx.x;
     const int first = block_sum(counts, e, 1, warp_tot);
@@ -219,7 +219,7 @@ void cu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32
 __global__ void pair_sort_count_kernel(int32_t *topk_idx, float *topk_w, int *counts, int *chunk_hist,
                                        int *choices, int T, int ep, int n_local, int k)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     extern __shared__ int hist[]; /* [ep + 1] pairs and bad ids, then [ep] choices */
     int *chist = hist + ep + 1;
     for (int d = threadIdx.x; d <= 2 * ep; d += blockDim.x) hist[d] = 0;
@@ -253,7 +253,7 @@ pair_rows_kernel(const int32_t *topk_idx, const float *topk_w, const int *counts
                  int32_t *pair_tok, int32_t *tok_pair, int32_t *meta_idx, float *meta_w, int32_t *w_map,
                  int T, int ep, int n_local, int k, int block)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     __shared__ int warp_tot[ROUTE_THREADS / 32];
     const int d = blockIdx.x;
     const int base = block ? d * block : chunk_base(counts, chunk_hist, d, ep, warp_tot);
@@ -296,7 +296,7 @@ pair_rows_kernel(const int32_t *topk_idx, const float *topk_w, const int *counts
 __global__ void pair_pad_kernel(const int *counts, int32_t *pair_tok, int32_t *meta_idx, float *meta_w,
                                 int *bad, int ep, int k, int block, int T)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const int d = blockIdx.x;
     if (d == 0 && blockIdx.y == 0 && threadIdx.x == 0 && counts[ep]) atomicAdd(bad, counts[ep]);
     for (int i = T + (int)(blockIdx.y * blockDim.x + threadIdx.x); i < block;
@@ -356,7 +356,7 @@ void cu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int32
 __global__ void rows_cap_kernel(int64_t *off, int32_t *src_row, int32_t *slot_row, int64_t *need_out,
                                 int n_slots, int n_exp, int64_t cap)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const int64_t used = off[n_exp] < cap ? off[n_exp] : cap;
     for (int64_t r = used + blockIdx.x * blockDim.x + threadIdx.x; r < cap; r += (int64_t)gridDim.x * blockDim.x)
         src_row[r] = -1;
@@ -387,7 +387,7 @@ void cu_moe_rows_cap(int64_t *off, int32_t *src_row, int32_t *slot_row, int64_t 
 
 __global__ void gather_f32_kernel(float *out, const float *in, const int32_t *idx, int n)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
         out[i] = in[idx[i]];
 }

@@ -35,7 +35,7 @@ static unsigned rw_grid(int n)
 template <typename T>
 __global__ void gather_rows_kernel(T *out, const T *in, const int32_t *idx, int R, int H)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     for (int r = blockIdx.x; r < R; r += gridDim.x) {
         const int32_t src = idx[r];
         T *o = out + (size_t)r * H;
@@ -49,7 +49,7 @@ __global__ void gather_rows_kernel(T *out, const T *in, const int32_t *idx, int 
 __global__ void gather_rows_vec_kernel(uint4 *__restrict__ out, const uint4 *__restrict__ in,
                                        const int32_t *idx, int R, int nv)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     enum { U = 2 * RW_UNROLL };
     const int lane = threadIdx.x & 31;
     for (int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < R; r += (gridDim.x * blockDim.x) >> 5) {
@@ -87,7 +87,7 @@ template <typename T> void cuda_gather_rows(T *out, const T *in, const int32_t *
 
 __global__ void iota_kernel(int32_t *v, int n)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) v[i] = i;
 }
 
@@ -97,7 +97,7 @@ template <typename Out, typename In>
 __global__ void scatter_sorted_kernel(Out *dst, const In *src, const int32_t *keys,
                                       const int32_t *vals, int R, int H)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     for (int p = blockIdx.x; p < R; p += gridDim.x) {
         const int32_t key = keys[p];
         if (key < 0 || (p > 0 && keys[p - 1] == key)) continue;
@@ -119,7 +119,7 @@ template <typename Out, typename In>
 __global__ void scatter_sorted_vec_kernel(Out *dst, const In *__restrict__ src, const int32_t *keys,
                                           const int32_t *vals, int R, int H)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const int lane = threadIdx.x & 31, nch = H >> 3, nwarps = (gridDim.x * blockDim.x) >> 5;
     for (int p0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * SC_TILE; p0 < R;
          p0 += nwarps * SC_TILE) {
@@ -218,7 +218,7 @@ template <typename T>
 __global__ void combine_fwd_kernel(T *out, const T *y, const int32_t *slot_row, const float *w,
                                    const T *resid, int T_, int k, int H)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     for (int t = blockIdx.x; t < T_; t += gridDim.x) {
         T *o = out + (size_t)t * H;
         for (int h = threadIdx.x; h < H; h += blockDim.x) {
@@ -239,7 +239,7 @@ template <typename T>
 __global__ void combine_bwd_kernel(T *dy, float *dw, const T *dout, const T *y,
                                    const int32_t *slot_row, const float *w, int T_, int k, int H)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     __shared__ double sh[32];
     for (int t = blockIdx.x; t < T_; t += gridDim.x) {
         const T *g = dout + (size_t)t * H;
@@ -266,7 +266,7 @@ template <typename T>
 __global__ void combine_fwd_vec_kernel(T *out, const T *__restrict__ y, const int32_t *slot_row,
                                        const float *w, const T *resid, int T_, int k, int H)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const int lane = threadIdx.x & 31, nch = H >> 3;
     for (int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; t < T_; t += (gridDim.x * blockDim.x) >> 5) {
         T *o = out + (size_t)t * H;
@@ -318,7 +318,7 @@ __global__ void combine_bwd_vec_kernel(T *__restrict__ dy, float *dw, const T *_
                                        const T *__restrict__ y, const int32_t *slot_row,
                                        const float *w, int T_, int k, int H)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const int lane = threadIdx.x & 31, nch = H >> 3;
     for (int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; t < T_; t += (gridDim.x * blockDim.x) >> 5) {
         const T *g = dout + (size_t)t * H;

@@ -38,7 +38,7 @@ template <typename T>
 __global__ void rmsnorm_fwd_kernel(T *out, float *rstd, const T *in, const T *w, int N, int C,
                                    float eps)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const int row = blockIdx.x * RN_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return; /* whole warps only: no block barrier below */
     const T *x = in + (size_t)row * C;
@@ -61,7 +61,7 @@ template <typename T>
 __global__ void rmsnorm_bwd_kernel(T *din, const T *dout, const T *in, const T *w, const float *rstd,
                                    int N, int C, bool accumulate)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const int row = blockIdx.x * RN_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
     const T *x = in + (size_t)row * C, *dy = dout + (size_t)row * C;
@@ -86,7 +86,7 @@ template <typename T>
 __global__ void rmsnorm_dw_partial_kernel(double *partial, const T *dout, const T *in,
                                           const float *rstd, int N, int C, int rows_per_chunk)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     __shared__ double sh[8][33];
     const int c = blockIdx.x * 32 + threadIdx.x;
     const int r0 = blockIdx.y * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
@@ -107,7 +107,7 @@ __global__ void rmsnorm_dw_partial_kernel(double *partial, const T *dout, const 
 
 __global__ void column_partials_add_kernel(float *dst, const double *partial, int nchunks, int C)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += gridDim.x * blockDim.x) {
         double s = 0.0;
         for (int k = 0; k < nchunks; k++) s += partial[(size_t)k * C + c];
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(RN_THREADS)
 rmsnorm_fwd_vec_kernel(T *out, float *rstd, const T *in, const T *w, int N, int C, float eps,
                        rope_rows rope)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     static_assert(!ROPE || (MC == 1 && G <= 32), "RoPE needs the row's chunks in one warp");
     __shared__ float red[2 * RN_THREADS / 32 * RPG];
     extern __shared__ float cs[]; /* ROPE: the angles of the block's tokens */
@@ -239,7 +239,7 @@ rmsnorm_bwd_vec_kernel(T *din, float *partial, const T *dout, const T *in, const
                        const float *rstd, int N, int C, int rows_per_block, bool accumulate,
                        rope_rows rope)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     static_assert(!ROPE || (MC == 1 && G <= 32), "RoPE needs the row's chunks in one warp");
     /* [C]: the block's partial; ROPE: then the angles of the tokens of a pass's rows */
     extern __shared__ float sh_dw[];
@@ -372,7 +372,7 @@ rmsnorm_bwd_vec_kernel(T *din, float *partial, const T *dout, const T *in, const
 /* dst[c] += Σ_b partial[b, c]: 32 fixed strided runs of b summed in double, then the 32 in order */
 __global__ void column_sum_f32_kernel(float *dst, const float *partial, int nparts, int C)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     __shared__ double sh[32][33];
     const int c = blockIdx.x * 32 + threadIdx.x;
     double s = 0.0;

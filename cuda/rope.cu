@@ -49,7 +49,7 @@ template <typename T>
 __global__ void rope_kernel(T *out, const T *in, const int32_t *pos, const float *inv_freq, int nh,
                             int D, float sign)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     extern __shared__ float cs[]; /* [cos | sin] of this token's position, D floats */
     const int t = blockIdx.x, half = D / 2;
     const float p = (float)pos[t];
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(ROPE_VEC_BLOCK)
 rope_vec_kernel(T *out, const T *in, const int32_t *pos, const float *inv_freq, int T_, int nh,
                 int D, float sign, int tpb)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     extern __shared__ float cs[]; /* [tpb][D] */
     const int half = D / 2, hc = half / 8, t0 = blockIdx.x * tpb, ntok = min(tpb, T_ - t0);
     const int per_tok = nh * hc, nitems = ntok * per_tok;

@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(RT_WARPS * 32)
 router_fwd_kernel(int32_t *topk_idx, float *topk_w, float *probs, const float *logits,
                   const float *bias, int T_, int E, int k, int warp_smem, struct router_opts o)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int t = blockIdx.x * (blockDim.x >> 5) + wid;
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(RT_WARPS * 32)
 router_bwd_kernel(float *dlogits, const float *dtopk_w, const float *probs, const int32_t *topk_idx,
                   const float *aux_dp, int T_, int E, int k, int warp_smem, struct router_opts o)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int t = blockIdx.x * (blockDim.x >> 5) + wid;
@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(STATS_THREADS)
 stats_partial_kernel(double *partial, int *count_part, const float *probs, const int32_t *topk_idx,
                      int T_, int E, int rows_per_chunk, int nchunks, size_t n, size_t slice)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const int ecols = (E + 31) / 32, nprob = ecols * nchunks;
     if ((int)blockIdx.x < nprob) {
         __shared__ double sh[8][33];
@@ -346,7 +346,7 @@ stats_partial_kernel(double *partial, int *count_part, const float *probs, const
 __global__ void stats_finish_kernel(float *psum, float *count, const double *partial, int nchunks,
                                     const int *count_part, int nslices, int E)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= E) return;
     psum[e] += (float)ordered_sum<double>(partial + e, E, nchunks);
@@ -357,7 +357,7 @@ __global__ void stats_finish_kernel(float *psum, float *count, const double *par
 __global__ void gather_weights_kernel(float *topk_w, const float *probs, const int32_t *topk_idx,
                                       int T_, int E, int k, struct router_opts o)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= T_) return;
     const float *p = probs + (size_t)t * E;
@@ -431,7 +431,7 @@ void cu_router_gather_weights(float *topk_w, const float *probs, const int32_t *
 /* one thread an expert; fp64 as on the host (train.c), so the bits are the host's */
 __global__ void aux_grad_kernel(float *aux_dp, const float *stats, int L, int E, double scale, double rows)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= E) return;
     double cnt = 0;

@@ -16,7 +16,7 @@ __device__ __forceinline__ int bounded(int R, const int64_t *rows)
 
 template <typename T> __global__ void swiglu_fwd_kernel(T *out, const T *gu, int R, int I, const int64_t *rows)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const size_t n = (size_t)bounded(R, rows) * I;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
@@ -28,7 +28,7 @@ template <typename T> __global__ void swiglu_fwd_kernel(T *out, const T *gu, int
 
 template <typename T> __global__ void swiglu_bwd_kernel(T *dgu, const T *dout, const T *gu, int R, int I, const int64_t *rows)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const size_t n = (size_t)bounded(R, rows) * I;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
@@ -45,7 +45,7 @@ template <typename T> __global__ void swiglu_bwd_kernel(T *dgu, const T *dout, c
 /* the vector kernels: chunk i of nci = I / 8 per row */
 template <typename T> __global__ void swiglu_fwd_vec_kernel(T *out, const T *gu, int R, int I, const int64_t *rows)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const size_t nci = (size_t)(I >> 3), n = (size_t)bounded(R, rows) * nci;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
@@ -63,7 +63,7 @@ template <typename T> __global__ void swiglu_fwd_vec_kernel(T *out, const T *gu,
 template <typename T>
 __global__ void swiglu_bwd_vec_kernel(T *dgu, const T *dout, const T *gu, int R, int I, const int64_t *rows)
 {
-    pdl_begin(); /* first: launch.cuh */
+    pdl_wait(); /* first: launch.cuh */
     const size_t nci = (size_t)(I >> 3), n = (size_t)bounded(R, rows) * nci;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {

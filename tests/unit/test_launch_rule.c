@@ -1,9 +1,9 @@
 /* The launch rule of cuda/launch.cuh, checked in the sources: with programmatic dependent launch
- * (MT_PDL=1) a kernel's blocks may start while the kernel before it still runs, so every kernel
- * must call pdl_begin() before anything else, and every launch must go through cuda_launch (a
- * <<<...>>> launch would run without the attribute; harmless, but the kernel after it would then
- * wait for nothing it was promised). A kernel added without pdl_begin() would race only on a GPU
- * with MT_PDL=1; this test names it on any machine. */
+ * (on by default on Hopper) a kernel's blocks may start before the writes of the kernel before it
+ * are visible, so every kernel must call pdl_wait() before anything else, and every launch must go
+ * through cuda_launch (a <<<...>>> launch would run without the attribute: harmless, but an
+ * exception to a rule that is easier to keep whole). A kernel added without pdl_wait() would race
+ * only on a Hopper GPU; this test names it on any machine. */
 #include <criterion/criterion.h>
 #include <glob.h>
 #include <stdio.h>
@@ -46,7 +46,7 @@ static int line_of(const char *s, const char *at)
     return line;
 }
 
-/* the problems of one file, appended to msg: kernels whose body does not begin with pdl_begin(),
+/* the problems of one file, appended to msg: kernels whose body does not begin with pdl_wait(),
  * launches by <<<...>>>; returns the number of kernel bodies seen */
 static int check_file(const char *path, char *msg, size_t cap)
 {
@@ -60,8 +60,8 @@ static int check_file(const char *path, char *msg, size_t cap)
         const char *body = q + 1 + strspn(q + 1, " \t\r\n") + 1;
         body += strspn(body, " \t\r\n");
         kernels++;
-        if (strncmp(body, "pdl_begin();", 12) != 0)
-            snprintf(msg + strlen(msg), cap - strlen(msg), "%s:%d: a kernel that does not begin with pdl_begin()\n",
+        if (strncmp(body, "pdl_wait();", 11) != 0)
+            snprintf(msg + strlen(msg), cap - strlen(msg), "%s:%d: a kernel that does not begin with pdl_wait()\n",
                      path, line_of(s, p));
     }
     for (const char *p = strstr(s, "<<<"); p; p = strstr(p + 3, "<<<"))
@@ -71,7 +71,7 @@ static int check_file(const char *path, char *msg, size_t cap)
     return kernels;
 }
 
-Test(launch_rule, every_kernel_begins_with_pdl_begin_and_every_launch_is_cuda_launch)
+Test(launch_rule, every_kernel_begins_with_pdl_wait_and_every_launch_is_cuda_launch)
 {
     glob_t g;
     cr_assert_eq(glob("cuda/*.cu", 0, NULL, &g), 0, "no cuda/*.cu here (run from the repository root)");
@@ -95,7 +95,7 @@ Test(launch_rule, the_scan_finds_what_breaks_the_rule)
     FILE *f = fdopen(fd, "w");
     fputs("__global__ void declared(int *x);\n"
           "/* __global__ void in_a_comment(int *x) { } and k<<<1, 1>>>(x) */\n"
-          "__global__ void good(int *x)\n{\n    pdl_begin(); /* first */\n    x[0] = 1;\n}\n"
+          "__global__ void good(int *x)\n{\n    pdl_wait(); /* first */\n    x[0] = 1;\n}\n"
           "template <int N> __global__ void __launch_bounds__(128, 1) bad(int *x)\n{\n    x[0] = N;\n}\n"
           "void host(int *x) { bad<1><<<1, 32, 0, s>>>(x); }\n",
           f);
@@ -104,7 +104,7 @@ Test(launch_rule, the_scan_finds_what_breaks_the_rule)
     msg[0] = '\0';
     cr_expect_eq(check_file(path, msg, sizeof msg), 2, "%s", msg);
     char want[256];
-    snprintf(want, sizeof want, "%s:8: a kernel that does not begin with pdl_begin()", path);
+    snprintf(want, sizeof want, "%s:8: a kernel that does not begin with pdl_wait()", path);
     cr_expect(strstr(msg, want), "%s", msg);
     snprintf(want, sizeof want, "%s:12: a <<<...>>> launch (use cuda_launch)", path);
     cr_expect(strstr(msg, want), "%s", msg);
