@@ -67,6 +67,7 @@ template <typename T, typename M>
 __global__ void adamw_kernel(adam_k k, float wd, float *master, T *param, const float *grad, M *m,
                              M *v, size_t n)
 {
+    pdl_wait(); /* first: launch.cuh */
     const float decay = decay_of(k, wd);
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x)
@@ -93,6 +94,7 @@ __global__ void __launch_bounds__(AD_BLOCK)
     adamw_multi_kernel(const adamw_seg_dev *__restrict__ segs, const int *__restrict__ block_seg,
                        adam_k k)
 {
+    pdl_wait(); /* first: launch.cuh */
     const adamw_seg_dev s = segs[block_seg[blockIdx.x]];
     const long long c = (long long)blockIdx.x - s.block0; /* chunk of the segment */
     float *master = s.master;
@@ -153,7 +155,7 @@ void cu_adamw_update(float *master, void *param, const float *grad, float *m, fl
 {
     const adam_k k = step_constants(lr, beta1, beta2, eps, t, grad_scale);
     if (n == 0) return;
-    adamw_kernel<T, float><<<cuda_grid(n, AD_BLOCK), AD_BLOCK, 0, g_cuda.stream>>>(
+    cuda_launch(adamw_kernel<T, float>, cuda_grid(n, AD_BLOCK), AD_BLOCK, 0,
         k, weight_decay, master, (T *)param, grad, m, v, n);
     CUDA_LAUNCH_CHECK("adamw");
 }
@@ -165,7 +167,7 @@ void cu_adamw_update_m16(float *master, void *param, const float *grad, void *m,
 {
     const adam_k k = step_constants(lr, beta1, beta2, eps, t, grad_scale);
     if (n == 0) return;
-    adamw_kernel<T, bf16><<<cuda_grid(n, AD_BLOCK), AD_BLOCK, 0, g_cuda.stream>>>(
+    cuda_launch(adamw_kernel<T, bf16>, cuda_grid(n, AD_BLOCK), AD_BLOCK, 0,
         k, weight_decay, master, (T *)param, grad, (bf16 *)m, (bf16 *)v, n);
     CUDA_LAUNCH_CHECK("adamw_m16");
 }
@@ -253,9 +255,9 @@ void cu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, size_t m
     const adamw_seg_dev *d_table = (const adamw_seg_dev *)dev;
     const int *d_block_seg = (const int *)((const char *)dev + table_bytes);
     if (mom_bytes == 2)
-        adamw_multi_kernel<T, bf16><<<(unsigned)blocks, AD_BLOCK, 0, g_cuda.stream>>>(d_table, d_block_seg, k);
+        cuda_launch(adamw_multi_kernel<T, bf16>, (unsigned)blocks, AD_BLOCK, 0, d_table, d_block_seg, k);
     else
-        adamw_multi_kernel<T, float><<<(unsigned)blocks, AD_BLOCK, 0, g_cuda.stream>>>(d_table, d_block_seg, k);
+        cuda_launch(adamw_multi_kernel<T, float>, (unsigned)blocks, AD_BLOCK, 0, d_table, d_block_seg, k);
     CUDA_LAUNCH_CHECK("adamw multi");
 }
 

@@ -107,6 +107,7 @@ __global__ void __launch_bounds__(AT_THREADS)
 attn_fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v, int S, int Hq, int Hkv,
                 int hd, float scale, const int32_t *seg)
 {
+    pdl_wait(); /* first: launch.cuh */
     constexpr int LD = D + 1, DC = D / 16;
     extern __shared__ float smem[];
     float *Qs = smem, *Ks = Qs + AT_TILE * LD, *Vs = Ks + AT_TILE * LD, *Ps = Vs + AT_TILE * LD;
@@ -187,6 +188,7 @@ attn_fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v, int S, i
 template <typename T>
 __global__ void attn_bwd_di_kernel(float *Di, const T *dout, const T *out, int B, int S, int Hq, int D)
 {
+    pdl_wait(); /* first: launch.cuh */
     const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= (size_t)B * S * Hq) return;
@@ -207,6 +209,7 @@ __global__ void __launch_bounds__(AT_THREADS)
 attn_bwd_dq_kernel(T *dq, const T *dout, const T *q, const T *k, const T *v, const float *lse,
                    const float *Di, int S, int Hq, int Hkv, int hd, float scale, const int32_t *seg)
 {
+    pdl_wait(); /* first: launch.cuh */
     constexpr int LD = D + 1, DC = D / 16;
     extern __shared__ float smem[];
     float *Qs = smem, *dOs = Qs + AT_TILE * LD, *Ks = dOs + AT_TILE * LD, *Vs = Ks + AT_TILE * LD;
@@ -272,6 +275,7 @@ attn_bwd_dkdv_kernel(T *dk, T *dv, const T *dout, const T *q, const T *k, const 
                      const float *lse, const float *Di, int S, int Hq, int Hkv, int hd,
                      float scale, const int32_t *seg)
 {
+    pdl_wait(); /* first: launch.cuh */
     constexpr int LD = D + 1, DC = D / 16;
     extern __shared__ float smem[];
     float *Ks = smem, *Vs = Ks + AT_TILE * LD, *Qs = Vs + AT_TILE * LD, *dOs = Qs + AT_TILE * LD;
@@ -368,7 +372,7 @@ static void fwd_launch(void *out, float *lse, const void *q, const void *k, cons
     static bool opted;
     smem_opt_in(attn_fwd_kernel<T, D>, fwd_smem<D>(), &opted);
     dim3 grid(B * Hq, (S + AT_TILE - 1) / AT_TILE);
-    attn_fwd_kernel<T, D><<<grid, AT_THREADS, fwd_smem<D>(), g_cuda.stream>>>(
+    cuda_launch(attn_fwd_kernel<T, D>, grid, AT_THREADS, fwd_smem<D>(),
         (T *)out, lse, (const T *)q, (const T *)k, (const T *)v, S, Hq, Hkv, hd, attn_scale(hd), seg);
     CUDA_LAUNCH_CHECK("attention forward");
 }
@@ -383,16 +387,16 @@ static void bwd_launch(void *dq, void *dk, void *dv, const void *dout, const voi
     smem_opt_in(attn_bwd_dkdv_kernel<T, D>, dkdv_smem<D>(), &opted_dkdv);
     const size_t rows = (size_t)B * S * Hq;
     float *Di = (float *)cuda_scratch(SCRATCH_ATTN, rows * sizeof(float));
-    attn_bwd_di_kernel<T><<<(unsigned)((rows + 7) / 8), 256, 0, g_cuda.stream>>>(
+    cuda_launch(attn_bwd_di_kernel<T>, (unsigned)((rows + 7) / 8), 256, 0,
         Di, (const T *)dout, (const T *)out, B, S, Hq, hd);
     CUDA_LAUNCH_CHECK("attention backward Di");
     const int ntiles = (S + AT_TILE - 1) / AT_TILE;
     const float scale = attn_scale(hd);
-    attn_bwd_dq_kernel<T, D><<<dim3(B * Hq, ntiles), AT_THREADS, dq_smem<D>(), g_cuda.stream>>>(
+    cuda_launch(attn_bwd_dq_kernel<T, D>, dim3(B * Hq, ntiles), AT_THREADS, dq_smem<D>(),
         (T *)dq, (const T *)dout, (const T *)q, (const T *)k, (const T *)v, lse, Di, S, Hq, Hkv, hd,
         scale, seg);
     CUDA_LAUNCH_CHECK("attention backward dq");
-    attn_bwd_dkdv_kernel<T, D><<<dim3(B * Hkv, ntiles), AT_THREADS, dkdv_smem<D>(), g_cuda.stream>>>(
+    cuda_launch(attn_bwd_dkdv_kernel<T, D>, dim3(B * Hkv, ntiles), AT_THREADS, dkdv_smem<D>(),
         (T *)dk, (T *)dv, (const T *)dout, (const T *)q, (const T *)k, (const T *)v, lse, Di, S, Hq,
         Hkv, hd, scale, seg);
     CUDA_LAUNCH_CHECK("attention backward dk dv");

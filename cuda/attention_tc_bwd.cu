@@ -14,6 +14,7 @@ __global__ void tc_bwd_prep_kernel(float *__restrict__ delta, float *__restrict_
                                    const bf16 *__restrict__ dout, const bf16 *__restrict__ out,
                                    const float *__restrict__ lse, int B, int S, int Hq, int D)
 {
+    pdl_wait(); /* first: launch.cuh */
     const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= (size_t)B * S * Hq) return;
@@ -42,6 +43,7 @@ tc_bwd_dkdv_kernel(bf16 *__restrict__ dk, bf16 *__restrict__ dv, const bf16 *__r
                    const float *__restrict__ lse2, const float *__restrict__ delta, int S, int Hq,
                    int Hkv, float scale, float scale_log2, const int32_t *__restrict__ seg)
 {
+    pdl_wait(); /* first: launch.cuh */
     constexpr int BK = BWD_BR, BQ = TC_BC, LDS = D + 8, DB = D / 8;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16 *Ks = reinterpret_cast<bf16 *>(smem_raw);
@@ -161,6 +163,7 @@ tc_bwd_dq_kernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dout, const bf1
                  const float *__restrict__ lse2, const float *__restrict__ delta, int S, int Hq,
                  int Hkv, float scale, float scale_log2, const int32_t *__restrict__ seg)
 {
+    pdl_wait(); /* first: launch.cuh */
     constexpr int BR = BWD_BR, BC = TC_BC, LDS = D + 8, DB = D / 8;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16 *Qs = reinterpret_cast<bf16 *>(smem_raw);
@@ -285,9 +288,8 @@ template <int D, bool DOCS> void dkdv_mma_launch(const attn_bwd_args &a)
     static bool opted;
     smem_opt_in(tc_bwd_dkdv_kernel<D, DOCS>, dkdv_smem_bytes<D>(), &opted);
     const unsigned ntiles = (unsigned)((a.S + TC_BC - 1) / TC_BC);
-    tc_bwd_dkdv_kernel<D, DOCS><<<dim3((unsigned)(a.B * a.Hkv), ntiles), TC_THREADS,
-                                  dkdv_smem_bytes<D>(), g_cuda.stream>>>(
-        a.dk, a.dv, a.dout, a.q, a.k, a.v, a.lse2, a.delta, a.S, a.Hq, a.Hkv, a.scale,
+    cuda_launch(tc_bwd_dkdv_kernel<D, DOCS>, dim3((unsigned)(a.B * a.Hkv), ntiles), TC_THREADS,
+        dkdv_smem_bytes<D>(), a.dk, a.dv, a.dout, a.q, a.k, a.v, a.lse2, a.delta, a.S, a.Hq, a.Hkv, a.scale,
         a.scale_log2, a.seg);
     CUDA_LAUNCH_CHECK("attention tc backward dk dv");
 }
@@ -297,9 +299,9 @@ template <int D, bool DOCS> void dq_mma_launch(const attn_bwd_args &a)
     static bool opted;
     smem_opt_in(tc_bwd_dq_kernel<D, DOCS>, dq_smem_bytes<D>(), &opted);
     const unsigned ntiles = (unsigned)((a.S + TC_BC - 1) / TC_BC);
-    tc_bwd_dq_kernel<D, DOCS><<<dim3((unsigned)(a.B * a.Hq), ntiles), TC_THREADS, dq_smem_bytes<D>(),
-                                g_cuda.stream>>>(a.dq, a.dout, a.q, a.k, a.v, a.lse2, a.delta, a.S,
-                                                 a.Hq, a.Hkv, a.scale, a.scale_log2, a.seg);
+    cuda_launch(tc_bwd_dq_kernel<D, DOCS>, dim3((unsigned)(a.B * a.Hq), ntiles), TC_THREADS,
+        dq_smem_bytes<D>(), a.dq, a.dout, a.q, a.k, a.v, a.lse2, a.delta, a.S, a.Hq, a.Hkv, a.scale,
+        a.scale_log2, a.seg);
     CUDA_LAUNCH_CHECK("attention tc backward dq");
 }
 
@@ -326,7 +328,7 @@ void tc_bwd_launch(void *dq, void *dk, void *dv, const void *dout, const void *q
     const size_t rows = (size_t)B * S * Hq;
     float *delta = (float *)cuda_scratch(SCRATCH_ATTN, 2 * rows * sizeof(float));
     float *lse2 = delta + rows;
-    tc_bwd_prep_kernel<<<(unsigned)((rows + 7) / 8), 256, 0, g_cuda.stream>>>(
+    cuda_launch(tc_bwd_prep_kernel, (unsigned)((rows + 7) / 8), 256, 0,
         delta, lse2, (const bf16 *)dout, (const bf16 *)out, lse, B, S, Hq, D);
     CUDA_LAUNCH_CHECK("attention tc backward prep");
     const attn_bwd_args a = {(bf16 *)dq, (bf16 *)dk, (bf16 *)dv, (const bf16 *)dout, (const bf16 *)q,

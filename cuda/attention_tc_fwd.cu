@@ -13,6 +13,7 @@ tc_fwd_kernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__res
               const bf16 *__restrict__ k, const bf16 *__restrict__ v, int S, int Hq, int Hkv,
               float scale, float scale_log2, const int32_t *__restrict__ seg)
 {
+    pdl_wait(); /* first: launch.cuh */
     constexpr int NT = NW * 32, BR = 16 * MW * NW, BC = TC_BC, LDS = D + 8, DB = D / 8;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16 *Qs = reinterpret_cast<bf16 *>(smem_raw);
@@ -148,7 +149,7 @@ void tc_fwd_launch_cfg(void *out, float *lse, const void *q, const void *k, cons
     smem_opt_in(tc_fwd_kernel<D, MW, NW, MINB, DOCS>, smem, &opted);
     const float scale = tc_scale(D);
     const dim3 grid((unsigned)(B * Hq), (unsigned)((S + BR - 1) / BR));
-    tc_fwd_kernel<D, MW, NW, MINB, DOCS><<<grid, NW * 32, smem, g_cuda.stream>>>(
+    cuda_launch(tc_fwd_kernel<D, MW, NW, MINB, DOCS>, grid, NW * 32, smem,
         (bf16 *)out, lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, S, Hq, Hkv, scale,
         scale * LOG2E, seg);
     CUDA_LAUNCH_CHECK("attention tc forward");

@@ -21,6 +21,7 @@ template <int D, int STAGES, bool STORE_DS>
 __global__ void __launch_bounds__(TMA_BWD_THREADS, 1)
 tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
 {
+    pdl_wait(); /* first: launch.cuh */
 #ifdef MT_NO_HOPPER_CODE
     __trap();
 #else
@@ -201,6 +202,7 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
 /* dK = scale · Σ parts, dV = Σ parts, in part order (n elements each; n % 4 == 0) */
 __global__ void dkdv_sum_kernel(bf16 *dk, bf16 *dv, const float *part, size_t n, int parts, float scale)
 {
+    pdl_wait(); /* first: launch.cuh */
     for (size_t i = 4 * (blockIdx.x * (size_t)blockDim.x + threadIdx.x); i < n; i += 4 * (size_t)gridDim.x * blockDim.x) {
         float4 sk = *reinterpret_cast<const float4 *>(part + i);
         float4 sv = *reinterpret_cast<const float4 *>(part + parts * n + i);
@@ -230,7 +232,7 @@ template <int D, int STAGES, bool STORE_DS> void dkdv_tma_launch(const attn_bwd_
     const size_t n = (size_t)a.B * a.S * a.Hkv * D;
     const size_t want = (n / 4 + 255) / 256, most = (size_t)g_cuda.num_sms * 8;
     const unsigned blocks = (unsigned)(want < most ? want : most);
-    dkdv_sum_kernel<<<blocks, 256, 0, g_cuda.stream>>>(a.dk, a.dv, a.dkdv_part, n, parts, a.scale);
+    cuda_launch(dkdv_sum_kernel, blocks, 256, 0, a.dk, a.dv, a.dkdv_part, n, parts, a.scale);
     CUDA_LAUNCH_CHECK("attention backward dk dv part sums");
 }
 

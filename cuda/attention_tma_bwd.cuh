@@ -120,7 +120,7 @@ template <auto KERNEL> void launch(size_t smem, dim3 grid, const bwd_tma_params 
 {
     static bool opted;
     smem_opt_in(KERNEL, smem, &opted);
-    KERNEL<<<grid, TMA_BWD_THREADS, smem, g_cuda.stream>>>(p);
+    cuda_launch(KERNEL, grid, TMA_BWD_THREADS, smem, p);
     CUDA_LAUNCH_CHECK("attention backward (TMA)");
 }
 

@@ -39,6 +39,7 @@ template <int D, int STAGES>
 __global__ void __launch_bounds__(TMA_BWD_THREADS, 1)
 tc_bwd_dq_tma_kernel(const __grid_constant__ bwd_tma_params p)
 {
+    pdl_wait(); /* first: launch.cuh */
 #ifdef MT_NO_HOPPER_CODE
     __trap();
 #else
@@ -167,6 +168,7 @@ template <int D, int STAGES, int HEADS>
 __global__ void __launch_bounds__(TMA_BWD_THREADS, 1)
 tc_bwd_dq_ds_kernel(const __grid_constant__ bwd_tma_params p)
 {
+    pdl_wait(); /* first: launch.cuh */
 #ifdef MT_NO_HOPPER_CODE
     __trap();
 #else

@@ -47,6 +47,7 @@ template <int D, int BC, int STAGES, bool PWG>
 __global__ void __launch_bounds__(fwd_tma_threads<PWG>(), 1)
 tc_fwd_tma_kernel(const __grid_constant__ fwd_tma_params p)
 {
+    pdl_wait(); /* first: launch.cuh */
 #ifdef MT_NO_HOPPER_CODE
     __trap();
 #else
@@ -196,7 +197,7 @@ void fwd_tma_launch(void *out, float *lse, const void *q, const void *k, const v
     static bool opted;
     smem_opt_in(tc_fwd_tma_kernel<D, BC, STAGES, PWG>, smem, &opted);
     const dim3 grid((unsigned)(B * Hq), (unsigned)((S + TMA_BQ - 1) / TMA_BQ));
-    tc_fwd_tma_kernel<D, BC, STAGES, PWG><<<grid, fwd_tma_threads<PWG>(), smem, g_cuda.stream>>>(p);
+    cuda_launch(tc_fwd_tma_kernel<D, BC, STAGES, PWG>, grid, fwd_tma_threads<PWG>(), smem, p);
     CUDA_LAUNCH_CHECK("attention tc forward (TMA)");
 }
 

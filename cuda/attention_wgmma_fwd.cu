@@ -35,6 +35,7 @@ tc_fwd_wg_kernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__
                  const bf16 *__restrict__ k, const bf16 *__restrict__ v, int S, int Hq, int Hkv,
                  float scale, float scale_log2)
 {
+    pdl_wait(); /* first: launch.cuh */
 #ifdef MT_NO_HOPPER_CODE
     __trap();
 #else
@@ -157,7 +158,7 @@ void fwd_wg_launch(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf
     static bool opted;
     smem_opt_in(tc_fwd_wg_kernel<D, NWG, BC>, smem, &opted);
     const dim3 grid((unsigned)(B * Hq), (unsigned)((S + 64 * NWG - 1) / (64 * NWG)));
-    tc_fwd_wg_kernel<D, NWG, BC><<<grid, NWG * 128, smem, g_cuda.stream>>>(
+    cuda_launch(tc_fwd_wg_kernel<D, NWG, BC>, grid, NWG * 128, smem,
         out, lse, q, k, v, S, Hq, Hkv, scale, scale * LOG2E);
     CUDA_LAUNCH_CHECK("attention tc forward (wgmma)");
 }

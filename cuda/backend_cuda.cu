@@ -135,6 +135,9 @@ static void context_init(int local_rank, int count)
     g_cuda.num_sms = prop.multiProcessorCount;
     /* the build holds sm_90a machine code for the Hopper kernels, which runs on 9.0 only */
     g_cuda.hopper = prop.major == 9 && prop.minor == 0 && !mt_env_flag("MT_FORCE_SM80");
+    /* our kernels scheduled as the grid before them exits (launch.cuh); MT_PDL=0 turns it off */
+    static const char *const off_on[] = {"0", "1"};
+    g_cuda.pdl = prop.major >= 9 && mt_env_choice("MT_PDL", off_on, 2, 1) == 1;
     /* the 7-product attention backward, which needs no dS scratch (same bits) */
     if (mt_env_flag("MT_ATTN_BWD_RECOMPUTE")) attention_tc_set_bwd_variant(1 + ATTN_BWD_KINDS * 1);
     (void)lt_tune_level(); /* a bad MT_GEMM_TUNE stops every rank here, not in a step */

@@ -69,6 +69,8 @@ struct cuda_ctx {
     /* take the Hopper kernels (wgmma, TMA): compute capability 9.0 and MT_FORCE_SM80 unset.
      * Otherwise every op takes its sm_80 path (mma.sync attention, cuBLAS expert GEMMs). */
     bool hopper;
+    /* launch our kernels with programmatic dependent launch (launch.cuh): 9.0+, unless MT_PDL=0 */
+    bool pdl;
     cudaStream_t stream;
     cublasHandle_t blas;
     cublasLtHandle_t lt;
@@ -277,5 +279,7 @@ __device__ __forceinline__ float block_max(float v, float *sh)
     v = lane < nw ? sh[lane] : -INFINITY;
     return warp_max(v);
 }
+
+#include "launch.cuh" /* needs g_cuda and CUDA_CHECK */
 
 #endif

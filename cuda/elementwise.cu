@@ -9,6 +9,7 @@ enum { EW_BLOCK = 256, SUMSQ_BLOCKS = 1024 };
 template <typename O, typename I>
 __global__ void convert_kernel(O *__restrict__ out, const I *__restrict__ in, size_t n)
 {
+    pdl_wait(); /* first: launch.cuh */
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x)
         out[i] = from_f<O>(to_f(in[i]));
@@ -17,6 +18,7 @@ __global__ void convert_kernel(O *__restrict__ out, const I *__restrict__ in, si
 template <typename O, typename I>
 __global__ void convert_vec_kernel(O *__restrict__ out, const I *__restrict__ in, size_t n)
 {
+    pdl_wait(); /* first: launch.cuh */
     const size_t nch = n / 8, tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     for (size_t i = tid; i < nch; i += (size_t)gridDim.x * blockDim.x) {
         float f[8];
@@ -29,10 +31,9 @@ __global__ void convert_vec_kernel(O *__restrict__ out, const I *__restrict__ in
 template <typename O, typename I> static void convert(O *out, const I *in, size_t n)
 {
     if (aligned16(out) && aligned16(in))
-        convert_vec_kernel<O, I>
-            <<<cuda_grid(n / 8 + 1, EW_BLOCK), EW_BLOCK, 0, g_cuda.stream>>>(out, in, n);
+        cuda_launch(convert_vec_kernel<O, I>, cuda_grid(n / 8 + 1, EW_BLOCK), EW_BLOCK, 0, out, in, n);
     else
-        convert_kernel<O, I><<<cuda_grid(n, EW_BLOCK), EW_BLOCK, 0, g_cuda.stream>>>(out, in, n);
+        cuda_launch(convert_kernel<O, I>, cuda_grid(n, EW_BLOCK), EW_BLOCK, 0, out, in, n);
     CUDA_LAUNCH_CHECK("convert");
 }
 
@@ -59,6 +60,7 @@ template <typename T> void cu_cast_x_to_f32(float *out, const void *in, size_t n
 
 template <typename T> __global__ void add_kernel(T *y, const T *x, size_t n)
 {
+    pdl_wait(); /* first: launch.cuh */
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x)
         y[i] = from_f<T>(to_f(y[i]) + to_f(x[i]));
@@ -66,6 +68,7 @@ template <typename T> __global__ void add_kernel(T *y, const T *x, size_t n)
 
 template <typename T> __global__ void add_vec_kernel(T *y, const T *x, size_t n)
 {
+    pdl_wait(); /* first: launch.cuh */
     const size_t nch = n / 8, tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     for (size_t i = tid; i < nch; i += (size_t)gridDim.x * blockDim.x) {
         float a[8], b[8];
@@ -85,17 +88,18 @@ template <typename T> void cu_add_inplace(void *y, const void *x, size_t n)
 {
     if (n == 0) return;
     if (aligned16(y) && aligned16(x)) {
-        add_vec_kernel<T><<<cuda_grid(n / 8 + 1, EW_BLOCK), EW_BLOCK, 0, g_cuda.stream>>>(
+        cuda_launch(add_vec_kernel<T>, cuda_grid(n / 8 + 1, EW_BLOCK), EW_BLOCK, 0,
             (T *)y, (const T *)x, n);
         CUDA_LAUNCH_CHECK("add_inplace");
         return;
     }
-    add_kernel<T><<<cuda_grid(n, EW_BLOCK), EW_BLOCK, 0, g_cuda.stream>>>((T *)y, (const T *)x, n);
+    cuda_launch(add_kernel<T>, cuda_grid(n, EW_BLOCK), EW_BLOCK, 0, (T *)y, (const T *)x, n);
     CUDA_LAUNCH_CHECK("add_inplace");
 }
 
 __global__ void scale_kernel(float *x, size_t n, float s)
 {
+    pdl_wait(); /* first: launch.cuh */
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x)
         x[i] *= s;
@@ -106,7 +110,7 @@ void cu_add_f32(float *y, const float *x, size_t n) { cu_add_inplace<float>(y, x
 void cu_scale_f32(float *x, size_t n, float s)
 {
     if (n == 0) return;
-    scale_kernel<<<cuda_grid(n, EW_BLOCK), EW_BLOCK, 0, g_cuda.stream>>>(x, n, s);
+    cuda_launch(scale_kernel, cuda_grid(n, EW_BLOCK), EW_BLOCK, 0, x, n, s);
     CUDA_LAUNCH_CHECK("scale_f32");
 }
 
@@ -114,6 +118,7 @@ void cu_scale_f32(float *x, size_t n, float s)
  * scalar loop moved ~2.5 TB/s on an H200, this one ~4.4 (the step's 5.6e9 gradients: 9.3 -> 5.1 ms). */
 __global__ void sumsq_partial_kernel(double *partial, const float *x, size_t n, bool vec)
 {
+    pdl_wait(); /* first: launch.cuh */
     __shared__ double sh[32];
     double s = 0.0;
     const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x, stride = (size_t)gridDim.x * blockDim.x;
@@ -133,6 +138,7 @@ __global__ void sumsq_partial_kernel(double *partial, const float *x, size_t n, 
 
 __global__ void sumsq_final_kernel(double *partial, int nparts)
 {
+    pdl_wait(); /* first: launch.cuh */
     __shared__ double sh[32];
     double s = 0.0;
     for (int i = threadIdx.x; i < nparts; i += blockDim.x) s += partial[i];
@@ -145,9 +151,9 @@ double cu_sumsq_f32(const float *x, size_t n)
     if (n == 0) return 0.0;
     const unsigned blocks = cuda_grid(n, EW_BLOCK) < SUMSQ_BLOCKS ? cuda_grid(n, EW_BLOCK) : SUMSQ_BLOCKS;
     double *partial = (double *)cuda_scratch(SCRATCH_REDUCE, SUMSQ_BLOCKS * sizeof(double));
-    sumsq_partial_kernel<<<blocks, EW_BLOCK, 0, g_cuda.stream>>>(partial, x, n, ((uintptr_t)x & 15u) == 0);
+    cuda_launch(sumsq_partial_kernel, blocks, EW_BLOCK, 0, partial, x, n, ((uintptr_t)x & 15u) == 0);
     CUDA_LAUNCH_CHECK("sumsq partial");
-    sumsq_final_kernel<<<1, 1024, 0, g_cuda.stream>>>(partial, (int)blocks);
+    cuda_launch(sumsq_final_kernel, 1, 1024, 0, partial, (int)blocks);
     CUDA_LAUNCH_CHECK("sumsq final");
     double r = 0.0;
     CUDA_CHECK(cudaMemcpyAsync(&r, partial, sizeof r, cudaMemcpyDeviceToHost, g_cuda.stream));

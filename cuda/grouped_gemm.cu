@@ -59,6 +59,7 @@ namespace {
 template <int KIND, bool PARTS>
 __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_constant__ gg_params p)
 {
+    pdl_wait(); /* first: launch.cuh */
     static_assert(!PARTS || KIND == KIND_WGRAD, "only the wgrad runs in parts");
 #ifdef MT_NO_HOPPER_CODE
     __trap();
@@ -475,9 +476,9 @@ void launch(int n_sets, const CUtensorMap *ma, const CUtensorMap *mb, const int6
         const int grid = max_tiles < g_cuda.num_sms ? (int)max_tiles : g_cuda.num_sms;
         if (grid == 0) continue;
         if (KIND == KIND_WGRAD && claim)
-            grouped_gemm_kernel<KIND_WGRAD, true><<<grid, THREADS, smem_bytes_of<KIND>(), g_cuda.stream>>>(p);
+            cuda_launch(grouped_gemm_kernel<KIND_WGRAD, true>, grid, THREADS, smem_bytes_of<KIND>(), p);
         else
-            grouped_gemm_kernel<KIND, false><<<grid, THREADS, smem_bytes_of<KIND>(), g_cuda.stream>>>(p);
+            cuda_launch(grouped_gemm_kernel<KIND, false>, grid, THREADS, smem_bytes_of<KIND>(), p);
         CUDA_LAUNCH_CHECK("grouped_gemm_kernel");
     }
 }

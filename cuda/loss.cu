@@ -49,6 +49,7 @@ template <typename T>
 __global__ void __launch_bounds__(CE_BLOCK)
 ce_fwd_kernel(float *losses, float *lse, const T *logits, const int32_t *targets, int V, bool vec)
 {
+    pdl_wait(); /* first: launch.cuh */
     const int n = blockIdx.x;
     const int32_t tgt = targets[n];
     if (tgt == MT_IGNORE_INDEX) { /* uniform across the block: before any barrier */
@@ -91,6 +92,7 @@ __global__ void __launch_bounds__(CE_BLOCK)
 ce_bwd_kernel(T *dlogits, const T *logits, const float *lse, const int32_t *targets, int V,
               float scale, bool vec)
 {
+    pdl_wait(); /* first: launch.cuh */
     const int n = blockIdx.x;
     const int32_t tgt = targets[n];
     const bool ignore = tgt == MT_IGNORE_INDEX, ok = tgt >= 0 && tgt < V;
@@ -120,8 +122,8 @@ void cu_cross_entropy_forward(float *losses, float *lse, const void *logits, con
 {
     MT_CHECK(N >= 0 && V > 0, "cross_entropy: bad shape N=%d V=%d", N, V);
     if (N == 0) return;
-    ce_fwd_kernel<T><<<N, CE_BLOCK, 0, g_cuda.stream>>>(losses, lse, (const T *)logits, targets, V,
-                                                       ce_vectorised(logits, V));
+    cuda_launch(ce_fwd_kernel<T>, N, CE_BLOCK, 0, losses, lse, (const T *)logits, targets, V,
+        ce_vectorised(logits, V));
     CUDA_LAUNCH_CHECK("cross_entropy forward");
 }
 
@@ -132,8 +134,8 @@ void cu_cross_entropy_backward(void *dlogits, const void *logits, const float *l
     MT_CHECK(N >= 0 && V > 0, "cross_entropy backward: bad shape N=%d V=%d", N, V);
     if (N == 0) return;
     const bool vec = ce_vectorised(logits, V) && ce_vectorised(dlogits, V);
-    ce_bwd_kernel<T><<<N, CE_BLOCK, 0, g_cuda.stream>>>((T *)dlogits, (const T *)logits, lse,
-                                                       targets, V, scale, vec);
+    cuda_launch(ce_bwd_kernel<T>, N, CE_BLOCK, 0, (T *)dlogits, (const T *)logits, lse,
+        targets, V, scale, vec);
     CUDA_LAUNCH_CHECK("cross_entropy backward");
 }
 
@@ -167,6 +169,7 @@ __global__ void __launch_bounds__(CEF_THREADS)
 ce_fused_kernel(float *losses, float *lse, T *logits, const int32_t *targets, int V, int CL, int slice,
                 float scale)
 {
+    pdl_wait(); /* first: launch.cuh */
 #ifdef MT_NO_HOPPER_CODE
     __trap();
 #else
@@ -293,11 +296,11 @@ void cu_cross_entropy_fused(float *losses, float *lse, void *logits, const int32
     cfg.blockDim = dim3(CEF_THREADS);
     cfg.dynamicSmemBytes = (size_t)slice * sizeof(T);
     cfg.stream = g_cuda.stream;
-    cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = (unsigned)cl, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr[2] = {};
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = (unsigned)cl, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1 + cuda_pdl_attr(&attr[1]);
     CUDA_CHECK(cudaLaunchKernelEx(&cfg, ce_fused_kernel<T>, losses, lse, (T *)logits, targets, V, cl, slice,
                                   scale));
     CUDA_LAUNCH_CHECK("cross_entropy fused");

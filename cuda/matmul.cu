@@ -408,6 +408,7 @@ void cu_router_matmul_forward(float *logits, const void *in, const void *w, int 
  * result (each bf16 x bf16 product is exact in fp32) at tensor-core speed. */
 __global__ void split3_kernel(bf16 *parts, const float *d, int O, size_t n)
 {
+    pdl_wait(); /* first: launch.cuh */
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         const float v = d[i];
         const bf16 hi = __float2bfloat16_rn(v);
@@ -425,6 +426,7 @@ __global__ void split3_kernel(bf16 *parts, const float *d, int O, size_t n)
 /* dw += lo + mid + hi, in that order (the parts' products from one GEMM: dw3[p] for part p) */
 __global__ void add3_kernel(float *dw, const float *dw3, size_t n)
 {
+    pdl_wait(); /* first: launch.cuh */
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         dw[i] = ((dw[i] + dw3[2 * n + i]) + dw3[n + i]) + dw3[i];
 }
@@ -447,13 +449,13 @@ void cu_router_matmul_backward(void *din, float *dw, const float *dlogits, const
         const size_t no = (size_t)N * O, oi = (size_t)O * I;
         bf16 *parts = (bf16 *)cuda_scratch(SCRATCH_ROUTER_PARTS, 3 * no * sizeof(bf16));
         const int blocks = (int)MT_MIN((no + 255) / 256, (size_t)4 * g_cuda.num_sms);
-        split3_kernel<<<blocks, 256, 0, g_cuda.stream>>>(parts, dlogits, O, no);
+        cuda_launch(split3_kernel, blocks, 256, 0, parts, dlogits, O, no);
         CUDA_LAUNCH_CHECK("router dlogits split");
         if (dw) {
             float *dw3 = (float *)cuda_scratch(SCRATCH_ROUTER_DW3, 3 * oi * sizeof(float));
             cuda_gemm_lt(CUBLAS_OP_N, CUBLAS_OP_T, I, 3 * O, N, in, I, parts, 3 * O, CUDA_R_16BF, dw3, I,
                          CUDA_R_32F, 0.0f);
-            add3_kernel<<<(int)MT_MIN((oi + 255) / 256, (size_t)4 * g_cuda.num_sms), 256, 0, g_cuda.stream>>>(
+            cuda_launch(add3_kernel, (int)MT_MIN((oi + 255) / 256, (size_t)4 * g_cuda.num_sms), 256, 0,
                 dw, dw3, oi);
             CUDA_LAUNCH_CHECK("router dw parts sum");
         }

@@ -36,6 +36,7 @@ __device__ __forceinline__ unsigned long long mix64(unsigned long long z)
 /* *h += Σ mix64(place · φ ^ bits) over D's m x n elements (column-major, leading dimension ldc) */
 __global__ void tune_hash_kernel(const void *D, size_t elem, int m, int n, int ldc, unsigned long long *h)
 {
+    pdl_wait(); /* first: launch.cuh */
     unsigned long long s = 0;
     const size_t total = (size_t)m * n;
     for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < total; t += (size_t)gridDim.x * blockDim.x) {
@@ -89,7 +90,7 @@ static bool run(const struct lt_tune_call *c, const cublasLtMatmulAlgo_t *algo)
 /* D's hash, added into *h on the stream */
 static void hash_into(const struct lt_tune_call *c, unsigned long long *h)
 {
-    tune_hash_kernel<<<4 * g_cuda.num_sms, 256, 0, g_cuda.stream>>>(c->D, c->d_elem, c->m, c->n, c->ldc, h);
+    cuda_launch(tune_hash_kernel, 4 * g_cuda.num_sms, 256, 0, c->D, c->d_elem, c->m, c->n, c->ldc, h);
     CUDA_LAUNCH_CHECK("gemm tune hash");
 }
 

@@ -54,6 +54,7 @@ __device__ void publish_hist(const int *hist, int n, int *counts, int *chunk_his
 __global__ void route_sort_count_kernel(int32_t *topk_idx, float *topk_w, int32_t *slot_row,
                                         int *counts, int *chunk_hist, int T, int E, int k)
 {
+    pdl_wait(); /* first: launch.cuh */
     extern __shared__ int hist[]; /* [E + 1] */
     for (int e = threadIdx.x; e <= E; e += blockDim.x) hist[e] = 0;
     __syncthreads();
@@ -122,6 +123,7 @@ __global__ void __launch_bounds__(ROUTE_THREADS)
 route_rows_kernel(const int32_t *topk_idx, const int *counts, const int *chunk_hist, int32_t *src_row,
                   int32_t *slot_row, int64_t *off, int *bad, int T, int E, int k)
 {
+    pdl_wait(); /* first: launch.cuh */
     __shared__ int warp_tot[ROUTE_THREADS / 32];
     const int e = blockIdx.x;
     const int first = block_sum(counts, e, 1, warp_tot);
@@ -194,16 +196,15 @@ void cu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32
     int *counts = counts_zeroed(E + 1);
     int *chunk_hist = chunk_hist_for(E, T);
     if (T > 0) {
-        route_sort_count_kernel<<<(T + ROUTE_THREADS - 1) / ROUTE_THREADS, ROUTE_THREADS,
-                                  (size_t)(E + 1) * sizeof(int), g_cuda.stream>>>(
-            topk_idx, topk_w, slot_row, counts, chunk_hist, T, E, k);
+        cuda_launch(route_sort_count_kernel, (T + ROUTE_THREADS - 1) / ROUTE_THREADS, ROUTE_THREADS,
+            (size_t)(E + 1) * sizeof(int), topk_idx, topk_w, slot_row, counts, chunk_hist, T, E, k);
         CUDA_LAUNCH_CHECK("moe route sort/count");
     }
     if (T == 0) {
         CUDA_CHECK(cudaMemsetAsync(off, 0, ((size_t)E + 1) * sizeof(int64_t), g_cuda.stream));
         return;
     }
-    route_rows_kernel<<<rows_grid(E, T), ROUTE_THREADS, 0, g_cuda.stream>>>(
+    cuda_launch(route_rows_kernel, rows_grid(E, T), ROUTE_THREADS, 0,
         topk_idx, counts, chunk_hist, src_row, slot_row, off, cu_deferred_error_counter(), T, E, k);
     CUDA_LAUNCH_CHECK("moe route rows");
     /* no wait here: the offsets stay on the device for the expert GEMMs; a bad id stops the run
@@ -218,6 +219,7 @@ void cu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32
 __global__ void pair_sort_count_kernel(int32_t *topk_idx, float *topk_w, int *counts, int *chunk_hist,
                                        int *choices, int T, int ep, int n_local, int k)
 {
+    pdl_wait(); /* first: launch.cuh */
     extern __shared__ int hist[]; /* [ep + 1] pairs and bad ids, then [ep] choices */
     int *chist = hist + ep + 1;
     for (int d = threadIdx.x; d <= 2 * ep; d += blockDim.x) hist[d] = 0;
@@ -251,6 +253,7 @@ pair_rows_kernel(const int32_t *topk_idx, const float *topk_w, const int *counts
                  int32_t *pair_tok, int32_t *tok_pair, int32_t *meta_idx, float *meta_w, int32_t *w_map,
                  int T, int ep, int n_local, int k, int block)
 {
+    pdl_wait(); /* first: launch.cuh */
     __shared__ int warp_tot[ROUTE_THREADS / 32];
     const int d = blockIdx.x;
     const int base = block ? d * block : chunk_base(counts, chunk_hist, d, ep, warp_tot);
@@ -293,6 +296,7 @@ pair_rows_kernel(const int32_t *topk_idx, const float *topk_w, const int *counts
 __global__ void pair_pad_kernel(const int *counts, int32_t *pair_tok, int32_t *meta_idx, float *meta_w,
                                 int *bad, int ep, int k, int block, int T)
 {
+    pdl_wait(); /* first: launch.cuh */
     const int d = blockIdx.x;
     if (d == 0 && blockIdx.y == 0 && threadIdx.x == 0 && counts[ep]) atomicAdd(bad, counts[ep]);
     for (int i = T + (int)(blockIdx.y * blockDim.x + threadIdx.x); i < block;
@@ -318,20 +322,20 @@ void cu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int32
     int *counts = counts_zeroed(2 * ep + 1); /* pairs, bad ids, then choices per rank */
     int *chunk_hist = chunk_hist_for(ep, T);
     if (T > 0) {
-        pair_sort_count_kernel<<<(T + ROUTE_THREADS - 1) / ROUTE_THREADS, ROUTE_THREADS,
-                                 (size_t)(2 * ep + 1) * sizeof(int), g_cuda.stream>>>(
-            topk_idx, topk_w, counts, chunk_hist, counts + ep + 1, T, ep, n_local, k);
+        cuda_launch(pair_sort_count_kernel, (T + ROUTE_THREADS - 1) / ROUTE_THREADS, ROUTE_THREADS,
+            (size_t)(2 * ep + 1) * sizeof(int), topk_idx, topk_w, counts, chunk_hist, counts + ep + 1, T, ep,
+            n_local, k);
         CUDA_LAUNCH_CHECK("moe pair sort/count");
     }
     const int *h = count_host ? counts_to_host(counts, 2 * ep + 1) : NULL;
     if (T > 0) {
-        pair_rows_kernel<<<rows_grid(ep, T), ROUTE_THREADS, 0, g_cuda.stream>>>(
+        cuda_launch(pair_rows_kernel, rows_grid(ep, T), ROUTE_THREADS, 0,
             topk_idx, topk_w, counts, chunk_hist, pair_tok, tok_pair, meta_idx, meta_w, w_map, T, ep,
             n_local, k, block);
         CUDA_LAUNCH_CHECK("moe pair rows");
     }
     if (block) {
-        pair_pad_kernel<<<dim3((unsigned)ep, (unsigned)MT_MAX(1, MT_MIN(64, block / 1024))), 256, 0, g_cuda.stream>>>(
+        cuda_launch(pair_pad_kernel, dim3((unsigned)ep, (unsigned)MT_MAX(1, MT_MIN(64, block / 1024))), 256, 0,
             counts, pair_tok, meta_idx, meta_w, cu_deferred_error_counter(), ep, k, block, T);
         CUDA_LAUNCH_CHECK("moe pair padding");
     }
@@ -352,6 +356,7 @@ void cu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int32
 __global__ void rows_cap_kernel(int64_t *off, int32_t *src_row, int32_t *slot_row, int64_t *need_out,
                                 int n_slots, int n_exp, int64_t cap)
 {
+    pdl_wait(); /* first: launch.cuh */
     const int64_t used = off[n_exp] < cap ? off[n_exp] : cap;
     for (int64_t r = used + blockIdx.x * blockDim.x + threadIdx.x; r < cap; r += (int64_t)gridDim.x * blockDim.x)
         src_row[r] = -1;
@@ -374,7 +379,7 @@ void cu_moe_rows_cap(int64_t *off, int32_t *src_row, int32_t *slot_row, int64_t 
     MT_CHECK(n_slots >= 0 && n_exp > 0 && cap >= 0, "moe_rows_cap: %d slots, %d experts, capacity %lld",
              n_slots, n_exp, (long long)cap);
     const int blocks = MT_MAX(1, MT_MIN((n_slots + 255) / 256, 1024));
-    rows_cap_kernel<<<blocks, 256, 0, g_cuda.stream>>>(off, src_row, slot_row, need, n_slots, n_exp, cap);
+    cuda_launch(rows_cap_kernel, blocks, 256, 0, off, src_row, slot_row, need, n_slots, n_exp, cap);
     CUDA_LAUNCH_CHECK("moe_rows_cap");
 }
 
@@ -382,6 +387,7 @@ void cu_moe_rows_cap(int64_t *off, int32_t *src_row, int32_t *slot_row, int64_t 
 
 __global__ void gather_f32_kernel(float *out, const float *in, const int32_t *idx, int n)
 {
+    pdl_wait(); /* first: launch.cuh */
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
         out[i] = in[idx[i]];
 }
@@ -390,6 +396,6 @@ void cu_gather_f32(float *out, const float *in, const int32_t *idx, int n)
 {
     MT_CHECK(n >= 0, "gather_f32: negative count %d", n);
     if (n == 0) return;
-    gather_f32_kernel<<<MT_MIN((n + 255) / 256, 65536), 256, 0, g_cuda.stream>>>(out, in, idx, n);
+    cuda_launch(gather_f32_kernel, MT_MIN((n + 255) / 256, 65536), 256, 0, out, in, idx, n);
     CUDA_LAUNCH_CHECK("gather_f32");
 }

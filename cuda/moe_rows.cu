@@ -35,6 +35,7 @@ static unsigned rw_grid(int n)
 template <typename T>
 __global__ void gather_rows_kernel(T *out, const T *in, const int32_t *idx, int R, int H)
 {
+    pdl_wait(); /* first: launch.cuh */
     for (int r = blockIdx.x; r < R; r += gridDim.x) {
         const int32_t src = idx[r];
         T *o = out + (size_t)r * H;
@@ -48,6 +49,7 @@ __global__ void gather_rows_kernel(T *out, const T *in, const int32_t *idx, int 
 __global__ void gather_rows_vec_kernel(uint4 *__restrict__ out, const uint4 *__restrict__ in,
                                        const int32_t *idx, int R, int nv)
 {
+    pdl_wait(); /* first: launch.cuh */
     enum { U = 2 * RW_UNROLL };
     const int lane = threadIdx.x & 31;
     for (int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < R; r += (gridDim.x * blockDim.x) >> 5) {
@@ -72,12 +74,12 @@ template <typename T> void cuda_gather_rows(T *out, const T *in, const int32_t *
     MT_CHECK(R >= 0 && H >= 0, "gather_rows: bad shape R=%d H=%d", R, H);
     if (R == 0 || H == 0) return;
     if ((size_t)H * sizeof(T) % 16 == 0 && aligned16(out) && aligned16(in)) {
-        gather_rows_vec_kernel<<<rw_grid(R), ROW_BLOCK, 0, g_cuda.stream>>>(
+        cuda_launch(gather_rows_vec_kernel, rw_grid(R), ROW_BLOCK, 0,
             (uint4 *)out, (const uint4 *)in, idx, R, (int)((size_t)H * sizeof(T) / 16));
         CUDA_LAUNCH_CHECK("gather_rows");
         return;
     }
-    gather_rows_kernel<T><<<MT_MIN(R, 65536), ROW_BLOCK, 0, g_cuda.stream>>>(out, in, idx, R, H);
+    cuda_launch(gather_rows_kernel<T>, MT_MIN(R, 65536), ROW_BLOCK, 0, out, in, idx, R, H);
     CUDA_LAUNCH_CHECK("gather_rows");
 }
 
@@ -85,6 +87,7 @@ template <typename T> void cuda_gather_rows(T *out, const T *in, const int32_t *
 
 __global__ void iota_kernel(int32_t *v, int n)
 {
+    pdl_wait(); /* first: launch.cuh */
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) v[i] = i;
 }
 
@@ -94,6 +97,7 @@ template <typename Out, typename In>
 __global__ void scatter_sorted_kernel(Out *dst, const In *src, const int32_t *keys,
                                       const int32_t *vals, int R, int H)
 {
+    pdl_wait(); /* first: launch.cuh */
     for (int p = blockIdx.x; p < R; p += gridDim.x) {
         const int32_t key = keys[p];
         if (key < 0 || (p > 0 && keys[p - 1] == key)) continue;
@@ -115,6 +119,7 @@ template <typename Out, typename In>
 __global__ void scatter_sorted_vec_kernel(Out *dst, const In *__restrict__ src, const int32_t *keys,
                                           const int32_t *vals, int R, int H)
 {
+    pdl_wait(); /* first: launch.cuh */
     const int lane = threadIdx.x & 31, nch = H >> 3, nwarps = (gridDim.x * blockDim.x) >> 5;
     for (int p0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * SC_TILE; p0 < R;
          p0 += nwarps * SC_TILE) {
@@ -190,7 +195,7 @@ void cuda_scatter_add_rows(Out *dst, const In *src, const int32_t *idx, int R, i
     int32_t *keys = (int32_t *)cuda_scratch(SCRATCH_SORT_KEYS, (size_t)R * sizeof(int32_t));
     int32_t *vals = (int32_t *)cuda_scratch(SCRATCH_SORT_VALS, (size_t)2 * R * sizeof(int32_t));
     int32_t *vals_in = vals, *vals_out = vals + R;
-    iota_kernel<<<cuda_grid(R, 256), 256, 0, g_cuda.stream>>>(vals_in, R);
+    cuda_launch(iota_kernel, cuda_grid(R, 256), 256, 0, vals_in, R);
     CUDA_LAUNCH_CHECK("scatter iota");
     size_t temp_bytes = 0;
     CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, idx, keys, vals_in, vals_out, R,
@@ -199,11 +204,10 @@ void cuda_scatter_add_rows(Out *dst, const In *src, const int32_t *idx, int R, i
     CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, idx, keys, vals_in, vals_out, R, 0,
                                                32, g_cuda.stream));
     if (H % 8 == 0 && aligned16(dst) && aligned16(src))
-        scatter_sorted_vec_kernel<Out, In>
-            <<<rw_grid((R + SC_TILE - 1) / SC_TILE), ROW_BLOCK, 0, g_cuda.stream>>>(
-                dst, src, keys, vals_out, R, H);
+        cuda_launch(scatter_sorted_vec_kernel<Out, In>, rw_grid((R + SC_TILE - 1) / SC_TILE), ROW_BLOCK, 0,
+            dst, src, keys, vals_out, R, H);
     else
-        scatter_sorted_kernel<Out, In><<<MT_MIN(R, 65536), ROW_BLOCK, 0, g_cuda.stream>>>(
+        cuda_launch(scatter_sorted_kernel<Out, In>, MT_MIN(R, 65536), ROW_BLOCK, 0,
             dst, src, keys, vals_out, R, H);
     CUDA_LAUNCH_CHECK("scatter rows");
 }
@@ -214,6 +218,7 @@ template <typename T>
 __global__ void combine_fwd_kernel(T *out, const T *y, const int32_t *slot_row, const float *w,
                                    const T *resid, int T_, int k, int H)
 {
+    pdl_wait(); /* first: launch.cuh */
     for (int t = blockIdx.x; t < T_; t += gridDim.x) {
         T *o = out + (size_t)t * H;
         for (int h = threadIdx.x; h < H; h += blockDim.x) {
@@ -234,6 +239,7 @@ template <typename T>
 __global__ void combine_bwd_kernel(T *dy, float *dw, const T *dout, const T *y,
                                    const int32_t *slot_row, const float *w, int T_, int k, int H)
 {
+    pdl_wait(); /* first: launch.cuh */
     __shared__ double sh[32];
     for (int t = blockIdx.x; t < T_; t += gridDim.x) {
         const T *g = dout + (size_t)t * H;
@@ -260,6 +266,7 @@ template <typename T>
 __global__ void combine_fwd_vec_kernel(T *out, const T *__restrict__ y, const int32_t *slot_row,
                                        const float *w, const T *resid, int T_, int k, int H)
 {
+    pdl_wait(); /* first: launch.cuh */
     const int lane = threadIdx.x & 31, nch = H >> 3;
     for (int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; t < T_; t += (gridDim.x * blockDim.x) >> 5) {
         T *o = out + (size_t)t * H;
@@ -311,6 +318,7 @@ __global__ void combine_bwd_vec_kernel(T *__restrict__ dy, float *dw, const T *_
                                        const T *__restrict__ y, const int32_t *slot_row,
                                        const float *w, int T_, int k, int H)
 {
+    pdl_wait(); /* first: launch.cuh */
     const int lane = threadIdx.x & 31, nch = H >> 3;
     for (int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; t < T_; t += (gridDim.x * blockDim.x) >> 5) {
         const T *g = dout + (size_t)t * H;
@@ -377,12 +385,12 @@ void cu_moe_combine_forward(void *out, const void *y, const int32_t *slot_row, c
     MT_CHECK(T_ >= 0 && k > 0 && H >= 0, "moe_combine: bad shape T=%d k=%d H=%d", T_, k, H);
     if (T_ == 0 || H == 0) return;
     if (rw_vec_ok(H, out, y, resid)) {
-        combine_fwd_vec_kernel<T><<<rw_grid(T_), ROW_BLOCK, 0, g_cuda.stream>>>(
+        cuda_launch(combine_fwd_vec_kernel<T>, rw_grid(T_), ROW_BLOCK, 0,
             (T *)out, (const T *)y, slot_row, w, (const T *)resid, T_, k, H);
         CUDA_LAUNCH_CHECK("moe_combine forward");
         return;
     }
-    combine_fwd_kernel<T><<<MT_MIN(T_, 65536), ROW_BLOCK, 0, g_cuda.stream>>>(
+    cuda_launch(combine_fwd_kernel<T>, MT_MIN(T_, 65536), ROW_BLOCK, 0,
         (T *)out, (const T *)y, slot_row, w, (const T *)resid, T_, k, H);
     CUDA_LAUNCH_CHECK("moe_combine forward");
 }
@@ -394,12 +402,12 @@ void cu_moe_combine_backward(void *dy, float *dw, const void *dout, const void *
     MT_CHECK(T_ >= 0 && k > 0 && H >= 0, "moe_combine backward: bad shape T=%d k=%d H=%d", T_, k, H);
     if (T_ == 0) return;
     if (H > 0 && rw_vec_ok(H, dy, dout, y)) {
-        combine_bwd_vec_kernel<T><<<rw_grid(T_), ROW_BLOCK, 0, g_cuda.stream>>>(
+        cuda_launch(combine_bwd_vec_kernel<T>, rw_grid(T_), ROW_BLOCK, 0,
             (T *)dy, dw, (const T *)dout, (const T *)y, slot_row, w, T_, k, H);
         CUDA_LAUNCH_CHECK("moe_combine backward");
         return;
     }
-    combine_bwd_kernel<T><<<MT_MIN(T_, 65536), ROW_BLOCK, 0, g_cuda.stream>>>(
+    cuda_launch(combine_bwd_kernel<T>, MT_MIN(T_, 65536), ROW_BLOCK, 0,
         (T *)dy, dw, (const T *)dout, (const T *)y, slot_row, w, T_, k, H);
     CUDA_LAUNCH_CHECK("moe_combine backward");
 }

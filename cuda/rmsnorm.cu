@@ -38,6 +38,7 @@ template <typename T>
 __global__ void rmsnorm_fwd_kernel(T *out, float *rstd, const T *in, const T *w, int N, int C,
                                    float eps)
 {
+    pdl_wait(); /* first: launch.cuh */
     const int row = blockIdx.x * RN_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return; /* whole warps only: no block barrier below */
     const T *x = in + (size_t)row * C;
@@ -60,6 +61,7 @@ template <typename T>
 __global__ void rmsnorm_bwd_kernel(T *din, const T *dout, const T *in, const T *w, const float *rstd,
                                    int N, int C, bool accumulate)
 {
+    pdl_wait(); /* first: launch.cuh */
     const int row = blockIdx.x * RN_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
     const T *x = in + (size_t)row * C, *dy = dout + (size_t)row * C;
@@ -84,6 +86,7 @@ template <typename T>
 __global__ void rmsnorm_dw_partial_kernel(double *partial, const T *dout, const T *in,
                                           const float *rstd, int N, int C, int rows_per_chunk)
 {
+    pdl_wait(); /* first: launch.cuh */
     __shared__ double sh[8][33];
     const int c = blockIdx.x * 32 + threadIdx.x;
     const int r0 = blockIdx.y * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
@@ -104,6 +107,7 @@ __global__ void rmsnorm_dw_partial_kernel(double *partial, const T *dout, const 
 
 __global__ void column_partials_add_kernel(float *dst, const double *partial, int nchunks, int C)
 {
+    pdl_wait(); /* first: launch.cuh */
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += gridDim.x * blockDim.x) {
         double s = 0.0;
         for (int k = 0; k < nchunks; k++) s += partial[(size_t)k * C + c];
@@ -113,7 +117,7 @@ __global__ void column_partials_add_kernel(float *dst, const double *partial, in
 
 void cuda_add_column_partials(float *dst, const double *partial, int nchunks, int C)
 {
-    column_partials_add_kernel<<<(C + 255) / 256, 256, 0, g_cuda.stream>>>(dst, partial, nchunks, C);
+    cuda_launch(column_partials_add_kernel, (C + 255) / 256, 256, 0, dst, partial, nchunks, C);
     CUDA_LAUNCH_CHECK("column partials add");
 }
 
@@ -162,6 +166,7 @@ __global__ void __launch_bounds__(RN_THREADS)
 rmsnorm_fwd_vec_kernel(T *out, float *rstd, const T *in, const T *w, int N, int C, float eps,
                        rope_rows rope)
 {
+    pdl_wait(); /* first: launch.cuh */
     static_assert(!ROPE || (MC == 1 && G <= 32), "RoPE needs the row's chunks in one warp");
     __shared__ float red[2 * RN_THREADS / 32 * RPG];
     extern __shared__ float cs[]; /* ROPE: the angles of the block's tokens */
@@ -234,6 +239,7 @@ rmsnorm_bwd_vec_kernel(T *din, float *partial, const T *dout, const T *in, const
                        const float *rstd, int N, int C, int rows_per_block, bool accumulate,
                        rope_rows rope)
 {
+    pdl_wait(); /* first: launch.cuh */
     static_assert(!ROPE || (MC == 1 && G <= 32), "RoPE needs the row's chunks in one warp");
     /* [C]: the block's partial; ROPE: then the angles of the tokens of a pass's rows */
     extern __shared__ float sh_dw[];
@@ -366,6 +372,7 @@ rmsnorm_bwd_vec_kernel(T *din, float *partial, const T *dout, const T *in, const
 /* dst[c] += Σ_b partial[b, c]: 32 fixed strided runs of b summed in double, then the 32 in order */
 __global__ void column_sum_f32_kernel(float *dst, const float *partial, int nparts, int C)
 {
+    pdl_wait(); /* first: launch.cuh */
     __shared__ double sh[32][33];
     const int c = blockIdx.x * 32 + threadIdx.x;
     double s = 0.0;
@@ -429,7 +436,7 @@ static void rn_bwd_grid(int N, int rows_per_pass, int *nblocks, int *rows_per_bl
 static void rn_dw_sum(float *dw, const float *partial, int nblocks, int C)
 {
     const dim3 grid((C + 31) / 32), block(32, 32);
-    column_sum_f32_kernel<<<grid, block, 0, g_cuda.stream>>>(dw, partial, nblocks, C);
+    cuda_launch(column_sum_f32_kernel, grid, block, 0, dw, partial, nblocks, C);
     CUDA_LAUNCH_CHECK("rmsnorm dw sum");
 }
 
@@ -444,14 +451,14 @@ void cu_rmsnorm_forward(void *out, float *rstd, const void *in, const void *w, i
         rn_dispatch(G, MC, [&](auto g, auto mc) {
             constexpr int G_ = decltype(g)::value, MC_ = decltype(mc)::value, RPG = 4 / MC_;
             constexpr int rows_per_block = RN_THREADS / G_ * RPG;
-            rmsnorm_fwd_vec_kernel<T, G_, MC_, RPG, false>
-                <<<(N + rows_per_block - 1) / rows_per_block, RN_THREADS, 0, g_cuda.stream>>>(
-                    (T *)out, rstd, (const T *)in, (const T *)w, N, C, eps, rope_rows{});
+            cuda_launch(rmsnorm_fwd_vec_kernel<T, G_, MC_, RPG, false>,
+                (N + rows_per_block - 1) / rows_per_block, RN_THREADS, 0, (T *)out, rstd, (const T *)in,
+                (const T *)w, N, C, eps, rope_rows{});
         });
         CUDA_LAUNCH_CHECK("rmsnorm forward");
         return;
     }
-    rmsnorm_fwd_kernel<T><<<(N + RN_WARPS - 1) / RN_WARPS, 32 * RN_WARPS, 0, g_cuda.stream>>>(
+    cuda_launch(rmsnorm_fwd_kernel<T>, (N + RN_WARPS - 1) / RN_WARPS, 32 * RN_WARPS, 0,
         (T *)out, rstd, (const T *)in, (const T *)w, N, C, eps);
     CUDA_LAUNCH_CHECK("rmsnorm forward");
 }
@@ -471,10 +478,9 @@ void cu_rmsnorm_backward(void *din, float *dw, const void *dout, const void *in,
             rn_bwd_grid(N, RN_THREADS / G_ * RPG, &nblocks, &rows_per_block);
             float *partial =
                 dw ? (float *)cuda_scratch(SCRATCH_REDUCE, (size_t)nblocks * C * sizeof(float)) : NULL;
-            rmsnorm_bwd_vec_kernel<T, G_, MC_, RPG, false>
-                <<<nblocks, RN_THREADS, dw ? (size_t)C * sizeof(float) : 0, g_cuda.stream>>>(
-                    (T *)din, partial, (const T *)dout, (const T *)in, (const T *)w, rstd, N, C,
-                    rows_per_block, accumulate, rope_rows{});
+            cuda_launch(rmsnorm_bwd_vec_kernel<T, G_, MC_, RPG, false>, nblocks, RN_THREADS,
+                dw ? (size_t)C * sizeof(float) : 0, (T *)din, partial, (const T *)dout, (const T *)in,
+                (const T *)w, rstd, N, C, rows_per_block, accumulate, rope_rows{});
             CUDA_LAUNCH_CHECK("rmsnorm backward");
             if (dw) rn_dw_sum(dw, partial, nblocks, C);
         });
@@ -485,13 +491,13 @@ void cu_rmsnorm_backward(void *din, float *dw, const void *dout, const void *in,
         const int rows_per_chunk = MT_MAX(256, (N + DW_MAX_CHUNKS - 1) / DW_MAX_CHUNKS);
         const int nchunks = (N + rows_per_chunk - 1) / rows_per_chunk;
         double *partial = (double *)cuda_scratch(SCRATCH_REDUCE, (size_t)nchunks * C * sizeof(double));
-        rmsnorm_dw_partial_kernel<T><<<dim3((C + 31) / 32, nchunks), dim3(32, 8), 0, g_cuda.stream>>>(
+        cuda_launch(rmsnorm_dw_partial_kernel<T>, dim3((C + 31) / 32, nchunks), dim3(32, 8), 0,
             partial, (const T *)dout, (const T *)in, rstd, N, C, rows_per_chunk);
         CUDA_LAUNCH_CHECK("rmsnorm dw partial");
         cuda_add_column_partials(dw, partial, nchunks, C);
     }
     if (din) {
-        rmsnorm_bwd_kernel<T><<<(N + RN_WARPS - 1) / RN_WARPS, 32 * RN_WARPS, 0, g_cuda.stream>>>(
+        cuda_launch(rmsnorm_bwd_kernel<T>, (N + RN_WARPS - 1) / RN_WARPS, 32 * RN_WARPS, 0,
             (T *)din, (const T *)dout, (const T *)in, (const T *)w, rstd, N, C, accumulate);
         CUDA_LAUNCH_CHECK("rmsnorm backward");
     }
@@ -535,9 +541,8 @@ void cu_rmsnorm_rope_forward(void *out, float *rstd, const void *in, const void 
     rn_rope_dispatch(D, [&](auto g) {
         constexpr int G_ = decltype(g)::value, RPG = 4, rows_per_block = RN_THREADS / G_ * RPG;
         const size_t smem = (size_t)rn_rope_tokens(rows_per_block, nh) * D * sizeof(float);
-        rmsnorm_fwd_vec_kernel<T, G_, 1, RPG, true>
-            <<<(N + rows_per_block - 1) / rows_per_block, RN_THREADS, smem, g_cuda.stream>>>(
-                (T *)out, rstd, (const T *)in, (const T *)w, N, D, eps, rope);
+        cuda_launch(rmsnorm_fwd_vec_kernel<T, G_, 1, RPG, true>, (N + rows_per_block - 1) / rows_per_block,
+            RN_THREADS, smem, (T *)out, rstd, (const T *)in, (const T *)w, N, D, eps, rope);
     });
     CUDA_LAUNCH_CHECK("rmsnorm rope forward");
 }
@@ -565,7 +570,7 @@ void cu_rmsnorm_rope_backward(void *din, float *dw, const void *dout, const void
         rn_bwd_grid(N, rows_per_pass, &nblocks, &rows_per_block);
         float *partial = (float *)cuda_scratch(SCRATCH_REDUCE, (size_t)nblocks * D * sizeof(float));
         const size_t smem = (size_t)(1 + rn_rope_tokens(rows_per_pass, nh)) * D * sizeof(float);
-        rmsnorm_bwd_vec_kernel<T, G_, 1, RPG, true><<<nblocks, RN_THREADS, smem, g_cuda.stream>>>(
+        cuda_launch(rmsnorm_bwd_vec_kernel<T, G_, 1, RPG, true>, nblocks, RN_THREADS, smem,
             (T *)din, partial, (const T *)dout, (const T *)in, (const T *)w, rstd, N, D,
             rows_per_block, false, rope);
         CUDA_LAUNCH_CHECK("rmsnorm rope backward");

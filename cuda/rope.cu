@@ -49,6 +49,7 @@ template <typename T>
 __global__ void rope_kernel(T *out, const T *in, const int32_t *pos, const float *inv_freq, int nh,
                             int D, float sign)
 {
+    pdl_wait(); /* first: launch.cuh */
     extern __shared__ float cs[]; /* [cos | sin] of this token's position, D floats */
     const int t = blockIdx.x, half = D / 2;
     const float p = (float)pos[t];
@@ -76,6 +77,7 @@ __global__ void __launch_bounds__(ROPE_VEC_BLOCK)
 rope_vec_kernel(T *out, const T *in, const int32_t *pos, const float *inv_freq, int T_, int nh,
                 int D, float sign, int tpb)
 {
+    pdl_wait(); /* first: launch.cuh */
     extern __shared__ float cs[]; /* [tpb][D] */
     const int half = D / 2, hc = half / 8, t0 = blockIdx.x * tpb, ntok = min(tpb, T_ - t0);
     const int per_tok = nh * hc, nitems = ntok * per_tok;
@@ -134,13 +136,12 @@ static void rope_apply(void *out, const void *in, const int32_t *pos, int T_, in
         int tpb = MT_MAX(1, ROPE_VEC_UNROLL * ROPE_VEC_BLOCK / per_tok);
         tpb = MT_MIN(tpb, MT_MIN(T_, ROPE_VEC_SMEM / (int)(D * sizeof(float))));
         tpb = MT_MAX(tpb, 1);
-        rope_vec_kernel<T><<<(T_ + tpb - 1) / tpb, ROPE_VEC_BLOCK, (size_t)tpb * D * sizeof(float),
-                             g_cuda.stream>>>((T *)out, (const T *)in, pos, inv_freq, T_, nh, D,
-                                              sign, tpb);
+        cuda_launch(rope_vec_kernel<T>, (T_ + tpb - 1) / tpb, ROPE_VEC_BLOCK, (size_t)tpb * D * sizeof(float),
+            (T *)out, (const T *)in, pos, inv_freq, T_, nh, D, sign, tpb);
         CUDA_LAUNCH_CHECK("rope");
         return;
     }
-    rope_kernel<T><<<T_, ROPE_BLOCK, (size_t)D * sizeof(float), g_cuda.stream>>>(
+    cuda_launch(rope_kernel<T>, T_, ROPE_BLOCK, (size_t)D * sizeof(float),
         (T *)out, (const T *)in, pos, inv_freq, nh, D, sign);
     CUDA_LAUNCH_CHECK("rope");
 }

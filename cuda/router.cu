@@ -141,6 +141,7 @@ __global__ void __launch_bounds__(RT_WARPS * 32)
 router_fwd_kernel(int32_t *topk_idx, float *topk_w, float *probs, const float *logits,
                   const float *bias, int T_, int E, int k, int warp_smem, struct router_opts o)
 {
+    pdl_wait(); /* first: launch.cuh */
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int t = blockIdx.x * (blockDim.x >> 5) + wid;
@@ -222,6 +223,7 @@ __global__ void __launch_bounds__(RT_WARPS * 32)
 router_bwd_kernel(float *dlogits, const float *dtopk_w, const float *probs, const int32_t *topk_idx,
                   const float *aux_dp, int T_, int E, int k, int warp_smem, struct router_opts o)
 {
+    pdl_wait(); /* first: launch.cuh */
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int t = blockIdx.x * (blockDim.x >> 5) + wid;
@@ -302,6 +304,7 @@ __global__ void __launch_bounds__(STATS_THREADS)
 stats_partial_kernel(double *partial, int *count_part, const float *probs, const int32_t *topk_idx,
                      int T_, int E, int rows_per_chunk, int nchunks, size_t n, size_t slice)
 {
+    pdl_wait(); /* first: launch.cuh */
     const int ecols = (E + 31) / 32, nprob = ecols * nchunks;
     if ((int)blockIdx.x < nprob) {
         __shared__ double sh[8][33];
@@ -343,6 +346,7 @@ stats_partial_kernel(double *partial, int *count_part, const float *probs, const
 __global__ void stats_finish_kernel(float *psum, float *count, const double *partial, int nchunks,
                                     const int *count_part, int nslices, int E)
 {
+    pdl_wait(); /* first: launch.cuh */
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= E) return;
     psum[e] += (float)ordered_sum<double>(partial + e, E, nchunks);
@@ -353,6 +357,7 @@ __global__ void stats_finish_kernel(float *psum, float *count, const double *par
 __global__ void gather_weights_kernel(float *topk_w, const float *probs, const int32_t *topk_idx,
                                       int T_, int E, int k, struct router_opts o)
 {
+    pdl_wait(); /* first: launch.cuh */
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= T_) return;
     const float *p = probs + (size_t)t * E;
@@ -395,8 +400,8 @@ void cu_router_forward(int32_t *topk_idx, float *topk_w, float *probs, const flo
     /* the experts' keys in registers up to 512 experts, in shared memory past that */
     auto fwd = E <= 128 ? router_fwd_kernel<4> : E <= 256 ? router_fwd_kernel<8>
              : E <= 512 ? router_fwd_kernel<16> : router_fwd_kernel<0>;
-    fwd<<<(T_ + w - 1) / w, 32 * w, w * bytes, g_cuda.stream>>>(topk_idx, topk_w, probs, logits, bias,
-                                                                T_, E, k, (int)bytes, *o);
+    cuda_launch(fwd, (T_ + w - 1) / w, 32 * w, w * bytes, topk_idx, topk_w, probs, logits, bias,
+        T_, E, k, (int)bytes, *o);
     CUDA_LAUNCH_CHECK("router forward");
 }
 
@@ -408,7 +413,7 @@ void cu_router_backward(float *dlogits, const float *dtopk_w, const float *probs
     if (T_ == 0) return;
     size_t bytes = (size_t)E * sizeof(float) + (size_t)k * (sizeof(int) + 2 * sizeof(float));
     const int w = router_warps("router backward", E, &bytes);
-    router_bwd_kernel<<<(T_ + w - 1) / w, 32 * w, w * bytes, g_cuda.stream>>>(
+    cuda_launch(router_bwd_kernel, (T_ + w - 1) / w, 32 * w, w * bytes,
         dlogits, dtopk_w, probs, topk_idx, aux_dp, T_, E, k, (int)bytes, *o);
     CUDA_LAUNCH_CHECK("router backward");
 }
@@ -418,14 +423,15 @@ void cu_router_gather_weights(float *topk_w, const float *probs, const int32_t *
 {
     check_router("router_gather_weights", T_, E, k);
     if (T_ == 0) return;
-    gather_weights_kernel<<<(T_ + 127) / 128, 128, 0, g_cuda.stream>>>(topk_w, probs, topk_idx, T_, E,
-                                                                       k, *o);
+    cuda_launch(gather_weights_kernel, (T_ + 127) / 128, 128, 0, topk_w, probs, topk_idx, T_, E,
+        k, *o);
     CUDA_LAUNCH_CHECK("router_gather_weights");
 }
 
 /* one thread an expert; fp64 as on the host (train.c), so the bits are the host's */
 __global__ void aux_grad_kernel(float *aux_dp, const float *stats, int L, int E, double scale, double rows)
 {
+    pdl_wait(); /* first: launch.cuh */
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= E) return;
     double cnt = 0;
@@ -436,7 +442,7 @@ __global__ void aux_grad_kernel(float *aux_dp, const float *stats, int L, int E,
 void cu_aux_grad_from_stats(float *aux_dp, const float *stats, int L, int E, double scale, double rows)
 {
     if (E <= 0) return;
-    aux_grad_kernel<<<(E + 127) / 128, 128, 0, g_cuda.stream>>>(aux_dp, stats, L, E, scale, rows);
+    cuda_launch(aux_grad_kernel, (E + 127) / 128, 128, 0, aux_dp, stats, L, E, scale, rows);
     CUDA_LAUNCH_CHECK("aux_grad_from_stats");
 }
 
@@ -457,11 +463,11 @@ void cu_router_stats(float *psum, float *count, const float *probs, const int32_
     char *scratch = (char *)cuda_scratch(SCRATCH_REDUCE, pbytes + (size_t)nslices * E * sizeof(int));
     double *partial = (double *)scratch;
     int *count_part = (int *)(scratch + pbytes);
-    stats_partial_kernel<<<(E + 31) / 32 * nchunks + nslices, STATS_THREADS, (size_t)E * sizeof(int),
-                           g_cuda.stream>>>(partial, count_part, probs, topk_idx, T_, E,
-                                            rows_per_chunk, nchunks, n, slice);
+    cuda_launch(stats_partial_kernel, (E + 31) / 32 * nchunks + nslices, STATS_THREADS,
+        (size_t)E * sizeof(int), partial, count_part, probs, topk_idx, T_, E, rows_per_chunk, nchunks, n,
+        slice);
     CUDA_LAUNCH_CHECK("router_stats partials");
-    stats_finish_kernel<<<(E + 255) / 256, 256, 0, g_cuda.stream>>>(psum, count, partial, nchunks,
-                                                                     count_part, nslices, E);
+    cuda_launch(stats_finish_kernel, (E + 255) / 256, 256, 0, psum, count, partial, nchunks,
+        count_part, nslices, E);
     CUDA_LAUNCH_CHECK("router_stats");
 }

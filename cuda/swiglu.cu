@@ -16,6 +16,7 @@ __device__ __forceinline__ int bounded(int R, const int64_t *rows)
 
 template <typename T> __global__ void swiglu_fwd_kernel(T *out, const T *gu, int R, int I, const int64_t *rows)
 {
+    pdl_wait(); /* first: launch.cuh */
     const size_t n = (size_t)bounded(R, rows) * I;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
@@ -27,6 +28,7 @@ template <typename T> __global__ void swiglu_fwd_kernel(T *out, const T *gu, int
 
 template <typename T> __global__ void swiglu_bwd_kernel(T *dgu, const T *dout, const T *gu, int R, int I, const int64_t *rows)
 {
+    pdl_wait(); /* first: launch.cuh */
     const size_t n = (size_t)bounded(R, rows) * I;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
@@ -43,6 +45,7 @@ template <typename T> __global__ void swiglu_bwd_kernel(T *dgu, const T *dout, c
 /* the vector kernels: chunk i of nci = I / 8 per row */
 template <typename T> __global__ void swiglu_fwd_vec_kernel(T *out, const T *gu, int R, int I, const int64_t *rows)
 {
+    pdl_wait(); /* first: launch.cuh */
     const size_t nci = (size_t)(I >> 3), n = (size_t)bounded(R, rows) * nci;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
@@ -60,6 +63,7 @@ template <typename T> __global__ void swiglu_fwd_vec_kernel(T *out, const T *gu,
 template <typename T>
 __global__ void swiglu_bwd_vec_kernel(T *dgu, const T *dout, const T *gu, int R, int I, const int64_t *rows)
 {
+    pdl_wait(); /* first: launch.cuh */
     const size_t nci = (size_t)(I >> 3), n = (size_t)bounded(R, rows) * nci;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
@@ -87,12 +91,12 @@ template <typename T> void cu_swiglu_forward(void *out, const void *gu, int R, i
     if ((size_t)R * I == 0) return;
     if (I % 8 == 0 && aligned16(out) && aligned16(gu)) {
         const size_t n = (size_t)R * (I / 8);
-        swiglu_fwd_vec_kernel<T><<<cuda_grid(n, SW_BLOCK), SW_BLOCK, 0, g_cuda.stream>>>(
+        cuda_launch(swiglu_fwd_vec_kernel<T>, cuda_grid(n, SW_BLOCK), SW_BLOCK, 0,
             (T *)out, (const T *)gu, R, I, rows);
         CUDA_LAUNCH_CHECK("swiglu forward");
         return;
     }
-    swiglu_fwd_kernel<T><<<cuda_grid((size_t)R * I, SW_BLOCK), SW_BLOCK, 0, g_cuda.stream>>>(
+    cuda_launch(swiglu_fwd_kernel<T>, cuda_grid((size_t)R * I, SW_BLOCK), SW_BLOCK, 0,
         (T *)out, (const T *)gu, R, I, rows);
     CUDA_LAUNCH_CHECK("swiglu forward");
 }
@@ -104,12 +108,12 @@ template <typename T> void cu_swiglu_backward(void *dgu, const void *dout, const
     if ((size_t)R * I == 0) return;
     if (I % 8 == 0 && aligned16(dgu) && aligned16(dout) && aligned16(gu)) {
         const size_t n = (size_t)R * (I / 8);
-        swiglu_bwd_vec_kernel<T><<<cuda_grid(n, SW_BLOCK), SW_BLOCK, 0, g_cuda.stream>>>(
+        cuda_launch(swiglu_bwd_vec_kernel<T>, cuda_grid(n, SW_BLOCK), SW_BLOCK, 0,
             (T *)dgu, (const T *)dout, (const T *)gu, R, I, rows);
         CUDA_LAUNCH_CHECK("swiglu backward");
         return;
     }
-    swiglu_bwd_kernel<T><<<cuda_grid((size_t)R * I, SW_BLOCK), SW_BLOCK, 0, g_cuda.stream>>>(
+    cuda_launch(swiglu_bwd_kernel<T>, cuda_grid((size_t)R * I, SW_BLOCK), SW_BLOCK, 0,
         (T *)dgu, (const T *)dout, (const T *)gu, R, I, rows);
     CUDA_LAUNCH_CHECK("swiglu backward");
 }

@@ -29,6 +29,10 @@
 #   train bf16, the sm_80 path (MT_FORCE_SM80=1) vs the Hopper path on 1 GPU: TRAIN_BF16_TOL (the
 #                 expert GEMMs differ in summation order only, and the attention's dK/dV where its pass
 #                 runs in parts of the kv group: src/attention_parts.h)
+#   unit tests gpu/* and train bf16 (1 GPU; EP=2 on 2) with MT_PDL=0 (no programmatic dependent
+#                 launch, which is on by default on Hopper): the tests pass and the losses are
+#                 identical to the default runs (added 2026-11-29; MT_PDL=1 with an early trigger
+#                 passed the same checks on one H200)
 #   train bf16, head_dim 64, resumed from its own checkpoint at step 2 vs uninterrupted: identical
 #                 losses after step 2 (with cuBLASLt's tuned algorithms, MT_GEMM_TUNE); tuning off vs
 #                 on: identical losses (added 2026-11-29; the same checks by hand on one H200 passed,
@@ -139,6 +143,11 @@ fi
 MT_REQUIRE_GPU=1 MT_BUILD="$B" run_step "unit tests gpu/* (CUDA ops vs CPU)" "$LOG/unit_gpu.log" \
     "$B/tests/unit_tests" --filter 'gpu/*' --jobs 1
 
+# 1b. the same without programmatic dependent launch (MT_PDL=0, cuda/launch.cuh), plain stream
+#     order: the default runs above would differ from the CPU if a kernel read or wrote early
+MT_PDL=0 MT_REQUIRE_GPU=1 MT_BUILD="$B" run_step "unit tests gpu/* with MT_PDL=0" "$LOG/unit_gpu_nopdl.log" \
+    "$B/tests/unit_tests" --filter 'gpu/*' --jobs 1
+
 # 2. NCCL against MPI, one rank per GPU (on one GPU: NCCL communicators of one rank, which still
 #    run every collective through NCCL and the side stream; the ring of point-to-point needs two)
 run_step "NCCL vs MPI comm ($NGPU rank(s))" "$LOG/gpu_comm_check.log" \
@@ -182,6 +191,12 @@ run_step "train bf16, 1 GPU, router_fp32=false" "$LOG/train_1gpu_bf16_router16.l
     --set log.metrics="$LOG/train_1gpu_bf16_router16.jsonl"
 compare_losses "losses router_fp32 true vs false, bf16 (tol $TRAIN_BF16_TOL)" \
     "$LOG/train_1gpu_bf16_router16.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+# programmatic dependent launch changes when kernels start, not what they compute: the same bits
+run_step "train bf16, 1 GPU, MT_PDL=0" "$LOG/train_1gpu_bf16_nopdl.log" \
+    env MT_PDL=0 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+    --set log.metrics="$LOG/train_1gpu_bf16_nopdl.jsonl"
+compare_losses "losses MT_PDL=0 vs default, bf16 (identical)" \
+    "$LOG/train_1gpu_bf16_nopdl.jsonl" "$LOG/train_1gpu_bf16.jsonl" 0
 # sharded-memory options on one GPU: casting every layer's weights from the fp32 master (no kept
 # bf16 copy) rounds exactly as the kept copy does, so the losses are identical; bf16 Adam moments
 # change the update by their rounding
@@ -249,6 +264,11 @@ if [ "$NGPU" -ge 2 ]; then
         --set log.metrics="$LOG/train_2gpu_ep2_bf16_counted.jsonl"
     compare_losses "losses EP=2 fixed vs counted exchange, bf16 (identical)" \
         "$LOG/train_2gpu_ep2_bf16.jsonl" "$LOG/train_2gpu_ep2_bf16_counted.jsonl" 0
+    run_step "train bf16, 2 GPUs, EP=2, MT_PDL=0" "$LOG/train_2gpu_ep2_bf16_nopdl.log" \
+        $MPIRUN -np 2 -x MT_PDL=0 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+        --set parallel.expert_parallel_size=2 --set log.metrics="$LOG/train_2gpu_ep2_bf16_nopdl.jsonl"
+    compare_losses "losses EP=2 MT_PDL=0 vs default, bf16 (identical)" \
+        "$LOG/train_2gpu_ep2_bf16_nopdl.jsonl" "$LOG/train_2gpu_ep2_bf16.jsonl" 0
     run_step "train bf16, 2 GPUs, EP=2, expert rows outgrown" "$LOG/train_2gpu_ep2_bf16_rerun.log" \
         $MPIRUN -np 2 -x MT_MOE_ROW_CAPACITY=0.3 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
         --set parallel.expert_parallel_size=2 --set log.metrics="$LOG/train_2gpu_ep2_bf16_rerun.jsonl"
