@@ -46,6 +46,9 @@ TRAIN_BF16_TOL=${TRAIN_BF16_TOL:-1e-2}
 TRAIN_FP32_TOL=${TRAIN_FP32_TOL:-1e-3}
 STEPS=5
 STEP_TIMEOUT=${MT_GPU_STEP_TIMEOUT:-300}
+# the gpu/* unit tests run three times (default, MT_PDL=0, the sm_80 path); one process each took
+# ~200 s on one H200 and the whole script then overran a 10-minute job, so they share the GPU
+UNIT_JOBS=${MT_GPU_UNIT_JOBS:-4}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} # never NVLink multicast
 
@@ -71,8 +74,10 @@ run_step() {
     local name=$1 log=$2
     shift 2
     echo "test-gpu: --- $name: $*"
+    local t0=$SECONDS
     timeout "$STEP_TIMEOUT" "$@" 2>&1 | tee "$log"
     local rc=${PIPESTATUS[0]}
+    name="$name [$((SECONDS - t0)) s]"
     if [ "$rc" -eq 0 ]; then record "$name" PASS
     elif [ "$rc" -eq 124 ]; then record "$name" "FAIL (timed out after ${STEP_TIMEOUT}s)"
     else record "$name" "FAIL (exit $rc)"; fi
@@ -141,12 +146,12 @@ fi
 
 # 1. every CUDA op against the CPU op (a missing GPU is a failure here, not a skip)
 MT_REQUIRE_GPU=1 MT_BUILD="$B" run_step "unit tests gpu/* (CUDA ops vs CPU)" "$LOG/unit_gpu.log" \
-    "$B/tests/unit_tests" --filter 'gpu/*' --jobs 1
+    "$B/tests/unit_tests" --filter 'gpu/*' --jobs "$UNIT_JOBS"
 
 # 1b. the same without programmatic dependent launch (MT_PDL=0, cuda/launch.cuh), plain stream
 #     order: the default runs above would differ from the CPU if a kernel read or wrote early
 MT_PDL=0 MT_REQUIRE_GPU=1 MT_BUILD="$B" run_step "unit tests gpu/* with MT_PDL=0" "$LOG/unit_gpu_nopdl.log" \
-    "$B/tests/unit_tests" --filter 'gpu/*' --jobs 1
+    "$B/tests/unit_tests" --filter 'gpu/*' --jobs "$UNIT_JOBS"
 
 # 2. NCCL against MPI, one rank per GPU (on one GPU: NCCL communicators of one rank, which still
 #    run every collective through NCCL and the side stream; the ring of point-to-point needs two)
@@ -353,7 +358,7 @@ compare_losses "losses CPU vs 1 GPU, routing replay, fp32 (tol $TRAIN_FP32_TOL)"
 #    GPU's machine code; the sm_80 machine code itself only runs on an A100. MT_GPU_SM80=0 skips.
 if [ "${MT_GPU_SM80:-1}" != 0 ]; then
     MT_REQUIRE_GPU=1 MT_BUILD="$B" run_step "sm80 path: unit tests gpu/* (MT_FORCE_SM80=1)" \
-        "$LOG/unit_gpu_sm80.log" env MT_FORCE_SM80=1 "$B/tests/unit_tests" --filter 'gpu/*' --jobs 1
+        "$LOG/unit_gpu_sm80.log" env MT_FORCE_SM80=1 "$B/tests/unit_tests" --filter 'gpu/*' --jobs "$UNIT_JOBS"
     fx=tests/fixtures/qwen3moe-tiny
     run_step "sm80 path: verify qwen3moe-tiny bf16 (tol $VERIFY_BF16_TOL)" \
         "$LOG/verify_qwen3moe-tiny_bf16_sm80.log" env MT_FORCE_SM80=1 \
@@ -407,4 +412,4 @@ if [ "$fails" -gt 0 ]; then
     echo "test-gpu: FAIL ($fails of ${#NAMES[@]} steps failed)"
     exit 1
 fi
-echo "test-gpu: PASS (${#NAMES[@]} steps)"
+echo "test-gpu: PASS (${#NAMES[@]} steps in $SECONDS s)"
