@@ -82,6 +82,7 @@ template <typename T> static struct backend make_table(double peak)
     b.moe_route_plan = cu_moe_route_plan;
     b.moe_pair_plan = cu_moe_pair_plan;
     b.moe_rows_cap = cu_moe_rows_cap;
+    b.moe_rows_split = cu_moe_rows_split;
     b.gather_f32 = cu_gather_f32;
     b.gather_rows = cu_gather_rows<T>;
     b.gather_rows_backward = cu_gather_rows_backward<T>;

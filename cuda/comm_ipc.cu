@@ -189,7 +189,7 @@ static void grow(struct ipc_a2a *x, const int64_t *need)
 }
 
 const void *ipc_a2a_start(struct ipc_a2a *x, const size_t *recv_bytes, const void *send,
-                          const size_t *send_bytes, bool same_block)
+                          const size_t *send_bytes, bool same_block, bool self_later)
 {
     MT_CHECK(!x->started, "all_to_all_inbox: started while the previous one is still in flight");
     x->started = true;
@@ -230,7 +230,7 @@ const void *ipc_a2a_start(struct ipc_a2a *x, const size_t *recv_bytes, const voi
         const int64_t *m = x->meta + (size_t)d * row;
         CUDA_CHECK(cudaStreamWaitEvent(x->copy[d], x->ready, 0));
         if (d != me) flag_wait(x->copy[d], x->flags + d, e, d); /* d's window is free */
-        if (send_bytes[d])
+        if (send_bytes[d] && !(self_later && d == me))
             CUDA_CHECK(cudaMemcpyAsync(x->win[d] + m[1 + me], (const unsigned char *)send + send_off[d],
                                        send_bytes[d], cudaMemcpyDeviceToDevice, x->copy[d]));
         if (d != me) flag_set(x->copy[d], x->peer_flags[d] + P + me, e, d); /* landed in d's window */
@@ -264,7 +264,7 @@ bool ipc_a2a_arrival(const struct ipc_a2a *x, struct exchange_arrival *out)
 const void *ipc_a2a_run(struct ipc_a2a *x, const size_t *recv_bytes, const void *send,
                         const size_t *send_bytes)
 {
-    const void *win = ipc_a2a_start(x, recv_bytes, send, send_bytes, false);
+    const void *win = ipc_a2a_start(x, recv_bytes, send, send_bytes, false, false);
     ipc_a2a_finish(x);
     return win;
 }

@@ -39,10 +39,12 @@ const void *ipc_a2a_run(struct ipc_a2a *x, const size_t *recv_bytes, const void 
 /* ipc_a2a_run in two halves, for work that runs on the compute stream while the copies move: start
  * queues the copies (steps 1-2 above) and returns the window; finish makes the compute stream wait
  * for them (step 3). same_block: every rank's block is the same send_bytes[d] bytes at `send` (an
- * all-gather) instead of packed blocks. Between the two, queued work may touch neither `send` nor the window, and no
- * other call on x may run. Both collective. */
+ * all-gather) instead of packed blocks. self_later: the block to self is not copied; its place in
+ * the window is the caller's to write (comm.h comm_all_to_all_inbox_start_self_later). Between the
+ * two, queued work may touch neither `send` nor the window (but that place), and no other call on
+ * x may run. Both collective. */
 const void *ipc_a2a_start(struct ipc_a2a *x, const size_t *recv_bytes, const void *send,
-                          const size_t *send_bytes, bool same_block);
+                          const size_t *send_bytes, bool same_block, bool self_later);
 void ipc_a2a_finish(struct ipc_a2a *x);
 struct exchange_arrival; /* ops.h */
 /* Between start and finish: the flags the peers' copies set once their blocks have landed here

@@ -454,7 +454,7 @@ static void nccl_destroy(struct comm *c)
 /* The copy-engine inbox exchange's two halves (comm_ipc.cuh); without it, the whole exchange now. */
 static const void *nccl_all_to_all_inbox_start(struct comm *c, const int64_t *recv_counts, const void *send,
                                                const int64_t *send_counts, enum comm_dtype t,
-                                               struct comm_p2p_req *r)
+                                               struct comm_p2p_req *r, bool self_later)
 {
     struct nccl_impl *im = impl_of(c);
     r->state = NULL;
@@ -467,7 +467,7 @@ static const void *nccl_all_to_all_inbox_start(struct comm *c, const int64_t *re
         rb[p] = (size_t)recv_counts[p] * es;
         sb[p] = (size_t)send_counts[p] * es;
     }
-    const void *win = ipc_a2a_start(im->ipc, rb, send, sb, false);
+    const void *win = ipc_a2a_start(im->ipc, rb, send, sb, false, self_later);
     struct nccl_p2p_state *st = (struct nccl_p2p_state *)mt_calloc(1, sizeof *st);
     st->ipc = true;
     r->state = st;
@@ -490,7 +490,7 @@ static const void *nccl_all_gather_inbox_start(struct comm *c, const void *send,
     }
     size_t b[c->size];
     for (int p = 0; p < c->size; p++) b[p] = n * es;
-    const void *win = ipc_a2a_start(im->ipc, b, send, b, true);
+    const void *win = ipc_a2a_start(im->ipc, b, send, b, true, false);
     struct nccl_p2p_state *st = (struct nccl_p2p_state *)mt_calloc(1, sizeof *st);
     st->ipc = true;
     r->state = st;

@@ -122,17 +122,29 @@ static void check_offsets(const char *what, const int64_t *off, int64_t R, int n
 
 template <typename T>
 void cu_expert_matmul_forward(void *out, const void *in, const void *w, const int64_t *off_dev,
-                              int64_t R, int n_exp, int I, int O)
+                              const int64_t *end_dev, int64_t R, int n_exp, int I, int O)
 {
     /* bf16: the grouped Hopper kernel, unless the shapes are outside what it handles */
-    if (std::is_same<T, bf16>::value && grouped_gemm_forward(out, in, w, off_dev, R, n_exp, I, O))
+    if (std::is_same<T, bf16>::value && grouped_gemm_forward(out, in, w, off_dev, end_dev, R, n_exp, I, O))
         return;
     const int64_t *off = offsets_on_host(off_dev, n_exp);
     check_offsets("expert_matmul", off, R, n_exp);
+    /* each expert's [off[e], end[e]): the ends downloaded beside the offsets */
+    static std::vector<int64_t> ends;
+    ends.assign(off + 1, off + 1 + n_exp);
+    if (end_dev && n_exp > 0) {
+        CUDA_CHECK(cudaMemcpyAsync(ends.data(), end_dev, (size_t)n_exp * sizeof(int64_t),
+                                   cudaMemcpyDeviceToHost, g_cuda.stream));
+        CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));
+        for (int e = 0; e < n_exp; e++)
+            MT_CHECK(ends[e] >= off[e] && ends[e] <= off[e + 1],
+                     "expert_matmul: expert %d's rows end at %lld, outside [%lld, %lld]", e,
+                     (long long)ends[e], (long long)off[e], (long long)off[e + 1]);
+    }
     const cudaDataType_t dt = xtype<T>::cuda;
     g_list.clear();
     for (int e = 0; e < n_exp; e++) {
-        const int64_t r0 = off[e], n = off[e + 1] - off[e];
+        const int64_t r0 = off[e], n = ends[e] - off[e];
         if (n == 0) continue;
         g_list.add(CUBLAS_OP_T, CUBLAS_OP_N, O, (int)n, I, (const T *)w + (size_t)e * O * I, I,
                    (const T *)in + r0 * I, I, (T *)out + r0 * O, O, 0.0f);
@@ -203,9 +215,9 @@ void cu_expert_matmul_wgrad_part(float *dw, const struct expert_rows *sets, int 
 }
 
 template void cu_expert_matmul_forward<float>(void *, const void *, const void *, const int64_t *,
-                                              int64_t, int, int, int);
+                                              const int64_t *, int64_t, int, int, int);
 template void cu_expert_matmul_forward<bf16>(void *, const void *, const void *, const int64_t *,
-                                             int64_t, int, int, int);
+                                             const int64_t *, int64_t, int, int, int);
 template void cu_expert_matmul_backward<float>(void *, float *, const void *, const void *,
                                                const void *, const int64_t *, int64_t, int, int,
                                                int, bool);

@@ -7,7 +7,7 @@
 
 template <typename T>
 void cu_expert_matmul_forward(void *out, const void *in, const void *w, const int64_t *off,
-                              int64_t R, int n_exp, int I, int O);
+                              const int64_t *end, int64_t R, int n_exp, int I, int O);
 template <typename T>
 void cu_expert_matmul_backward(void *din, float *dw, const void *dout, const void *in,
                                const void *w, const int64_t *off, int64_t R, int n_exp, int I,

@@ -433,7 +433,8 @@ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 template <int KIND>
 void launch(int n_sets, const CUtensorMap *ma, const CUtensorMap *mb, const int64_t *const *off,
             void *out, int64_t R, int n_exp, int M, int N, int K, const CUtensorMap *mout,
-            bool overwrite = false, int *claim = nullptr, const struct exchange_arrival *until = nullptr)
+            bool overwrite = false, int *claim = nullptr, const struct exchange_arrival *until = nullptr,
+            const int64_t *end = nullptr)
 {
     static bool attr_set;
     if (!attr_set) {
@@ -473,6 +474,7 @@ void launch(int n_sets, const CUtensorMap *ma, const CUtensorMap *mb, const int6
         p.n_exp = ne;
         p.e_base = e0;
         for (int s = 0; s < n_sets; s++) p.off[s] = off[s] + e0;
+        p.end0 = (end ? end : off[0] + 1) + e0;
         const int grid = max_tiles < g_cuda.num_sms ? (int)max_tiles : g_cuda.num_sms;
         if (grid == 0) continue;
         if (KIND == KIND_WGRAD && claim)
@@ -486,7 +488,7 @@ void launch(int n_sets, const CUtensorMap *ma, const CUtensorMap *mb, const int6
 } // namespace
 
 extern "C" bool grouped_gemm_forward(void *out, const void *in, const void *w, const int64_t *off,
-                                     int64_t rows, int n_exp, int I, int O)
+                                     const int64_t *end, int64_t rows, int n_exp, int I, int O)
 {
     if (!supported(I, O, rows, out, in, w)) return false;
     if (n_exp <= 0 || rows == 0) return true; /* no rows */
@@ -502,7 +504,7 @@ extern "C" bool grouped_gemm_forward(void *out, const void *in, const void *w, c
     CUtensorMap mo;
     const cuuint64_t dout[2] = {(cuuint64_t)O, R}, so[1] = {(cuuint64_t)O * 2};
     tma_make_map(&mo, out, 2, dout, so, ba, "grouped_gemm");
-    launch<KIND_FWD>(1, &ma, &mb, &off, out, rows, n_exp, 0, O, I, &mo);
+    launch<KIND_FWD>(1, &ma, &mb, &off, out, rows, n_exp, 0, O, I, &mo, false, nullptr, nullptr, end);
     return true;
 }
 

@@ -25,10 +25,12 @@
 extern "C" {
 #endif
 
-/* out[r] = in[r] · W[e]ᵀ for r in expert e's rows */
+/* out[r] = in[r] · W[e]ᵀ for r in expert e's rows; end (device [n_exp], or NULL): expert e's rows
+ * are [off[e], end[e]) instead, off[e] <= end[e] (part of each expert's rows; the others are
+ * neither read into any output row nor written) */
 bool grouped_gemm_forward(void *out /*[rows,O] bf16*/, const void *in /*[rows,I] bf16*/,
                           const void *w /*[n_exp,O,I] bf16*/, const int64_t *off /*[n_exp+1]*/,
-                          int64_t rows, int n_exp, int I, int O);
+                          const int64_t *end /*[n_exp] or NULL*/, int64_t rows, int n_exp, int I, int O);
 
 /* din[r] = dout[r] · W[e] (overwritten) */
 bool grouped_gemm_dgrad(void *din /*[rows,I] bf16*/, const void *dout /*[rows,O] bf16*/,

@@ -75,6 +75,9 @@ struct gg_params {
     /* device: each row set's n_exp + 1 absolute row offsets (from expert e_base on); each CTA
      * turns them into tile starts in shared memory */
     const int64_t *off[MAX_SETS];
+    /* device: set 0's row ends, expert e's rows [off[0][e], end0[e]) (off[0] + 1 but for a forward
+     * over part of each expert's rows: moe.c's rows of one source rank) */
+    const int64_t *end0;
     int n_sets;         /* 1 (forward, dgrad) .. MAX_SETS */
     /* wgrad in parts (grouped_gemm_wgrad_part): the CTAs take tiles from claim[0] (device; the
      * next tile of the launch's order) instead of every grid-th one, and set claim[1] once none
@@ -124,7 +127,7 @@ __device__ void tile_starts(const gg_params &p, int *tile_start /*[MAX_EXPERTS +
     const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
     int v = 0, k_total = 0;
     if (e < p.n_exp) {
-        const int64_t rows = __ldg(p.off[0] + e + 1) - __ldg(p.off[0] + e);
+        const int64_t rows = __ldg(p.end0 + e) - __ldg(p.off[0] + e);
         bool any = rows > 0 || p.overwrite;
         k_total = (int)((rows + bk_of<KIND>() - 1) / bk_of<KIND>());
         for (int s = 1; KIND == KIND_WGRAD && s < p.n_sets; s++) { /* forward/dgrad: one set */
@@ -194,7 +197,7 @@ __device__ __forceinline__ tile_info decode(const gg_params &p, const int *tile_
     const int e = order[lo];
     ti.e = e;
     ti.r0 = (int)__ldg(p.off[0] + e);
-    ti.rows = (int)__ldg(p.off[0] + e + 1) - ti.r0;
+    ti.rows = (int)__ldg(p.end0 + e) - ti.r0;
     ti.nk = 0;
     if (KIND == KIND_WGRAD) {
         constexpr int BK = bk_of<KIND>();

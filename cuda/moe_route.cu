@@ -383,6 +383,41 @@ void cu_moe_rows_cap(int64_t *off, int32_t *src_row, int32_t *slot_row, int64_t 
     CUDA_LAUNCH_CHECK("moe_rows_cap");
 }
 
+/* ---------------------------------------------------------------- one source's rows of each expert */
+
+/* the first row of [r0, r1) whose source is >= src (r1 if none): the sources ascend there */
+static __device__ int64_t first_from(const int32_t *src_row, int64_t r0, int64_t r1, int64_t src)
+{
+    while (r0 < r1) {
+        const int64_t mid = r0 + (r1 - r0) / 2;
+        if (src_row[mid] < src) r0 = mid + 1;
+        else r1 = mid;
+    }
+    return r0;
+}
+
+/* a thread an expert: two binary searches over its rows; thread n_exp the end */
+__global__ void rows_split_kernel(int64_t *lo, int64_t *hi, const int64_t *off, const int32_t *src_row,
+                                  int n_exp, int64_t src_lo, int64_t src_hi)
+{
+    pdl_wait(); /* first: launch.cuh */
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e == n_exp) lo[e] = hi[e] = off[e];
+    if (e >= n_exp) return;
+    const int64_t r1 = off[e + 1], l = first_from(src_row, off[e], r1, src_lo);
+    lo[e] = l;
+    hi[e] = first_from(src_row, l, r1, src_hi);
+}
+
+void cu_moe_rows_split(int64_t *lo, int64_t *hi, const int64_t *off, const int32_t *src_row, int n_exp,
+                       int64_t src_lo, int64_t src_hi)
+{
+    MT_CHECK(n_exp > 0 && src_lo <= src_hi, "moe_rows_split: %d experts, pairs [%lld, %lld)", n_exp,
+             (long long)src_lo, (long long)src_hi);
+    cuda_launch(rows_split_kernel, (n_exp + 1 + 127) / 128, 128, 0, lo, hi, off, src_row, n_exp, src_lo, src_hi);
+    CUDA_LAUNCH_CHECK("moe_rows_split");
+}
+
 /* ---------------------------------------------------------------- fp32 gather */
 
 __global__ void gather_f32_kernel(float *out, const float *in, const int32_t *idx, int n)

@@ -11,6 +11,8 @@ void cu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int32
                       int32_t *meta_idx, float *meta_w, int32_t *w_map, int64_t *count_host,
                       int64_t *rows_host, int T, int ep, int n_local, int k, int block);
 void cu_moe_rows_cap(int64_t *off, int32_t *src_row, int32_t *slot_row, int64_t *need, int n_slots, int n_exp, int64_t cap);
+void cu_moe_rows_split(int64_t *lo, int64_t *hi, const int64_t *off, const int32_t *src_row, int n_exp,
+                       int64_t src_lo, int64_t src_hi);
 void cu_gather_f32(float *out, const float *in, const int32_t *idx, int n);
 
 #endif

@@ -96,7 +96,7 @@ struct comm_ops {
      * returned buffer, and no other inbox exchange on c may start */
     const void *(*all_to_all_inbox_start)(struct comm *c, const int64_t *recv_counts, const void *send,
                                           const int64_t *send_counts, enum comm_dtype t,
-                                          struct comm_p2p_req *r);
+                                          struct comm_p2p_req *r, bool self_later);
     /* all_to_all_inbox_start where every rank gets the same n elements of `send` (an all-gather
      * into the inbox: rank s's block at s·n of the returned buffer), finished by p2p_wait with
      * the same rules in between (MPI and NCCL across hosts: done on return, nothing in flight).
@@ -157,6 +157,16 @@ const void *comm_all_to_all_inbox(struct comm *c, const int64_t *recv_counts, co
 const void *comm_all_to_all_inbox_start(struct comm *c, const int64_t *recv_counts, const void *send,
                                         const int64_t *send_counts, enum comm_dtype t, struct comm_p2p_req *r);
 /* ops->exchange_arrival; false for a NULL comm or where the op is missing */
+/* comm_all_to_all_inbox_start whose block to self the caller writes: it keeps its place in the
+ * returned buffer (recv_counts[rank] elements, after the earlier ranks' blocks) and work queued
+ * after this returns (on the compute stream; on the host for MPI) may write it there while the
+ * other blocks cross; it must be written before the buffer is read after the wait, and send's
+ * block to self need not hold anything. Where the exchange runs whole before returning (MPI,
+ * NCCL across hosts, a group of one: then the buffer is `send` itself), send's block to self is
+ * copied there first as usual, and the caller's write replaces it. */
+void *comm_all_to_all_inbox_start_self_later(struct comm *c, const int64_t *recv_counts, const void *send,
+                                             const int64_t *send_counts, enum comm_dtype t,
+                                             struct comm_p2p_req *r);
 bool comm_exchange_arrival(struct comm *c, const struct comm_p2p_req *r, struct exchange_arrival *out);
 /* ops->all_gather_inbox_start; comm_p2p_wait finishes it. For a NULL comm the result is `send`. */
 const void *comm_all_gather_inbox_start(struct comm *c, const void *send, size_t n, enum comm_dtype t,

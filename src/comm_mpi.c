@@ -564,12 +564,32 @@ const void *comm_all_gather_inbox_start(struct comm *c, const void *send, size_t
     return in;
 }
 
-const void *comm_all_to_all_inbox_start(struct comm *c, const int64_t *recv_counts, const void *send,
-                                        const int64_t *send_counts, enum comm_dtype t, struct comm_p2p_req *r)
+static const void *inbox_start(struct comm *c, const int64_t *recv_counts, const void *send,
+                               const int64_t *send_counts, enum comm_dtype t, struct comm_p2p_req *r,
+                               bool self_later)
 {
     r->state = NULL;
     if (single(c) || !c->ops->all_to_all_inbox_start) return comm_all_to_all_inbox(c, recv_counts, send, send_counts, t);
     const void *in;
-    TIMED(in = c->ops->all_to_all_inbox_start(c, recv_counts, send, send_counts, t, r));
+    TIMED(in = c->ops->all_to_all_inbox_start(c, recv_counts, send, send_counts, t, r, self_later));
     return in;
+}
+
+const void *comm_all_to_all_inbox_start(struct comm *c, const int64_t *recv_counts, const void *send,
+                                        const int64_t *send_counts, enum comm_dtype t, struct comm_p2p_req *r)
+{
+    return inbox_start(c, recv_counts, send, send_counts, t, r, false);
+}
+
+void *comm_all_to_all_inbox_start_self_later(struct comm *c, const int64_t *recv_counts, const void *send,
+                                             const int64_t *send_counts, enum comm_dtype t,
+                                             struct comm_p2p_req *r)
+{
+    if (c) {
+        const int me = c->rank;
+        MT_CHECK(recv_counts[me] == send_counts[me], "all_to_all_inbox: rank %d sends %lld elements to itself "
+                 "but expects %lld", me, (long long)send_counts[me], (long long)recv_counts[me]);
+    }
+    /* the buffer is the comm's (or send itself for a group of one): the caller's to write in part */
+    return (void *)inbox_start(c, recv_counts, send, send_counts, t, r, true);
 }

@@ -56,6 +56,7 @@ void config_defaults(struct config *c)
     c->parallel.wgrad_pair_layers = MT_MAX_LAYERS;
     c->parallel.expert_wgrad_group = 0;
     c->parallel.expert_wgrad_jobs = false;
+    c->parallel.moe_combine_self_last = true;
     c->parallel.wgrad_group_layers = 0;
     c->parallel.wgrad_group = 2;
     c->parallel.prefetch = true;

@@ -96,6 +96,7 @@ const struct cfg_key cfg_keys[] = {
     TRI("parallel", "expert_wgrad_pairs", parallel.expert_wgrad_pairs),
     INT("parallel", "expert_wgrad_group", parallel.expert_wgrad_group, CFG_LO | CFG_HI, 0, 8), /* ops.h MT_WGRAD_MAX_SETS */
     BOOL("parallel", "expert_wgrad_jobs", parallel.expert_wgrad_jobs),
+    BOOL("parallel", "moe_combine_self_last", parallel.moe_combine_self_last),
 
     INT("train", "steps", train.steps, POS),
     INT("train", "seq_len", train.seq_len, POS),

@@ -311,7 +311,7 @@ void model_free(struct model *m)
                    m->d_topk_w, m->d_x_send, m->meta_idx_send, m->meta_w_send, m->d_w_recv,
                    m->aux_dp, m->ones, m->d_gu, m->d_act, m->d_x_exp, m->d_y_exp,
                    m->stats, m->bias, m->x_recv, m->d_w_home, m->o_wgrad_dout,
-                   m->q_wgrad_dout, m->rows_need};
+                   m->q_wgrad_dout, m->rows_need, m->rows_split};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(dev[i]);
     free(m->rows_cap);

@@ -165,6 +165,12 @@ struct model {
      * and how many of its plans were cut. Off: the pair counts come to the host and cross over MPI
      * (one wait a layer). */
     bool fixed_exchange, rows_by_capacity;
+    /* parallel.moe_combine_self_last (moe.c combine_self_last): the down projection of the other
+     * ranks' rows first, their pair sums on their way home while this rank's own rows run;
+     * rows_split (dev [2, n_local + 1], allocated at first use) holds where each expert's own
+     * rows begin and end (ops.h moe_rows_split) */
+    bool combine_self_last;
+    int64_t *rows_split;
     int64_t *rows_cap;          /* host [L]: expert-side rows layer l may use (its buffers hold at least this) */
     int64_t *rows_need;         /* dev [L, 2] */
 

@@ -24,6 +24,7 @@
 
 #include "common.h"
 #include "layer.h"
+#include "mem_track.h"
 #include "model.h"
 #include "moe_buffers.h"
 #include "moe_exchange.h"
@@ -251,6 +252,63 @@ static void combine_rows(struct model *m, struct layer_acts *a, void *out, const
     be->moe_combine_forward(out, pairs, r->tok_pair, m->ones, resid, T, K, H);
 }
 
+#define ROW(m, p, i) MT_XP(m, p, (int64_t)(i) * (m)->H)
+
+/* The rows of this rank's own pairs: the received pairs [*p_lo, *p_hi) (the blocks arrive in rank
+ * order) */
+static void own_pairs(const struct model *m, const struct moe_route *r, int64_t *p_lo, int64_t *p_hi)
+{
+    int64_t lo = 0;
+    for (int s = 0; s < m->ep_rank; s++) lo += r->recv_counts[s];
+    *p_lo = lo;
+    *p_hi = lo + r->recv_counts[m->ep_rank];
+}
+
+/* The down projection and combine_rows with the other ranks' rows first (parallel.
+ * moe_combine_self_last): the rows of their pairs go through the down projection, their pair sums
+ * start home, and this rank's own rows run while they cross, their sums written straight into the
+ * inbox's block to self (comm_all_to_all_inbox_start_self_later). Each row and each pair sum is
+ * computed as in experts_forward's one piece, so the bits are the same; the transfer the forward
+ * otherwise waits for with nothing to run (docs/benchmarks.md) has this rank's share of the down
+ * projection under it. */
+static void down_and_combine_self_last(struct model *m, struct layer_acts *a, int l, void *out, const void *resid)
+{
+    const struct backend *be = m->be;
+    const int T = m->T, H = m->H, K = m->K, I = m->I, nl = m->n_local_experts;
+    struct moe_route *r = &a->route;
+    const void *w_down = W(m, TR_EXP_DOWN, l);
+    if (!m->rows_split) {
+        enum mem_cat was = mem_track_set(MEM_BUFFERS);
+        m->rows_split = be->alloc(2 * ((size_t)nl + 1) * sizeof(int64_t));
+        mem_track_set(was);
+    }
+    int64_t *lo = m->rows_split, *hi = lo + nl + 1; /* each expert's own rows: [lo[e], hi[e]) */
+    int64_t p_lo, p_hi;
+    own_pairs(m, r, &p_lo, &p_hi);
+    const int64_t P = r->P_recv;
+    be->moe_rows_split(lo, hi, r->expert_off, r->exp_src, nl, p_lo, p_hi);
+    /* the rows of the ranks before this one, [off[e], lo[e]), and after it, [hi[e], off[e+1]) */
+    if (p_lo > 0) be->expert_matmul_forward(a->y_exp, a->act, w_down, r->expert_off, lo, r->R_exp, nl, I, H);
+    if (p_hi < P) be->expert_matmul_forward(a->y_exp, a->act, w_down, hi, r->expert_off + 1, r->R_exp, nl, I, H);
+    if (p_lo > 0) be->moe_combine_forward(m->d_x_exp, a->y_exp, r->exp_slot, r->meta_w, NULL, (int)p_lo, K, H);
+    if (p_hi < P)
+        be->moe_combine_forward(ROW(m, m->d_x_exp, p_hi), a->y_exp, r->exp_slot + p_hi * K, r->meta_w + p_hi * K,
+                                NULL, (int)(P - p_hi), K, H);
+    int64_t in[m->ep], out_n[m->ep]; /* back the way the dispatch came */
+    scale_counts(m, in, out_n, r->send_counts, r->recv_counts, H);
+    struct comm_p2p_req req;
+    void *pairs = comm_all_to_all_inbox_start_self_later(m->ep_comm, in, m->d_x_exp, out_n,
+                                                         comm_dtype_of_x(be->x_size), &req);
+    int64_t home = 0; /* where the block to self sits in the inbox: after the earlier ranks' */
+    for (int s = 0; s < m->ep_rank; s++) home += r->send_counts[s];
+    be->expert_matmul_forward(a->y_exp, a->act, w_down, lo, hi, r->R_exp, nl, I, H);
+    be->moe_combine_forward(ROW(m, pairs, home), a->y_exp, r->exp_slot + p_lo * K, r->meta_w + p_lo * K, NULL,
+                            (int)(p_hi - p_lo), K, H);
+    moe_wgrad_jobs_fill(m, &req); /* the rank whose experts had fewer rows waits here */
+    comm_p2p_wait(m->ep_comm, &req);
+    be->moe_combine_forward(out, pairs, r->tok_pair, m->ones, resid, T, K, H);
+}
+
 /* Backward of combine_rows: m->d_h (dL/d out) -> m->d_y_exp (expert-major) and the routing
  * weights' gradients. With pairs those go home by an inbox exchange left in flight (returned, with
  * *w_req): combine_weights_home finishes it into m->d_topk_w, after the expert backward's GEMMs
@@ -341,10 +399,14 @@ static void experts_forward(struct model *m, struct layer_acts *a, int l, void *
     }
     route_plan(m, a, l);
     dispatch_rows(m, a, early);
-    be->expert_matmul_forward(a->gu, a->x_exp, W(m, TR_EXP_GATE_UP, l), r->expert_off, r->R_exp, nl,
+    be->expert_matmul_forward(a->gu, a->x_exp, W(m, TR_EXP_GATE_UP, l), r->expert_off, NULL, r->R_exp, nl,
                               H, 2 * I);
     be->swiglu_forward(a->act, a->gu, (int)r->R_exp, I, used_rows(m, r));
-    be->expert_matmul_forward(a->y_exp, a->act, W(m, TR_EXP_DOWN, l), r->expert_off, r->R_exp, nl, I,
+    if (m->pairs && m->combine_self_last) {
+        down_and_combine_self_last(m, a, l, out, resid);
+        return;
+    }
+    be->expert_matmul_forward(a->y_exp, a->act, W(m, TR_EXP_DOWN, l), r->expert_off, NULL, r->R_exp, nl, I,
                               H);
     combine_rows(m, a, out, resid);
 }

@@ -183,10 +183,10 @@ static void experts_forward(struct model *m, struct layer_acts *a, int l, const 
     const int H = m->H, I = m->I, nl = m->n_local_experts;
     moe_timeline_mark("gemms", x - a->route.chunks, 0);
     be->expert_matmul_forward(ROW(m, a->gu, x->row0, 2 * I), ROW(m, a->x_exp, x->row0, H),
-                              W(m, TR_EXP_GATE_UP, l), x->expert_off, x->R, nl, H, 2 * I);
+                              W(m, TR_EXP_GATE_UP, l), x->expert_off, NULL, x->R, nl, H, 2 * I);
     be->swiglu_forward(ROW(m, a->act, x->row0, I), ROW(m, a->gu, x->row0, 2 * I), (int)x->R, I, NULL);
     be->expert_matmul_forward(ROW(m, a->y_exp, x->row0, H), ROW(m, a->act, x->row0, I),
-                              W(m, TR_EXP_DOWN, l), x->expert_off, x->R, nl, I, H);
+                              W(m, TR_EXP_DOWN, l), x->expert_off, NULL, x->R, nl, I, H);
     moe_timeline_mark("gemms", x - a->route.chunks, 1);
 }
 

@@ -253,6 +253,14 @@ struct backend {
      * (a cut plan's results are never used). Does not wait. */
     void (*moe_rows_cap)(int64_t *off /*[n_exp+1]*/, int32_t *src_row /*[>= cap]*/, int32_t *slot_row /*[n_slots]*/,
                          int64_t *need /*[2]*/, int n_slots, int n_exp, int64_t cap);
+    /* Where each expert's rows from the pairs [src_lo, src_hi) begin and end: lo[e] = the first row
+     * r of [off[e], off[e+1]) with src_row[r] >= src_lo (off[e+1] if none), hi[e] = the first with
+     * src_row[r] >= src_hi. A route plan's rows are in ascending src_row within each expert, so
+     * the rows of one source rank's pairs (a block of the received pairs) are [lo[e], hi[e]) and
+     * the others' lie before and after it; lo[n_exp] = hi[n_exp] = off[n_exp], so that lo and hi
+     * are row offsets too (expert_matmul_forward's off, with end). Does not wait. */
+    void (*moe_rows_split)(int64_t *lo /*[n_exp+1]*/, int64_t *hi /*[n_exp+1]*/, const int64_t *off /*[n_exp+1]*/,
+                           const int32_t *src_row, int n_exp, int64_t src_lo, int64_t src_hi);
     /* out[i] = in[idx[i]] for i < n, fp32 values (index bookkeeping of routing weights) */
     void (*gather_f32)(float *out, const float *in, const int32_t *idx, int n);
 
@@ -283,10 +291,13 @@ struct backend {
      * rows past off[n_exp] are neither written nor used). Backward: din (NULL to skip) overwritten;
      * dw[e] += dyᵀ x over that expert's rows (experts with no rows get nothing added), or with
      * dw_overwrite dw[e] = dyᵀ x and experts with no rows get zeros: for a dw whose zeroing the
-     * caller skipped (model.h: exp_dw_fresh), which saves the memset and the first read. */
+     * caller skipped (model.h: exp_dw_fresh), which saves the memset and the first read.
+     * Forward only: end (backend memory [n_exp], or NULL) makes expert e's rows [off[e], end[e])
+     * (off[e] <= end[e] <= off[e+1]): part of each expert's rows, the other rows of out left as
+     * they are (moe.c: the rows of the other ranks' tokens first, moe_rows_split). */
     void (*expert_matmul_forward)(void *out /*[R,O]*/, const void *in /*[R,I]*/,
-                                  const void *w /*[n_exp,O,I]*/, const int64_t *off, int64_t R,
-                                  int n_exp, int I, int O);
+                                  const void *w /*[n_exp,O,I]*/, const int64_t *off,
+                                  const int64_t *end /*[n_exp] or NULL*/, int64_t R, int n_exp, int I, int O);
     void (*expert_matmul_backward)(void *din /*[R,I]*/, float *dw /*[n_exp,O,I]*/,
                                    const void *dout /*[R,O]*/, const void *in /*[R,I]*/,
                                    const void *w /*[n_exp,O,I]*/, const int64_t *off, int64_t R,

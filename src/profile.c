@@ -152,6 +152,9 @@ W(moe_pair_plan, PROF_MOE_ROWS, ep,
   (ti, tw, pt, tp, mi, mw, wm, c, rc, T, ep, nl, k, blk))
 W(moe_rows_cap, PROF_MOE_ROWS, E,
   (int64_t *off, int32_t *sr, int32_t *sl, int64_t *nm, int n, int E, int64_t cap), (off, sr, sl, nm, n, E, cap))
+W(moe_rows_split, PROF_MOE_ROWS, 0,
+  (int64_t *lo, int64_t *hi, const int64_t *off, const int32_t *sr, int n, int64_t a, int64_t b),
+  (lo, hi, off, sr, n, a, b))
 W(gather_f32, PROF_MOE_ROWS, 0, (float *o, const float *i, const int32_t *idx, int n), (o, i, idx, n))
 W(gather_rows, PROF_MOE_ROWS, R, (void *o, const void *i, const int32_t *idx, int R, int H),
   (o, i, idx, R, H))
@@ -165,8 +168,8 @@ W(moe_combine_backward, PROF_MOE_ROWS, H,
    int k, int H),
   (dy, dw, d, y, s, w, T, k, H))
 W(expert_matmul_forward, PROF_EXPERT_GEMM, O,
-  (void *o, const void *i, const void *w, const int64_t *off, int64_t R, int n, int I, int O),
-  (o, i, w, off, R, n, I, O))
+  (void *o, const void *i, const void *w, const int64_t *off, const int64_t *end, int64_t R, int n, int I, int O),
+  (o, i, w, off, end, R, n, I, O))
 W(expert_matmul_backward, PROF_EXPERT_GEMM, O,
   (void *di, float *dw, const void *d, const void *i, const void *w, const int64_t *off, int64_t R,
    int n, int I, int O, bool ow),
@@ -225,7 +228,7 @@ const struct backend *profile_wrap(const struct backend *be)
     SET(attention_forward);
     SET(attention_backward); SET(router_forward); SET(router_backward); SET(router_gather_weights);
     SET(router_stats); SET(aux_grad_from_stats);
-    SET(moe_route_plan); SET(moe_pair_plan); SET(moe_rows_cap); SET(gather_f32); SET(gather_rows); SET(gather_rows_backward); SET(moe_combine_forward);
+    SET(moe_route_plan); SET(moe_pair_plan); SET(moe_rows_cap); SET(moe_rows_split); SET(gather_f32); SET(gather_rows); SET(gather_rows_backward); SET(moe_combine_forward);
     SET(moe_combine_backward); SET(expert_matmul_forward); SET(expert_matmul_backward); SET(expert_matmul_wgrad_sets);
     SET(expert_matmul_wgrad_part);
     SET(swiglu_forward); SET(swiglu_backward); SET(cross_entropy_forward);

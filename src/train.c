@@ -225,6 +225,7 @@ int cmd_train(const struct cli *a)
     }
     no_decay_apply(&m.tt, tc->no_decay_modules);
     m.moe_chunks = c.parallel.moe_chunks;
+    m.combine_self_last = c.parallel.moe_combine_self_last;
     /* the MoE exchange without host waits: its steps may have to run again (below) */
     const bool fixed_exchange = config_moe_fixed_exchange(&c) && m.pairs && m.moe_chunks == 1 && !piped;
     if (fixed_exchange) model_enable_fixed_exchange(&m, mt_env_positive("MT_MOE_ROW_CAPACITY", 0));

@@ -120,7 +120,7 @@ static const int64_t *dev_offsets(const int64_t *off)
 static void run_ours(const struct gemm *g, const int64_t *doff, void *out)
 {
     bool ok = false;
-    if (g->kind == FWD) ok = grouped_gemm_forward(out, g->a, g->b, doff, R, E, g->I, g->O);
+    if (g->kind == FWD) ok = grouped_gemm_forward(out, g->a, g->b, doff, NULL, R, E, g->I, g->O);
     else if (g->kind == DGRAD) ok = grouped_gemm_dgrad(out, g->a, g->b, doff, R, E, g->I, g->O);
     else ok = grouped_gemm_wgrad(out, g->a, g->b, doff, R, E, g->I, g->O, false);
     if (!ok) mt_fatal("grouped_gemm refused %s (%d -> %d)", g->name, g->I, g->O);

@@ -156,10 +156,10 @@ static void check_rows(const char *what, const int64_t *off, int64_t R, int n_ex
 }
 
 static void b_expert_matmul_forward(void *out, const void *in, const void *w, const int64_t *off,
-                                    int64_t R, int n_exp, int I, int O)
+                                    const int64_t *end, int64_t R, int n_exp, int I, int O)
 {
     check_rows("expert_matmul", off, R, n_exp);
-    cpu_expert_matmul_forward(out, in, w, off, n_exp, I, O);
+    cpu_expert_matmul_forward(out, in, w, off, end, n_exp, I, O);
 }
 static void b_expert_matmul_backward(void *din, float *dw, const void *dout, const void *in,
                                      const void *w, const int64_t *off, int64_t R, int n_exp, int I,
@@ -290,6 +290,7 @@ static const struct backend cpu_backend = {
     .moe_route_plan = cpu_moe_route_plan,
     .moe_pair_plan = cpu_moe_pair_plan,
     .moe_rows_cap = cpu_moe_rows_cap,
+    .moe_rows_split = cpu_moe_rows_split,
     .gather_f32 = cpu_gather_f32,
     .gather_rows = b_gather_rows,
     .gather_rows_backward = b_gather_rows_backward,

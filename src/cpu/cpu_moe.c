@@ -111,6 +111,28 @@ void cpu_moe_rows_cap(int64_t *off, int32_t *src_row, int32_t *slot_row, int64_t
         if (slot_row[i] >= cap) slot_row[i] = -1;
 }
 
+/* the first row of [r0, r1) whose source is >= src (r1 if none): the sources ascend there */
+static int64_t first_from(const int32_t *src_row, int64_t r0, int64_t r1, int64_t src)
+{
+    while (r0 < r1) {
+        const int64_t mid = r0 + (r1 - r0) / 2;
+        if (src_row[mid] < src) r0 = mid + 1;
+        else r1 = mid;
+    }
+    return r0;
+}
+
+void cpu_moe_rows_split(int64_t *lo, int64_t *hi, const int64_t *off, const int32_t *src_row, int n_exp,
+                        int64_t src_lo, int64_t src_hi)
+{
+    MT_CHECK(src_lo <= src_hi, "moe_rows_split: pairs [%lld, %lld)", (long long)src_lo, (long long)src_hi);
+    for (int e = 0; e < n_exp; e++) {
+        lo[e] = first_from(src_row, off[e], off[e + 1], src_lo);
+        hi[e] = first_from(src_row, lo[e], off[e + 1], src_hi);
+    }
+    lo[n_exp] = hi[n_exp] = off[n_exp];
+}
+
 void cpu_gather_f32(float *out, const float *in, const int32_t *idx, int n)
 {
     for (int i = 0; i < n; i++) {
@@ -177,11 +199,13 @@ static void check_offsets(const char *what, const int64_t *off, int n_exp)
 }
 
 void cpu_expert_matmul_forward(float *out, const float *in, const float *w, const int64_t *off,
-                               int n_exp, int I, int O)
+                               const int64_t *end, int n_exp, int I, int O)
 {
     check_offsets("expert_matmul", off, n_exp);
     for (int e = 0; e < n_exp; e++) {
-        const int64_t r0 = off[e], n = off[e + 1] - off[e];
+        const int64_t r0 = off[e], n = (end ? end[e] : off[e + 1]) - off[e];
+        MT_CHECK(n >= 0 && r0 + n <= off[e + 1], "expert_matmul: expert %d's rows end at %lld, outside [%lld, %lld]",
+                 e, (long long)(r0 + n), (long long)r0, (long long)off[e + 1]);
         if (n == 0) continue;
         cpu_matmul_forward(out + r0 * O, in + r0 * I, w + (size_t)e * O * I, (int)n, I, O);
     }

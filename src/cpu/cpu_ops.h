@@ -89,6 +89,8 @@ void cpu_moe_pair_plan(int32_t *topk_idx, float *topk_w, int32_t *pair_tok, int3
                        int64_t *rows, int T, int ep, int n_local, int k, int block);
 void cpu_moe_rows_cap(int64_t *off, int32_t *src_row, int32_t *slot_row, int64_t *need, int n_slots,
                       int n_exp, int64_t cap);
+void cpu_moe_rows_split(int64_t *lo, int64_t *hi, const int64_t *off, const int32_t *src_row, int n_exp,
+                        int64_t src_lo, int64_t src_hi);
 void cpu_gather_f32(float *out, const float *in, const int32_t *idx, int n);
 void cpu_gather_rows(float *out, const float *in, const int32_t *idx, int R, int H);
 void cpu_gather_rows_backward(float *din, const float *dout, const int32_t *idx, int R, int H);
@@ -98,8 +100,9 @@ void cpu_moe_combine_forward(float *out, const float *y, const int32_t *slot_row
 void cpu_moe_combine_backward(float *dy, float *dw, const float *dout, const float *y,
                               const int32_t *slot_row, const float *w, int T, int k, int H);
 
+/* end NULL, or [n_exp]: expert e's rows are [off[e], end[e]) (ops.h) */
 void cpu_expert_matmul_forward(float *out, const float *in, const float *w, const int64_t *off,
-                               int n_exp, int I, int O);
+                               const int64_t *end, int n_exp, int I, int O);
 void cpu_expert_matmul_backward(float *din, float *dw, const float *dout, const float *in,
                                 const float *w, const int64_t *off, int n_exp, int I, int O);
 

@@ -259,7 +259,11 @@ static void suite(const struct backend *g, struct comm *hc, struct comm *dc, con
  * bytes. Every third round goes through comm_all_to_all_inbox_start and comm_p2p_wait with other
  * work queued between them (a copy that read the window before the wait would see old bytes).
  * Rounds 1 and 5 are all_gather_inbox_start (every rank sent the same block: the MoE fixed
- * exchange's token rows), compared with MPI's all_gather; the others with MPI's all_to_all_v. */
+ * exchange's token rows), compared with MPI's all_gather; the others with MPI's all_to_all_v.
+ * Round 7 is comm_all_to_all_inbox_start_self_later: the send buffer's block to self is overwritten
+ * with 0xff bytes before the start and the caller writes the right block into the window after it
+ * (moe.c's combine_self_last), so a comm that still copied the block to self, or a wrong place for
+ * it, shows as wrong bytes. */
 static void inbox_suite(const struct backend *g, struct comm *hc, struct comm *dc, const char *tag,
                         int seed)
 {
@@ -314,6 +318,23 @@ static void inbox_suite(const struct backend *g, struct comm *hc, struct comm *d
             in = comm_all_to_all_inbox_start(dc, rc[k], dsend[k], sc[k], type[k], &req);
             g->zero(busy, busy_bytes);
             comm_p2p_wait(dc, &req);
+        } else if (k == ROUNDS - 1) {
+            const size_t es = comm_dtype_size(type[k]);
+            size_t so = 0, ro = 0;
+            for (int p = 0; p < me; p++) so += (size_t)sc[k][p], ro += (size_t)rc[k][p];
+            const size_t n_self = (size_t)sc[k][me] * es;
+            void *mine = g->alloc(n_self + 1), *ff = mt_malloc(n_self + 1);
+            g->copy(mine, (char *)dsend[k] + so * es, n_self);
+            memset(ff, 0xff, n_self + 1);
+            g->upload((char *)dsend[k] + so * es, ff, n_self);
+            struct comm_p2p_req req;
+            void *win = comm_all_to_all_inbox_start_self_later(dc, rc[k], dsend[k], sc[k], type[k], &req);
+            g->copy((char *)win + ro * es, mine, n_self);
+            g->zero(busy, busy_bytes);
+            comm_p2p_wait(dc, &req);
+            in = win;
+            g->sync();
+            g->free(mine), free(ff);
         } else {
             in = dc->ops->all_to_all_inbox(dc, rc[k], dsend[k], sc[k], type[k]);
         }
@@ -323,7 +344,8 @@ static void inbox_suite(const struct backend *g, struct comm *hc, struct comm *d
     for (int k = 0; k < ROUNDS; k++) {
         void *got = host_of(g, out[k], rtot[k] * comm_dtype_size(type[k]));
         char op[64];
-        snprintf(op, sizeof op, "%s round %d", k % 4 == 1 ? "all_gather_inbox" : "all_to_all_inbox", k);
+        snprintf(op, sizeof op, "%s round %d", k % 4 == 1 ? "all_gather_inbox" : k == ROUNDS - 1 ?
+                 "all_to_all_inbox self later" : "all_to_all_inbox", k);
         report(tag, op, type[k], same(got, ref[k], rtot[k], type[k], false, why, sizeof why), why);
         free(got), free(ref[k]), free(sc[k]), free(rc[k]);
         g->free(out[k]), g->free(dsend[k]);

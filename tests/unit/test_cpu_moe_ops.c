@@ -266,7 +266,7 @@ struct expert_ctx {
 static double expert_loss(void *p)
 {
     struct expert_ctx *c = p;
-    cpu_expert_matmul_forward(c->out, c->in, c->w, xoff, XE, XI, XO);
+    cpu_expert_matmul_forward(c->out, c->in, c->w, xoff, NULL, XE, XI, XO);
     return project(c->r, c->out, XR * XO);
 }
 
@@ -276,12 +276,46 @@ Test(cpu_ops, expert_matmul_equals_per_expert_matmul)
     mt_rng_seed(&rng, 15);
     float *x = frand(&rng, XR * XI, 1.0), *w = frand(&rng, XE * XO * XI, 1.0);
     float *y = fnew(XR * XO), *ref = fnew(XR * XO);
-    cpu_expert_matmul_forward(y, x, w, xoff, XE, XI, XO);
+    cpu_expert_matmul_forward(y, x, w, xoff, NULL, XE, XI, XO);
     for (int e = 0; e < XE; e++)
         if (xoff[e + 1] > xoff[e])
             cpu_matmul_forward(ref + xoff[e] * XO, x + xoff[e] * XI, w + e * XO * XI,
                                (int)(xoff[e + 1] - xoff[e]), XI, XO);
     cr_expect(memcmp(y, ref, XR * XO * sizeof(float)) == 0);
+    free(x), free(w), free(y), free(ref);
+}
+
+/* moe_rows_split finds each expert's rows from one block of source pairs (checked by a scan), and
+ * the forward over those parts, the rows before and after them, gives the whole forward's bits,
+ * each call writing only its part. */
+Test(cpu_ops, expert_matmul_in_parts_by_source_rank)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 17);
+    /* sources ascending within each expert: 0-4 rank 0, 5-9 rank 1, 10-14 rank 2 */
+    const int32_t src[XR] = {1, 7, 12, /* expert 1: none */ 0, 5, 6, 9, 13, 10, 11, 14};
+    int64_t lo[XE + 1], hi[XE + 1];
+    cpu_moe_rows_split(lo, hi, xoff, src, XE, 5, 10);
+    for (int e = 0; e < XE; e++)
+        for (int64_t r = xoff[e]; r < xoff[e + 1]; r++)
+            cr_expect((src[r] >= 5 && src[r] < 10) == (r >= lo[e] && r < hi[e]), "row %lld of expert %d", (long long)r, e);
+    cr_expect(lo[2] == 3 + 1 && hi[2] == 3 + 4 && lo[3] == 8 && hi[3] == 8, "expert 2 [%lld, %lld), 3 [%lld, %lld)",
+              (long long)lo[2], (long long)hi[2], (long long)lo[3], (long long)hi[3]);
+    cr_expect(lo[XE] == XR && hi[XE] == XR);
+    float *x = frand(&rng, XR * XI, 1.0), *w = frand(&rng, XE * XO * XI, 1.0);
+    float *y = fnew(XR * XO), *ref = fnew(XR * XO);
+    cpu_expert_matmul_forward(ref, x, w, xoff, NULL, XE, XI, XO);
+    for (int i = 0; i < XR * XO; i++) y[i] = NAN;
+    const int64_t *begin[3] = {xoff, hi, lo}, *end[3] = {lo, xoff + 1, hi};
+    bool done[XR] = {false};
+    for (int k = 0; k < 3; k++) {
+        cpu_expert_matmul_forward(y, x, w, begin[k], end[k], XE, XI, XO);
+        for (int e = 0; e < XE; e++)
+            for (int64_t r = begin[k][e]; r < end[k][e]; r++) done[r] = true;
+        for (int r = 0; r < XR; r++)
+            cr_expect(done[r] ? memcmp(y + r * XO, ref + r * XO, XO * sizeof(float)) == 0 : isnan(y[r * XO]),
+                      "part %d, row %d", k, r);
+    }
     free(x), free(w), free(y), free(ref);
 }
 

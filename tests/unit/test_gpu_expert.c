@@ -53,9 +53,9 @@ Test(gpu, expert_matmul)
 
         int64_t *d_off = doff_from(&M, off, NE);
         void *d_out = dx_poisoned(&M, ro);
-        M.g->expert_matmul_forward(d_out, d_in, d_w, d_off, R, NE, I, O);
+        M.g->expert_matmul_forward(d_out, d_in, d_w, d_off, NULL, R, NE, I, O);
         float *out = hx_of(&M, d_out, ro), *ref = fnew(ro);
-        M.c->expert_matmul_forward(ref, in, w, off, R, NE, I, O);
+        M.c->expert_matmul_forward(ref, in, w, off, NULL, R, NE, I, O);
         check_close(&M, "expert_matmul forward", out, ref, ro, M.tol);
 
         float *dw0 = hrand(&rng, wn, 1.0), *dw_ref = hdup(dw0, wn);
@@ -79,6 +79,95 @@ Test(gpu, expert_matmul)
         free(in), free(w), free(dout), free(out), free(ref), free(dw0), free(dw_ref), free(din);
         free(dw), free(din_ref), free(add), free(add_ref);
     }
+}
+
+/* One source rank's rows of each expert (ops.h moe_rows_split) and the forward over part of each
+ * expert's rows (expert_matmul_forward's end), as moe.c's combine_self_last runs them: 3 source
+ * ranks of 100 pairs, each expert's rows in ascending pair order with a random share from each
+ * (ragged tile edges: 0, 1, 127, 129 rows and more). The split must equal the CPU's exactly; the
+ * rows of the ranks before, then after, then the middle rank's must each come out as the whole
+ * forward's (CPU reference, mode tolerance) with every row outside the call's part left poisoned;
+ * where the grouped kernel runs (bf16 on Hopper), the three parts give the one-piece forward's bits. */
+Test(gpu, expert_matmul_part_rows)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 117);
+    enum { NE = 6, I = 256, O = 192, SRC = 3, PER = 100 };
+    const int rows[NE] = {300, 0, 129, 1, 260, 127};
+    int64_t off[NE + 1] = {0};
+    for (int e = 0; e < NE; e++) off[e + 1] = off[e] + rows[e];
+    const int R = (int)off[NE];
+    int32_t *src = mt_calloc((size_t)R, sizeof *src);
+    for (int e = 0; e < NE; e++) { /* ascending pair indices: a sorted draw from the 300 pairs */
+        int r = (int)off[e];
+        for (int p = 0; p < SRC * PER && r < off[e + 1]; p++) {
+            const int left = SRC * PER - p, need = (int)(off[e + 1] - r);
+            if (irand(&rng, left) < need) src[r++] = p;
+        }
+        if (e == 2) /* none from rank 0: its own part starts at the expert's first row */
+            for (int k = 0; k < rows[e]; k++) src[off[e] + k] = k < PER ? PER + k : 2 * PER + k - PER;
+    }
+    const size_t ri = (size_t)R * I, ro = (size_t)R * O, wn = (size_t)NE * O * I;
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        char what[160];
+        int64_t lo[NE + 1], hi[NE + 1], glo[NE + 1], ghi[NE + 1];
+        M.c->moe_rows_split(lo, hi, off, src, NE, PER, 2 * PER);
+        int64_t *d_off = doff_from(&M, off, NE);
+        int64_t *d_split = M.g->alloc(2 * (NE + 1) * sizeof(int64_t)), *d_lo = d_split, *d_hi = d_split + NE + 1;
+        int32_t *d_src = di_from(&M, src, (size_t)R);
+        M.g->moe_rows_split(d_lo, d_hi, d_off, d_src, NE, PER, 2 * PER);
+        M.g->download(glo, d_lo, sizeof glo);
+        M.g->download(ghi, d_hi, sizeof ghi);
+        check_exact(&M, "moe_rows_split lo", glo, lo, sizeof lo);
+        check_exact(&M, "moe_rows_split hi", ghi, hi, sizeof hi);
+        for (int e = 0; e < NE; e++) /* the CPU's split, by a scan */
+            for (int64_t r = off[e]; r < off[e + 1]; r++) {
+                const bool mine = src[r] >= PER && src[r] < 2 * PER;
+                cr_expect(mine == (r >= lo[e] && r < hi[e]), "%s: row %lld of expert %d (pair %d) split wrong",
+                          M.name, (long long)r, e, (int)src[r]);
+            }
+
+        float *in = hrand(&rng, ri, 1.0), *w = hrand(&rng, wn, 0.05);
+        void *d_in = dx_from(&M, in, ri), *d_w = dx_from(&M, w, wn);
+        float *ref = fnew(ro);
+        M.c->expert_matmul_forward(ref, in, w, off, NULL, R, NE, I, O);
+        void *d_whole = dx_poisoned(&M, ro), *d_out = dx_poisoned(&M, ro);
+        M.g->expert_matmul_forward(d_whole, d_in, d_w, d_off, NULL, R, NE, I, O);
+        /* the parts in moe.c's order: [off, lo), [hi, off + 1), [lo, hi) */
+        const int64_t *begin[3] = {d_off, d_hi, d_lo}, *end[3] = {d_lo, d_off + 1, d_hi};
+        const int64_t *hb[3] = {off, hi, lo}, *he[3] = {lo, off + 1, hi};
+        const char *name[3] = {"before", "after", "own"};
+        bool *done = mt_calloc((size_t)R, sizeof *done);
+        for (int k = 0; k < 3; k++) {
+            M.g->expert_matmul_forward(d_out, d_in, d_w, begin[k], end[k], R, NE, I, O);
+            for (int e = 0; e < NE; e++)
+                for (int64_t r = hb[k][e]; r < he[k][e]; r++) done[r] = true;
+            float *out = hx_of(&M, d_out, ro);
+            bool kept = true;
+            for (int64_t r = 0; r < R; r++) {
+                if (done[r]) continue;
+                for (int o = 0; o < O; o++) kept = kept && isnan(out[r * O + o]);
+            }
+            snprintf(what, sizeof what, "expert_matmul part %s leaves the other rows alone", name[k]);
+            cr_expect(kept, "%s: %s", M.name, what);
+            free(out);
+        }
+        float *out = hx_of(&M, d_out, ro);
+        check_close(&M, "expert_matmul in three parts", out, ref, ro, M.tol);
+#ifdef MT_HAVE_CUDA
+        if (M.g->x_size == 2 && grouped_gemm_available()) {
+            float *whole = hx_of(&M, d_whole, ro);
+            check_exact(&M, "grouped forward in parts = in one piece", out, whole, ro * sizeof(float));
+            free(whole);
+        }
+#endif
+        M.g->free(d_in), M.g->free(d_w), M.g->free(d_whole), M.g->free(d_out), M.g->free(d_off);
+        M.g->free(d_split), M.g->free(d_src);
+        free(in), free(w), free(ref), free(out), free(done);
+    }
+    free(src);
 }
 
 /* The grouped Hopper kernel behind the bf16 expert_matmul (cuda/grouped_gemm.cu), case by case:
@@ -109,9 +198,9 @@ static void grouped_case(const struct mode *M, mt_rng *rng, const char *tag, int
 
     /* forward */
     void *d_out = dx_poisoned(M, ro);
-    M->g->expert_matmul_forward(d_out, d_in, d_w, d_off, R, NE, I, O);
+    M->g->expert_matmul_forward(d_out, d_in, d_w, d_off, NULL, R, NE, I, O);
     float *out = hx_of(M, d_out, ro), *ref = fnew(ro);
-    M->c->expert_matmul_forward(ref, in, w, off, R, NE, I, O);
+    M->c->expert_matmul_forward(ref, in, w, off, NULL, R, NE, I, O);
 
     /* backward: din overwritten, dw accumulated onto random values */
     float *dw0 = hrand(rng, wn, 1.0), *dw_ref = hdup(dw0, wn);
@@ -174,7 +263,7 @@ static void grouped_case(const struct mode *M, mt_rng *rng, const char *tag, int
         kernel_wgrad = kernel_wgrad && grouped_gemm_available();
         void *d_out2 = dx_poisoned(M, ro), *d_din2 = dx_poisoned(M, ri);
         float *d_dw2 = df_from(M, dw0, wn);
-        const bool f = grouped_gemm_forward(d_out2, d_in, d_w, d_off, R, NE, I, O);
+        const bool f = grouped_gemm_forward(d_out2, d_in, d_w, d_off, NULL, R, NE, I, O);
         const bool g = grouped_gemm_dgrad(d_din2, d_dout, d_w, d_off, R, NE, I, O);
         const bool h = grouped_gemm_wgrad(d_dw2, d_dout, d_in, d_off, R, NE, I, O, false);
         cr_expect(f == kernel && g == kernel && h == kernel_wgrad,

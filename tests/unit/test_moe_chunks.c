@@ -412,6 +412,38 @@ Test(moe_fixed, an_outgrown_capacity_runs_the_step_again, .timeout = 400)
                         "--set parallel.reshard_after_forward=true", "MT_MOE_ROW_CAPACITY=0.3", "fx_over_f2", 1);
 }
 
+/* parallel.moe_combine_self_last (moe.c, on by default): the down projection of the other ranks'
+ * rows first, their pair sums sent while this rank's own rows run, written straight into the
+ * inbox's block to self. Every row and pair sum is the one-piece path's: every bit the same, with
+ * the fixed and the counted exchange, at EP = 4 (ranks 1 and 2 have rows from ranks before and
+ * after them), with recompute, through a capacity re-run and in the loopback at EP = 1. */
+static void self_last_vs_off(int np, const char *mesh, const char *env, const char *tag)
+{
+    double l_on[STEPS], g_on[STEPS], l_off[STEPS], g_off[STEPS];
+    char extra[512], t[64];
+    snprintf(t, sizeof t, "%s_self_last", tag);
+    free(train(np, env, mesh, t, l_on, g_on));
+    snprintf(extra, sizeof extra, "%s --set parallel.moe_combine_self_last=false", mesh);
+    snprintf(t, sizeof t, "%s_one_piece", tag);
+    free(train(np, env, extra, t, l_off, g_off));
+    for (int s = 0; s < STEPS; s++) {
+        cr_expect_eq(l_on[s], l_off[s], "%s: step %d loss %.9g vs %.9g", tag, s + 1, l_on[s], l_off[s]);
+        cr_expect_eq(g_on[s], g_off[s], "%s: step %d grad_norm %.9g vs %.9g", tag, s + 1, g_on[s], g_off[s]);
+    }
+}
+
+Test(moe_fixed, combine_self_last_keeps_every_bit, .timeout = 600)
+{
+    self_last_vs_off(2, "--set parallel.expert_parallel_size=2", "", "sl_ep2");
+    self_last_vs_off(2, "--set parallel.expert_parallel_size=2 --set parallel.moe_fixed_exchange=false", "",
+                     "sl_counted");
+    self_last_vs_off(4, "--set parallel.expert_parallel_size=4", "", "sl_ep4");
+    self_last_vs_off(2, "--set parallel.expert_parallel_size=2 --set train.activation_checkpointing=true", "",
+                     "sl_ac");
+    self_last_vs_off(2, "--set parallel.expert_parallel_size=2", "MT_MOE_ROW_CAPACITY=0.3", "sl_over");
+    self_last_vs_off(1, "", "MT_MOE_LOOPBACK=1", "sl_loop");
+}
+
 Test(moe_fixed, impossible_settings_are_refused, .timeout = 120)
 {
     const char *runs[][2] = {
