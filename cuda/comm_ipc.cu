@@ -226,7 +226,9 @@ const void *ipc_a2a_start(struct ipc_a2a *x, const size_t *recv_bytes, const voi
     send_off[0] = 0;
     for (int d = 1; d < P; d++) send_off[d] = same_block ? 0 : send_off[d - 1] + send_bytes[d - 1];
     for (int i = 0; i < P; i++) {
-        const int d = (me + i) % P; /* start with the next rank: no window is everyone's first */
+        /* the next rank first (no window is everyone's first), the block to self last: the copies
+         * over the link are queued before the one that stays on this GPU */
+        const int d = (me + 1 + i) % P;
         const int64_t *m = x->meta + (size_t)d * row;
         CUDA_CHECK(cudaStreamWaitEvent(x->copy[d], x->ready, 0));
         if (d != me) flag_wait(x->copy[d], x->flags + d, e, d); /* d's window is free */
