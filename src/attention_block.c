@@ -3,8 +3,6 @@
 #include "layer.h"
 #include "model.h"
 
-static void *W(const struct model *m, enum tensor_role r, int l) { return model_weight(m, tensor_lookup(&m->tt, r, l)); }
-static float *G(const struct model *m, enum tensor_role r, int l) { return model_grad(m, tensor_lookup(&m->tt, r, l)); }
 
 void attention_forward(struct model *m, int l)
 {
@@ -13,15 +11,15 @@ void attention_forward(struct model *m, int l)
     const int T = m->T, H = m->H, D = m->D, Hq = m->Hq, Hkv = m->Hkv;
     const float eps = (float)m->cfg.rms_norm_eps, theta = (float)m->cfg.rope_theta;
 
-    be->rmsnorm_forward(a->a, a->rstd_a, a->h_in, W(m, TR_ATTN_NORM, l), T, H, eps);
-    be->matmul_forward(a->q_pre, a->a, W(m, TR_Q, l), T, H, Hq * D);
-    be->matmul2_forward(a->k_pre, a->v, a->a, W(m, TR_K, l), W(m, TR_V, l), T, H, Hkv * D);
-    be->rmsnorm_rope_forward(a->q, a->rstd_q, a->q_pre, W(m, TR_QNORM, l), m->pos, T, Hq, D, eps,
+    be->rmsnorm_forward(a->a, a->rstd_a, a->h_in, weight_of(m, TR_ATTN_NORM, l), T, H, eps);
+    be->matmul_forward(a->q_pre, a->a, weight_of(m, TR_Q, l), T, H, Hq * D);
+    be->matmul2_forward(a->k_pre, a->v, a->a, weight_of(m, TR_K, l), weight_of(m, TR_V, l), T, H, Hkv * D);
+    be->rmsnorm_rope_forward(a->q, a->rstd_q, a->q_pre, weight_of(m, TR_QNORM, l), m->pos, T, Hq, D, eps,
                              theta);
-    be->rmsnorm_rope_forward(a->k, a->rstd_k, a->k_pre, W(m, TR_KNORM, l), m->pos, T, Hkv, D, eps,
+    be->rmsnorm_rope_forward(a->k, a->rstd_k, a->k_pre, weight_of(m, TR_KNORM, l), m->pos, T, Hkv, D, eps,
                              theta);
     be->attention_forward(a->attn, a->lse, a->q, a->k, a->v, m->B, m->S, Hq, Hkv, D, m->seg);
-    be->matmul_forward_residual(a->h_mid, a->attn, W(m, TR_O, l), a->h_in, T, Hq * D, H);
+    be->matmul_forward_residual(a->h_mid, a->attn, weight_of(m, TR_O, l), a->h_in, T, Hq * D, H);
 }
 
 void attention_backward(struct model *m, int l)
@@ -34,9 +32,9 @@ void attention_backward(struct model *m, int l)
     /* d_t1 = dL/d attn. The o_proj and q_proj weight gradients now, or (model_enable_deferred_wgrads)
      * from their output gradients, kept aside, once the next MoE layer's exchanges are under way */
     model_run_deferred_wgrads(m, -1);
-    float *dw_o = G(m, TR_O, l), *dw_q = G(m, TR_Q, l);
+    float *dw_o = grad_of(m, TR_O, l), *dw_q = grad_of(m, TR_Q, l);
     const bool defer = m->o_wgrad_dout && m->more_backwards && dw_o && dw_q;
-    be->matmul_backward(m->d_t1, defer ? NULL : dw_o, m->d_h, a->attn, W(m, TR_O, l), T, Hq * D, H, false);
+    be->matmul_backward(m->d_t1, defer ? NULL : dw_o, m->d_h, a->attn, weight_of(m, TR_O, l), T, Hq * D, H, false);
     if (defer) {
         be->copy(m->o_wgrad_dout, m->d_h, (size_t)T * H * be->x_size);
         model_defer_wgrad(m, &(struct deferred_wgrad){dw_o, m->o_wgrad_dout, a->attn, T, Hq * D, H});
@@ -49,15 +47,15 @@ void attention_backward(struct model *m, int l)
     /* dL/d q_pre (into the deferred gradient's own buffer when deferring, d_t2 otherwise), then
      * d_t3 = dL/d a accumulated over q, k, v */
     void *d_qpre = defer ? m->q_wgrad_dout : m->d_t2;
-    be->rmsnorm_rope_backward(d_qpre, G(m, TR_QNORM, l), m->d_q, a->q_pre, W(m, TR_QNORM, l),
+    be->rmsnorm_rope_backward(d_qpre, grad_of(m, TR_QNORM, l), m->d_q, a->q_pre, weight_of(m, TR_QNORM, l),
                               a->rstd_q, m->pos, T, Hq, D, theta);
-    be->matmul_backward(m->d_t3, defer ? NULL : dw_q, d_qpre, a->a, W(m, TR_Q, l), T, H, Hq * D, false);
+    be->matmul_backward(m->d_t3, defer ? NULL : dw_q, d_qpre, a->a, weight_of(m, TR_Q, l), T, H, Hq * D, false);
     if (defer) model_defer_wgrad(m, &(struct deferred_wgrad){dw_q, d_qpre, a->a, T, H, Hq * D});
-    be->rmsnorm_rope_backward(m->d_t2, G(m, TR_KNORM, l), m->d_k, a->k_pre, W(m, TR_KNORM, l),
+    be->rmsnorm_rope_backward(m->d_t2, grad_of(m, TR_KNORM, l), m->d_k, a->k_pre, weight_of(m, TR_KNORM, l),
                               a->rstd_k, m->pos, T, Hkv, D, theta);
-    be->matmul2_backward(m->d_t3, G(m, TR_K, l), G(m, TR_V, l), m->d_t2, m->d_v, a->a,
-                         W(m, TR_K, l), W(m, TR_V, l), T, H, Hkv * D, true);
+    be->matmul2_backward(m->d_t3, grad_of(m, TR_K, l), grad_of(m, TR_V, l), m->d_t2, m->d_v, a->a,
+                         weight_of(m, TR_K, l), weight_of(m, TR_V, l), T, H, Hkv * D, true);
     /* residual: dL/dh_in = dL/dh_mid + norm backward */
-    be->rmsnorm_backward(m->d_h, G(m, TR_ATTN_NORM, l), m->d_t3, a->h_in, W(m, TR_ATTN_NORM, l),
+    be->rmsnorm_backward(m->d_h, grad_of(m, TR_ATTN_NORM, l), m->d_t3, a->h_in, weight_of(m, TR_ATTN_NORM, l),
                          a->rstd_a, T, H, true);
 }

@@ -1,7 +1,7 @@
 /* The Qwen3-MoE model over the backend ops: weights in working layout, saved activations, and the
  * forward and backward of one micro-batch. Backend-blind: every tensor operation goes through
  * `struct backend`. With expert parallelism a rank holds only its EP group's share of experts in
- * the working buffers and moves tokens to them through the MoE dispatch (moe.c). */
+ * the working buffers and moves tokens to them through the MoE dispatch (moe_dispatch.c). */
 #ifndef MT_MODEL_H
 #define MT_MODEL_H
 
@@ -15,7 +15,7 @@
 
 struct route_replay;
 
-/* Per-layer MoE routing of one micro-batch (moe.c: token-once dispatch). Sender side: this rank's
+/* Per-layer MoE routing of one micro-batch (moe_dispatch.c: token-once dispatch). Sender side: this rank's
  * tokens; receiver side: the pairs (token, this rank) that arrive for this rank's experts. */
 struct moe_route {
     int64_t *expert_off;     /* dev [n_local + 1]: rows of each local expert in the expert input
@@ -165,7 +165,7 @@ struct model {
      * and how many of its plans were cut. Off: the pair counts come to the host and cross over MPI
      * (one wait a layer). */
     bool fixed_exchange, rows_by_capacity;
-    /* parallel.moe_combine_self_last (moe.c combine_self_last): the down projection of the other
+    /* parallel.moe_combine_self_last (moe_dispatch.c moe_down_and_combine_self_last): the down projection of the other
      * ranks' rows first, their pair sums on their way home while this rank's own rows run;
      * rows_split (dev [2, n_local + 1], allocated at first use) holds where each expert's own
      * rows begin and end (ops.h moe_rows_split) */
@@ -334,6 +334,15 @@ void model_ensure_ones(struct model *m, int64_t n);
 /* Pointers to tensor i's working weight (compute dtype) and gradient (bound ones). */
 void *model_weight(const struct model *m, int i);
 float *model_grad(const struct model *m, int i);
+/* The same for layer l's tensor of a role (the layer passes' lookups) */
+static inline void *weight_of(const struct model *m, enum tensor_role r, int l)
+{
+    return model_weight(m, tensor_lookup(&m->tt, r, l));
+}
+static inline float *grad_of(const struct model *m, enum tensor_role r, int l)
+{
+    return model_grad(m, tensor_lookup(&m->tt, r, l));
+}
 int64_t model_work_numel_of(const struct model *m, int i);   /* numel in working layout */
 
 /* A stage's input rows of micro-batch `slot` (received before its forward) and output rows

@@ -19,8 +19,6 @@
 #include "moe_exchange.h"
 #include "moe_timeline.h"
 
-static void *W(const struct model *m, enum tensor_role r, int l) { return model_weight(m, tensor_lookup(&m->tt, r, l)); }
-static float *G(const struct model *m, enum tensor_role r, int l) { return model_grad(m, tensor_lookup(&m->tt, r, l)); }
 
 /* counts are host data: exchange them over MPI whatever backend moves the rows. Each rank's pair
  * count travels with the expert rows those pairs make (moe_pair_plan rows_host), so the receiver
@@ -183,10 +181,10 @@ static void experts_forward(struct model *m, struct layer_acts *a, int l, const 
     const int H = m->H, I = m->I, nl = m->n_local_experts;
     moe_timeline_mark("gemms", x - a->route.chunks, 0);
     be->expert_matmul_forward(ROW(m, a->gu, x->row0, 2 * I), ROW(m, a->x_exp, x->row0, H),
-                              W(m, TR_EXP_GATE_UP, l), x->expert_off, NULL, x->R, nl, H, 2 * I);
+                              weight_of(m, TR_EXP_GATE_UP, l), x->expert_off, NULL, x->R, nl, H, 2 * I);
     be->swiglu_forward(ROW(m, a->act, x->row0, I), ROW(m, a->gu, x->row0, 2 * I), (int)x->R, I, NULL);
     be->expert_matmul_forward(ROW(m, a->y_exp, x->row0, H), ROW(m, a->act, x->row0, I),
-                              W(m, TR_EXP_DOWN, l), x->expert_off, NULL, x->R, nl, I, H);
+                              weight_of(m, TR_EXP_DOWN, l), x->expert_off, NULL, x->R, nl, I, H);
     moe_timeline_mark("gemms", x - a->route.chunks, 1);
 }
 
@@ -197,14 +195,14 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l, const
     moe_timeline_mark("gemms_bwd", x - a->route.chunks, 0);
     const bool fresh = m->exp_dw_fresh[l]; /* the first chunk overwrites, the others add */
     m->exp_dw_fresh[l] = false;
-    be->expert_matmul_backward(ROW(m, m->d_act, x->row0, I), G(m, TR_EXP_DOWN, l),
+    be->expert_matmul_backward(ROW(m, m->d_act, x->row0, I), grad_of(m, TR_EXP_DOWN, l),
                                ROW(m, m->d_y_exp, x->row0, H), ROW(m, a->act, x->row0, I),
-                               W(m, TR_EXP_DOWN, l), x->expert_off, x->R, nl, I, H, fresh);
+                               weight_of(m, TR_EXP_DOWN, l), x->expert_off, x->R, nl, I, H, fresh);
     be->swiglu_backward(ROW(m, m->d_gu, x->row0, 2 * I), ROW(m, m->d_act, x->row0, I),
                         ROW(m, a->gu, x->row0, 2 * I), (int)x->R, I, NULL);
-    be->expert_matmul_backward(ROW(m, m->d_x_exp, x->row0, H), G(m, TR_EXP_GATE_UP, l),
+    be->expert_matmul_backward(ROW(m, m->d_x_exp, x->row0, H), grad_of(m, TR_EXP_GATE_UP, l),
                                ROW(m, m->d_gu, x->row0, 2 * I), ROW(m, a->x_exp, x->row0, H),
-                               W(m, TR_EXP_GATE_UP, l), x->expert_off, x->R, nl, H, 2 * I, fresh);
+                               weight_of(m, TR_EXP_GATE_UP, l), x->expert_off, x->R, nl, H, 2 * I, fresh);
     moe_timeline_mark("gemms_bwd", x - a->route.chunks, 1);
 }
 

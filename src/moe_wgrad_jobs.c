@@ -6,11 +6,6 @@
 #include "common.h"
 #include "model.h"
 
-static float *grad_of(const struct model *m, enum tensor_role r, int l)
-{
-    return model_grad(m, tensor_lookup(&m->tt, r, l));
-}
-
 void model_enable_wgrad_jobs(struct model *m)
 {
     MT_CHECK(m->wstash, "expert wgrad jobs need parallel.expert_wgrad_pairs");

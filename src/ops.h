@@ -294,7 +294,7 @@ struct backend {
      * caller skipped (model.h: exp_dw_fresh), which saves the memset and the first read.
      * Forward only: end (backend memory [n_exp], or NULL) makes expert e's rows [off[e], end[e])
      * (off[e] <= end[e] <= off[e+1]): part of each expert's rows, the other rows of out left as
-     * they are (moe.c: the rows of the other ranks' tokens first, moe_rows_split). */
+     * they are (moe_dispatch.c: the rows of the other ranks' tokens first, moe_rows_split). */
     void (*expert_matmul_forward)(void *out /*[R,O]*/, const void *in /*[R,I]*/,
                                   const void *w /*[n_exp,O,I]*/, const int64_t *off,
                                   const int64_t *end /*[n_exp] or NULL*/, int64_t R, int n_exp, int I, int O);
