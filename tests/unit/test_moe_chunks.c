@@ -421,11 +421,16 @@ static void self_last_vs_off(int np, const char *mesh, const char *env, const ch
 {
     double l_on[STEPS], g_on[STEPS], l_off[STEPS], g_off[STEPS];
     char extra[512], t[64];
+    const char *line = "forward combine: the other ranks' rows through the down projection first";
     snprintf(t, sizeof t, "%s_self_last", tag);
-    free(train(np, env, mesh, t, l_on, g_on));
+    char *out = train(np, env, mesh, t, l_on, g_on);
+    cr_expect(strstr(out, line) != NULL, "%s: the start-up does not say the combine runs self last:\n%s", tag, out);
+    free(out);
     snprintf(extra, sizeof extra, "%s --set parallel.moe_combine_self_last=false", mesh);
     snprintf(t, sizeof t, "%s_one_piece", tag);
-    free(train(np, env, extra, t, l_off, g_off));
+    out = train(np, env, extra, t, l_off, g_off);
+    cr_expect(strstr(out, line) == NULL, "%s: the start-up says self last with the key false:\n%s", tag, out);
+    free(out);
     for (int s = 0; s < STEPS; s++) {
         cr_expect_eq(l_on[s], l_off[s], "%s: step %d loss %.9g vs %.9g", tag, s + 1, l_on[s], l_off[s]);
         cr_expect_eq(g_on[s], g_off[s], "%s: step %d grad_norm %.9g vs %.9g", tag, s + 1, g_on[s], g_off[s]);
