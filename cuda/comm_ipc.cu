@@ -204,10 +204,11 @@ const void *ipc_a2a_start(struct ipc_a2a *x, const size_t *recv_bytes, const voi
     }
     mine[0] = total;
     const uint32_t e = ++x->epoch;
-    /* everything queued before, the readers of our window included, is done: peers may write it */
+    /* everything queued before, the readers of our window included, is done: peers may write it.
+     * The copy streams tell them (below), not the compute stream: a flag write is a fenced store
+     * to the peer's memory, and on the compute stream the next kernel waited for it (~20 us a
+     * call at EP=2; docs/benchmarks.md, forty-first session) */
     CUDA_CHECK(cudaEventRecord(x->ready, g_cuda.stream));
-    for (int d = 0; d < P; d++)
-        if (d != me) flag_set(g_cuda.stream, x->peer_flags[d] + me, e, d);
     MT_CHECK_MPI(MPI_Allgather(mine, (int)row, MPI_INT64_T, x->meta, (int)row, MPI_INT64_T, x->mpi));
 
     bool grows = false;
@@ -231,7 +232,10 @@ const void *ipc_a2a_start(struct ipc_a2a *x, const size_t *recv_bytes, const voi
         const int d = (me + 1 + i) % P;
         const int64_t *m = x->meta + (size_t)d * row;
         CUDA_CHECK(cudaStreamWaitEvent(x->copy[d], x->ready, 0));
-        if (d != me) flag_wait(x->copy[d], x->flags + d, e, d); /* d's window is free */
+        if (d != me) {
+            flag_set(x->copy[d], x->peer_flags[d] + me, e, d); /* our window is free for d */
+            flag_wait(x->copy[d], x->flags + d, e, d);         /* d's window is free */
+        }
         if (send_bytes[d] && !(self_later && d == me))
             CUDA_CHECK(cudaMemcpyAsync(x->win[d] + m[1 + me], (const unsigned char *)send + send_off[d],
                                        send_bytes[d], cudaMemcpyDeviceToDevice, x->copy[d]));

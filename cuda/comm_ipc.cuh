@@ -7,12 +7,13 @@
  * Ordering across processes uses flags in device memory that every rank has mapped, written and
  * waited on by stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32), so the host
  * never waits for a peer's GPU. Call number e (the same on every rank):
- *   1. each rank's compute stream, once everything queued before it is done (the reader of the
- *      previous call's window included), writes e into ready_from[me] of every peer, and the ranks
- *      exchange where each sender's block goes (MPI_Allgather of offsets, on the host);
- *   2. the copy stream to rank d waits for the compute stream (the send data) and for
- *      ready_from[d] >= e in our flags, copies, and writes e into arrived_from[me] of d's flags
- *      (the write is fenced behind the copy);
+ *   1. the compute stream records an event once everything queued before is done (the send data
+ *      written, the reader of the previous call's window finished), and the ranks exchange where
+ *      each sender's block goes (MPI_Allgather of offsets, on the host);
+ *   2. the copy stream to rank d waits for that event, writes e into ready_from[me] of d's flags
+ *      (our window is free for d), waits for ready_from[d] >= e in our flags, copies, and writes e
+ *      into arrived_from[me] of d's flags (the write is fenced behind the copy). No flag is
+ *      written from the compute stream: its next kernel would wait for the fenced remote store;
  *   3. the compute stream waits for its own copies (the send buffer is free again) and for
  *      arrived_from[s] >= e from every peer s: all blocks for this rank have landed.
  * A window grows (all ranks together, after draining every stream) when a call needs more than it

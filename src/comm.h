@@ -92,8 +92,9 @@ struct comm_ops {
     void (*destroy)(struct comm *c);
     /* optional (NULL: all_to_all_inbox runs whole): all_to_all_inbox started now and finished by
      * p2p_wait, so that compute queued in between runs while the rows move (the NCCL comm's copy
-     * engines between GPUs of one host); in between, queued work may touch neither `send` nor the
-     * returned buffer, and no other inbox exchange on c may start */
+     * engines between GPUs of one host); in between, queued work may write neither `send` nor
+     * the returned buffer (reading `send` is fine: the copies only read it) nor read the returned
+     * buffer, and no other inbox exchange on c may start */
     const void *(*all_to_all_inbox_start)(struct comm *c, const int64_t *recv_counts, const void *send,
                                           const int64_t *send_counts, enum comm_dtype t,
                                           struct comm_p2p_req *r, bool self_later);

@@ -272,21 +272,44 @@ const float *moe_combine_rows_backward(struct model *m, struct layer_acts *a, in
         return NULL;
     }
     struct comm_p2p_req req = {0};
-    const void *d_pairs;
+    const void *d_pairs, *own; /* own: this rank's own pairs' rows, the block it sends itself */
     if (r->by_token) { /* every rank's block is dL/d(out) itself */
         d_pairs = comm_all_gather_inbox_start(m->ep_comm, m->d_h, (size_t)T * H, comm_dtype_of_x(be->x_size), &req);
+        own = m->d_h;
     } else {
         be->gather_rows(m->d_x_send, m->d_h, r->pair_tok, (int)r->P_send, H);
         int64_t in[m->ep], out[m->ep];
         scale_counts(m, in, out, r->recv_counts, r->send_counts, H);
         d_pairs = comm_all_to_all_inbox_start(m->ep_comm, in, m->d_x_send, out, comm_dtype_of_x(be->x_size), &req);
+        int64_t before = 0; /* the send blocks of the ranks before this one */
+        for (int s = 0; s < m->ep_rank; s++) before += r->send_counts[s];
+        own = ROW(m, m->d_x_send, before);
+    }
+    /* parallel.moe_combine_self_last: the own pairs' rows first, under the other ranks' transfer
+     * (the copy engines read the same send rows; nothing writes them). Each pair's gradient rows
+     * and routing-weight gradients are computed as in one call: the same bits. */
+    int64_t p_lo = 0, p_hi = 0; /* the received pairs that are this rank's own */
+    const int64_t P = r->P_recv;
+    if (m->combine_self_last) {
+        own_pairs(m, r, &p_lo, &p_hi);
+        if (p_hi > p_lo)
+            be->moe_combine_backward(m->d_y_exp, m->d_w_recv + p_lo * K, own, a->y_exp, r->exp_slot + p_lo * K,
+                                     r->meta_w + p_lo * K, (int)(p_hi - p_lo), K, H);
     }
     model_run_deferred_wgrads(m, 1); /* the layer above's o_proj weight gradient, while the rows move */
     if (finish >= 0) moe_wgrad_job_finish(m, finish); /* its deadline, while the rows move */
     moe_wgrad_jobs_fill(m, &req);
     comm_p2p_wait(m->ep_comm, &req);
-    be->moe_combine_backward(m->d_y_exp, m->d_w_recv, d_pairs, a->y_exp, r->exp_slot, r->meta_w,
-                             (int)r->P_recv, K, H);
+    if (p_hi > p_lo) { /* the other ranks' pairs: [0, p_lo) and [p_hi, P) */
+        if (p_lo > 0)
+            be->moe_combine_backward(m->d_y_exp, m->d_w_recv, d_pairs, a->y_exp, r->exp_slot, r->meta_w, (int)p_lo,
+                                     K, H);
+        if (p_hi < P)
+            be->moe_combine_backward(m->d_y_exp, m->d_w_recv + p_hi * K, ROW(m, d_pairs, p_hi), a->y_exp,
+                                     r->exp_slot + p_hi * K, r->meta_w + p_hi * K, (int)(P - p_hi), K, H);
+    } else {
+        be->moe_combine_backward(m->d_y_exp, m->d_w_recv, d_pairs, a->y_exp, r->exp_slot, r->meta_w, (int)P, K, H);
+    }
     int64_t in[m->ep], out[m->ep];
     scale_counts(m, in, out, r->send_counts, r->recv_counts, K);
     return comm_all_to_all_inbox_start(m->ep_comm, in, m->d_w_recv, out, COMM_F32, w_req);
