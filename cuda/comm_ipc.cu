@@ -206,8 +206,8 @@ const void *ipc_a2a_start(struct ipc_a2a *x, const size_t *recv_bytes, const voi
     const uint32_t e = ++x->epoch;
     /* everything queued before, the readers of our window included, is done: peers may write it.
      * The copy streams tell them (below), not the compute stream: a flag write is a fenced store
-     * to the peer's memory, and on the compute stream the next kernel waited for it (~20 us a
-     * call at EP=2; docs/benchmarks.md, forty-first session) */
+     * to the peer's memory, and on the compute stream the next kernel waited for it (moving it
+     * took ~1.5 ms off an EP=2 bench step; docs/benchmarks.md, forty-first session) */
     CUDA_CHECK(cudaEventRecord(x->ready, g_cuda.stream));
     MT_CHECK_MPI(MPI_Allgather(mine, (int)row, MPI_INT64_T, x->meta, (int)row, MPI_INT64_T, x->mpi));
 
