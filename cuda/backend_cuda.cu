@@ -47,6 +47,8 @@ template <typename T> static struct backend make_table(double peak)
     b.free = cu_free;
     b.zero = cu_zero;
     b.copy = cu_copy;
+    b.copy_aside = cu_copy_aside;
+    b.copy_aside_join = cu_copy_aside_join;
     b.upload = cu_upload;
     b.download = cu_download;
     b.sync = cu_sync;

@@ -43,6 +43,33 @@ void cu_copy(void *dst, const void *src, size_t bytes)
         CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, g_cuda.stream));
 }
 
+static cudaStream_t aside_stream;
+static cudaEvent_t aside_start, aside_done;
+static bool aside_pending; /* started and not yet joined */
+
+void cu_copy_aside(void *dst, const void *src, size_t bytes)
+{
+    MT_CHECK(!aside_pending, "copy_aside: started again before copy_aside_join");
+    if (!aside_stream) {
+        CUDA_CHECK(cudaStreamCreateWithFlags(&aside_stream, cudaStreamNonBlocking));
+        CUDA_CHECK(cudaEventCreateWithFlags(&aside_start, cudaEventDisableTiming));
+        CUDA_CHECK(cudaEventCreateWithFlags(&aside_done, cudaEventDisableTiming));
+    }
+    CUDA_CHECK(cudaEventRecord(aside_start, g_cuda.stream));
+    CUDA_CHECK(cudaStreamWaitEvent(aside_stream, aside_start, 0));
+    if (bytes && dst != src)
+        CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, aside_stream));
+    CUDA_CHECK(cudaEventRecord(aside_done, aside_stream));
+    aside_pending = true;
+}
+
+void cu_copy_aside_join(void)
+{
+    if (!aside_pending) return;
+    CUDA_CHECK(cudaStreamWaitEvent(g_cuda.stream, aside_done, 0));
+    aside_pending = false;
+}
+
 /* From pageable memory the call returns once the source has been staged, so the caller may reuse
  * host_src at once. */
 void cu_upload(void *dst, const void *host_src, size_t bytes)

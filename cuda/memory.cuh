@@ -9,6 +9,9 @@ void *cu_alloc(size_t bytes);
 void cu_free(void *p);
 void cu_zero(void *p, size_t bytes);
 void cu_copy(void *dst, const void *src, size_t bytes);
+/* ops.h copy_aside: a side stream of its own, ordered by events */
+void cu_copy_aside(void *dst, const void *src, size_t bytes);
+void cu_copy_aside_join(void);
 void cu_upload(void *dst, const void *host_src, size_t bytes);
 void cu_download(void *host_dst, const void *src, size_t bytes);
 void cu_sync(void);

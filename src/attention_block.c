@@ -34,11 +34,12 @@ void attention_backward(struct model *m, int l)
     model_run_deferred_wgrads(m, -1);
     float *dw_o = grad_of(m, TR_O, l), *dw_q = grad_of(m, TR_Q, l);
     const bool defer = m->o_wgrad_dout && m->more_backwards && dw_o && dw_q;
+    /* the deferred gradient keeps dL/d h_mid, which the norm's backward below adds to in place:
+     * a copy engine copies it while the SMs run the attention's backward (joined before the add;
+     * the deferred gradients above, readers of the copy's destination, are queued already) */
+    if (defer) be->copy_aside(m->o_wgrad_dout, m->d_h, (size_t)T * H * be->x_size);
     be->matmul_backward(m->d_t1, defer ? NULL : dw_o, m->d_h, a->attn, weight_of(m, TR_O, l), T, Hq * D, H, false);
-    if (defer) {
-        be->copy(m->o_wgrad_dout, m->d_h, (size_t)T * H * be->x_size);
-        model_defer_wgrad(m, &(struct deferred_wgrad){dw_o, m->o_wgrad_dout, a->attn, T, Hq * D, H});
-    }
+    if (defer) model_defer_wgrad(m, &(struct deferred_wgrad){dw_o, m->o_wgrad_dout, a->attn, T, Hq * D, H});
     /* the logits (and the gradient the head wrote over them) are dead until the next forward */
     void *work = m->st.last ? m->logits : NULL;
     const size_t work_bytes = work ? (size_t)T * m->V * be->x_size : 0;
@@ -56,6 +57,7 @@ void attention_backward(struct model *m, int l)
     be->matmul2_backward(m->d_t3, grad_of(m, TR_K, l), grad_of(m, TR_V, l), m->d_t2, m->d_v, a->a,
                          weight_of(m, TR_K, l), weight_of(m, TR_V, l), T, H, Hkv * D, true);
     /* residual: dL/dh_in = dL/dh_mid + norm backward */
+    if (defer) be->copy_aside_join();
     be->rmsnorm_backward(m->d_h, grad_of(m, TR_ATTN_NORM, l), m->d_t3, a->h_in, weight_of(m, TR_ATTN_NORM, l),
                          a->rstd_a, T, H, true);
 }

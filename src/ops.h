@@ -75,6 +75,12 @@ struct backend {
     void (*free)(void *p);
     void (*zero)(void *p, size_t bytes);
     void (*copy)(void *dst, const void *src, size_t bytes);                 /* device to device */
+    /* copy by a copy engine beside the backend's stream, after everything queued on it before the
+     * call; copy_aside_join makes the stream wait for it. In between, queued work may read src
+     * but neither write src nor touch dst (the SMs keep running kernels meanwhile). One at a
+     * time; the CPU copies at once. */
+    void (*copy_aside)(void *dst, const void *src, size_t bytes);
+    void (*copy_aside_join)(void);
     void (*upload)(void *dst, const void *host_src, size_t bytes);          /* raw bytes */
     void (*download)(void *host_dst, const void *src, size_t bytes);        /* raw bytes, waits */
     void (*sync)(void);

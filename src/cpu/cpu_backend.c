@@ -7,6 +7,7 @@
 #include "cpu/cpu_ops.h"
 #include "ops.h"
 
+static void b_nothing(void) {}
 static void b_upload(void *dst, const void *src, size_t bytes) { cpu_copy(dst, src, bytes); }
 static void b_download(void *dst, const void *src, size_t bytes) { cpu_copy(dst, src, bytes); }
 static void b_cast_f32_to_x(void *out, const float *in, size_t n) { cpu_cast_f32(out, in, n); }
@@ -256,6 +257,8 @@ static const struct backend cpu_backend = {
     .free = cpu_free,
     .zero = cpu_zero,
     .copy = cpu_copy,
+    .copy_aside = cpu_copy,
+    .copy_aside_join = b_nothing,
     .upload = b_upload,
     .download = b_download,
     .sync = cpu_sync,

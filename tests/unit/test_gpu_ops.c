@@ -123,6 +123,37 @@ Test(gpu, memory_and_elementwise)
 
 /* ---------------------------------------------------------------- embedding */
 
+/* copy_aside: the copy sees what was queued before it (x doubled), runs beside later work that
+ * only reads its source (a cast), and is there once joined; every bit, in both modes */
+Test(gpu, copy_aside_is_ordered_and_joined)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 103);
+    const size_t n = (size_t)3 << 20; /* 12 MB: long enough to still be moving when queued work runs */
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        const struct backend *g = M.g;
+        float *xh = hrand(&rng, n, 2.0), *yh = malloc(n * sizeof(float));
+        float *x = g->alloc(n * sizeof(float)), *y = g->alloc(n * sizeof(float));
+        void *z = g->alloc(n * g->x_size);
+        g->upload(x, xh, n * sizeof(float));
+        g->scale_f32(x, n, 2.0f);
+        g->copy_aside(y, x, n * sizeof(float));
+        g->cast_f32_to_x(z, x, n);
+        g->copy_aside_join();
+        g->download(yh, y, n * sizeof(float));
+        size_t bad = 0;
+        for (size_t k = 0; k < n; k++) bad += yh[k] != 2.0f * xh[k];
+        cr_expect_eq(bad, 0, "%s: %zu of %zu elements differ from the doubled source", M.name, bad, n);
+        g->free(x);
+        g->free(y);
+        g->free(z);
+        free(xh);
+        free(yh);
+    }
+}
+
 Test(gpu, embedding)
 {
     mt_rng rng;
