@@ -87,6 +87,7 @@ template <typename T> static struct backend make_table(double peak)
     b.moe_rows_split = cu_moe_rows_split;
     b.gather_f32 = cu_gather_f32;
     b.gather_rows = cu_gather_rows<T>;
+    b.gather_rows_part = cu_gather_rows_part<T>;
     b.gather_rows_backward = cu_gather_rows_backward<T>;
     b.moe_combine_forward = cu_moe_combine_forward<T>;
     b.moe_combine_backward = cu_moe_combine_backward<T>;

@@ -477,11 +477,12 @@ static const void *nccl_all_to_all_inbox_start(struct comm *c, const int64_t *re
 /* The same block for every rank: on the copy engines as the inbox all-to-all's two halves, or an
  * NCCL all-gather into the inbox now (across hosts). */
 static const void *nccl_all_gather_inbox_start(struct comm *c, const void *send, size_t n, enum comm_dtype t,
-                                               struct comm_p2p_req *r)
+                                               struct comm_p2p_req *r, bool without_self)
 {
     struct nccl_impl *im = impl_of(c);
     r->state = NULL;
-    if (n > 0 && !is_device(send)) return im->host->ops->all_gather_inbox_start(im->host, send, n, t, r);
+    if (n > 0 && !is_device(send))
+        return im->host->ops->all_gather_inbox_start(im->host, send, n, t, r, without_self);
     const size_t es = comm_dtype_size(t);
     if (!im->ipc) {
         void *in = nccl_inbox_of(im, n * es * (size_t)c->size);
@@ -490,7 +491,9 @@ static const void *nccl_all_gather_inbox_start(struct comm *c, const void *send,
     }
     size_t b[c->size];
     for (int p = 0; p < c->size; p++) b[p] = n * es;
-    const void *win = ipc_a2a_start(im->ipc, b, send, b, true, false);
+    /* without_self: the copy to self skipped, as the self-later all-to-all's (a copy within the
+     * GPU holds the compute stream's next kernels back while it runs: docs/benchmarks.md) */
+    const void *win = ipc_a2a_start(im->ipc, b, send, b, true, without_self);
     struct nccl_p2p_state *st = (struct nccl_p2p_state *)mt_calloc(1, sizeof *st);
     st->ipc = true;
     r->state = st;

@@ -32,12 +32,25 @@ static unsigned rw_grid(int n)
 
 /* ---------------------------------------------------------------- gather */
 
+/* Which rows a gather moves (ops.h gather_rows, gather_rows_part): all with an index >= 0, or only
+ * those whose index lies inside [lo, hi) (read at idx - lo), or only those outside it. */
+enum { GATHER_ALL, GATHER_INSIDE, GATHER_OUTSIDE };
+
+/* row r's source row, or -1 when the gather leaves row r as it is */
+__device__ __forceinline__ int32_t gather_src(int32_t src, int lo, int hi, int part)
+{
+    if (src < 0 || part == GATHER_ALL) return src;
+    const bool inside = src >= lo && src < hi;
+    if (part == GATHER_INSIDE) return inside ? src - lo : -1;
+    return inside ? -1 : src;
+}
+
 template <typename T>
-__global__ void gather_rows_kernel(T *out, const T *in, const int32_t *idx, int R, int H)
+__global__ void gather_rows_kernel(T *out, const T *in, const int32_t *idx, int R, int H, int lo, int hi, int part)
 {
     pdl_wait(); /* first: launch.cuh */
     for (int r = blockIdx.x; r < R; r += gridDim.x) {
-        const int32_t src = idx[r];
+        const int32_t src = gather_src(idx[r], lo, hi, part);
         T *o = out + (size_t)r * H;
         if (src < 0) continue;
         const T *i = in + (size_t)src * H;
@@ -47,13 +60,13 @@ __global__ void gather_rows_kernel(T *out, const T *in, const int32_t *idx, int 
 
 /* rows of nv 16-byte words, a warp per row */
 __global__ void gather_rows_vec_kernel(uint4 *__restrict__ out, const uint4 *__restrict__ in,
-                                       const int32_t *idx, int R, int nv)
+                                       const int32_t *idx, int R, int nv, int lo, int hi, int part)
 {
     pdl_wait(); /* first: launch.cuh */
     enum { U = 2 * RW_UNROLL };
     const int lane = threadIdx.x & 31;
     for (int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < R; r += (gridDim.x * blockDim.x) >> 5) {
-        const int32_t src = idx[r];
+        const int32_t src = gather_src(idx[r], lo, hi, part);
         if (src < 0) continue;
         const uint4 *i = in + (size_t)src * nv;
         uint4 *o = out + (size_t)r * nv;
@@ -69,18 +82,24 @@ __global__ void gather_rows_vec_kernel(uint4 *__restrict__ out, const uint4 *__r
     }
 }
 
-template <typename T> void cuda_gather_rows(T *out, const T *in, const int32_t *idx, int R, int H)
+template <typename T>
+static void gather_rows_launch(T *out, const T *in, const int32_t *idx, int R, int H, int lo, int hi, int part)
 {
     MT_CHECK(R >= 0 && H >= 0, "gather_rows: bad shape R=%d H=%d", R, H);
     if (R == 0 || H == 0) return;
     if ((size_t)H * sizeof(T) % 16 == 0 && aligned16(out) && aligned16(in)) {
         cuda_launch(gather_rows_vec_kernel, rw_grid(R), ROW_BLOCK, 0,
-            (uint4 *)out, (const uint4 *)in, idx, R, (int)((size_t)H * sizeof(T) / 16));
+            (uint4 *)out, (const uint4 *)in, idx, R, (int)((size_t)H * sizeof(T) / 16), lo, hi, part);
         CUDA_LAUNCH_CHECK("gather_rows");
         return;
     }
-    cuda_launch(gather_rows_kernel<T>, MT_MIN(R, 65536), ROW_BLOCK, 0, out, in, idx, R, H);
+    cuda_launch(gather_rows_kernel<T>, MT_MIN(R, 65536), ROW_BLOCK, 0, out, in, idx, R, H, lo, hi, part);
     CUDA_LAUNCH_CHECK("gather_rows");
+}
+
+template <typename T> void cuda_gather_rows(T *out, const T *in, const int32_t *idx, int R, int H)
+{
+    gather_rows_launch(out, in, idx, R, H, 0, 0, GATHER_ALL);
 }
 
 /* ---------------------------------------------------------------- scatter-add */
@@ -373,6 +392,13 @@ template <typename T> void cu_gather_rows(void *out, const void *in, const int32
 }
 
 template <typename T>
+void cu_gather_rows_part(void *out, const void *in, const int32_t *idx, int R, int H, int lo, int hi, bool inside)
+{
+    MT_CHECK(lo <= hi, "gather_rows_part: empty range [%d, %d)", lo, hi);
+    gather_rows_launch<T>((T *)out, (const T *)in, idx, R, H, lo, hi, inside ? GATHER_INSIDE : GATHER_OUTSIDE);
+}
+
+template <typename T>
 void cu_gather_rows_backward(void *din, const void *dout, const int32_t *idx, int R, int H)
 {
     cuda_scatter_add_rows<T, T>((T *)din, (const T *)dout, idx, R, H);
@@ -419,6 +445,8 @@ template void cuda_scatter_add_rows<bf16, bf16>(bf16 *, const bf16 *, const int3
 template void cuda_scatter_add_rows<float, bf16>(float *, const bf16 *, const int32_t *, int, int);
 template void cu_gather_rows<float>(void *, const void *, const int32_t *, int, int);
 template void cu_gather_rows<bf16>(void *, const void *, const int32_t *, int, int);
+template void cu_gather_rows_part<float>(void *, const void *, const int32_t *, int, int, int, int, bool);
+template void cu_gather_rows_part<bf16>(void *, const void *, const int32_t *, int, int, int, int, bool);
 template void cu_gather_rows_backward<float>(void *, const void *, const int32_t *, int, int);
 template void cu_gather_rows_backward<bf16>(void *, const void *, const int32_t *, int, int);
 template void cu_moe_combine_forward<float>(void *, const void *, const int32_t *, const float *,

@@ -14,6 +14,8 @@ void cuda_scatter_add_rows(Out *dst, const In *src, const int32_t *idx, int R, i
 
 template <typename T> void cu_gather_rows(void *out, const void *in, const int32_t *idx, int R, int H);
 template <typename T>
+void cu_gather_rows_part(void *out, const void *in, const int32_t *idx, int R, int H, int lo, int hi, bool inside);
+template <typename T>
 void cu_gather_rows_backward(void *din, const void *dout, const int32_t *idx, int R, int H);
 template <typename T>
 void cu_moe_combine_forward(void *out, const void *y, const int32_t *slot_row, const float *w,

@@ -101,9 +101,10 @@ struct comm_ops {
     /* all_to_all_inbox_start where every rank gets the same n elements of `send` (an all-gather
      * into the inbox: rank s's block at s·n of the returned buffer), finished by p2p_wait with
      * the same rules in between (MPI and NCCL across hosts: done on return, nothing in flight).
-     * The MoE fixed exchange's token rows, whose blocks are the same for every rank. */
+     * The MoE fixed exchange's token rows, whose blocks are the same for every rank. With
+     * without_self the block to self need not be written (comm_all_gather_inbox_start_others). */
     const void *(*all_gather_inbox_start)(struct comm *c, const void *send, size_t n, enum comm_dtype t,
-                                          struct comm_p2p_req *r);
+                                          struct comm_p2p_req *r, bool without_self);
     /* optional (NULL: none): how the device sees the arrival of the inbox exchange r, started
      * and not yet waited for (ops.h struct exchange_arrival: the flags the peers' copies set);
      * false where it cannot (a transfer that is not the copy engines', or nothing in flight) */
@@ -172,5 +173,10 @@ bool comm_exchange_arrival(struct comm *c, const struct comm_p2p_req *r, struct 
 /* ops->all_gather_inbox_start; comm_p2p_wait finishes it. For a NULL comm the result is `send`. */
 const void *comm_all_gather_inbox_start(struct comm *c, const void *send, size_t n, enum comm_dtype t,
                                         struct comm_p2p_req *r);
+/* comm_all_gather_inbox_start for a caller that reads its own block from `send`: the returned
+ * buffer's block to self is not written by the copy engines (it holds anything; the MPI comm fills
+ * it with 0xff bytes, so that a reader of it shows in the tests). The other blocks as above. */
+const void *comm_all_gather_inbox_start_others(struct comm *c, const void *send, size_t n, enum comm_dtype t,
+                                               struct comm_p2p_req *r);
 
 #endif

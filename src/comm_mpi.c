@@ -367,11 +367,13 @@ static const void *mpi_all_to_all_inbox(struct comm *c, const int64_t *recv_coun
 }
 
 static const void *mpi_all_gather_inbox_start(struct comm *c, const void *send, size_t n, enum comm_dtype t,
-                                              struct comm_p2p_req *r)
+                                              struct comm_p2p_req *r, bool without_self)
 {
     r->state = NULL;
     void *buf = mpi_inbox_of(c, n * (size_t)c->size, t);
     mpi_all_gather(c, buf, send, n, t);
+    const size_t es = comm_dtype_size(t);
+    if (without_self) memset((unsigned char *)buf + (size_t)c->rank * n * es, 0xff, n * es); /* not to be read */
     return buf;
 }
 
@@ -554,14 +556,26 @@ bool comm_exchange_arrival(struct comm *c, const struct comm_p2p_req *r, struct 
     return c && r->state && c->ops->exchange_arrival && c->ops->exchange_arrival(c, r, out);
 }
 
-const void *comm_all_gather_inbox_start(struct comm *c, const void *send, size_t n, enum comm_dtype t,
-                                        struct comm_p2p_req *r)
+static const void *all_gather_inbox(struct comm *c, const void *send, size_t n, enum comm_dtype t,
+                                    struct comm_p2p_req *r, bool without_self)
 {
     r->state = NULL;
     if (single(c)) return send;
     const void *in;
-    TIMED(in = c->ops->all_gather_inbox_start(c, send, n, t, r));
+    TIMED(in = c->ops->all_gather_inbox_start(c, send, n, t, r, without_self));
     return in;
+}
+
+const void *comm_all_gather_inbox_start(struct comm *c, const void *send, size_t n, enum comm_dtype t,
+                                        struct comm_p2p_req *r)
+{
+    return all_gather_inbox(c, send, n, t, r, false);
+}
+
+const void *comm_all_gather_inbox_start_others(struct comm *c, const void *send, size_t n, enum comm_dtype t,
+                                               struct comm_p2p_req *r)
+{
+    return all_gather_inbox(c, send, n, t, r, true);
 }
 
 static const void *inbox_start(struct comm *c, const int64_t *recv_counts, const void *send,

@@ -277,6 +277,12 @@ struct backend {
                         int R, int H);
     void (*gather_rows_backward)(void *din /*[*,H]*/, const void *dout /*[R,H]*/,
                                  const int32_t *idx /*[R]*/, int R, int H);
+    /* gather_rows for part of the rows: those whose idx lies in [lo, hi) (inside; read at
+     * in[idx[r] - lo]) or those whose idx lies outside it (read at in[idx[r]]); every other row of
+     * out, and every row with a negative idx, is left as it is. The fixed exchange's dispatch: a
+     * rank's own token rows from its own memory while the other ranks' cross, then theirs. */
+    void (*gather_rows_part)(void *out /*[R,H]*/, const void *in /*[*,H]*/, const int32_t *idx /*[R]*/,
+                             int R, int H, int lo, int hi, bool inside);
 
     /* MoE combine: out[t] = Σ_j w[t,j] · y[slot_row[t,j]] over j = 0..k-1 in that order (the caller
      * orders each token's slots by ascending expert id). With resid (else NULL), out[t] = that sum

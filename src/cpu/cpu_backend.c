@@ -132,6 +132,11 @@ static void b_gather_rows(void *out, const void *in, const int32_t *idx, int R, 
 {
     cpu_gather_rows(out, in, idx, R, H);
 }
+static void b_gather_rows_part(void *out, const void *in, const int32_t *idx, int R, int H, int lo, int hi,
+                               bool inside)
+{
+    cpu_gather_rows_part(out, in, idx, R, H, lo, hi, inside);
+}
 static void b_gather_rows_backward(void *din, const void *dout, const int32_t *idx, int R, int H)
 {
     cpu_gather_rows_backward(din, dout, idx, R, H);
@@ -296,6 +301,7 @@ static const struct backend cpu_backend = {
     .moe_rows_split = cpu_moe_rows_split,
     .gather_f32 = cpu_gather_f32,
     .gather_rows = b_gather_rows,
+    .gather_rows_part = b_gather_rows_part,
     .gather_rows_backward = b_gather_rows_backward,
     .moe_combine_forward = b_moe_combine_forward,
     .moe_combine_backward = b_moe_combine_backward,

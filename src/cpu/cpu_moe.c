@@ -147,6 +147,15 @@ void cpu_gather_rows(float *out, const float *in, const int32_t *idx, int R, int
         if (idx[r] >= 0) memcpy(out + (size_t)r * H, in + (size_t)idx[r] * H, (size_t)H * sizeof(float));
 }
 
+void cpu_gather_rows_part(float *out, const float *in, const int32_t *idx, int R, int H, int lo, int hi, bool inside)
+{
+    MT_CHECK(lo <= hi, "gather_rows_part: empty range [%d, %d)", lo, hi);
+    for (int r = 0; r < R; r++) {
+        if (idx[r] < 0 || (idx[r] >= lo && idx[r] < hi) != inside) continue;
+        memcpy(out + (size_t)r * H, in + (size_t)(idx[r] - (inside ? lo : 0)) * H, (size_t)H * sizeof(float));
+    }
+}
+
 void cpu_gather_rows_backward(float *din, const float *dout, const int32_t *idx, int R, int H)
 {
     for (int r = 0; r < R; r++) {

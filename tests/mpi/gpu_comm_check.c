@@ -260,6 +260,8 @@ static void suite(const struct backend *g, struct comm *hc, struct comm *dc, con
  * work queued between them (a copy that read the window before the wait would see old bytes).
  * Rounds 1 and 5 are all_gather_inbox_start (every rank sent the same block: the MoE fixed
  * exchange's token rows), compared with MPI's all_gather; the others with MPI's all_to_all_v.
+ * Round 5 is comm_all_gather_inbox_start_others, whose block to self the caller takes from its
+ * send buffer (the self-last dispatch): the other blocks must be right.
  * Round 7 is comm_all_to_all_inbox_start_self_later: the send buffer's block to self is overwritten
  * with 0xff bytes before the start and the caller writes the right block into the window after it
  * (moe.c's combine_self_last), so a comm that still copied the block to self, or a wrong place for
@@ -310,9 +312,16 @@ static void inbox_suite(const struct backend *g, struct comm *hc, struct comm *d
         const void *in;
         if (k % 4 == 1) {
             struct comm_p2p_req req;
-            in = comm_all_gather_inbox_start(dc, dsend[k], (size_t)sc[k][0], type[k], &req);
+            const size_t n = (size_t)sc[k][0], es = comm_dtype_size(type[k]);
+            in = k == 5 ? comm_all_gather_inbox_start_others(dc, dsend[k], n, type[k], &req)
+                        : comm_all_gather_inbox_start(dc, dsend[k], n, type[k], &req);
             g->zero(busy, busy_bytes);
             comm_p2p_wait(dc, &req);
+            if (k == 5) { /* the caller's own block comes from its send buffer */
+                g->copy(out[k], in, rtot[k] * es);
+                g->copy((char *)out[k] + (size_t)me * n * es, dsend[k], n * es);
+                continue;
+            }
         } else if (k % 3 == 2) {
             struct comm_p2p_req req;
             in = comm_all_to_all_inbox_start(dc, rc[k], dsend[k], sc[k], type[k], &req);

@@ -707,6 +707,29 @@ Test(cpu_ops, rows_cap_records_the_need_and_cuts_past_the_capacity)
     cr_expect(need[0] == 9 && need[1] == 2, "the largest need and every cut plan count");
 }
 
+/* gather_rows_part's two parts, inside [2, 4) from a buffer of their own and outside from the
+ * whole one, give the one gather over the whole buffer; each part leaves the other's rows (and
+ * the negative indices') as they are */
+Test(cpu_ops, gather_rows_part_is_one_gather_in_two)
+{
+    enum { N = 6, H = 3, R = 9 };
+    float all[N * H], out[R * H], ref[R * H], inside_only[R * H];
+    for (int i = 0; i < N * H; i++) all[i] = (float)(i * 7 % 23) - 11.0f;
+    const int32_t idx[R] = {5, 2, -1, 3, 0, 3, 1, 4, 2};
+    for (int i = 0; i < R * H; i++) out[i] = ref[i] = inside_only[i] = 100.0f + (float)i;
+    cpu_gather_rows(ref, all, idx, R, H);
+    cpu_gather_rows_part(out, all + 2 * H, idx, R, H, 2, 4, true);
+    memcpy(inside_only, out, sizeof out);
+    cpu_gather_rows_part(out, all, idx, R, H, 2, 4, false);
+    cr_expect(!memcmp(out, ref, sizeof ref), "the two parts differ from the one gather");
+    for (int r = 0; r < R; r++) {
+        const bool inside = idx[r] >= 2 && idx[r] < 4;
+        for (int h = 0; h < H; h++)
+            cr_expect_eq(inside_only[r * H + h], inside ? ref[r * H + h] : 100.0f + (float)(r * H + h),
+                         "row %d (index %d) after the inside part", r, (int)idx[r]);
+    }
+}
+
 /* gather_rows leaves a row whose index is negative as it is */
 Test(cpu_ops, gather_rows_skips_negative_indices)
 {

@@ -265,6 +265,47 @@ Test(gpu, gather_rows_shapes)
     }
 }
 
+/* gather_rows_part (the self-last dispatch): rows whose index lies in [n, 2n) read from their own
+ * buffer (at idx - n), the others from the whole one, whose middle block is poisoned on the GPU
+ * (so a part that read it shows); together bit for bit the CPU's one gather over the whole
+ * buffer. Some indices are negative (left as they are). */
+static void gather_part_case(const struct mode *M, mt_rng *rng, int R, int n, int H)
+{
+    char what[96];
+    const size_t nr = (size_t)R * H, nb = (size_t)n * H;
+    int32_t *idx = malloc((size_t)R * sizeof *idx);
+    for (int r = 0; r < R; r++) idx[r] = irand(rng, 8) == 0 ? -1 : irand(rng, 3 * n);
+    float *all = hrand(rng, 3 * nb, 1.0), *poisoned = hdup(all, 3 * nb);
+    for (size_t i = nb; i < 2 * nb; i++) poisoned[i] = NAN;
+    void *d_all = dx_from(M, poisoned, 3 * nb), *d_own = dx_from(M, all + nb, nb);
+    int32_t *d_idx = di_from(M, idx, R);
+    float *start = hrand(rng, nr, 1.0), *ref = hdup(start, nr);
+    void *d_out = dx_from(M, start, nr);
+    M->g->gather_rows_part(d_out, d_own, d_idx, R, H, n, 2 * n, true);
+    M->g->gather_rows_part(d_out, d_all, d_idx, R, H, n, 2 * n, false);
+    float *out = hx_of(M, d_out, nr);
+    M->c->gather_rows(ref, all, idx, R, H); /* the CPU's rounding of start and all, as the GPU's */
+    void *d_ref = dx_from(M, ref, nr);
+    float *ref_x = hx_of(M, d_ref, nr);
+    snprintf(what, sizeof what, "gather_rows_part R=%d H=%d", R, H);
+    check_exact(M, what, out, ref_x, nr * sizeof(float));
+    M->g->free(d_all), M->g->free(d_own), M->g->free(d_idx), M->g->free(d_out), M->g->free(d_ref);
+    free(idx), free(all), free(poisoned), free(start), free(ref), free(out), free(ref_x);
+}
+
+Test(gpu, gather_rows_part)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 131);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        gather_part_case(&M, &rng, 600, 128, 256);  /* vector kernel */
+        gather_part_case(&M, &rng, 300, 50, 2056);  /* several rounds a lane */
+        gather_part_case(&M, &rng, 200, 40, 12);    /* scalar kernel in bf16 */
+    }
+}
+
 /* ---------------------------------------------------------------- moe combine */
 
 Test(gpu, moe_combine)
