@@ -88,8 +88,9 @@ struct parallel_config {
                                    * 2 .. MT_WGRAD_MAX_SETS, 0 = auto (2, and 4 in the layers where
                                    * that fits too, 8 in every layer where that fits) */
     bool moe_combine_self_last;   /* the forward combine's rows for other ranks computed and sent
-                                   * first, this rank's own under their transfer (moe_dispatch.c; ep > 1,
-                                   * moe_chunks 1) */
+                                   * first, this rank's own under their transfer; the dispatch's own
+                                   * token rows read from this rank's memory, the all-gathers without
+                                   * their copy to self (moe_dispatch.c; ep > 1, moe_chunks 1) */
     bool expert_wgrad_jobs;       /* grouped expert wgrads fill later exchanges' waits
                                    * (moe_wgrad_jobs.h; EP > 1 with expert_wgrad_pairs) */
     int wgrad_group_layers;       /* not a key: how many of the pairing layers (their first ones) take

@@ -168,7 +168,9 @@ struct model {
     /* parallel.moe_combine_self_last (moe_dispatch.c moe_down_and_combine_self_last): the down projection of the other
      * ranks' rows first, their pair sums on their way home while this rank's own rows run; in
      * the combine's backward (moe_combine_rows_backward) this rank's own pairs first, while the
-     * other ranks' dL/d(out) rows arrive;
+     * other ranks' dL/d(out) rows arrive; with the fixed exchange the dispatch gathers this rank's
+     * own token rows from a->m while the others cross (moe_dispatch_rows), and neither all-gather
+     * copies the block to self;
      * rows_split (dev [2, n_local + 1], allocated at first use) holds where each expert's own
      * rows begin and end (ops.h moe_rows_split) */
     bool combine_self_last;

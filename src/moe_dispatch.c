@@ -149,10 +149,14 @@ void moe_route_layer(struct model *m, struct layer_acts *a, int l)
 
 bool moe_rows_by_token(const struct model *m) { return m->pairs && m->rows_by_capacity && m->moe_chunks == 1; }
 
+/* With the self-last combine the dispatch reads this rank's own rows from x, not the inbox, so the
+ * all-gather skips the copy to self (moe_dispatch_rows) */
 void moe_token_rows_start(struct model *m, const void *x, struct token_rows *tr)
 {
-    tr->rows = comm_all_gather_inbox_start(m->ep_comm, x, (size_t)m->T * m->H, comm_dtype_of_x(m->be->x_size),
-                                           &tr->req);
+    const size_t n = (size_t)m->T * m->H;
+    const enum comm_dtype t = comm_dtype_of_x(m->be->x_size);
+    tr->rows = m->combine_self_last ? comm_all_gather_inbox_start_others(m->ep_comm, x, n, t, &tr->req)
+                                    : comm_all_gather_inbox_start(m->ep_comm, x, n, t, &tr->req);
 }
 
 /* Token side -> expert side: the layer's norm output rows in expert-major order (x_exp); with
@@ -168,6 +172,15 @@ void moe_dispatch_rows(struct model *m, struct layer_acts *a, struct token_rows 
     if (m->pairs && r->by_token) {
         struct token_rows now;
         if (!early) moe_token_rows_start(m, a->m, early = &now);
+        if (m->combine_self_last) {
+            /* this rank's own token rows (pairs [lo, lo + T)) from a->m while the others cross,
+             * then theirs from the inbox: every row as the one gather would copy it */
+            const int lo = m->ep_rank * m->T, R = (int)r->R_exp;
+            be->gather_rows_part(a->x_exp, a->m, r->exp_src, R, H, lo, lo + m->T, true);
+            comm_p2p_wait(m->ep_comm, &early->req);
+            be->gather_rows_part(a->x_exp, early->rows, r->exp_src, R, H, lo, lo + m->T, false);
+            return;
+        }
         comm_p2p_wait(m->ep_comm, &early->req);
         src = early->rows;
     } else if (m->pairs) {
@@ -273,8 +286,11 @@ const float *moe_combine_rows_backward(struct model *m, struct layer_acts *a, in
     }
     struct comm_p2p_req req = {0};
     const void *d_pairs, *own; /* own: this rank's own pairs' rows, the block it sends itself */
-    if (r->by_token) { /* every rank's block is dL/d(out) itself */
-        d_pairs = comm_all_gather_inbox_start(m->ep_comm, m->d_h, (size_t)T * H, comm_dtype_of_x(be->x_size), &req);
+    if (r->by_token) { /* every rank's block is dL/d(out) itself; self last reads its own from d_h */
+        const size_t n = (size_t)T * H;
+        const enum comm_dtype t = comm_dtype_of_x(be->x_size);
+        d_pairs = m->combine_self_last ? comm_all_gather_inbox_start_others(m->ep_comm, m->d_h, n, t, &req)
+                                       : comm_all_gather_inbox_start(m->ep_comm, m->d_h, n, t, &req);
         own = m->d_h;
     } else {
         be->gather_rows(m->d_x_send, m->d_h, r->pair_tok, (int)r->P_send, H);

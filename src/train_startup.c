@@ -63,7 +63,8 @@ void train_print_startup(const struct config *c, const struct mesh *mesh, const 
     if (stage_moe > 0 && m->pairs && m->combine_self_last && m->moe_chunks == 1)
         printf("  overlap     forward combine: the other ranks' rows through the down projection first, this "
                "rank's own under their transfer; its backward: this rank's own rows first, the other ranks' "
-               "under their transfer (parallel.moe_combine_self_last)\n");
+               "under their transfer; the dispatch's own rows from this rank's memory "
+               "(parallel.moe_combine_self_last)\n");
     if (m->o_wgrad_dout)
         printf("  overlap     o_proj and q_proj weight gradients deferred under the next MoE layer's backward "
                "exchanges, all micro-steps but the last (MT_NO_DEFERRED_WGRAD=1: off)\n");
