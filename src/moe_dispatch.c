@@ -355,10 +355,29 @@ const void *moe_dispatch_rows_backward_send(struct model *m, struct layer_acts *
         return NULL;
     }
     /* d_y_exp is free once the expert backward has run */
-    be->moe_combine_forward(m->d_y_exp, m->d_x_exp, r->exp_slot, m->ones, NULL, (int)r->P_recv, K, H);
     int64_t in[m->ep], out[m->ep];
     scale_counts(m, in, out, r->send_counts, r->recv_counts, H);
-    return comm_all_to_all_inbox_start(m->ep_comm, in, m->d_y_exp, out, comm_dtype_of_x(be->x_size), req);
+    const enum comm_dtype t = comm_dtype_of_x(be->x_size);
+    if (!m->combine_self_last) {
+        be->moe_combine_forward(m->d_y_exp, m->d_x_exp, r->exp_slot, m->ones, NULL, (int)r->P_recv, K, H);
+        return comm_all_to_all_inbox_start(m->ep_comm, in, m->d_y_exp, out, t, req);
+    }
+    /* self last, as the forward combine: the other ranks' pair sums first and on their way, this
+     * rank's own summed while they cross, straight into the inbox's block to self (no copy within
+     * the GPU, which would hold the compute stream's next kernels back). The same sums. */
+    int64_t p_lo, p_hi;
+    own_pairs(m, r, &p_lo, &p_hi);
+    const int64_t P = r->P_recv;
+    if (p_lo > 0) be->moe_combine_forward(m->d_y_exp, m->d_x_exp, r->exp_slot, m->ones, NULL, (int)p_lo, K, H);
+    if (p_hi < P)
+        be->moe_combine_forward(ROW(m, m->d_y_exp, p_hi), m->d_x_exp, r->exp_slot + p_hi * K, m->ones + p_hi * K,
+                                NULL, (int)(P - p_hi), K, H);
+    void *pairs = comm_all_to_all_inbox_start_self_later(m->ep_comm, in, m->d_y_exp, out, t, req);
+    int64_t home = 0; /* where the block to self sits in the inbox: after the earlier ranks' */
+    for (int s = 0; s < m->ep_rank; s++) home += r->send_counts[s];
+    be->moe_combine_forward(ROW(m, pairs, home), m->d_x_exp, r->exp_slot + p_lo * K, m->ones + p_lo * K, NULL,
+                            (int)(p_hi - p_lo), K, H);
+    return pairs;
 }
 
 void moe_dispatch_rows_backward_sum(struct model *m, struct layer_acts *a, const void *d_pairs,
