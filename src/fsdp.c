@@ -110,7 +110,7 @@ static void bind_weights(struct fsdp *f, int u, struct fsdp_wbuf *b, struct fsdp
 
 static void finish_reduce(struct fsdp *f, int g, struct fsdp_gbuf *gb)
 {
-    params_reduce_unit_finish(f->p, (enum tensor_group)g, gb->unit, gb->g, f->stage, &gb->req);
+    params_reduce_unit_finish(f->p, (enum tensor_group)g, gb->unit, gb->g, f->stage, &gb->req, gb->into_shard);
     gb->reducing = false;
     gb->unit = -1;
 }
@@ -145,7 +145,8 @@ void fsdp_flush(struct fsdp *f)
         for (int u = 0; u < f->p->n_units; u++) {
             struct fsdp_gbuf *gb = &f->unit_g[g][u];
             if (gb->unit < 0 || gb->reducing) continue;   /* reducing: started by the last backward */
-            params_reduce_unit_start(f->p, (enum tensor_group)g, u, gb->g, f->stage, &gb->req);
+            gb->into_shard = true; /* the unit's one reduction of the step */
+            params_reduce_unit_start(f->p, (enum tensor_group)g, u, gb->g, f->stage, &gb->req, true);
             gb->reducing = true;
             gb->started = ++f->clock;
             f->n_reduces++;
@@ -239,7 +240,8 @@ static void after_backward(void *ctx, int u)
         if (f->unit_g[g]) {   /* reduce_grads=step: fsdp_flush reduces, or now in the last backward */
             if (reduce_now_per_step(f, g, u)) {
                 struct fsdp_gbuf *gb = &f->unit_g[g][u];
-                params_reduce_unit_start(f->p, (enum tensor_group)g, u, gb->g, f->stage, &gb->req);
+                gb->into_shard = true;
+                params_reduce_unit_start(f->p, (enum tensor_group)g, u, gb->g, f->stage, &gb->req, true);
                 gb->reducing = true;
                 gb->started = ++f->clock;
                 f->n_reduces++;
@@ -251,7 +253,8 @@ static void after_backward(void *ctx, int u)
         for (int k = 0; k < f->n_gbufs[g] && !gb; k++)
             if (f->gbuf[g][k].unit == u && !f->gbuf[g][k].reducing) gb = &f->gbuf[g][k];
         MT_CHECK(gb, "fsdp: unit %d has no gradient buffer", u);
-        params_reduce_unit_start(f->p, (enum tensor_group)g, u, gb->g, f->stage, &gb->req);
+        gb->into_shard = false; /* one reduction a micro-step: each adds to the shard */
+        params_reduce_unit_start(f->p, (enum tensor_group)g, u, gb->g, f->stage, &gb->req, false);
         gb->reducing = true;
         gb->started = ++f->clock;
         f->n_reduces++;

@@ -46,6 +46,7 @@ struct fsdp_gbuf {
     bool reducing;         /* its reduce-scatter is in flight (req) */
     struct comm_p2p_req req;
     uint64_t started;      /* when the reduction started: the oldest is finished first */
+    bool into_shard;       /* the reduction writes the shard's gradient itself (reduce_grads=step) */
     float *g;              /* [cap] fp32 */
     int64_t cap;
 };

@@ -291,10 +291,11 @@ static float *reduce_input(enum tensor_group g, float *work_g, float *stage)
 }
 
 void params_reduce_unit_start(struct params *p, enum tensor_group g, int u, float *work_g, float *stage,
-                              struct comm_p2p_req *r)
+                              struct comm_p2p_req *r, bool into_shard)
 {
     const struct backend *be = p->m->be;
-    const int64_t n = p->g[g].u_piece[u];
+    struct param_group_shard *gs = &p->g[g];
+    const int64_t n = gs->u_piece[u];
     r->state = NULL;
     if (n == 0) return;
     float *in = reduce_input(g, work_g, stage);
@@ -303,17 +304,19 @@ void params_reduce_unit_start(struct params *p, enum tensor_group g, int u, floa
         expert_blocks_copy(p, u, stage, work_g, sizeof(float), false);
     }
     const int rank = g == TG_DENSE ? p->S_rank : p->F_rank;
-    comm_reduce_scatter_sum_start(g == TG_DENSE ? p->stage : p->fsdp, in + (size_t)rank * n, in, (size_t)n,
-                                  COMM_F32, r);
+    /* into_shard: the sum lands in the shard's gradient itself, no add after it */
+    float *out = into_shard ? gs->grad + gs->u_off[u] : in + (size_t)rank * n;
+    comm_reduce_scatter_sum_start(g == TG_DENSE ? p->stage : p->fsdp, out, in, (size_t)n, COMM_F32, r);
 }
 
 void params_reduce_unit_finish(struct params *p, enum tensor_group g, int u, float *work_g, float *stage,
-                               struct comm_p2p_req *r)
+                               struct comm_p2p_req *r, bool into_shard)
 {
     struct param_group_shard *gs = &p->g[g];
     const int64_t n = gs->u_piece[u];
     if (n == 0) return;
     comm_p2p_wait(g == TG_DENSE ? p->stage : p->fsdp, r);
+    if (into_shard) return;
     const int rank = g == TG_DENSE ? p->S_rank : p->F_rank;
     p->m->be->add_f32(gs->grad + gs->u_off[u], reduce_input(g, work_g, stage) + (size_t)rank * n, (size_t)n);
 }
@@ -321,8 +324,8 @@ void params_reduce_unit_finish(struct params *p, enum tensor_group g, int u, flo
 void params_reduce_unit(struct params *p, enum tensor_group g, int u, float *work_g, float *stage)
 {
     struct comm_p2p_req r;
-    params_reduce_unit_start(p, g, u, work_g, stage, &r);
-    params_reduce_unit_finish(p, g, u, work_g, stage, &r);
+    params_reduce_unit_start(p, g, u, work_g, stage, &r, false);
+    params_reduce_unit_finish(p, g, u, work_g, stage, &r, false);
 }
 
 void params_moment_to_host(const struct params *p, enum tensor_group g, int k, float *host)

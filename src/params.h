@@ -104,11 +104,15 @@ void params_gather_unit_finish(struct params *p, enum tensor_group g, int u, voi
                                struct comm_p2p_req *r);
 void params_reduce_unit(struct params *p, enum tensor_group g, int u, float *work_g, float *stage);
 /* The reduction in two halves, for overlapping it with the next unit's backward: between them
- * neither `work_g` nor `stage` may be touched; finish adds the rank's sum to the shard. */
+ * neither `work_g` nor `stage` may be touched; finish adds the rank's sum to the shard. With
+ * into_shard (both halves alike) the sum is written over the unit's part of the shard's gradient
+ * instead, by the reduce-scatter itself (nothing left to add; neither may that part be touched in
+ * between): for a unit's only reduction of a step, into a shard zeroed at the step's start (the
+ * same values: 0 + x is x). */
 void params_reduce_unit_start(struct params *p, enum tensor_group g, int u, float *work_g, float *stage,
-                              struct comm_p2p_req *r);
+                              struct comm_p2p_req *r, bool into_shard);
 void params_reduce_unit_finish(struct params *p, enum tensor_group g, int u, float *work_g, float *stage,
-                               struct comm_p2p_req *r);
+                               struct comm_p2p_req *r, bool into_shard);
 /* Largest working elements of group g over the decoder layers' units alone. */
 int64_t params_layer_unit_max(const struct params *p, enum tensor_group g);
 /* Group of one with a compute copy: its weights are bound for good. */
