@@ -19,6 +19,7 @@ extern "C" {
 #include "watchdog.h"
 }
 #include "comm_ipc.cuh"
+#include "memory.cuh"
 #include "comm_nccl.h"
 
 struct nccl_impl {
@@ -166,8 +167,7 @@ static void exchange_on(struct comm *c, void *recv, const int64_t *recv_counts, 
         if (p == c->rank) {
             MT_CHECK(sn == rn, "all_to_all_v: rank %d sends %zu elements to itself but expects %zu",
                      p, sn, rn);
-            if (sn && sp != rp)
-                CUDA_CHECK(cudaMemcpyAsync(rp, sp, sn * es, cudaMemcpyDeviceToDevice, stream));
+            cu_copy_on(rp, sp, sn * es, stream);
         } else {
             if (sn) NCCL_CHECK(ncclSend(sp, sn, nt, p, im->nccl, stream));
             if (rn) NCCL_CHECK(ncclRecv(rp, rn, nt, p, im->nccl, stream));

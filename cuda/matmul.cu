@@ -431,6 +431,19 @@ __global__ void add3_kernel(float *dw, const float *dw3, size_t n)
         dw[i] = ((dw[i] + dw3[2 * n + i]) + dw3[n + i]) + dw3[i];
 }
 
+/* w3 = [w; w; w] (n elements each), w read once: one kernel of ours, not three driver copies
+ * (memory.cu says why) */
+__global__ void stack3_kernel(bf16 *w3, const bf16 *w, size_t n)
+{
+    pdl_wait(); /* first: launch.cuh */
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const bf16 v = w[i];
+        w3[i] = v;
+        w3[n + i] = v;
+        w3[2 * n + i] = v;
+    }
+}
+
 /* bf16: din = dlogits W as ONE GEMM over K = 3·O ([hi | mid | lo] against W stacked three times),
  * rounded to bf16 once (added to an existing din inside the GEMM's epilogue when accumulating);
  * dw += dlogitsᵀ x as one GEMM over the parts side by side (3·O output rows: x, 33 MB at the
@@ -461,9 +474,9 @@ void cu_router_matmul_backward(void *din, float *dw, const float *dlogits, const
         }
         if (din) {
             bf16 *w3 = (bf16 *)cuda_scratch(SCRATCH_ROUTER_W3, 3 * oi * sizeof(bf16));
-            for (int p = 0; p < 3; p++)
-                CUDA_CHECK(cudaMemcpyAsync(w3 + (size_t)p * oi, w, oi * sizeof(bf16),
-                                           cudaMemcpyDeviceToDevice, g_cuda.stream));
+            cuda_launch(stack3_kernel, (int)MT_MIN((oi + 255) / 256, (size_t)4 * g_cuda.num_sms), 256, 0, w3,
+                        (const bf16 *)w, oi);
+            CUDA_LAUNCH_CHECK("router weight stacked");
             cuda_gemm_lt(CUBLAS_OP_N, CUBLAS_OP_N, I, N, 3 * O, w3, I, parts, 3 * O, CUDA_R_16BF,
                          din, I, CUDA_R_16BF, accumulate ? 1.0f : 0.0f);
         }

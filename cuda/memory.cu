@@ -32,16 +32,71 @@ void cu_free(void *p)
     CUDA_CHECK(cudaFree(p));
 }
 
-void cu_zero(void *p, size_t bytes)
+/* Small zeroings and copies on the compute stream run as kernels of ours, not as the driver's
+ * memset and copy operations. Those do not take part in programmatic dependent launch: in the
+ * EP=2 bench step's timeline each of the ~500 small ones (route counters of 20-1024 bytes, the
+ * router weight stacked for its backward, the meta exchange's block to itself) cost 5-10 us of an
+ * idle compute stream between the kernels around it, where a kernel of ours costs 1-3 us
+ * (docs/benchmarks.md, forty-third session). Large ones stay with the driver (the copy engines,
+ * the memset at full bandwidth). */
+enum { SMALL_OP_BYTES = 1 << 20, SMALL_OP_BLOCK = 256 };
+
+__global__ void fill_bytes_kernel(unsigned char *p, unsigned char v, size_t n)
 {
-    if (bytes) CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, g_cuda.stream));
+    pdl_wait(); /* first: launch.cuh */
+    const size_t i0 = blockIdx.x * (size_t)blockDim.x + threadIdx.x, step = (size_t)gridDim.x * blockDim.x;
+    if (((uintptr_t)p & 15u) == 0) { /* 16-byte stores, then the tail */
+        const uint32_t w = v * 0x01010101u;
+        const uint4 q = make_uint4(w, w, w, w);
+        for (size_t i = i0; i < n / 16; i += step) ((uint4 *)p)[i] = q;
+        for (size_t i = n / 16 * 16 + i0; i < n; i += step) p[i] = v;
+    } else {
+        for (size_t i = i0; i < n; i += step) p[i] = v;
+    }
 }
 
-void cu_copy(void *dst, const void *src, size_t bytes)
+__global__ void copy_bytes_kernel(unsigned char *dst, const unsigned char *src, size_t n)
 {
-    if (bytes && dst != src)
-        CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, g_cuda.stream));
+    pdl_wait(); /* first: launch.cuh */
+    const size_t i0 = blockIdx.x * (size_t)blockDim.x + threadIdx.x, step = (size_t)gridDim.x * blockDim.x;
+    if ((((uintptr_t)dst | (uintptr_t)src) & 15u) == 0) {
+        for (size_t i = i0; i < n / 16; i += step) ((uint4 *)dst)[i] = ((const uint4 *)src)[i];
+        for (size_t i = n / 16 * 16 + i0; i < n; i += step) dst[i] = src[i];
+    } else {
+        for (size_t i = i0; i < n; i += step) dst[i] = src[i];
+    }
 }
+
+static unsigned small_op_grid(size_t bytes)
+{
+    return (unsigned)MT_MIN(cuda_grid((bytes + 15) / 16, SMALL_OP_BLOCK), (unsigned)(2 * g_cuda.num_sms));
+}
+
+void cu_zero(void *p, size_t bytes)
+{
+    if (!bytes) return;
+    if (bytes <= SMALL_OP_BYTES) {
+        cuda_launch(fill_bytes_kernel, small_op_grid(bytes), SMALL_OP_BLOCK, 0, (unsigned char *)p,
+                    (unsigned char)0, bytes);
+        CUDA_LAUNCH_CHECK("zero");
+    } else {
+        CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, g_cuda.stream));
+    }
+}
+
+void cu_copy_on(void *dst, const void *src, size_t bytes, cudaStream_t stream)
+{
+    if (!bytes || dst == src) return;
+    if (bytes <= SMALL_OP_BYTES && stream == g_cuda.stream) {
+        cuda_launch(copy_bytes_kernel, small_op_grid(bytes), SMALL_OP_BLOCK, 0, (unsigned char *)dst,
+                    (const unsigned char *)src, bytes);
+        CUDA_LAUNCH_CHECK("copy");
+    } else {
+        CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+    }
+}
+
+void cu_copy(void *dst, const void *src, size_t bytes) { cu_copy_on(dst, src, bytes, g_cuda.stream); }
 
 static cudaStream_t aside_stream;
 static cudaEvent_t aside_start, aside_done;

@@ -9,6 +9,8 @@ void *cu_alloc(size_t bytes);
 void cu_free(void *p);
 void cu_zero(void *p, size_t bytes);
 void cu_copy(void *dst, const void *src, size_t bytes);
+/* a device-to-device copy on `stream` (up to 1 MiB on the backend's stream: a kernel of ours) */
+void cu_copy_on(void *dst, const void *src, size_t bytes, cudaStream_t stream);
 /* ops.h copy_aside: a side stream of its own, ordered by events */
 void cu_copy_aside(void *dst, const void *src, size_t bytes);
 void cu_copy_aside_join(void);

@@ -170,7 +170,7 @@ static int *chunk_hist_for(int n, int T)
 static int *counts_zeroed(int n)
 {
     int *counts = (int *)cuda_scratch(SCRATCH_HIST, (size_t)n * sizeof(int));
-    CUDA_CHECK(cudaMemsetAsync(counts, 0, (size_t)n * sizeof(int), g_cuda.stream));
+    cu_zero(counts, (size_t)n * sizeof(int));
     return counts;
 }
 
@@ -201,7 +201,7 @@ void cu_moe_route_plan(int32_t *topk_idx, float *topk_w, int32_t *src_row, int32
         CUDA_LAUNCH_CHECK("moe route sort/count");
     }
     if (T == 0) {
-        CUDA_CHECK(cudaMemsetAsync(off, 0, ((size_t)E + 1) * sizeof(int64_t), g_cuda.stream));
+        cu_zero(off, ((size_t)E + 1) * sizeof(int64_t));
         return;
     }
     cuda_launch(route_rows_kernel, rows_grid(E, T), ROUTE_THREADS, 0,

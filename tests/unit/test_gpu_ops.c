@@ -154,6 +154,54 @@ Test(gpu, copy_aside_is_ordered_and_joined)
     }
 }
 
+/* The backend's zero and copy (small ones are kernels of ours, large ones the driver's): every
+ * byte of the range written, none beside it, at sizes around the 16-byte path's and the 1 MiB
+ * switch's edges and at misaligned addresses, on fresh random bytes. */
+Test(gpu, zero_and_copy_bytes)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 104);
+    struct mode M;
+    mode_get(0, &M);
+    const struct backend *g = M.g;
+    const size_t sizes[] = {1, 15, 16, 17, 1000, 262144, 262147, (size_t)1 << 20, ((size_t)1 << 20) + 16};
+    const size_t shifts[] = {0, 1, 8, 16};
+    const size_t pad = 64, cap = ((size_t)1 << 20) + 16 + 2 * pad + 16;
+    unsigned char *src_h = malloc(cap), *dst_h = malloc(cap), *want = malloc(cap);
+    unsigned char *src = g->alloc(cap), *dst = g->alloc(cap);
+    for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++)
+        for (size_t a = 0; a < sizeof shifts / sizeof *shifts; a++)
+            for (size_t b = 0; b < sizeof shifts / sizeof *shifts; b++) {
+                const size_t n = sizes[si], so = pad + shifts[a], dof = pad + shifts[b];
+                for (size_t k = 0; k < cap; k++) {
+                    src_h[k] = (unsigned char)mt_rng_next(&rng);
+                    dst_h[k] = (unsigned char)mt_rng_next(&rng);
+                }
+                g->upload(src, src_h, cap);
+                g->upload(dst, dst_h, cap);
+                memcpy(want, dst_h, cap);
+                memcpy(want + dof, src_h + so, n);
+                g->copy(dst + dof, src + so, n);
+                g->download(dst_h, dst, cap);
+                size_t bad = 0;
+                for (size_t k = 0; k < cap; k++) bad += dst_h[k] != want[k];
+                cr_expect_eq(bad, 0, "copy of %zu bytes (source +%zu, destination +%zu): %zu bytes wrong", n,
+                             shifts[a], shifts[b], bad);
+                if (a) continue; /* zero: the destination's shift alone */
+                memset(want + dof, 0, n);
+                g->zero(dst + dof, n);
+                g->download(dst_h, dst, cap);
+                bad = 0;
+                for (size_t k = 0; k < cap; k++) bad += dst_h[k] != want[k];
+                cr_expect_eq(bad, 0, "zero of %zu bytes at +%zu: %zu bytes wrong", n, shifts[b], bad);
+            }
+    g->free(src);
+    g->free(dst);
+    free(src_h);
+    free(dst_h);
+    free(want);
+}
+
 Test(gpu, embedding)
 {
     mt_rng rng;
