@@ -3,7 +3,7 @@
 memset with its GPU start and end).
 
     python3 tools/trace_gaps.py trace.csv [--step-marker adamw] [--top 40] [--peer other_rank.csv] [--gaps 10]
-                                [--by-next 10]
+                                [--by-next 10] [--small-ops 10]
 
 Steps are cut after each kernel whose name contains the marker (AdamW: one launch a step, the last
 of its step), and the last complete step is reported: its span, the time at least one kernel or
@@ -30,6 +30,13 @@ step's last record and this step's first (the host's turn between steps, outside
 --by-next N: the step's idle time summed by the kernel that ends each gap (the work that waited),
 the N largest, with the gaps' count and, with --peer, the part while the peer's GPU ran: at EP,
 which exchange the waits sit at (a forward combine, a backward combine, ...).
+
+--small-ops N: the step's copies and memsets by the stream time they cost: each one's own time,
+the idle time after it until its stream's next record starts, and, where the record before it is a
+kernel, the idle time before it too (so a run of them after a kernel counts the whole span from
+that kernel's end to the next record's start once). On streams that run kernels (a copy stream's
+idle time is nobody's wait); summed by name (size included) and stream, the N largest. The driver's operations take no part in programmatic dependent launch: on Hopper a
+small one costs its stream more than a kernel of ours doing the same (docs/gpu.md).
 
 --against OTHER.csv: the step's time per kernel (copies and memsets by kind) against another
 trace's last complete step (a one-GPU run beside an EP rank, say): the N (--top) largest
@@ -204,6 +211,31 @@ def idle_by_next(step, gap_spans, n, peer):
         print(f"  {ns / 1e6:9.3f} {k:6d}" + (f" {ran / 1e6:9.3f}" if peer else "") + f"  {name}")
 
 
+def small_ops_report(step, n):
+    """copies and memsets by the stream time they cost (see --small-ops)"""
+    by_stream = collections.defaultdict(list)
+    for r in step:
+        by_stream[r[3]].append(r)
+    total = collections.defaultdict(lambda: [0, 0])  # ns, count
+    for st, recs in by_stream.items():
+        if not any(r[2] == "K" for r in recs):
+            continue  # a copy stream: its idle time is nobody's wait
+        for i, (s, e, k, _, name) in enumerate(recs):
+            if k not in "CS":
+                continue
+            cost = e - s
+            if i + 1 < len(recs):
+                cost += max(0, recs[i + 1][0] - e)
+            if i > 0 and recs[i - 1][2] == "K":
+                cost += max(0, s - recs[i - 1][1])
+            t = total[f"{name} (stream {st})"]
+            t[0] += cost
+            t[1] += 1
+    print(f"  copies and memsets by the stream time they cost (the {min(n, len(total))} largest; ms, count):")
+    for name, (ns, k) in sorted(total.items(), key=lambda x: -x[1][0])[:n]:
+        print(f"  {ns / 1e6:9.3f} {k:6d}  {name}")
+
+
 def per_name(step):
     """{kernel name, or a copy's / memset's kind: [calls, ns]} over the step's records"""
     agg = collections.defaultdict(lambda: [0, 0])
@@ -250,6 +282,8 @@ def main():
     ap.add_argument("--peer", help="another rank's timeline of the same job")
     ap.add_argument("--gaps", type=int, default=0, help="list the step's N longest idle gaps")
     ap.add_argument("--by-next", type=int, default=0, help="idle time by the record ending each gap, N largest")
+    ap.add_argument("--small-ops", type=int, default=0,
+                    help="copies and memsets by the stream time they cost, N largest")
     ap.add_argument("--against", help="another trace: the step's time per kernel against its step")
     a = ap.parse_args()
     rows, syncs = read_timeline(a.csv, with_syncs=True)
@@ -283,6 +317,8 @@ def main():
         gap_report(step, syncs, t0, gap_spans, a.gaps, peer)
     if a.by_next > 0:
         idle_by_next(step, gap_spans, a.by_next, peer)
+    if a.small_ops > 0:
+        small_ops_report(step, a.small_ops)
     per_stream = collections.Counter()
     for s, e, k, st, n in step:
         per_stream[st] += e - s

@@ -4,7 +4,8 @@
  * and per-kernel totals against the same quantities computed here from the timeline. And the
  * preload library (where CUPTI was found at build time): without a GPU driver it says in one line
  * that nothing is traced and the program runs on; a "%r" in its output path becomes the rank. With
- * --peer, the idle time split by what another rank's timeline did meanwhile. */
+ * --peer, the idle time split by what another rank's timeline did meanwhile; with --small-ops, the
+ * stream time each copy and memset costs. */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -361,6 +362,76 @@ Test(trace_tool, idle_time_by_the_record_after_it_matches_the_timeline, .timeout
             cr_assert_eq(sscanf(at, "%lf %d", &ms, &gaps), 2, "%s", at);
             cr_expect_float_eq(ms, want_ns[k] / 1e6, 0.0006, "%s: %.4f ms against %.4f", names[k], ms, want_ns[k] / 1e6);
             cr_expect_eq(gaps, want_n[k], "%s: %d gaps against %d", names[k], gaps, want_n[k]);
+        }
+        free(out);
+    }
+    unlink(path);
+}
+
+/* --small-ops: each copy or memset of the compute stream costs its own time, the gap after it and,
+ * after a kernel, the gap before it; runs of two memsets and single copies between kernels with
+ * random gaps, summed here by name. A copy stream's copies (long idle between them) are left out. */
+Test(trace_tool, small_operations_cost_the_span_between_the_kernels_around_them, .timeout = 60)
+{
+    char path[] = "/tmp/mt_trace_XXXXXX";
+    const int fd = mkstemp(path);
+    cr_assert(fd >= 0);
+    close(fd);
+    for (unsigned seed = 41; seed <= 43; seed++) {
+        srand(seed);
+        FILE *f = fopen(path, "w");
+        cr_assert(f);
+        fprintf(f, "kind,start_ns,end_ns,stream,name\n");
+        long long t = 1000000, cost_memset = 0, cost_copy = 0;
+        int n_memset = 0, n_copy = 0;
+        for (int st = 0; st < STEPS; st++) {
+            const bool last = st == STEPS - 1;
+            for (int i = 0; i < PER_STEP; i++) {
+                const long long len = 1000 + rand() % 50000;
+                fprintf(f, "K,%lld,%lld,7,%s\n", t, t + len, GEMM);
+                t += len;
+                const long long g0 = 500 + rand() % 9000; /* kernel -> first small op */
+                if (i % 4 == 1) {                          /* two memsets, then a kernel */
+                    const long long d1 = 1000 + rand() % 2000, g1 = 300 + rand() % 3000, d2 = 1000 + rand() % 2000,
+                                    g2 = 500 + rand() % 9000;
+                    fprintf(f, "S,%lld,%lld,7,memset 20 B\n", t + g0, t + g0 + d1);
+                    fprintf(f, "S,%lld,%lld,7,memset 20 B\n", t + g0 + d1 + g1, t + g0 + d1 + g1 + d2);
+                    if (last) cost_memset += g0 + d1 + g1 + d2 + g2, n_memset += 2;
+                    t += g0 + d1 + g1 + d2 + g2;
+                    /* a copy stream's copy meanwhile, far from anything on its stream */
+                    fprintf(f, "C,%lld,%lld,9,memcpy kind 10 1024 B to device 1\n", t - g2, t - g2 + 800);
+                } else if (i % 4 == 3) { /* one copy, then a kernel */
+                    const long long d = 1000 + rand() % 3000, g1 = 500 + rand() % 9000;
+                    fprintf(f, "C,%lld,%lld,7,memcpy kind 8 262144 B\n", t + g0, t + g0 + d);
+                    /* the step's last copy waits on until AdamW, 3 us after the gap */
+                    if (last) cost_copy += g0 + d + g1 + (i == PER_STEP - 1 ? 3000 : 0), n_copy++;
+                    t += g0 + d + g1;
+                } else {
+                    t += 1 + rand() % 2000;
+                }
+            }
+            t += 3000;
+            fprintf(f, "K,%lld,%lld,7,%s\n", t, t + 500000, ADAM);
+            t += 500000 + 40000;
+        }
+        fclose(f);
+        char cmd[512], *out = NULL;
+        snprintf(cmd, sizeof cmd, "python3 tools/trace_gaps.py %s --small-ops 5 2>&1", path);
+        cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+        cr_assert(strstr(out, "copies and memsets by the stream time they cost"), "%s", out);
+        cr_expect(!strstr(out, "to device 1 (stream 9)"), "a copy stream's copies are listed:\n%s", out);
+        const char *names[] = {"memset 20 B (stream 7)", "memcpy kind 8 262144 B (stream 7)"};
+        const long long want_ns[] = {cost_memset, cost_copy};
+        const int want_n[] = {n_memset, n_copy};
+        for (int k = 0; k < 2; k++) {
+            const char *at = strstr(out, names[k]);
+            cr_assert(at, "no row for %s:\n%s", names[k], out);
+            while (at > out && at[-1] != '\n') at--;
+            double ms;
+            int count;
+            cr_assert_eq(sscanf(at, "%lf %d", &ms, &count), 2, "%s", at);
+            cr_expect_float_eq(ms, want_ns[k] / 1e6, 0.0006, "%s: %.4f ms against %.4f", names[k], ms, want_ns[k] / 1e6);
+            cr_expect_eq(count, want_n[k], "%s: %d against %d", names[k], count, want_n[k]);
         }
         free(out);
     }
