@@ -163,7 +163,7 @@ elif [ -f "$trace_lib" ]; then
     echo "bench: moetrain on 1 GPU, kernel timeline (CUPTI) ..."
     LD_PRELOAD="$(cd "$(dirname "$trace_lib")" && pwd)/libmt_trace.so" MT_TRACE_OUT="$OUT/timeline.csv" \
         "$BUILD/moetrain" train "$CONFIG" --set train.steps=4 "${EXTRA[@]}" > "$OUT/moetrain_timeline.log" 2>&1 || true
-    if python3 tools/trace_gaps.py "$OUT/timeline.csv" --top 3 > "$OUT/timeline.txt" 2>&1; then
+    if python3 tools/trace_gaps.py "$OUT/timeline.csv" --top 3 --small-ops 8 > "$OUT/timeline.txt" 2>&1; then
         timeline=$(python3 - "$OUT/timeline.txt" <<'PY'
 import re, sys
 text = open(sys.argv[1]).read()
@@ -184,7 +184,7 @@ PY
             > "$OUT/moetrain_timeline_ep2.log" 2>&1 || true
         for r in 0 1; do
             python3 tools/trace_gaps.py "$OUT/timeline_ep2_$r.csv" --top 3 --peer "$OUT/timeline_ep2_$((1 - r)).csv" \
-                --by-next 6 > "$OUT/timeline_ep2_$r.txt" 2>&1 || true
+                --by-next 6 --small-ops 8 > "$OUT/timeline_ep2_$r.txt" 2>&1 || true
         done
         timeline2=$(python3 - "$OUT/timeline_ep2_0.txt" "$OUT/timeline_ep2_1.txt" <<'PY'
 import re, sys
