@@ -89,6 +89,7 @@ template <typename T> static struct backend make_table(double peak)
     b.gather_rows = cu_gather_rows<T>;
     b.gather_rows_part = cu_gather_rows_part<T>;
     b.gather_rows_backward = cu_gather_rows_backward<T>;
+    b.dispatch_rows = cu_dispatch_rows<T>;
     b.moe_combine_forward = cu_moe_combine_forward<T>;
     b.moe_combine_backward = cu_moe_combine_backward<T>;
     b.expert_matmul_forward = cu_expert_matmul_forward<T>;

@@ -8,6 +8,9 @@
  * sources in ascending source order in fp32, starting from the destination's current value, and
  * rounds once. In fp32 this is the CPU's exact order, so the two agree bit for bit.
  *
+ * Dispatch by slot (ops.h dispatch_rows): the same rows as the gather by the route plan's
+ * exp_src, written from each source row's slots, so that a row is read once, not once per expert.
+ *
  * Combine. out[t] = Σ_j w[t,j]·y[slot_row[t,j]] in fp32, j ascending, rounded once. In bf16 the
  * routing weight is first rounded to bf16 (spec §3.6 step 5), in the forward and the backward
  * alike. Negative indices (never produced by moetrain) are skipped rather than read.
@@ -20,6 +23,8 @@
 #include "moe_rows.cuh"
 
 #include <cub/device/device_radix_sort.cuh>
+
+#include "env_flag.h"
 
 enum { ROW_BLOCK = 256, RW_UNROLL = 4, SC_TILE = 8 };
 
@@ -100,6 +105,83 @@ static void gather_rows_launch(T *out, const T *in, const int32_t *idx, int R, i
 template <typename T> void cuda_gather_rows(T *out, const T *in, const int32_t *idx, int R, int H)
 {
     gather_rows_launch(out, in, idx, R, H, 0, 0, GATHER_ALL);
+}
+
+/* ---------------------------------------------------------------- dispatch by slot */
+
+/* out[slot[i,j]] = in[i] (ops.h dispatch_rows), rows of nv 16-byte words: a warp per source row,
+ * k <= 32, lane j holding slot j; a chunk of the row is read once and stored to each of its slots,
+ * and a row with no slot is not read. EvictFirst: stores that skip keeping the rows in L2
+ * (MT_DISPATCH_STORE=evict_first; the grouped GEMM reads x_exp next, 268 MB at the bench shape,
+ * more than the L2 holds). */
+template <bool EvictFirst>
+__global__ void dispatch_rows_vec_kernel(uint4 *__restrict__ out, const uint4 *__restrict__ in,
+                                         const int32_t *__restrict__ slot, int n, int k, int nv)
+{
+    pdl_wait(); /* first: launch.cuh */
+    enum { U = 2 * RW_UNROLL };
+    const int lane = threadIdx.x & 31;
+    for (int i = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; i < n; i += (gridDim.x * blockDim.x) >> 5) {
+        const int32_t my = lane < k ? slot[(size_t)i * k + lane] : -1;
+        const unsigned used = __ballot_sync(0xffffffffu, my >= 0);
+        if (!used) continue;
+        const uint4 *src = in + (size_t)i * nv;
+        for (int v0 = lane; v0 < nv; v0 += 32 * U) {
+            uint4 buf[U];
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                if (v0 + 32 * u < nv) buf[u] = src[v0 + 32 * u];
+            for (unsigned left = used; left; left &= left - 1) {
+                const int32_t row = __shfl_sync(0xffffffffu, my, __ffs(left) - 1);
+                uint4 *o = out + (size_t)row * nv;
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    if (v0 + 32 * u >= nv) continue;
+                    if (EvictFirst) __stcs(o + v0 + 32 * u, buf[u]);
+                    else o[v0 + 32 * u] = buf[u];
+                }
+            }
+        }
+    }
+}
+
+/* any shape: a block per source row */
+template <typename T>
+__global__ void dispatch_rows_kernel(T *out, const T *in, const int32_t *slot, int n, int k, int H)
+{
+    pdl_wait(); /* first: launch.cuh */
+    for (int i = blockIdx.x; i < n; i += gridDim.x)
+        for (int j = 0; j < k; j++) {
+            const int32_t row = slot[(size_t)i * k + j];
+            if (row < 0) continue;
+            for (int h = threadIdx.x; h < H; h += blockDim.x) out[(size_t)row * H + h] = in[(size_t)i * H + h];
+        }
+}
+
+static bool dispatch_evict_first(void)
+{
+    static int choice = -1;
+    static const char *const stores[] = {"cached", "evict_first"};
+    if (choice < 0) choice = mt_env_choice("MT_DISPATCH_STORE", stores, 2, 0);
+    return choice == 1;
+}
+
+template <typename T>
+static void dispatch_rows_launch(T *out, const T *in, const int32_t *slot, int n, int k, int H)
+{
+    MT_CHECK(n >= 0 && k > 0 && H >= 0, "dispatch_rows: bad shape n=%d k=%d H=%d", n, k, H);
+    if (n == 0 || H == 0) return;
+    if (k <= 32 && (size_t)H * sizeof(T) % 16 == 0 && aligned16(out) && aligned16(in)) {
+        const int nv = (int)((size_t)H * sizeof(T) / 16);
+        if (dispatch_evict_first())
+            cuda_launch(dispatch_rows_vec_kernel<true>, rw_grid(n), ROW_BLOCK, 0, (uint4 *)out, (const uint4 *)in, slot, n, k, nv);
+        else
+            cuda_launch(dispatch_rows_vec_kernel<false>, rw_grid(n), ROW_BLOCK, 0, (uint4 *)out, (const uint4 *)in, slot, n, k, nv);
+        CUDA_LAUNCH_CHECK("dispatch_rows");
+        return;
+    }
+    cuda_launch(dispatch_rows_kernel<T>, MT_MIN(n, 65536), ROW_BLOCK, 0, out, in, slot, n, k, H);
+    CUDA_LAUNCH_CHECK("dispatch_rows");
 }
 
 /* ---------------------------------------------------------------- scatter-add */
@@ -399,6 +481,12 @@ void cu_gather_rows_part(void *out, const void *in, const int32_t *idx, int R, i
 }
 
 template <typename T>
+void cu_dispatch_rows(void *out, const void *in, const int32_t *slot, int n, int k, int H)
+{
+    dispatch_rows_launch<T>((T *)out, (const T *)in, slot, n, k, H);
+}
+
+template <typename T>
 void cu_gather_rows_backward(void *din, const void *dout, const int32_t *idx, int R, int H)
 {
     cuda_scatter_add_rows<T, T>((T *)din, (const T *)dout, idx, R, H);
@@ -447,6 +535,8 @@ template void cu_gather_rows<float>(void *, const void *, const int32_t *, int, 
 template void cu_gather_rows<bf16>(void *, const void *, const int32_t *, int, int);
 template void cu_gather_rows_part<float>(void *, const void *, const int32_t *, int, int, int, int, bool);
 template void cu_gather_rows_part<bf16>(void *, const void *, const int32_t *, int, int, int, int, bool);
+template void cu_dispatch_rows<float>(void *, const void *, const int32_t *, int, int, int);
+template void cu_dispatch_rows<bf16>(void *, const void *, const int32_t *, int, int, int);
 template void cu_gather_rows_backward<float>(void *, const void *, const int32_t *, int, int);
 template void cu_gather_rows_backward<bf16>(void *, const void *, const int32_t *, int, int);
 template void cu_moe_combine_forward<float>(void *, const void *, const int32_t *, const float *,

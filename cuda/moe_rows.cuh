@@ -16,6 +16,8 @@ template <typename T> void cu_gather_rows(void *out, const void *in, const int32
 template <typename T>
 void cu_gather_rows_part(void *out, const void *in, const int32_t *idx, int R, int H, int lo, int hi, bool inside);
 template <typename T>
+void cu_dispatch_rows(void *out, const void *in, const int32_t *slot, int n, int k, int H);
+template <typename T>
 void cu_gather_rows_backward(void *din, const void *dout, const int32_t *idx, int R, int H);
 template <typename T>
 void cu_moe_combine_forward(void *out, const void *y, const int32_t *slot_row, const float *w,

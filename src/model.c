@@ -155,6 +155,8 @@ void model_init_stage(struct model *m, const struct backend *be, const struct mo
     m->ep_comm = ep_comm;
     m->ep = ep_comm ? ep_comm->size : 1;
     m->pairs = m->ep > 1 || mt_env_flag("MT_MOE_LOOPBACK");
+    static const char *const dispatch_ways[] = {"slot", "gather"};
+    m->dispatch_by_gather = mt_env_choice("MT_MOE_DISPATCH", dispatch_ways, 2, 0) == 1;
     (void)moe_timeline_enabled(); /* a bad MT_MOE_TIMELINE stops the run here, not at its end */
     m->moe_chunks = 1;
     m->ep_rank = ep_comm ? ep_comm->rank : 0;

@@ -174,6 +174,10 @@ struct model {
      * rows_split (dev [2, n_local + 1], allocated at first use) holds where each expert's own
      * rows begin and end (ops.h moe_rows_split) */
     bool combine_self_last;
+    /* MT_MOE_DISPATCH=gather: moe_dispatch_rows copies x_exp as a gather by row (exp_src), each
+     * source row read once per expert slot, instead of by slot (ops.h dispatch_rows; the same
+     * bytes either way) */
+    bool dispatch_by_gather;
     int64_t *rows_split;
     int64_t *rows_cap;          /* host [L]: expert-side rows layer l may use (its buffers hold at least this) */
     int64_t *rows_need;         /* dev [L, 2] */

@@ -174,11 +174,20 @@ void moe_dispatch_rows(struct model *m, struct layer_acts *a, struct token_rows 
         if (!early) moe_token_rows_start(m, a->m, early = &now);
         if (m->combine_self_last) {
             /* this rank's own token rows (pairs [lo, lo + T)) from a->m while the others cross,
-             * then theirs from the inbox: every row as the one gather would copy it */
-            const int lo = m->ep_rank * m->T, R = (int)r->R_exp;
-            be->gather_rows_part(a->x_exp, a->m, r->exp_src, R, H, lo, lo + m->T, true);
+             * then theirs from the inbox (the pairs before lo and after lo + T): every row as the
+             * one copy would write it */
+            const int T = m->T, K = m->K, lo = m->ep_rank * T, hi = lo + T, P = (int)r->P_recv;
+            if (m->dispatch_by_gather) {
+                be->gather_rows_part(a->x_exp, a->m, r->exp_src, (int)r->R_exp, H, lo, hi, true);
+                comm_p2p_wait(m->ep_comm, &early->req);
+                be->gather_rows_part(a->x_exp, early->rows, r->exp_src, (int)r->R_exp, H, lo, hi, false);
+                return;
+            }
+            be->dispatch_rows(a->x_exp, a->m, r->exp_slot + (int64_t)lo * K, T, K, H);
             comm_p2p_wait(m->ep_comm, &early->req);
-            be->gather_rows_part(a->x_exp, early->rows, r->exp_src, R, H, lo, lo + m->T, false);
+            be->dispatch_rows(a->x_exp, early->rows, r->exp_slot, lo, K, H);
+            be->dispatch_rows(a->x_exp, MT_XP(m, early->rows, (int64_t)hi * H), r->exp_slot + (int64_t)hi * K,
+                              P - hi, K, H);
             return;
         }
         comm_p2p_wait(m->ep_comm, &early->req);
@@ -187,7 +196,10 @@ void moe_dispatch_rows(struct model *m, struct layer_acts *a, struct token_rows 
         be->gather_rows(m->d_x_send, a->m, r->pair_tok, (int)r->P_send, H);
         src = exchange_rows(m, r->recv_counts, m->d_x_send, r->send_counts);
     }
-    be->gather_rows(a->x_exp, src, r->exp_src, (int)r->R_exp, H);
+    if (m->dispatch_by_gather)
+        be->gather_rows(a->x_exp, src, r->exp_src, (int)r->R_exp, H);
+    else
+        be->dispatch_rows(a->x_exp, src, r->exp_slot, (int)r->P_recv, m->K, H);
 }
 
 /* Expert side -> token side: the weighted sum of each pair's expert outputs; with ep > 1 the pair

@@ -284,6 +284,14 @@ struct backend {
     void (*gather_rows_part)(void *out /*[R,H]*/, const void *in /*[*,H]*/, const int32_t *idx /*[R]*/,
                              int R, int H, int lo, int hi, bool inside);
 
+    /* The dispatch's copy by slot: out[slot[i,j]] = in[i] for i < n, j < k, wherever slot[i,j] >= 0
+     * (a negative slot is empty); a row of out that no slot names is left as it is. With a route
+     * plan's exp_slot it writes what gather_rows with its exp_src writes, the same bytes, but reads
+     * each source row once instead of once per slot, and not at all when it has no slot (ops at
+     * the bench shape: docs/benchmarks.md, forty-fifth session). */
+    void (*dispatch_rows)(void *out /*[R,H]*/, const void *in /*[n,H]*/, const int32_t *slot /*[n,k]*/,
+                          int n, int k, int H);
+
     /* MoE combine: out[t] = Σ_j w[t,j] · y[slot_row[t,j]] over j = 0..k-1 in that order (the caller
      * orders each token's slots by ascending expert id). With resid (else NULL), out[t] = that sum
      * rounded to the compute dtype, plus resid[t]: exactly the sum followed by add_inplace, in one

@@ -160,6 +160,8 @@ W(gather_rows, PROF_MOE_ROWS, R, (void *o, const void *i, const int32_t *idx, in
   (o, i, idx, R, H))
 W(gather_rows_part, PROF_MOE_ROWS, R,
   (void *o, const void *i, const int32_t *idx, int R, int H, int lo, int hi, bool in), (o, i, idx, R, H, lo, hi, in))
+W(dispatch_rows, PROF_MOE_ROWS, n, (void *o, const void *i, const int32_t *s, int n, int k, int H),
+  (o, i, s, n, k, H))
 W(gather_rows_backward, PROF_MOE_ROWS, R, (void *di, const void *d, const int32_t *idx, int R, int H),
   (di, d, idx, R, H))
 W(moe_combine_forward, PROF_MOE_ROWS, H,
@@ -231,7 +233,7 @@ const struct backend *profile_wrap(const struct backend *be)
     SET(attention_backward); SET(router_forward); SET(router_backward); SET(router_gather_weights);
     SET(router_stats); SET(aux_grad_from_stats);
     SET(moe_route_plan); SET(moe_pair_plan); SET(moe_rows_cap); SET(moe_rows_split); SET(gather_f32); SET(gather_rows); SET(gather_rows_part);
-    SET(gather_rows_backward); SET(moe_combine_forward);
+    SET(gather_rows_backward); SET(dispatch_rows); SET(moe_combine_forward);
     SET(moe_combine_backward); SET(expert_matmul_forward); SET(expert_matmul_backward); SET(expert_matmul_wgrad_sets);
     SET(expert_matmul_wgrad_part);
     SET(swiglu_forward); SET(swiglu_backward); SET(cross_entropy_forward);

@@ -118,7 +118,7 @@ static void make_route(void)
 /* ---------------------------------------------------------------- the ops */
 enum {
     OP_RMS_FWD_H, OP_RMS_FWD_Q, OP_RMS_FWD_K, OP_RMS_BWD_H, OP_RMS_BWD_Q, OP_RMS_BWD_K,
-    OP_SWIGLU_FWD, OP_SWIGLU_BWD, OP_GATHER, OP_GATHER_BWD, OP_COMBINE_FWD, OP_COMBINE_BWD,
+    OP_SWIGLU_FWD, OP_SWIGLU_BWD, OP_GATHER, OP_GATHER_BWD, OP_DISPATCH, OP_COMBINE_FWD, OP_COMBINE_BWD,
     OP_ROPE_FWD_Q, OP_ROPE_BWD_Q, OP_ROPE_FWD_K, OP_RMS_ROPE_FWD_Q, OP_RMS_ROPE_BWD_Q,
     OP_RMS_ROPE_FWD_K, OP_RMS_ROPE_BWD_K, OP_ADD, OP_CAST, OP_ADAMW_SEG, OP_ADAMW_MULTI,
     OP_ADAMW16_SEG, OP_ADAMW16_MULTI, OP_ROUTER_MM_FWD, OP_ROUTER_MM_BWD, OP_ROUTER_MM_BWD_DIN,
@@ -133,6 +133,7 @@ static const char *op_name[OP_COUNT] = {
     "rmsnorm_backward C=128 N=262144 +dw", "rmsnorm_backward C=128 N=32768 +dw",
     "swiglu_forward R=65536 I=768", "swiglu_backward R=65536 I=768",
     "gather_rows R=65536 H=2048", "gather_rows_backward R=65536 H=2048",
+    "dispatch_rows T=8192 k=8 H=2048 (the gather_rows rows, by slot)",
     "moe_combine_forward T=8192 k=8 H=2048", "moe_combine_backward T=8192 k=8 H=2048",
     "rope_forward q T=8192 32x128 (in place)", "rope_backward q T=8192 32x128",
     "rope_forward k T=8192 4x128", "rmsnorm_rope_forward q T=8192 32x128",
@@ -194,6 +195,7 @@ static double op_bytes(int op)
     case OP_SWIGLU_BWD: return 5.0 * R * I * x;
     case OP_GATHER: return 2 * rh * x;
     case OP_GATHER_BWD: return rh * x + 2 * th * x;
+    case OP_DISPATCH: return rh * x + th * x;
     case OP_COMBINE_FWD: return rh * x + th * x;
     case OP_COMBINE_BWD: return 2 * rh * x + th * x + R * 4.0;
     case OP_ROPE_FWD_Q: case OP_ROPE_BWD_Q: return 2 * q * x;
@@ -242,6 +244,7 @@ static void run_op(int op)
     case OP_SWIGLU_BWD: be->swiglu_backward(x_gu2, x_act, x_gu, R, I, NULL); break;
     case OP_GATHER: be->gather_rows(x_rh, x_th, src_row, R, H); break;
     case OP_GATHER_BWD: be->gather_rows_backward(x_th3, x_rh, src_row, R, H); break;
+    case OP_DISPATCH: be->dispatch_rows(x_rh, x_th, slot_row, T, K, H); break;
     case OP_COMBINE_FWD: be->moe_combine_forward(x_th3, x_rh, slot_row, cw, NULL, T, K, H); break;
     case OP_COMBINE_BWD:
         be->moe_combine_backward(x_rh2, dcw, x_th2, x_rh, slot_row, cw, T, K, H);

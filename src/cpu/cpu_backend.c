@@ -137,6 +137,10 @@ static void b_gather_rows_part(void *out, const void *in, const int32_t *idx, in
 {
     cpu_gather_rows_part(out, in, idx, R, H, lo, hi, inside);
 }
+static void b_dispatch_rows(void *out, const void *in, const int32_t *slot, int n, int k, int H)
+{
+    cpu_dispatch_rows(out, in, slot, n, k, H);
+}
 static void b_gather_rows_backward(void *din, const void *dout, const int32_t *idx, int R, int H)
 {
     cpu_gather_rows_backward(din, dout, idx, R, H);
@@ -303,6 +307,7 @@ static const struct backend cpu_backend = {
     .gather_rows = b_gather_rows,
     .gather_rows_part = b_gather_rows_part,
     .gather_rows_backward = b_gather_rows_backward,
+    .dispatch_rows = b_dispatch_rows,
     .moe_combine_forward = b_moe_combine_forward,
     .moe_combine_backward = b_moe_combine_backward,
     .expert_matmul_forward = b_expert_matmul_forward,

@@ -156,6 +156,15 @@ void cpu_gather_rows_part(float *out, const float *in, const int32_t *idx, int R
     }
 }
 
+void cpu_dispatch_rows(float *out, const float *in, const int32_t *slot, int n, int k, int H)
+{
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < k; j++) {
+            const int32_t row = slot[(size_t)i * k + j];
+            if (row >= 0) memcpy(out + (size_t)row * H, in + (size_t)i * H, (size_t)H * sizeof(float));
+        }
+}
+
 void cpu_gather_rows_backward(float *din, const float *dout, const int32_t *idx, int R, int H)
 {
     for (int r = 0; r < R; r++) {

@@ -94,6 +94,7 @@ void cpu_moe_rows_split(int64_t *lo, int64_t *hi, const int64_t *off, const int3
 void cpu_gather_f32(float *out, const float *in, const int32_t *idx, int n);
 void cpu_gather_rows(float *out, const float *in, const int32_t *idx, int R, int H);
 void cpu_gather_rows_part(float *out, const float *in, const int32_t *idx, int R, int H, int lo, int hi, bool inside);
+void cpu_dispatch_rows(float *out, const float *in, const int32_t *slot, int n, int k, int H);
 void cpu_gather_rows_backward(float *din, const float *dout, const int32_t *idx, int R, int H);
 
 void cpu_moe_combine_forward(float *out, const float *y, const int32_t *slot_row, const float *w,

@@ -739,3 +739,65 @@ Test(cpu_ops, gather_rows_skips_negative_indices)
     const float want[6] = {5, 6, -1, -1, 1, 2};
     cr_expect(!memcmp(out, want, sizeof want), "%g %g %g %g %g %g", out[0], out[1], out[2], out[3], out[4], out[5]);
 }
+
+/* A random route plan of T tokens' top-k among E experts, some slots MT_NO_EXPERT (the pairs'
+ * padding), optionally cut to a capacity; returns its rows */
+static int64_t random_route_plan(int32_t *src, int32_t *slot, int T, int E, int k, int64_t cap, unsigned seed)
+{
+    int32_t *idx = malloc(sizeof(int32_t) * (size_t)T * k);
+    float *w = malloc(sizeof(float) * (size_t)T * k);
+    int64_t off[E + 1], need[2] = {0, 0};
+    srand(seed);
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < k; j++) {
+            int e;
+            bool fresh;
+            do { /* distinct experts a token */
+                e = rand() % (E + 2) < E ? rand() % E : MT_NO_EXPERT;
+                fresh = true;
+                for (int i = 0; i < j; i++) fresh = fresh && (e == MT_NO_EXPERT || idx[t * k + i] != e);
+            } while (!fresh);
+            idx[t * k + j] = e;
+            w[t * k + j] = 1.0f;
+        }
+    cpu_moe_route_plan(idx, w, src, slot, off, T, E, k);
+    if (cap > 0 && cap < off[E]) cpu_moe_rows_cap(off, src, slot, need, T * k, E, cap);
+    free(idx);
+    free(w);
+    return off[E];
+}
+
+/* dispatch_rows by a plan's slots writes what gather_rows by its source rows writes, and leaves
+ * the rows no slot names (past a capacity cut, past the used rows) as they are; a plan with one
+ * slot emptied must then differ (the comparison sees a skipped row) */
+Test(cpu_ops, dispatch_rows_by_slot_is_the_gather_by_row)
+{
+    enum { T = 37, E = 9, K = 4, H = 5, RMAX = T * K };
+    int32_t src[RMAX], slot[T * K];
+    float in[T * H], by_row[RMAX * H], by_slot[RMAX * H];
+    for (int i = 0; i < T * H; i++) in[i] = (float)((i * 37) % 101) - 50.0f;
+    for (int trial = 0; trial < 6; trial++) {
+        const int64_t cap = trial % 2 ? 60 + trial : 0; /* odd trials: a plan cut to a capacity */
+        for (int r = 0; r < RMAX; r++) src[r] = -1;
+        const int64_t rows = random_route_plan(src, slot, T, E, K, cap, 11u + (unsigned)trial);
+        const int R = (int)(cap > 0 ? MT_MIN(rows, cap) : rows);
+        cr_assert(R > 0 && R <= RMAX, "trial %d: %d rows", trial, R);
+        for (int i = 0; i < RMAX * H; i++) by_row[i] = by_slot[i] = -1000.0f - (float)i;
+        cpu_gather_rows(by_row, in, src, R, H);
+        cpu_dispatch_rows(by_slot, in, slot, T, K, H);
+        cr_expect(!memcmp(by_row, by_slot, sizeof by_row), "trial %d (capacity %lld): by slot != by row", trial,
+                  (long long)cap);
+        int empty = 0;
+        for (int i = 0; i < T * K; i++) empty += slot[i] < 0;
+        cr_expect(trial % 2 == 0 || empty > 0, "trial %d: the capacity cut emptied no slot", trial);
+        /* one slot skipped: the copy must differ from the gather */
+        int j = 0;
+        while (slot[j] < 0) j++;
+        const int32_t kept = slot[j];
+        slot[j] = -1;
+        for (int i = 0; i < RMAX * H; i++) by_slot[i] = -1000.0f - (float)i;
+        cpu_dispatch_rows(by_slot, in, slot, T, K, H);
+        cr_expect(memcmp(by_row, by_slot, sizeof by_row) != 0, "trial %d: a skipped slot (row %d) went unseen",
+                  trial, (int)kept);
+    }
+}

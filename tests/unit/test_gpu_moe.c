@@ -1,5 +1,5 @@
-/* GPU parity tests (suite "gpu"), the MoE ops: router, gather_rows (gather/scatter) and
- * moe_combine, against the fp32 CPU reference (src/cpu/) on the same fresh random inputs, in both
+/* GPU parity tests (suite "gpu"), the MoE ops: router, gather_rows (gather/scatter),
+ * dispatch_rows and moe_combine, against the fp32 CPU reference (src/cpu/) on the same fresh random inputs, in both
  * CUDA modes; the expert GEMMs are in test_gpu_expert.c. Method, tolerances (TOL_F32, TOL_F32_LONG,
  * TOL_BF16) and exact checks: gpu_ops_util.h.
  *
@@ -303,6 +303,64 @@ Test(gpu, gather_rows_part)
         gather_part_case(&M, &rng, 600, 128, 256);  /* vector kernel */
         gather_part_case(&M, &rng, 300, 50, 2056);  /* several rounds a lane */
         gather_part_case(&M, &rng, 200, 40, 12);    /* scalar kernel in bf16 */
+    }
+}
+
+/* dispatch_rows (the MoE dispatch's copy by slot) against the CPU's gather by row over the same
+ * route plan (T tokens, top-k of E experts, some slots empty, odd cases cut to a capacity), from
+ * the same random start so that rows no slot names must come back as they were: bit for bit */
+static void dispatch_case(const struct mode *M, mt_rng *rng, int T, int E, int K, int H, int64_t cap)
+{
+    char what[128];
+    const size_t tk = (size_t)T * K, nr = tk * H, ni = (size_t)T * H;
+    int32_t *idx = mt_malloc(tk * sizeof(int32_t)), *src = mt_malloc(tk * sizeof(int32_t));
+    int32_t *slot = mt_malloc(tk * sizeof(int32_t));
+    float *w = fnew(tk);
+    int64_t off[E + 1], need[2] = {0, 0};
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < K; j++) { /* distinct experts a token, one slot in eight empty */
+            int e;
+            bool fresh;
+            do {
+                e = irand(rng, 8) == 0 ? MT_NO_EXPERT : irand(rng, E);
+                fresh = true;
+                for (int i = 0; i < j; i++) fresh = fresh && (e == MT_NO_EXPERT || idx[t * K + i] != e);
+            } while (!fresh);
+            idx[t * K + j] = e;
+            w[t * K + j] = 1.0f;
+        }
+    for (size_t i = 0; i < tk; i++) src[i] = -1;
+    M->c->moe_route_plan(idx, w, src, slot, off, T, E, K);
+    if (cap > 0 && cap < off[E]) M->c->moe_rows_cap(off, src, slot, need, (int)tk, E, cap);
+    const int R = (int)(cap > 0 ? MT_MIN(off[E], cap) : off[E]);
+    float *in = hrand(rng, ni, 1.0), *start = hrand(rng, nr, 1.0);
+    void *d_in = dx_from(M, in, ni), *d_out = dx_from(M, start, nr);
+    int32_t *d_slot = di_from(M, slot, tk);
+    M->g->dispatch_rows(d_out, d_in, d_slot, T, K, H);
+    float *out = hx_of(M, d_out, nr), *ref = hdup(start, nr);
+    M->c->gather_rows(ref, in, src, R, H);
+    snprintf(what, sizeof what, "dispatch_rows T=%d E=%d k=%d H=%d capacity %lld (%d rows)", T, E, K, H,
+             (long long)cap, R);
+    check_exact(M, what, out, ref, nr * sizeof(float));
+    M->g->free(d_in), M->g->free(d_out), M->g->free(d_slot);
+    free(idx), free(src), free(slot), free(w), free(in), free(start), free(out), free(ref);
+}
+
+/* the vector kernel (rows of 16-byte chunks, k <= 32: H = 2048, 2056, and 100 in fp32) and the
+ * scalar one (H = 100 in bf16, H = 12, k = 40) */
+Test(gpu, dispatch_rows)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 131);
+    for (int i = 0; i < 2; i++) {
+        struct mode M;
+        mode_get(i, &M);
+        dispatch_case(&M, &rng, 300, 16, 8, 2048, 0);
+        dispatch_case(&M, &rng, 300, 16, 8, 2048, 1500);
+        dispatch_case(&M, &rng, 97, 12, 3, 2056, 0);
+        dispatch_case(&M, &rng, 97, 12, 3, 100, 200);
+        dispatch_case(&M, &rng, 50, 7, 5, 12, 0);
+        dispatch_case(&M, &rng, 20, 64, 40, 24, 0);
     }
 }
 

@@ -449,17 +449,52 @@ Test(moe_fixed, combine_self_last_keeps_every_bit, .timeout = 600)
     self_last_vs_off(1, "", "MT_MOE_LOOPBACK=1", "sl_loop");
 }
 
+/* The dispatch's copy by slot (ops.h dispatch_rows, the default) against the gather by row
+ * (MT_MOE_DISPATCH=gather): the same rows, so every bit the same, through each way
+ * moe_dispatch_rows copies: the fixed exchange with the self-last parts (EP = 2, and EP = 4 where
+ * ranks 1 and 2 have blocks before and after their own), without them, the counted exchange, a
+ * capacity re-run, the loopback and EP = 1 without pairs */
+static void slot_vs_gather(int np, const char *mesh, const char *env, const char *tag)
+{
+    double l_slot[STEPS], g_slot[STEPS], l_row[STEPS], g_row[STEPS];
+    char e[256], t[64];
+    snprintf(t, sizeof t, "%s_by_slot", tag);
+    free(train(np, env, mesh, t, l_slot, g_slot));
+    snprintf(e, sizeof e, "%s MT_MOE_DISPATCH=gather", env);
+    snprintf(t, sizeof t, "%s_by_row", tag);
+    free(train(np, e, mesh, t, l_row, g_row));
+    for (int s = 0; s < STEPS; s++) {
+        cr_expect_eq(l_slot[s], l_row[s], "%s: step %d loss %.9g vs %.9g", tag, s + 1, l_slot[s], l_row[s]);
+        cr_expect_eq(g_slot[s], g_row[s], "%s: step %d grad_norm %.9g vs %.9g", tag, s + 1, g_slot[s], g_row[s]);
+    }
+}
+
+Test(moe_fixed, dispatch_by_slot_keeps_every_bit, .timeout = 600)
+{
+    slot_vs_gather(2, "--set parallel.expert_parallel_size=2", "", "ds_ep2");
+    slot_vs_gather(4, "--set parallel.expert_parallel_size=4", "", "ds_ep4");
+    slot_vs_gather(2, "--set parallel.expert_parallel_size=2 --set parallel.moe_combine_self_last=false", "",
+                   "ds_whole");
+    slot_vs_gather(2, "--set parallel.expert_parallel_size=2 --set parallel.moe_fixed_exchange=false", "",
+                   "ds_counted");
+    slot_vs_gather(2, "--set parallel.expert_parallel_size=2", "MT_MOE_ROW_CAPACITY=0.3", "ds_over");
+    slot_vs_gather(1, "", "MT_MOE_LOOPBACK=1", "ds_loop");
+    slot_vs_gather(1, "", "", "ds_ep1");
+}
+
 Test(moe_fixed, impossible_settings_are_refused, .timeout = 120)
 {
     const char *runs[][2] = {
         {"", "--set parallel.moe_fixed_exchange=true --set parallel.moe_chunks=2"},
         {"", "--set parallel.moe_fixed_exchange=true --set parallel.pipeline_parallel_size=2"},
         {"MT_MOE_ROW_CAPACITY=lots", ""},
+        {"MT_MOE_DISPATCH=scatter", ""},
     };
     const char *want[] = {"parallel.moe_fixed_exchange: true needs parallel.moe_chunks: 1",
                           "parallel.moe_fixed_exchange: true needs parallel.pipeline_parallel_size: 1",
-                          "environment variable MT_MOE_ROW_CAPACITY=lots: expected a positive number"};
-    for (int i = 0; i < 3; i++) {
+                          "environment variable MT_MOE_ROW_CAPACITY=lots: expected a positive number",
+                          "environment variable MT_MOE_DISPATCH=scatter: expected one of slot, gather"};
+    for (int i = 0; i < 4; i++) {
         char cmd[1024], *out = NULL;
         snprintf(cmd, sizeof cmd, "%s timeout 60 %s -np 2 %s/moetrain train configs/tiny.yaml --backend cpu "
                  "--set train.steps=1 --set parallel.expert_parallel_size=2 %s", runs[i][0], tu_mpirun(),
