@@ -126,7 +126,10 @@ __global__ void dispatch_rows_vec_kernel(uint4 *__restrict__ out, const uint4 *_
         const unsigned used = __ballot_sync(0xffffffffu, my >= 0);
         if (!used) continue;
         const uint4 *src = in + (size_t)i * nv;
-        for (int v0 = lane; v0 < nv; v0 += 32 * U) {
+        /* every lane runs every round (the shuffles below need the whole warp), its chunks
+         * guarded */
+        for (int base = 0; base < nv; base += 32 * U) {
+            const int v0 = base + lane;
             uint4 buf[U];
 #pragma unroll
             for (int u = 0; u < U; u++)
