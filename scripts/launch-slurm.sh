@@ -62,7 +62,12 @@ if [ "$stop" = 0 ]; then
     rc=$?
 fi
 echo "launch-slurm: moetrain exited with $rc, $(date -u +%FT%TZ)"
-if [ "$rc" = 0 ] && [ "$requeue" = 1 ]; then
-    scontrol requeue "$SLURM_JOB_ID" && echo "launch-slurm: requeued job $SLURM_JOB_ID"
+if [ "$rc" = 0 ] && [ "$requeue" = 1 ] && scontrol requeue "$SLURM_JOB_ID"; then
+    echo "launch-slurm: requeued job $SLURM_JOB_ID"
+    # Slurm now ends this run itself (SIGTERM), as for a requeue from outside, and starts the job
+    # again once it has. Leaving first raced that relaunch against this run's own end: once in
+    # many runs the new run failed at its start (exit 1, no output) and the job ended FAILED.
+    trap 'exit 0' TERM
+    sleep 60 & wait $!
 fi
 exit "$rc"
