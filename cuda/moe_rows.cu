@@ -415,9 +415,11 @@ __global__ void combine_fwd_vec_kernel(T *out, const T *__restrict__ y, const in
 
 /* combine_bwd_kernel with a warp per token. The row is taken in segments of 32·RW_UNROLL chunks;
  * the dot product of each segment is summed in fp32 over the lane's chunks and the warp's fixed
- * shuffle tree, and lane 0 adds the segments' sums in order into dw (it alone reads and writes
- * it). */
-template <typename T>
+ * shuffle tree, and the segments' sums are added in order into dw. KMAX > 0 (k <= KMAX): the
+ * sums of the token's k slots stay in registers over the segments and are stored at the end
+ * (the same additions in the same order); KMAX = 0: lane 0 adds each segment's sum into dw in
+ * memory, which waits for the load of dw a slot and a segment (any k). */
+template <typename T, int KMAX>
 __global__ void combine_bwd_vec_kernel(T *__restrict__ dy, float *dw, const T *__restrict__ dout,
                                        const T *__restrict__ y, const int32_t *slot_row,
                                        const float *w, int T_, int k, int H)
@@ -426,14 +428,17 @@ __global__ void combine_bwd_vec_kernel(T *__restrict__ dy, float *dw, const T *_
     const int lane = threadIdx.x & 31, nch = H >> 3;
     for (int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; t < T_; t += (gridDim.x * blockDim.x) >> 5) {
         const T *g = dout + (size_t)t * H;
+        float sums[KMAX > 0 ? KMAX : 1];
         for (int c0 = lane, first = 1; c0 - lane < nch; c0 += 32 * RW_UNROLL, first = 0) {
-            float gf[RW_UNROLL][8];
+            pack8<T> gp[RW_UNROLL]; /* dout's chunks as loaded: half the registers of fp32 */
 #pragma unroll
             for (int u = 0; u < RW_UNROLL; u++)
-                if (c0 + 32 * u < nch) load8f(g + (c0 + 32 * u) * 8, gf[u]);
-            for (int j = 0; j < k; j++) {
+                if (c0 + 32 * u < nch) gp[u] = ld8(g + (c0 + 32 * u) * 8);
+            /* slot j's part of dy from this segment, and the segment's dot product into dot
+             * (false: the slot has no row; uniform across the warp) */
+            auto slot_segment = [&](int j, float &dot) {
                 const int32_t r = slot_row[(size_t)t * k + j];
-                if (r < 0) continue; /* uniform across the warp */
+                if (r < 0) return false;
                 const float wj = round_x<T>(w[(size_t)t * k + j]);
                 const T *yr = y + (size_t)r * H;
                 T *dyr = dy + (size_t)r * H;
@@ -441,27 +446,51 @@ __global__ void combine_bwd_vec_kernel(T *__restrict__ dy, float *dw, const T *_
 #pragma unroll
                 for (int u = 0; u < RW_UNROLL; u++)
                     if (c0 + 32 * u < nch) v[u] = ld8(yr + (c0 + 32 * u) * 8);
-                float dot = 0.0f;
+                dot = 0.0f;
 #pragma unroll
                 for (int u = 0; u < RW_UNROLL; u++)
                     if (c0 + 32 * u < nch) {
-                        float f[8], d[8];
+                        float f[8], gf[8], d[8];
                         unpack8(v[u], f);
+                        unpack8(gp[u], gf);
 #pragma unroll
                         for (int e = 0; e < 8; e++) {
-                            dot += gf[u][e] * f[e];
-                            d[e] = wj * gf[u][e];
+                            dot += gf[e] * f[e];
+                            d[e] = wj * gf[e];
                         }
                         store8f(dyr + (c0 + 32 * u) * 8, d);
                     }
                 dot = warp_sum(dot);
-                if (lane == 0) {
-                    float *dst = dw + (size_t)t * k + j;
-                    *dst = first ? dot : *dst + dot;
+                return true;
+            };
+            if constexpr (KMAX > 0) {
+#pragma unroll
+                for (int j = 0; j < KMAX; j++) {
+                    float dot;
+                    if (j < k && slot_segment(j, dot)) sums[j] = first ? dot : sums[j] + dot;
+                }
+            } else {
+                for (int j = 0; j < k; j++) {
+                    float dot;
+                    if (slot_segment(j, dot) && lane == 0) {
+                        float *dst = dw + (size_t)t * k + j;
+                        *dst = first ? dot : *dst + dot;
+                    }
                 }
             }
         }
+        if constexpr (KMAX > 0) /* a slot with no row keeps its dw, as above */
+#pragma unroll
+            for (int j = 0; j < KMAX; j++)
+                if (lane == j && j < k && slot_row[(size_t)t * k + j] >= 0) dw[(size_t)t * k + j] = sums[j];
     }
+}
+
+/* MT_COMBINE_BWD_SUMS=memory: every k takes the kernel that adds into dw in memory (measuring) */
+static int combine_bwd_regs(void)
+{
+    static const char *const where[] = {"registers", "memory"};
+    return mt_env_choice("MT_COMBINE_BWD_SUMS", where, 2, 0) == 0;
 }
 
 static bool rw_vec_ok(int H, const void *a, const void *b, const void *c)
@@ -519,8 +548,13 @@ void cu_moe_combine_backward(void *dy, float *dw, const void *dout, const void *
     MT_CHECK(T_ >= 0 && k > 0 && H >= 0, "moe_combine backward: bad shape T=%d k=%d H=%d", T_, k, H);
     if (T_ == 0) return;
     if (H > 0 && rw_vec_ok(H, dy, dout, y)) {
-        cuda_launch(combine_bwd_vec_kernel<T>, rw_grid(T_), ROW_BLOCK, 0,
-            (T *)dy, dw, (const T *)dout, (const T *)y, slot_row, w, T_, k, H);
+        static const int regs = combine_bwd_regs();
+        if (k <= 8 && regs)
+            cuda_launch(combine_bwd_vec_kernel<T, 8>, rw_grid(T_), ROW_BLOCK, 0,
+                (T *)dy, dw, (const T *)dout, (const T *)y, slot_row, w, T_, k, H);
+        else
+            cuda_launch(combine_bwd_vec_kernel<T, 0>, rw_grid(T_), ROW_BLOCK, 0,
+                (T *)dy, dw, (const T *)dout, (const T *)y, slot_row, w, T_, k, H);
         CUDA_LAUNCH_CHECK("moe_combine backward");
         return;
     }
