@@ -185,68 +185,17 @@ static long long common_head(const adamw_seg_dev &e, size_t x_size, size_t mom_b
     return -1;
 }
 
-/* The device copies of the last segment tables and their per-block segment indices, one buffer
- * each (the index is 4 bytes per 2048 parameters: 8 MB for a 4B-parameter shard): the train loop
- * passes the same lists every step (the whole shard in one call, or one list per FSDP unit when
- * the step runs beside the next forward), so after the first step a call builds the small table
- * on the host, finds it among these, and only launches. */
-enum { ADAMW_PLANS = 64 };
+/* The device copy of the last segment table and its per-block segment index, one buffer (the
+ * index is 4 bytes per 2048 parameters: 8 MB for a 4B-parameter shard): the train loop passes
+ * the same segments every step, so after the first step a call builds the small table on the
+ * host, finds it unchanged, and only launches. */
 struct multi_plan {
     std::vector<adamw_seg_dev> table;
     std::vector<char> staged; /* table, then block_seg [blocks] */
     size_t mom_bytes = 0;
     long long blocks = 0;
     void *dev = NULL;
-    size_t cap = 0;       /* bytes at dev */
-    unsigned long long used = 0; /* the call that used it last (the least recent is replaced) */
 };
-
-static multi_plan *find_plan(const std::vector<adamw_seg_dev> &table, size_t mom_bytes, size_t bytes)
-{
-    static multi_plan plans[ADAMW_PLANS];
-    static unsigned long long calls;
-    calls++;
-    multi_plan *lru = &plans[0];
-    for (multi_plan &p : plans) {
-        if (p.dev && p.mom_bytes == mom_bytes && p.table.size() == table.size() &&
-            !memcmp(p.table.data(), table.data(), table.size() * sizeof(adamw_seg_dev))) {
-            p.used = calls;
-            return &p;
-        }
-        if (p.used < lru->used) lru = &p;
-    }
-    multi_plan &p = *lru;
-    if (bytes > p.cap) {
-        if (p.dev) { /* a kernel on either stream may still read it */
-            CUDA_CHECK(cudaDeviceSynchronize());
-            mem_track_free(p.dev);
-            CUDA_CHECK(cudaFree(p.dev));
-        }
-        p.cap = bytes < 4096 ? 4096 : bytes;
-        CUDA_CHECK(cudaMalloc(&p.dev, p.cap));
-        const enum mem_cat was = mem_track_set(MEM_BUFFERS);
-        mem_track_alloc(p.dev, p.cap);
-        mem_track_set(was);
-    } else if (p.used) {
-        CUDA_CHECK(cudaDeviceSynchronize()); /* its old table may still be read */
-    }
-    p.table = table;
-    p.mom_bytes = mom_bytes;
-    p.used = calls;
-    const size_t table_bytes = table.size() * sizeof(adamw_seg_dev);
-    p.staged.resize(bytes);
-    memcpy(p.staged.data(), table.data(), table_bytes);
-    int *block_seg = (int *)(p.staged.data() + table_bytes);
-    long long blocks = 0;
-    for (size_t i = 0; i < table.size(); i++) {
-        for (int b = 0; b < table[i].blocks; b++) block_seg[table[i].block0 + b] = (int)i;
-        blocks += table[i].blocks;
-    }
-    p.blocks = blocks;
-    /* pageable source: staged before the call returns, so p.staged may change after */
-    CUDA_CHECK(cudaMemcpyAsync(p.dev, p.staged.data(), bytes, cudaMemcpyHostToDevice, g_cuda.stream));
-    return &p;
-}
 
 template <typename T>
 void cu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, size_t mom_bytes, float lr,
@@ -255,6 +204,7 @@ void cu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, size_t m
     const adam_k k = step_constants(lr, beta1, beta2, eps, t, grad_scale);
     MT_CHECK(n_seg >= 0 && (n_seg == 0 || segs), "adamw_multi: bad segment list (%d)", n_seg);
     MT_CHECK(mom_bytes == 4 || mom_bytes == 2, "adamw_multi: moments of %zu bytes", mom_bytes);
+    static multi_plan plan;
     std::vector<adamw_seg_dev> table;
     table.reserve((size_t)n_seg);
     long long blocks = 0;
@@ -284,7 +234,24 @@ void cu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, size_t m
     if (table.empty()) return;
     const size_t table_bytes = table.size() * sizeof(adamw_seg_dev);
     const size_t bytes = table_bytes + (size_t)blocks * sizeof(int);
-    const void *dev = find_plan(table, mom_bytes, bytes)->dev;
+    void *dev = cuda_scratch(SCRATCH_ADAMW, bytes);
+    const bool same = dev == plan.dev && mom_bytes == plan.mom_bytes &&
+                      table.size() == plan.table.size() &&
+                      !memcmp(table.data(), plan.table.data(), table_bytes);
+    if (!same) {
+        plan.table = table;
+        plan.mom_bytes = mom_bytes;
+        plan.blocks = blocks;
+        plan.dev = dev;
+        plan.staged.resize(bytes);
+        memcpy(plan.staged.data(), table.data(), table_bytes);
+        int *block_seg = (int *)(plan.staged.data() + table_bytes);
+        for (size_t i = 0; i < table.size(); i++)
+            for (int b = 0; b < table[i].blocks; b++) block_seg[table[i].block0 + b] = (int)i;
+        /* pageable source: staged before the call returns, so plan.staged may change after */
+        CUDA_CHECK(cudaMemcpyAsync(dev, plan.staged.data(), bytes, cudaMemcpyHostToDevice,
+                                   g_cuda.stream));
+    }
     const adamw_seg_dev *d_table = (const adamw_seg_dev *)dev;
     const int *d_block_seg = (const int *)((const char *)dev + table_bytes);
     if (mom_bytes == 2)

@@ -16,7 +16,6 @@
 #include "rope.cuh"
 #include "router.cuh"
 #include "moe_route.cuh"
-#include "side_stream.cuh"
 #include "swiglu.cuh"
 #include "env_flag.h"
 #include "matmul_tune.cuh"
@@ -50,10 +49,6 @@ template <typename T> static struct backend make_table(double peak)
     b.copy = cu_copy;
     b.copy_aside = cu_copy_aside;
     b.copy_aside_join = cu_copy_aside_join;
-    b.side_begin = cu_side_begin;
-    b.side_mark = cu_side_mark;
-    b.side_end = cu_side_end;
-    b.side_wait = cu_side_wait;
     b.upload = cu_upload;
     b.download = cu_download;
     b.sync = cu_sync;
@@ -151,7 +146,7 @@ static void context_init(int local_rank, int count)
     /* the 7-product attention backward, which needs no dS scratch (same bits) */
     if (mt_env_flag("MT_ATTN_BWD_RECOMPUTE")) attention_tc_set_bwd_variant(1 + ATTN_BWD_KINDS * 1);
     (void)lt_tune_level(); /* a bad MT_GEMM_TUNE stops every rank here, not in a step */
-    CUDA_CHECK(cudaStreamCreateWithPriority(&g_cuda.stream, cudaStreamNonBlocking, cu_compute_stream_priority()));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&g_cuda.stream, cudaStreamNonBlocking));
     CUBLAS_CHECK(cublasCreate(&g_cuda.blas));
     CUBLAS_CHECK(cublasSetStream(g_cuda.blas, g_cuda.stream));
     CUBLAS_CHECK(cublasLtCreate(&g_cuda.lt));

@@ -95,6 +95,7 @@ enum cuda_scratch_slot {
     SCRATCH_ROUTER_PARTS, /* router_matmul_backward: dlogits as three bf16 parts [T, 3E] */
     SCRATCH_ROUTER_W3,    /* router_matmul_backward: the router weight stacked three times */
     SCRATCH_ROUTER_DW3,   /* router_matmul_backward: the three parts' fp32 dw products [3, E, H] */
+    SCRATCH_ADAMW,        /* adamw_update_multi: the segment table */
     SCRATCH_GEMM_PTRS,    /* expert_matmul on cuBLAS: the grouped call's A, B, C pointer arrays */
     SCRATCH_COUNT
 };

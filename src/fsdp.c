@@ -71,7 +71,6 @@ static void start_prefetch(struct fsdp *f, int u)
     for (int g = 0; g < TG_COUNT; g++) any |= unit_work(f, g, u) > 0;
     struct fsdp_wbuf *b = any ? victim_for(f, u) : NULL;
     if (!b) return;
-    params_adamw_wait_unit(f->p, u); /* its optimizer step may still run beside (params.h) */
     for (int g = 0; g < TG_COUNT; g++)
         if (f->dyn_w[g]) params_gather_unit_start(f->p, (enum tensor_group)g, u, b->w[g], f->stage, &f->pending.req[g]);
     b->unit = u;
@@ -176,7 +175,6 @@ void fsdp_flush(struct fsdp *f)
 static void before_forward(void *ctx, int u)
 {
     struct fsdp *f = ctx;
-    params_adamw_wait_unit(f->p, u);
     finish_prefetch(f);
     struct fsdp_wbuf *b = weights_of(f, u);
     b->users++;
@@ -202,7 +200,6 @@ static void after_forward(void *ctx, int u)
 static void before_backward(void *ctx, int u)
 {
     struct fsdp *f = ctx;
-    params_adamw_join(f->p); /* the gradients it adds to are zeroed beside, behind the updates */
     finish_prefetch(f);
     struct fsdp_wbuf *b = weights_of(f, u);
     b->users++;

@@ -21,8 +21,6 @@
 #define MT_IGNORE_INDEX (-100)
 /* An empty routing slot (sorts after every expert id) */
 #define MT_NO_EXPERT INT32_MAX
-/* points a backend's side queue can name (side_mark) */
-#define SIDE_MARKS 256
 
 /* How the router turns logits into a routing (docs/router.md; model.* keys of the same names).
  * Qwen3-MoE: softmax, no groups, route_scale 1. Passed by value-pointer to the router ops: the
@@ -83,17 +81,6 @@ struct backend {
      * time; the CPU copies at once. */
     void (*copy_aside)(void *dst, const void *src, size_t bytes);
     void (*copy_aside_join)(void);
-    /* A second queue for kernels that may run beside the compute stream (the optimizer step beside
-     * the next step's forward, params_adamw.c). side_begin: the ops called until side_end queue
-     * there, after everything queued on the compute stream before the call; side_mark(i) names
-     * what is queued there so far point i (0 <= i < SIDE_MARKS; a later mark of the same i
-     * replaces it); side_wait(i) makes the compute stream wait for point i, side_wait(-1) for
-     * everything queued there before the last side_end. No waits on the host. The CPU runs each op
-     * at once: all four do nothing there. */
-    void (*side_begin)(void);
-    void (*side_mark)(int i);
-    void (*side_end)(void);
-    void (*side_wait)(int i);
     void (*upload)(void *dst, const void *host_src, size_t bytes);          /* raw bytes */
     void (*download)(void *host_dst, const void *src, size_t bytes);        /* raw bytes, waits */
     void (*sync)(void);

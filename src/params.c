@@ -168,7 +168,6 @@ void params_free(struct params *p)
         free(g->u_work);
     }
     free(p->opt_seg);
-    free(p->opt_unit_first);
     free(p->t_off);
     free(p->exp_rows);
     free(p->exp_piece_off);
@@ -376,32 +375,19 @@ void params_gather_weights(struct params *p)
     params_bind_aliased(p);
 }
 
-static void zero_expert_piece(struct params *p, int u)
-{
-    /* a unit of the shard that is one layer's expert tensors as the backward writes them (the
-     * group of one, aliased) is left for that backward to overwrite */
-    const struct param_group_shard *ge = &p->g[TG_EXPERT];
-    if (ge->u_piece[u] == 0) return;
-    if (ge->aliased && ge->u_piece[u] == ge->u_work[u] && model_skip_expert_grad_zeroing(p->m, u, ge->u_work[u]))
-        return;
-    p->m->be->zero(ge->grad + ge->u_off[u], (size_t)ge->u_piece[u] * sizeof(float));
-}
-
 void params_zero_grad(struct params *p)
 {
-    if (p->grads_zeroed) { /* behind the last optimizer step, on the side queue */
-        p->grads_zeroed = false;
-        return;
-    }
     p->m->be->zero(p->g[TG_DENSE].grad, (size_t)p->g[TG_DENSE].numel * sizeof(float));
-    for (int u = 0; u < p->n_units; u++) zero_expert_piece(p, u);
-}
-
-void params_zero_unit_grad(struct params *p, int u)
-{
-    const struct param_group_shard *gd = &p->g[TG_DENSE];
-    if (gd->u_piece[u] > 0) p->m->be->zero(gd->grad + gd->u_off[u], (size_t)gd->u_piece[u] * sizeof(float));
-    zero_expert_piece(p, u);
+    /* expert gradients: a unit of the shard that is one layer's expert tensors as the backward
+     * writes them (the group of one, aliased) is left for that backward to overwrite */
+    const struct param_group_shard *ge = &p->g[TG_EXPERT];
+    for (int u = 0; u < p->n_units; u++) {
+        if (ge->u_piece[u] == 0) continue;
+        if (ge->aliased && ge->u_piece[u] == ge->u_work[u] &&
+            model_skip_expert_grad_zeroing(p->m, u, ge->u_work[u]))
+            continue;
+        p->m->be->zero(ge->grad + ge->u_off[u], (size_t)ge->u_piece[u] * sizeof(float));
+    }
 }
 
 double params_group_grad_sumsq(struct params *p, enum tensor_group g)

@@ -64,13 +64,7 @@ struct params {
     int n_opt_seg;
     bool opt_seg_built;
     double opt_seg_wd;
-    int *opt_unit_first;    /* [n_units + 1] unit u's segments are opt_seg[first[u] .. first[u + 1]) */
     bool adamw_per_tensor;  /* MT_ADAMW_PER_TENSOR=1: one AdamW call per segment (benchmarking) */
-    /* params_adamw_beside: the optimizer step runs on the backend's side queue beside the next
-     * forward; beside_pending: a step was queued there and the compute stream has not waited for
-     * all of it (params_adamw_join); grads_zeroed: that step zeroed the gradients behind it (the
-     * next params_zero_grad has nothing to do) */
-    bool adamw_beside, beside_pending, grads_zeroed;
 };
 
 void params_init(struct params *p, struct model *m, struct comm *stage, struct comm *fsdp);
@@ -139,18 +133,6 @@ double params_group_grad_sumsq(struct params *p, enum tensor_group g);
 /* AdamW on the shards with the given lr and gradient scale (clipping): one adamw_update_multi
  * call over the shard, or one call per segment under MT_ADAMW_PER_TENSOR=1 (the same bits) */
 void params_adamw_step(struct params *p, const struct train_config *t, float lr, float grad_scale);
-/* From now on params_adamw_step queues the step beside the compute stream (the backend's side
- * queue), unit after unit in the forward's order, each unit's gradients zeroed behind its update.
- * Until params_adamw_join, whoever reads unit u's weights on the compute stream calls
- * params_adamw_wait_unit(u) first, and a backward calls params_adamw_join; everything else
- * (checkpoints, exports, the end of the run) reads after params_adamw_join. When the model's unit
- * hooks are free this installs hooks that do so; otherwise their owner (fsdp.c) calls both. */
-void params_adamw_beside(struct params *p, bool on);
-void params_adamw_wait_unit(struct params *p, int u);
-void params_adamw_join(struct params *p);
-/* Unit u's gradients zeroed in every group (the expert piece left for a backward that overwrites
- * it, as params_zero_grad does) */
-void params_zero_unit_grad(struct params *p, int u);
 /* For single-process tools and tests: the model's working weights from the masters (every group
  * of one; a no-op when aliased). */
 void params_gather_weights(struct params *p);

@@ -1,15 +1,9 @@
 /* The optimizer step on the shards: AdamW over every segment of both groups. By default one
  * adamw_update_multi call (one launch on the GPU) over the shard's segment list, built at the
  * first step and kept (the shard buffers and segments are fixed from params_init_opts to
- * params_free), unit by unit (FSDP units: the embedding, each layer, the head); adjacent segments
- * of a unit with the same treatment are merged, which changes no bit since the update is
- * elementwise. MT_ADAMW_PER_TENSOR=1 takes the older path, one adamw_update (or adamw_update_m16)
- * call per segment, for benchmarking; all give the same bits.
- *
- * Beside the next forward (params_adamw_beside): the step is queued on the backend's side queue
- * one unit at a time in the forward's order, each unit's gradients zeroed behind its update, and
- * each unit marked; the next forward waits for its unit's mark only (params_adamw_wait_unit), so
- * the update of the later units runs while the first units compute. */
+ * params_free); adjacent segments with the same treatment are merged, which changes no bit since
+ * the update is elementwise. MT_ADAMW_PER_TENSOR=1 takes the older path, one adamw_update (or
+ * adamw_update_m16) call per segment, for benchmarking; both give the same bits. */
 #include "params.h"
 
 #include <stdlib.h>
@@ -19,55 +13,39 @@
 
 static void *xat(const struct backend *be, void *p, int64_t i) { return (char *)p + (size_t)i * be->x_size; }
 
-/* unit u's part of group k's shard */
-static bool in_unit(const struct param_group_shard *g, int u, const struct param_segment *s)
-{
-    return s->off >= g->u_off[u] && s->off < g->u_off[u] + g->u_piece[u];
-}
-
 static void build_segments(struct params *p, const struct train_config *t)
 {
     const struct backend *be = p->m->be;
     int cap = 0;
     for (int k = 0; k < TG_COUNT; k++) cap += p->g[k].n_seg;
     free(p->opt_seg);
-    free(p->opt_unit_first);
     p->opt_seg = mt_malloc((size_t)MT_MAX(cap, 1) * sizeof *p->opt_seg);
-    p->opt_unit_first = mt_malloc((size_t)(p->n_units + 1) * sizeof *p->opt_unit_first);
     p->n_opt_seg = 0;
-    int placed = 0;
-    for (int u = 0; u < p->n_units; u++) {
-        p->opt_unit_first[u] = p->n_opt_seg;
-        for (int k = 0; k < TG_COUNT; k++) {
-            struct param_group_shard *g = &p->g[k];
-            int64_t end = -1; /* end of the previous kept segment of this group and unit */
-            for (int j = 0; j < g->n_seg; j++) {
-                const struct param_segment *s = &g->seg[j];
-                if (!in_unit(g, u, s)) continue;
-                placed++;
-                if (s->frozen) continue;
-                const float wd = s->decay ? (float)t->weight_decay : 0.0f;
-                struct adamw_segment *last = p->n_opt_seg > p->opt_unit_first[u] ? &p->opt_seg[p->n_opt_seg - 1] : NULL;
-                if (last && s->off == end && last->weight_decay == wd && last->master + last->n == g->master + s->off) {
-                    last->n += (size_t)s->len;
-                } else {
-                    /* without a compute copy the update writes the master alone */
-                    p->opt_seg[p->n_opt_seg++] = (struct adamw_segment){
-                        .master = g->master + s->off,
-                        .param = g->param_x ? xat(be, g->param_x, s->off) : NULL,
-                        .grad = g->grad + s->off,
-                        .m = (char *)g->m1 + (size_t)s->off * p->mom_bytes,
-                        .v = (char *)g->m2 + (size_t)s->off * p->mom_bytes,
-                        .n = (size_t)s->len,
-                        .weight_decay = wd,
-                    };
-                }
-                end = s->off + s->len;
+    for (int k = 0; k < TG_COUNT; k++) {
+        struct param_group_shard *g = &p->g[k];
+        int64_t end = -1; /* end of the previous kept segment of this group */
+        for (int j = 0; j < g->n_seg; j++) {
+            const struct param_segment *s = &g->seg[j];
+            if (s->frozen) continue;
+            const float wd = s->decay ? (float)t->weight_decay : 0.0f;
+            struct adamw_segment *last = p->n_opt_seg ? &p->opt_seg[p->n_opt_seg - 1] : NULL;
+            if (last && s->off == end && last->weight_decay == wd) {
+                last->n += (size_t)s->len;
+            } else {
+                /* without a compute copy the update writes the master alone */
+                p->opt_seg[p->n_opt_seg++] = (struct adamw_segment){
+                    .master = g->master + s->off,
+                    .param = g->param_x ? xat(be, g->param_x, s->off) : NULL,
+                    .grad = g->grad + s->off,
+                    .m = (char *)g->m1 + (size_t)s->off * p->mom_bytes,
+                    .v = (char *)g->m2 + (size_t)s->off * p->mom_bytes,
+                    .n = (size_t)s->len,
+                    .weight_decay = wd,
+                };
             }
+            end = s->off + s->len;
         }
     }
-    p->opt_unit_first[p->n_units] = p->n_opt_seg;
-    MT_CHECK(placed == cap, "optimizer: %d of the shard's %d segments lie in no unit", cap - placed, cap);
     p->opt_seg_wd = t->weight_decay;
     p->opt_seg_built = true;
 }
@@ -97,57 +75,12 @@ static void step_per_segment(struct params *p, const struct train_config *t, flo
 
 void params_adamw_step(struct params *p, const struct train_config *t, float lr, float grad_scale)
 {
-    const struct backend *be = p->m->be;
     p->step++;
     if (p->adamw_per_tensor) {
         step_per_segment(p, t, lr, grad_scale);
         return;
     }
     if (!p->opt_seg_built || p->opt_seg_wd != t->weight_decay) build_segments(p, t);
-    if (!p->adamw_beside) {
-        be->adamw_update_multi(p->opt_seg, p->n_opt_seg, p->mom_bytes, lr, (float)t->beta1, (float)t->beta2,
-                               (float)t->adam_eps, p->step, grad_scale);
-        return;
-    }
-    MT_CHECK(p->n_units <= SIDE_MARKS, "optimizer: %d units exceed the side queue's %d marks", p->n_units, SIDE_MARKS);
-    be->side_begin();
-    for (int u = 0; u < p->n_units; u++) {
-        const int first = p->opt_unit_first[u];
-        be->adamw_update_multi(p->opt_seg + first, p->opt_unit_first[u + 1] - first, p->mom_bytes, lr,
-                               (float)t->beta1, (float)t->beta2, (float)t->adam_eps, p->step, grad_scale);
-        params_zero_unit_grad(p, u);
-        be->side_mark(u);
-    }
-    be->side_end();
-    p->grads_zeroed = true;
-    p->beside_pending = true;
-}
-
-void params_adamw_wait_unit(struct params *p, int u)
-{
-    if (p->beside_pending) p->m->be->side_wait(u);
-}
-
-void params_adamw_join(struct params *p)
-{
-    if (!p->beside_pending) return;
-    p->m->be->side_wait(-1);
-    p->beside_pending = false;
-}
-
-static void beside_before_forward(void *ctx, int u) { params_adamw_wait_unit(ctx, u); }
-/* a backward adds to the gradients the side queue zeroes: everything there first */
-static void beside_before_backward(void *ctx, int u) { (void)u; params_adamw_join(ctx); }
-
-void params_adamw_beside(struct params *p, bool on)
-{
-    params_adamw_join(p);
-    const bool own = p->m->hooks.before_forward == beside_before_forward;
-    if (on && !p->m->hooks.before_forward) {
-        const struct model_unit_hooks h = {p, beside_before_forward, NULL, beside_before_backward, NULL};
-        model_set_hooks(p->m, &h);
-    } else if (!on && own) {
-        model_set_hooks(p->m, NULL);
-    }
-    p->adamw_beside = on;
+    p->m->be->adamw_update_multi(p->opt_seg, p->n_opt_seg, p->mom_bytes, lr, (float)t->beta1,
+                                 (float)t->beta2, (float)t->adam_eps, p->step, grad_scale);
 }

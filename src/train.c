@@ -274,12 +274,6 @@ int cmd_train(const struct cli *a)
     else if (c.parallel.expert_wgrad_jobs)
         mt_warn0("parallel.expert_wgrad_jobs: no effect: parallel.expert_wgrad_pairs is off here (auto: no room "
                  "for the parked micro-steps, gradients reduced every micro-step, or one micro-step a step)\n");
-    /* MT_ADAMW_BESIDE=1: the optimizer step runs beside the next forward (params_adamw_beside);
-     * not with a pipeline, whose stages interleave forwards and backwards of several micro-steps */
-    static const char *const off_on[] = {"0", "1"};
-    const bool beside = mt_env_choice("MT_ADAMW_BESIDE", off_on, 2, 0) == 1;
-    if (beside && !piped) params_adamw_beside(&p, true);
-    else if (beside) mt_warn0("MT_ADAMW_BESIDE=1: no effect with a pipeline\n");
     if (*c.data.routing_replay &&
         !route_replay_open(&m, c.data.routing_replay, (int64_t)tc->steps * tc->global_batch_size, err, sizeof err))
         mt_user_error("data.routing_replay: %s", err);
@@ -291,7 +285,6 @@ int cmd_train(const struct cli *a)
     train_print_startup(&c, &mesh, be, data, n_micro, &m, init, keep_copy);
     struct validation *val = validation_open(&c, n_micro, mesh.me.local, dp);
     if (val) mt_log0("  validation  %s\n", validation_describe(val));
-    if (p.adamw_beside) mt_log0("  optimizer   each unit's AdamW step beside the next forward (MT_ADAMW_BESIDE=1)\n");
     metrics_print_config(&c, c.log.metrics);
     preempt_install();
     watchdog_start(&c, mesh.world_comm);
@@ -485,21 +478,15 @@ int cmd_train(const struct cli *a)
             fflush(stdout);
         }
         watchdog_phase(step, "checkpoint save");
-        if (ckpt_due(&c, step)) {
-            params_adamw_join(&p); /* the checkpoint reads the weights on the compute stream */
-            ckpt_save(c.checkpoint.dir, step, &p, &mesh, &c, m.bias ? bias_h : NULL);
-        }
+        if (ckpt_due(&c, step)) ckpt_save(c.checkpoint.dir, step, &p, &mesh, &c, m.bias ? bias_h : NULL);
         watchdog_phase(step, "preemption check");
         if (preempt_requested(mesh.world_comm)) {
             watchdog_phase(step, "checkpoint save (preempted)");
-            params_adamw_join(&p);
             if (*c.checkpoint.dir && !ckpt_due(&c, step))
                 ckpt_save(c.checkpoint.dir, step, &p, &mesh, &c, m.bias ? bias_h : NULL);
             preempt_exit(&c, step);
         }
     }
-    params_adamw_join(&p);
-    be->sync();
     run_note_done(&c, start_step, mt_now() - t_start);
     struct mem_peak peak;
     mem_report_collect(&mesh, &peak);

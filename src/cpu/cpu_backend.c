@@ -8,7 +8,6 @@
 #include "ops.h"
 
 static void b_nothing(void) {}
-static void b_nothing_at(int i) { (void)i; }
 static void b_upload(void *dst, const void *src, size_t bytes) { cpu_copy(dst, src, bytes); }
 static void b_download(void *dst, const void *src, size_t bytes) { cpu_copy(dst, src, bytes); }
 static void b_cast_f32_to_x(void *out, const float *in, size_t n) { cpu_cast_f32(out, in, n); }
@@ -269,10 +268,6 @@ static const struct backend cpu_backend = {
     .copy = cpu_copy,
     .copy_aside = cpu_copy,
     .copy_aside_join = b_nothing,
-    .side_begin = b_nothing,
-    .side_mark = b_nothing_at,
-    .side_end = b_nothing,
-    .side_wait = b_nothing_at,
     .upload = b_upload,
     .download = b_download,
     .sync = cpu_sync,
