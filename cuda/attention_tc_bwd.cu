@@ -40,7 +40,7 @@ __global__ void tc_bwd_prep_kernel(float *__restrict__ delta, float *__restrict_
  * group's shuffle tree (another order than the kernel above: other low bits); a warp's rows are
  * consecutive queries of one (b, h), PREP_U of them a lane group, all loads issued first. The grid
  * (query blocks, B·Hq) gives each block its (b, h) without the per-row 64-bit divisions that made
- * the kernel above ALU-bound (Nsight Compute: 76% ALU, 1.5 TB/s), and delta and lse2 are stored
+ * the kernel above ALU-bound (Nsight Compute: 76% ALU, 34.5% of the DRAM peak), and delta and lse2 are stored
  * coalesced. */
 enum { PREP_U = 2 };
 template <int D>
