@@ -23,7 +23,7 @@ __device__ __forceinline__ void lse_merge(float &m, float &s, float m2, float s2
 {
     const float mn = fmaxf(m, m2);
     if (mn == -INFINITY) return; /* both empty */
-    s = s * __expf(m - mn) + s2 * __expf(m2 - mn);
+    s = s * exp_ftz(m - mn) + s2 * exp_ftz(m2 - mn);
     m = mn;
 }
 
@@ -33,16 +33,24 @@ __device__ __forceinline__ void lse_fold8(float &m, float &s, const float (&f)[8
     float vm = f[0];
 #pragma unroll
     for (int j = 1; j < 8; j++) vm = fmaxf(vm, f[j]);
-    if (vm > m) { s *= __expf(m - vm); m = vm; }
+    if (vm > m) { s *= exp_ftz(m - vm); m = vm; }
 #pragma unroll
-    for (int j = 0; j < 8; j++) s += __expf(f[j] - m);
+    for (int j = 0; j < 8; j++) s += exp_ftz(f[j] - m);
 }
 
-/* the gradient of eight logits from element e0 on: sc·(exp(z − l) − onehot) */
+/* the gradient of eight logits from element e0 on: sc·(exp(z − l) − onehot). The target is looked
+ * for once per chunk, not per element (an element's e − 0 is e: the same bits). */
 __device__ __forceinline__ void ce_grad8(float (&f)[8], float sc, float l, int e0, int tgt)
 {
 #pragma unroll
-    for (int j = 0; j < 8; j++) f[j] = sc * (__expf(f[j] - l) - (e0 + j == tgt ? 1.0f : 0.0f));
+    for (int j = 0; j < 8; j++) f[j] = exp_ftz(f[j] - l);
+    if ((unsigned)(tgt - e0) < 8u) {
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (e0 + j == tgt) f[j] -= 1.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) f[j] = sc * f[j];
 }
 
 template <typename T>
@@ -67,8 +75,8 @@ ce_fwd_kernel(float *losses, float *lse, const T *logits, const int32_t *targets
     } else {
         for (int i = threadIdx.x; i < V; i += CE_BLOCK) {
             const float x = to_f(z[i]);
-            if (x > m) { s *= __expf(m - x); m = x; }
-            s += __expf(x - m);
+            if (x > m) { s *= exp_ftz(m - x); m = x; }
+            s += exp_ftz(x - m);
         }
     }
     for (int o = 16; o > 0; o >>= 1) {
@@ -109,7 +117,7 @@ ce_bwd_kernel(T *dlogits, const T *logits, const float *lse, const int32_t *targ
         }
     } else {
         for (int i = threadIdx.x; i < V; i += CE_BLOCK)
-            dz[i] = from_f<T>(sc * (__expf(to_f(z[i]) - l) - (i == tgt ? 1.0f : 0.0f)));
+            dz[i] = from_f<T>(sc * (exp_ftz(to_f(z[i]) - l) - (i == tgt ? 1.0f : 0.0f)));
     }
 }
 
