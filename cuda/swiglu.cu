@@ -4,10 +4,38 @@
  *
  * When I is a multiple of 8 and the pointers are 16-byte aligned each thread takes a chunk of 8
  * pairs (16-byte loads and stores in bf16); otherwise one pair per thread. With a row bound in
- * device memory (ops.h) the grid covers R rows and each thread stops at the bound. */
+ * device memory (ops.h) the grid covers R rows and each thread stops at the bound.
+ *
+ * The maths (silu_x, swiglu_grad): fp32 mode, the verification mode, keeps cpu_swiglu.c's expf and
+ * IEEE divisions. bf16 takes e^-g and 1 / (1 + e^-g) from the MUFU (exp_ftz, rcp_approx: a few ulp
+ * of fp32 where the outputs are rounded to 8 bits): the precise pair cost ~20 issue slots an
+ * element, which at the step's power-capped clock made these memory passes issue-bound. */
 #include "swiglu.cuh"
 
 enum { SW_BLOCK = 256 };
+
+/* silu(g) before its rounding to the compute dtype */
+template <typename T> __device__ __forceinline__ float silu_x(float g)
+{
+    if constexpr (sizeof(T) == sizeof(float)) return g / (1.0f + expf(-g));
+    else return g * rcp_approx(1.0f + exp_ftz(-g));
+}
+
+/* dg = d·u·σ·(1 + g·(1 − σ)), du = d·silu(g) with silu formed (and rounded) as in the forward */
+template <typename T>
+__device__ __forceinline__ void swiglu_grad(float g, float u, float d, float &dg, float &du)
+{
+    if constexpr (sizeof(T) == sizeof(float)) {
+        const float den = 1.0f + expf(-g);
+        const float sig = 1.0f / den;
+        dg = d * u * sig * (1.0f + g * (1.0f - sig));
+        du = d * (g / den);
+    } else {
+        const float sig = rcp_approx(1.0f + exp_ftz(-g));
+        dg = d * u * sig * (1.0f + g * (1.0f - sig));
+        du = d * round_x<T>(g * sig);
+    }
+}
 
 __device__ __forceinline__ int bounded(int R, const int64_t *rows)
 {
@@ -22,7 +50,7 @@ template <typename T> __global__ void swiglu_fwd_kernel(T *out, const T *gu, int
          i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / I, c = i - r * I;
         const float g = to_f(gu[r * 2 * I + c]), u = to_f(gu[r * 2 * I + I + c]);
-        out[i] = from_f<T>(round_x<T>(g / (1.0f + expf(-g))) * u);
+        out[i] = from_f<T>(round_x<T>(silu_x<T>(g)) * u);
     }
 }
 
@@ -35,10 +63,10 @@ template <typename T> __global__ void swiglu_bwd_kernel(T *dgu, const T *dout, c
         const size_t r = i / I, c = i - r * I;
         const size_t ig = r * 2 * I + c, iu = ig + I;
         const float g = to_f(gu[ig]), u = to_f(gu[iu]), d = to_f(dout[i]);
-        const float den = 1.0f + expf(-g);
-        const float sig = 1.0f / den;
-        dgu[ig] = from_f<T>(d * u * sig * (1.0f + g * (1.0f - sig)));
-        dgu[iu] = from_f<T>(d * round_x<T>(g / den));
+        float dg, du;
+        swiglu_grad<T>(g, u, d, dg, du);
+        dgu[ig] = from_f<T>(dg);
+        dgu[iu] = from_f<T>(du);
     }
 }
 
@@ -55,7 +83,7 @@ template <typename T> __global__ void swiglu_fwd_vec_kernel(T *out, const T *gu,
         load8f(row + c, g);
         load8f(row + I + c, u);
 #pragma unroll
-        for (int e = 0; e < 8; e++) y[e] = round_x<T>(g[e] / (1.0f + expf(-g[e]))) * u[e];
+        for (int e = 0; e < 8; e++) y[e] = round_x<T>(silu_x<T>(g[e])) * u[e];
         store8f(out + r * I + c, y);
     }
 }
@@ -74,12 +102,7 @@ __global__ void swiglu_bwd_vec_kernel(T *dgu, const T *dout, const T *gu, int R,
         load8f(gu + iu, u);
         load8f(dout + r * I + c, d);
 #pragma unroll
-        for (int e = 0; e < 8; e++) {
-            const float den = 1.0f + expf(-g[e]);
-            const float sig = 1.0f / den;
-            dg[e] = d[e] * u[e] * sig * (1.0f + g[e] * (1.0f - sig));
-            du[e] = d[e] * round_x<T>(g[e] / den);
-        }
+        for (int e = 0; e < 8; e++) swiglu_grad<T>(g[e], u[e], d[e], dg[e], du[e]);
         store8f(dgu + ig, dg);
         store8f(dgu + iu, du);
     }
