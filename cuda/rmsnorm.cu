@@ -159,6 +159,22 @@ __device__ __forceinline__ void rn_group_sums(float (&v)[RPG], float *red, int &
     }
 }
 
+/* s / C. For C a power of two (Qwen3's hidden and head sizes) the product with 1/C (exact) is the
+ * same correctly rounded quotient, without an IEEE division's ~10 instructions and branch a row:
+ * these passes are issue-bound at the step's power-capped clock. */
+__device__ __forceinline__ float rn_over_c(float s, int C)
+{
+    if ((C & (C - 1)) == 0) return __fmul_rn(s, __int_as_float((127 - (__ffs(C) - 1)) << 23));
+    return s / (float)C;
+}
+
+/* ROPE: the token of row row0 + i from the one before (rows are [T, nh] heads), instead of a
+ * division a row */
+__device__ __forceinline__ void rn_next_row(int &tok, int &head, int nh)
+{
+    if (++head == nh) head = 0, tok++;
+}
+
 /* ROPE: each normalised row, rounded to the compute dtype, is rotated (rope.sign +1) before its
  * one store; a row's lanes then hold one chunk each (MC 1, G <= 32) */
 template <typename T, int G, int MC, int RPG, bool ROPE>
@@ -204,10 +220,13 @@ rmsnorm_fwd_vec_kernel(T *out, float *rstd, const T *in, const T *w, int N, int 
 #pragma unroll
     for (int m = 0; m < MC; m++)
         if (lane + m * G < nch) wv[m] = ld8(w + (lane + m * G) * 8);
+    int tok = 0, head = 0; /* ROPE: row row0 + i's token and head */
+    if constexpr (ROPE) tok = row0 / rope.nh, head = row0 - tok * rope.nh;
 #pragma unroll
     for (int i = 0; i < RPG; i++) {
+        if (ROPE && i > 0) rn_next_row(tok, head, rope.nh);
         if (row0 + i >= N) continue;
-        const float r = 1.0f / sqrtf(ss[i] / (float)C + eps);
+        const float r = 1.0f / sqrtf(rn_over_c(ss[i], C) + eps);
         if (lane == 0) rstd[row0 + i] = r;
 #pragma unroll
         for (int m = 0; m < MC; m++) {
@@ -219,7 +238,7 @@ rmsnorm_fwd_vec_kernel(T *out, float *rstd, const T *in, const T *w, int N, int 
 #pragma unroll
             for (int e = 0; e < 8; e++) y[e] = wf[e] * round_x<T>(x[e] * r);
             if constexpr (ROPE) {
-                const float *angles = cs + ((row0 + i) / rope.nh - t0) * C;
+                const float *angles = cs + (tok - t0) * C;
                 rope_rows_chunk<T, G>(y, pack8_of<T>(y), angles, lane);
             }
             store8f(out + (size_t)(row0 + i) * C + c * 8, y);
@@ -279,14 +298,16 @@ rmsnorm_bwd_vec_kernel(T *din, float *partial, const T *dout, const T *in, const
             float *cs = sh_dw + C;
             const int t0 = rope_rows_angles<T>(cs, rope, base, min(r_end, base + GROUPS * RPG), C,
                                                RN_THREADS);
+            int tok = row0 / rope.nh, head = row0 - tok * rope.nh;
 #pragma unroll
-            for (int i = 0; i < RPG; i++)
+            for (int i = 0; i < RPG; i++) {
+                if (i > 0) rn_next_row(tok, head, rope.nh);
                 if (row0 + i < r_end) {
                     float d[8];
-                    rope_rows_chunk<T, G>(d, dyv[i][0], cs + ((row0 + i) / rope.nh - t0) * C,
-                                          lane);
+                    rope_rows_chunk<T, G>(d, dyv[i][0], cs + (tok - t0) * C, lane);
                     dyv[i][0] = pack8_of<T>(d);
                 }
+            }
         }
 #pragma unroll
         for (int i = 0; i < RPG; i++) {
@@ -307,7 +328,7 @@ rmsnorm_bwd_vec_kernel(T *din, float *partial, const T *dout, const T *in, const
 #pragma unroll
         for (int i = 0; i < RPG; i++) {
             if (row0 + i >= r_end) continue;
-            const float proj = gn[i] / (float)C;
+            const float proj = rn_over_c(gn[i], C);
 #pragma unroll
             for (int m = 0; m < MC; m++) {
                 const int c = lane + m * G;
