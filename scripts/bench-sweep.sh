@@ -103,6 +103,7 @@ for shape in $SHAPES; do
                 --set train.steps="$STEPS" --set log.metrics="$OUT/$rtag.jsonl" > "$OUT/$rtag.moetrain.log" 2>&1; then
             read -r t u <<< "$(median_tok_s "$OUT/$rtag.jsonl")"
             mts+=("$t"); mfus+=("$u"); mhz_mts+=("$(busy_mhz "$OUT/$rtag.moetrain.clk")")
+            echo "  $rtag: moetrain $t tok/s (MFU $u)" # each run as it ends: a sweep cut short still says what it measured
         else
             echo "  moetrain failed or timed out: $(tail -1 "$OUT/$rtag.moetrain.log")"
         fi
@@ -112,6 +113,7 @@ for shape in $SHAPES; do
                 $BASELINE > "$OUT/$rtag.baseline.log" 2>&1; then
             bases+=("$(tail -1 "$OUT/$rtag.baseline.log" | python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["tok_s"])')")
             mhz_bases+=("$(busy_mhz "$OUT/$rtag.baseline.clk")")
+            echo "  $rtag: baseline ${bases[${#bases[@]}-1]} tok/s"
         else
             echo "  baseline failed or timed out: $(tail -1 "$OUT/$rtag.baseline.log")"
         fi

@@ -349,9 +349,9 @@ Test(bench_script, sweep_row_with_clock, .timeout = 150)
     cr_expect_eq(system(cmd), 0);
 }
 
-/* SWEEP_ROUNDS: moetrain and the baseline alternate, round by round, and the row holds the medians
- * (a stand-in baseline answers 60,000, 75,000, then 50,000 tok/s: median 60,000, ratio 1.50); a
- * rounds count out of range is a one-line error */
+/* SWEEP_ROUNDS: moetrain and the baseline alternate, round by round, each run's tok/s is printed
+ * as it ends, and the row holds the medians (a stand-in baseline answers 60,000, 75,000, then
+ * 50,000 tok/s: median 60,000, ratio 1.50); a rounds count out of range is a one-line error */
 Test(bench_script, sweep_rounds_alternate_and_take_medians, .timeout = 200)
 {
     char dir[] = "/tmp/mt_sweep_rounds_XXXXXX";
@@ -379,6 +379,9 @@ Test(bench_script, sweep_rounds_alternate_and_take_medians, .timeout = 200)
     snprintf(want, sizeof want, "| 30b | 1 | 1024 | 8 | 90,000 | 48.0%% | 60,000 | 1.50x | %d / %d |", BUSY_MHZ, BUSY_MHZ);
     cr_expect(strstr(out, want), "no row '%s':\n%s", want, out);
     cr_expect(strstr(out, "baseline 60000 75000 50000"), "no list of the baseline's rounds:\n%s", out);
+    /* each run's number as it ends, so that a sweep cut by a timeout still reports its rounds */
+    cr_expect(strstr(out, "30b_l1_s1024_b8_r2: baseline 75000 tok/s"), "no line for round 2's baseline:\n%s", out);
+    cr_expect(strstr(out, "30b_l1_s1024_b8_r1: moetrain 90000.0 tok/s"), "no line for round 1's moetrain:\n%s", out);
     /* the runs alternate: round 1's baseline before round 2's moetrain */
     const char *b1 = strstr(out, "30b_l1_s1024_b8_r1: PyTorch baseline"), *m2 = strstr(out, "30b_l1_s1024_b8_r2: moetrain");
     cr_expect(b1 && m2 && b1 < m2, "rounds not alternating:\n%s", out);
