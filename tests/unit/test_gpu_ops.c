@@ -291,7 +291,7 @@ Test(gpu, rmsnorm)
     }
 }
 
-/* Every layout of the vector path of cuda/rmsnorm.cu (G lanes per row, MC chunks of 8 per lane):
+/* Every layout of the vector path of cuda/rmsnorm_vec.cuh (G lanes per row, MC chunks of 8 per lane):
  * groups of 4 lanes with idle lanes (C = 24), 8 lanes, 32 lanes with lanes past the row (C = 1000),
  * groups spanning 2 to 8 warps (C = 2048, 8192), blocks that make several passes over their rows
  * (N = 3001, 5000); and the scalar path (C = 130; C = 8192 in fp32). */
