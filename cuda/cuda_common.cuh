@@ -233,8 +233,7 @@ template <typename T> __device__ __forceinline__ void store8f(T *p, const float 
     st8(p, pack8_of<T>(f));
 }
 
-/* ---------------------------------------------------------------- reductions
- * Fixed shuffle trees: the result depends only on the block shape, never on timing. */
+/* ---------------------------------------------------------------- approximate maths */
 /* e^x as __expf computes it (x·log2e rounded, then the MUFU's 2^y) but with subnormal results
  * flushed to zero. Plain __expf (ex2.approx without .ftz) wraps each exponential in a compare and
  * two predicated multiplies for results under 2^-126, issue slots that made the fused loss kernel
@@ -255,6 +254,8 @@ __device__ __forceinline__ float rcp_approx(float x)
     return y;
 }
 
+/* ---------------------------------------------------------------- reductions
+ * Fixed shuffle trees: the result depends only on the block shape, never on timing. */
 template <typename V> __device__ __forceinline__ V warp_sum(V v)
 {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
