@@ -19,7 +19,7 @@ settings=("" "NCCL_P2P_NVL_CHUNKSIZE=2097152" "NCCL_MIN_P2P_NCHANNELS=32 NCCL_MA
 for s in "${settings[@]}"; do
     for tokens in 8192 2048; do
         line=$(env $s mpirun --oversubscribe --bind-to none -np "$N" "$BUILD/tools/bench_alltoall" \
-               "$tokens" 20 2>&1 | tail -3)
+               "$tokens" 20 2>&1 | tail -4)
         echo "[${s:-NCCL defaults}] $line"
     done
 done

@@ -213,9 +213,9 @@ if [ "${BENCH_A2A:-1}" = 0 ]; then
 elif [ "$ngpu" -ge 2 ]; then
     echo "bench: dispatch all-to-all micro-benchmark on 2 GPUs ..."
     make --no-print-directory BUILD="$BUILD" "$BUILD/tools/bench_alltoall" > /dev/null
-    # three lines: the MoE layer's path (all_to_all_inbox) one call at a time and back to back,
-    # and NCCL's all_to_all_v
-    a2a=$(mpirun --oversubscribe --bind-to none -np 2 "$BUILD/tools/bench_alltoall" 8192 20 2>&1 | tail -3)
+    # four lines: the MoE layer's path (all_to_all_inbox) one call at a time, back to back, and
+    # back to back without the copy to self (the self-last exchanges), then NCCL's all_to_all_v
+    a2a=$(mpirun --oversubscribe --bind-to none -np 2 "$BUILD/tools/bench_alltoall" 8192 20 2>&1 | tail -4)
     echo "$a2a" | sed 's/^/  /'
 else
     skipped+=("the all-to-all micro-benchmark ($ngpu GPU here)")
