@@ -90,9 +90,11 @@ $(BUILD)/%.o: %.c $(wildcard src/*.h src/cpu/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c -o $@ $<
 
+# nvcc's messages are also kept beside the object ($(BUILD)/cuda/X.nvcc.log): tests/unit/
+# test_ptxas_remarks.c fails on ptxas's wgmma advisories there (MMAs serialised or fenced)
 $(BUILD)/cuda/%.o: cuda/%.cu $(wildcard cuda/*.cuh src/*.h)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVFLAGS) -c -o $@ $<
+	$(NVCC) $(NVFLAGS) -c -o $@ $< 2> $(@:.o=.nvcc.log); s=$$?; cat $(@:.o=.nvcc.log) >&2; exit $$s
 
 $(BUILD)/tests/unit_tests: $(UNIT_OBJS) $(BUILD)/libmoetrain.a
 	$(CC) -o $@ $^ $(LDLIBS) -lcriterion
