@@ -22,8 +22,6 @@
 #include "rmsnorm.cuh"
 #include "rmsnorm_vec.cuh"
 
-#include "env_flag.h"
-
 #include <type_traits>
 
 template <typename T>
@@ -166,13 +164,6 @@ template <typename F> static void rn_dispatch(int G, int MC, F &&f)
     mt_fatal("rmsnorm: no kernel for G=%d MC=%d", G, MC);
 }
 
-int rn_bwd_rows(void)
-{
-    static const char *const rows[] = {"4", "2", "1"};
-    static const int value[] = {0, 2, 1};
-    return value[mt_env_choice("MT_RMSNORM_BWD_ROWS", rows, 3, 0)];
-}
-
 /* dw += the backward blocks' partials */
 void rn_dw_sum(float *dw, const float *partial, int nblocks, int C)
 {
@@ -213,44 +204,17 @@ void cu_rmsnorm_backward(void *din, float *dw, const void *dout, const void *in,
     int G, MC;
     if (rn_vec_shape<T>(C, &G, &MC) && (!din || aligned16(din)) && aligned16(dout) &&
         aligned16(in) && aligned16(w)) {
-        const size_t smem = dw ? (size_t)C * sizeof(float) : 0;
-        auto launch = [&](auto kernel, int rows_per_pass, int per_sm) {
+        rn_dispatch(G, MC, [&](auto g, auto mc) {
+            constexpr int G_ = decltype(g)::value, MC_ = decltype(mc)::value, RPG = 4 / MC_;
             int nblocks, rows_per_block;
-            rn_bwd_grid(N, rows_per_pass, per_sm, &nblocks, &rows_per_block);
+            rn_bwd_grid(N, RN_THREADS / G_ * RPG, &nblocks, &rows_per_block);
             float *partial =
                 dw ? (float *)cuda_scratch(SCRATCH_REDUCE, (size_t)nblocks * C * sizeof(float)) : NULL;
-            cuda_launch(kernel, nblocks, RN_THREADS, smem, (T *)din, partial, (const T *)dout, (const T *)in,
+            cuda_launch(rmsnorm_bwd_vec_kernel<T, G_, MC_, RPG, false>, nblocks, RN_THREADS,
+                dw ? (size_t)C * sizeof(float) : 0, (T *)din, partial, (const T *)dout, (const T *)in,
                 (const T *)w, rstd, N, C, rows_per_block, accumulate, rope_rows{});
             CUDA_LAUNCH_CHECK("rmsnorm backward");
             if (dw) rn_dw_sum(dw, partial, nblocks, C);
-        };
-        const int rows = rn_bwd_rows(), nch = C / 8, per_sm = rn_bwd_per_sm(rows);
-        if (rows && MC == 1) { /* MT_RMSNORM_BWD_ROWS: `rows` rows a lane group a pass */
-            rn_rows_dispatch(rows, [&](auto rpg) {
-                rn_dispatch(G, 1, [&](auto g, auto) {
-                    constexpr int G_ = decltype(g)::value, RPG = decltype(rpg)::value;
-                    launch(rmsnorm_bwd_vec_kernel<T, G_, 1, RPG, false>, RN_THREADS / G_ * RPG, per_sm);
-                });
-            });
-            return;
-        }
-        if (rows && sizeof(T) == 2 && nch >= 64 && nch <= RN_THREADS && (nch & (nch - 1)) == 0) {
-            /* ... and a long row one chunk a lane */
-            rn_rows_dispatch(rows, [&](auto rpg) {
-                constexpr int RPG = decltype(rpg)::value;
-                auto one = [&](auto g) {
-                    constexpr int G_ = decltype(g)::value;
-                    launch(rmsnorm_bwd_vec_kernel<T, G_, 1, RPG, false>, RN_THREADS / G_ * RPG, per_sm);
-                };
-                if (nch == 64) one(std::integral_constant<int, 64>{});
-                else if (nch == 128) one(std::integral_constant<int, 128>{});
-                else one(std::integral_constant<int, 256>{});
-            });
-            return;
-        }
-        rn_dispatch(G, MC, [&](auto g, auto mc) {
-            constexpr int G_ = decltype(g)::value, MC_ = decltype(mc)::value, RPG = 4 / MC_;
-            launch(rmsnorm_bwd_vec_kernel<T, G_, MC_, RPG, false>, RN_THREADS / G_ * RPG, 2);
         });
         return;
     }

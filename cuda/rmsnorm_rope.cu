@@ -73,21 +73,17 @@ void cu_rmsnorm_rope_backward(void *din, float *dw, const void *dout, const void
     }
     if (N == 0) return;
     const rope_rows rope = {pos, cu_rope_inv_freq(D, theta), nh, -1.0f};
-    const int rows = rn_bwd_rows(); /* 0: four rows a lane group a pass, two blocks an SM */
     rn_rope_dispatch(D, [&](auto g) {
-        rn_rows_dispatch(rows ? rows : 4, [&](auto rpg) {
-            constexpr int G_ = decltype(g)::value, RPG = decltype(rpg)::value,
-                          rows_per_pass = RN_THREADS / G_ * RPG;
-            auto kernel = rmsnorm_bwd_vec_kernel<T, G_, 1, RPG, true>;
-            const size_t smem = (size_t)(1 + rn_rope_tokens(rows_per_pass, nh)) * D * sizeof(float);
-            int nblocks, rows_per_block;
-            rn_bwd_grid(N, rows_per_pass, rn_bwd_per_sm(rows), &nblocks, &rows_per_block);
-            float *partial = (float *)cuda_scratch(SCRATCH_REDUCE, (size_t)nblocks * D * sizeof(float));
-            cuda_launch(kernel, nblocks, RN_THREADS, smem, (T *)din, partial, (const T *)dout, (const T *)in,
-                (const T *)w, rstd, N, D, rows_per_block, false, rope);
-            CUDA_LAUNCH_CHECK("rmsnorm rope backward");
-            rn_dw_sum(dw, partial, nblocks, D);
-        });
+        constexpr int G_ = decltype(g)::value, RPG = 4, rows_per_pass = RN_THREADS / G_ * RPG;
+        int nblocks, rows_per_block;
+        rn_bwd_grid(N, rows_per_pass, &nblocks, &rows_per_block);
+        float *partial = (float *)cuda_scratch(SCRATCH_REDUCE, (size_t)nblocks * D * sizeof(float));
+        const size_t smem = (size_t)(1 + rn_rope_tokens(rows_per_pass, nh)) * D * sizeof(float);
+        cuda_launch(rmsnorm_bwd_vec_kernel<T, G_, 1, RPG, true>, nblocks, RN_THREADS, smem,
+            (T *)din, partial, (const T *)dout, (const T *)in, (const T *)w, rstd, N, D,
+            rows_per_block, false, rope);
+        CUDA_LAUNCH_CHECK("rmsnorm rope backward");
+        rn_dw_sum(dw, partial, nblocks, D);
     });
 }
 

@@ -7,8 +7,6 @@
 #include "cuda_common.cuh"
 #include "rope.cuh"
 
-#include <type_traits>
-
 enum { RN_WARPS = 8, DW_MAX_CHUNKS = 4096, RN_THREADS = 256 };
 
 /* v[i] summed over the row group of G lanes, returned to each of them; every thread of the block
@@ -278,35 +276,14 @@ rmsnorm_bwd_vec_kernel(T *din, float *partial, const T *dout, const T *in, const
     for (int c = threadIdx.x; c < C; c += RN_THREADS) partial[(size_t)blockIdx.x * C + c] = sh_dw[c];
 }
 
-/* The backward's blocks, each whole passes of rows_per_pass rows: per_sm blocks per SM (two, or
- * what fits with MT_RMSNORM_BWD_ROWS), so few partials to add and each block many rows */
-static inline void rn_bwd_grid(int N, int rows_per_pass, int per_sm, int *nblocks, int *rows_per_block)
+/* The backward's blocks, each whole passes of rows_per_pass rows: about two blocks per SM, so few
+ * partials to add and each block many rows */
+static inline void rn_bwd_grid(int N, int rows_per_pass, int *nblocks, int *rows_per_block)
 {
-    const int nb = MT_MIN((N + rows_per_pass - 1) / rows_per_pass, per_sm * g_cuda.num_sms);
+    const int nb = MT_MIN((N + rows_per_pass - 1) / rows_per_pass, 2 * g_cuda.num_sms);
     const int per = (N + nb - 1) / nb;
     *rows_per_block = (per + rows_per_pass - 1) / rows_per_pass * rows_per_pass;
     *nblocks = (N + *rows_per_block - 1) / *rows_per_block;
-}
-
-/* MT_RMSNORM_BWD_ROWS (measuring, not yet timed): the backward's rows a lane group takes a pass.
- * 0 (unset, "4"): the layouts of rn_vec_shape, four chunks' worth of rows a lane, two blocks an
- * SM (115-128 registers at Qwen3's shapes: two is what fits). 2 or 1: fewer rows a lane, so fewer
- * registers and more blocks an SM (rn_bwd_per_sm): layouts of one chunk a lane take RPG 2 or 1
- * (the q/k norms with the RoPE and the plain norm at the same head size, which keep each other's
- * bits), and a plain norm of 64-256 chunks a row in bf16 takes one chunk a lane (G = C / 8; C =
- * 2048: 64 / 60 registers). din keeps its bits; dw's partials follow the block split. */
-int rn_bwd_rows(void);
-/* the backward's blocks an SM for rn_bwd_rows(): fixed by the rows alone, so that the fused q/k
- * norm and the plain norm split the rows alike whatever their registers */
-static inline int rn_bwd_per_sm(int rows) { return rows == 1 ? 4 : rows == 2 ? 3 : 2; }
-
-/* f(integral_constant RPG) for rows 4, 2 or 1 */
-template <typename F> static void rn_rows_dispatch(int rows, F &&f)
-{
-    using std::integral_constant;
-    if (rows == 2) return f(integral_constant<int, 2>{});
-    if (rows == 1) return f(integral_constant<int, 1>{});
-    return f(integral_constant<int, 4>{});
 }
 
 /* dw += the backward blocks' partials (column_sum_f32_kernel, rmsnorm.cu) */

@@ -311,28 +311,6 @@ Test(gpu, rmsnorm_shapes)
     }
 }
 
-/* The backward's other row layouts (MT_RMSNORM_BWD_ROWS=2 and 1: fewer rows a lane group a pass,
- * more blocks an SM, and one chunk a lane for long bf16 rows): the same shapes against the CPU */
-Test(gpu, rmsnorm_bwd_rows)
-{
-    static const char *const rows[] = {"2", "1"};
-    mt_rng rng;
-    mt_rng_seed(&rng, 117);
-    for (int r = 0; r < 2; r++) {
-        setenv("MT_RMSNORM_BWD_ROWS", rows[r], 1);
-        for (int i = 0; i < 2; i++) {
-            struct mode M;
-            mode_get(i, &M);
-            rmsnorm_case(&M, &rng, 3001, 2048, true);
-            rmsnorm_case(&M, &rng, 1030, 512, false);
-            rmsnorm_case(&M, &rng, 517, 1024, true);
-            rmsnorm_case(&M, &rng, 33, 24, true);
-            rmsnorm_case(&M, &rng, 5000, 128, false);
-        }
-    }
-    unsetenv("MT_RMSNORM_BWD_ROWS");
-}
-
 /* ops.h lets din alias dout or in: either gives the bits of a separate din. dw alone (din NULL)
  * adds the same bits as with din. A weight that is not 16-byte aligned (a view into a flat
  * parameter buffer) takes the scalar path, which must agree within the mode's tolerance. */

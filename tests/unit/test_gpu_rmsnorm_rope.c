@@ -125,24 +125,3 @@ Test(gpu, rmsnorm_rope_shapes)
         rmsnorm_rope_case(&M, &rng, 5, 2, 512);
     }
 }
-
-/* The backward's other row layouts (MT_RMSNORM_BWD_ROWS=2 and 1): the fused norm still gives the
- * two ops' bits (the plain norm of the same head size splits its rows alike) and the CPU's values */
-Test(gpu, rmsnorm_rope_bwd_rows)
-{
-    static const char *const rows[] = {"2", "1"};
-    mt_rng rng;
-    mt_rng_seed(&rng, 125);
-    for (int r = 0; r < 2; r++) {
-        setenv("MT_RMSNORM_BWD_ROWS", rows[r], 1);
-        for (int i = 0; i < 2; i++) {
-            struct mode M;
-            mode_get(i, &M);
-            rmsnorm_rope_case(&M, &rng, 1001, 32, 128);
-            rmsnorm_rope_case(&M, &rng, 9001, 4, 128);
-            rmsnorm_rope_case(&M, &rng, 301, 3, 64);
-            rmsnorm_rope_case(&M, &rng, 13, 2, 16);
-        }
-    }
-    unsetenv("MT_RMSNORM_BWD_ROWS");
-}
