@@ -365,6 +365,51 @@ __global__ void combine_bwd_kernel(T *dy, float *dw, const T *dout, const T *y,
     }
 }
 
+/* A token's k slots for the warp-per-token combine backward: with k <= 32 lane j loads slot j's row and
+ * rounded weight once and the others take them by shuffle, so a slot's row loads never wait for
+ * an index load (and the segments after the first read no index again); else from memory. */
+template <typename T> struct token_slots {
+    const int32_t *slot_row;
+    const float *w;
+    size_t base;
+    int k;
+    int32_t lane_r;
+    float lane_w;
+    __device__ token_slots(const int32_t *sr, const float *w_, int t, int k_, int lane)
+        : slot_row(sr), w(w_), base((size_t)t * k_), k(k_), lane_r(-1), lane_w(0.0f)
+    {
+        if (k <= 32 && lane < k) {
+            lane_r = slot_row[base + lane];
+            if (lane_r >= 0) lane_w = round_x<T>(w[base + lane]);
+        }
+    }
+    /* slot j's row (-1: none) and its weight rounded to the compute dtype; -1 past the last slot.
+     * Uniform across the warp. */
+    __device__ __forceinline__ int32_t get(int j, float &wj) const
+    {
+        if (j >= k) return -1;
+        if (k <= 32) {
+            wj = __shfl_sync(0xffffffffu, lane_w, j);
+            return __shfl_sync(0xffffffffu, lane_r, j);
+        }
+        const int32_t r = slot_row[base + j];
+        wj = r >= 0 ? round_x<T>(w[base + j]) : 0.0f;
+        return r;
+    }
+};
+
+/* the lane's chunks c0 + 32u of row r of y (nothing when r < 0) */
+template <typename T>
+__device__ __forceinline__ void load_row_chunks(pack8<T> (&v)[RW_UNROLL], const T *__restrict__ y, int32_t r,
+                                                int H, int c0, int nch)
+{
+    if (r < 0) return;
+    const T *yr = y + (size_t)r * H;
+#pragma unroll
+    for (int u = 0; u < RW_UNROLL; u++)
+        if (c0 + 32 * u < nch) v[u] = ld8(yr + (c0 + 32 * u) * 8);
+}
+
 /* combine_fwd_kernel with a warp per token, rows in chunks of 8 */
 template <typename T>
 __global__ void combine_fwd_vec_kernel(T *out, const T *__restrict__ y, const int32_t *slot_row,
@@ -418,9 +463,14 @@ __global__ void combine_fwd_vec_kernel(T *out, const T *__restrict__ y, const in
  * shuffle tree, and the segments' sums are added in order into dw. KMAX > 0 (k <= KMAX): the
  * sums of the token's k slots stay in registers over the segments and are stored at the end
  * (the same additions in the same order); KMAX = 0: lane 0 adds each segment's sum into dw in
- * memory, which waits for the load of dw a slot and a segment (any k). */
+ * memory, which waits for the load of dw a slot and a segment (any k). Two slots' rows
+ * alternate in two register sets: the next slot's loads are in flight while this one's products
+ * and its dy are formed. With the launch bound (256 threads, 1 block: ptxas then takes 114
+ * registers, two blocks an SM as before at 64) bench_ops gives 150.6 against 161.8 us a call at
+ * the bench shape; without it 159.7 (96 registers). The same treatment slowed the forward's sums
+ * (81 against 76 us: they are at 83% of the DRAM peak already; docs/benchmarks.md). */
 template <typename T, int KMAX>
-__global__ void combine_bwd_vec_kernel(T *__restrict__ dy, float *dw, const T *__restrict__ dout,
+__global__ void __launch_bounds__(ROW_BLOCK, 1) combine_bwd_vec_kernel(T *__restrict__ dy, float *dw, const T *__restrict__ dout,
                                        const T *__restrict__ y, const int32_t *slot_row,
                                        const float *w, int T_, int k, int H)
 {
@@ -428,25 +478,18 @@ __global__ void combine_bwd_vec_kernel(T *__restrict__ dy, float *dw, const T *_
     const int lane = threadIdx.x & 31, nch = H >> 3;
     for (int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; t < T_; t += (gridDim.x * blockDim.x) >> 5) {
         const T *g = dout + (size_t)t * H;
+        const token_slots<T> slots(slot_row, w, t, k, lane);
         float sums[KMAX > 0 ? KMAX : 1];
         for (int c0 = lane, first = 1; c0 - lane < nch; c0 += 32 * RW_UNROLL, first = 0) {
             pack8<T> gp[RW_UNROLL]; /* dout's chunks as loaded: half the registers of fp32 */
 #pragma unroll
             for (int u = 0; u < RW_UNROLL; u++)
                 if (c0 + 32 * u < nch) gp[u] = ld8(g + (c0 + 32 * u) * 8);
-            /* slot j's part of dy from this segment, and the segment's dot product into dot
-             * (false: the slot has no row; uniform across the warp) */
-            auto slot_segment = [&](int j, float &dot) {
-                const int32_t r = slot_row[(size_t)t * k + j];
-                if (r < 0) return false;
-                const float wj = round_x<T>(w[(size_t)t * k + j]);
-                const T *yr = y + (size_t)r * H;
+            /* slot j (row r, weight wj, its chunks v): its part of dy from this segment, and the
+             * segment's dot product, added to the slot's sum */
+            auto slot_segment = [&](int j, int32_t r, float wj, const pack8<T> (&v)[RW_UNROLL]) {
                 T *dyr = dy + (size_t)r * H;
-                pack8<T> v[RW_UNROLL];
-#pragma unroll
-                for (int u = 0; u < RW_UNROLL; u++)
-                    if (c0 + 32 * u < nch) v[u] = ld8(yr + (c0 + 32 * u) * 8);
-                dot = 0.0f;
+                float dot = 0.0f;
 #pragma unroll
                 for (int u = 0; u < RW_UNROLL; u++)
                     if (c0 + 32 * u < nch) {
@@ -461,22 +504,27 @@ __global__ void combine_bwd_vec_kernel(T *__restrict__ dy, float *dw, const T *_
                         store8f(dyr + (c0 + 32 * u) * 8, d);
                     }
                 dot = warp_sum(dot);
-                return true;
-            };
-            if constexpr (KMAX > 0) {
+                if constexpr (KMAX > 0) {
 #pragma unroll
-                for (int j = 0; j < KMAX; j++) {
-                    float dot;
-                    if (j < k && slot_segment(j, dot)) sums[j] = first ? dot : sums[j] + dot;
+                    for (int i = 0; i < KMAX; i++) /* a constant index: sums stays in registers */
+                        if (i == j) sums[i] = first ? dot : sums[i] + dot;
+                } else if (lane == 0) {
+                    float *dst = dw + (size_t)t * k + j;
+                    *dst = first ? dot : *dst + dot;
                 }
-            } else {
-                for (int j = 0; j < k; j++) {
-                    float dot;
-                    if (slot_segment(j, dot) && lane == 0) {
-                        float *dst = dw + (size_t)t * k + j;
-                        *dst = first ? dot : *dst + dot;
-                    }
-                }
+            };
+            pack8<T> va[RW_UNROLL], vb[RW_UNROLL];
+            float wa = 0.0f, wb = 0.0f;
+            int32_t ra = slots.get(0, wa);
+            load_row_chunks(va, y, ra, H, c0, nch);
+            const int kk = KMAX > 0 ? KMAX : k; /* KMAX: a loop the compiler unrolls */
+            for (int j = 0; j < kk; j += 2) {
+                const int32_t rb = slots.get(j + 1, wb);
+                load_row_chunks(vb, y, rb, H, c0, nch);
+                if (ra >= 0) slot_segment(j, ra, wa, va);
+                ra = slots.get(j + 2, wa);
+                load_row_chunks(va, y, ra, H, c0, nch);
+                if (rb >= 0) slot_segment(j + 1, rb, wb, vb);
             }
         }
         if constexpr (KMAX > 0) /* a slot with no row keeps its dw, as above */

@@ -409,7 +409,7 @@ Test(gpu, moe_combine)
 /* n_empty of the T·K slots are empty (-1): they add nothing, and the backward leaves their dw (set
  * to 7 beforehand) alone. H = 2056 takes the vector kernels in several segments per row, H = 20
  * the scalar ones; the backward's vector kernel keeps k <= 8 slots' sums in registers, more in
- * dw. */
+ * dw; the vector kernels hold k <= 32 slots' rows and weights a lane, more they read each time. */
 static void combine_case(const struct mode *M, mt_rng *rng, int T, int K, int H, int n_empty)
 {
     char what[96];
@@ -472,6 +472,7 @@ Test(gpu, moe_combine_shapes)
         combine_case(&M, &rng, 40, 3, 2056, 0);
         combine_case(&M, &rng, 32, 8, 2056, 11); /* k <= 8: the dot products summed in registers */
         combine_case(&M, &rng, 24, 12, 2056, 9); /* k > 8: summed into dw in memory */
+        combine_case(&M, &rng, 6, 40, 2056, 13); /* k > 32: each slot's row and weight read from memory */
         combine_case(&M, &rng, 64, 8, 256, 37);
         combine_case(&M, &rng, 33, 4, 20, 5);
     }
