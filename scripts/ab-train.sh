@@ -7,6 +7,8 @@
 # for what would be two A/Bs against the same A.
 # AB_CONFIG (configs/bench-qwen3-30b-8l.yaml), AB_STEPS (8), AB_ROUNDS (2), AB_NP (1 rank per GPU;
 # > 1 runs under mpirun), AB_SET (more arguments, e.g. "--set model.num_hidden_layers=4"),
+# AB_SET_A .. AB_SET_D: more arguments for one side only (e.g. AB_SET_B="--set
+# parallel.expert_wgrad_group=4": a config setting against its default).
 # AB_OUT (build/ab), BUILD (build). Step time: the median of steps 3 onwards of each run.
 # AB_BUILD_A / AB_BUILD_B: a build directory for one side instead of BUILD, to A/B two commits on
 # the same card (a card's clock at the power cap moves the step by a few %, more than most changes):
@@ -24,6 +26,7 @@ mkdir -p "$OUT"
 envs=("$@")
 names=(A B C D)
 builds=("${AB_BUILD_A:-$BUILD}" "${AB_BUILD_B:-$BUILD}" "$BUILD" "$BUILD")
+side_sets=("${AB_SET_A:-}" "${AB_SET_B:-}" "${AB_SET_C:-}" "${AB_SET_D:-}")
 for b in "${builds[@]}"; do
     [ -x "$b/moetrain" ] || { echo "ab: no $b/moetrain (build it first)" >&2; exit 2; }
 done
@@ -39,14 +42,15 @@ for r in $(seq 1 "$ROUNDS"); do
         smi=$!
         # shellcheck disable=SC2086 # the environment is a list of words on purpose
         env ${envs[$side]} "${launch[@]}" "${builds[$side]}/moetrain" train "$CONFIG" --set train.steps="$STEPS" \
-            --set log.metrics="$tag.jsonl" ${AB_SET:-} > "$tag.log" 2>&1
+            --set log.metrics="$tag.jsonl" ${AB_SET:-} ${side_sets[$side]} > "$tag.log" 2>&1
         rc=$?
         kill $smi 2>/dev/null; wait $smi 2>/dev/null
         if [ $rc -ne 0 ]; then echo "ab: ${tag##*/} failed (rc $rc), see $tag.log"; failed=1; fi
     done
 done
-label() {  # a side's environment, and its build where the sides' builds differ
-    local l=$1
+label() {  # a side's environment and arguments, and its build where the sides' builds differ
+    local l="$1${side_sets[$2]:+ ${side_sets[$2]}}"
+    l="${l# }"
     [ "${builds[0]}" = "${builds[1]}" ] || l="${l:+$l }[${builds[$2]}]"
     echo "$l"
 }

@@ -27,7 +27,7 @@
  * and `mfu` into its metrics file (step_ms $STANDIN_MS or 700, loss $STANDIN_LOSS or 12.3), or exits
  * 3 when fail. With parallel.expert_parallel_size=2 (under mpirun, rank 0 writing) it reports 1.9 x
  * tok_s for the job (95% of one GPU's per GPU) and ep_load_max [1.0i, 1.0] at step i; with
- * CUDA_VISIBLE_DEVICES=1 (the second GPU alone) 98% of tok_s. */
+ * CUDA_VISIBLE_DEVICES=1 (the second GPU alone) 98% of tok_s; --set train.standin_ms=N sets step_ms. */
 static void stand_ins_n(const char *dir, int tok_s, double mfu, bool fail, int ngpu)
 {
     char path[512], text[2048];
@@ -54,7 +54,8 @@ static void stand_ins_n(const char *dir, int tok_s, double mfu, bool fail, int n
              "#!/bin/bash\n"
              "tok=%d; ep=''\n"
              "for a in \"$@\"; do case $a in log.metrics=*) f=${a#log.metrics=};;\n"
-             "  parallel.expert_parallel_size=2) tok=$((tok * 19 / 10)); ep=yes;; esac; done\n"
+             "  parallel.expert_parallel_size=2) tok=$((tok * 19 / 10)); ep=yes;;\n"
+             "  train.standin_ms=*) STANDIN_MS=${a#train.standin_ms=};; esac; done\n"
              "[ \"${CUDA_VISIBLE_DEVICES:-}\" = 1 ] && tok=$((tok * 98 / 100))\n"
              "[ \"${OMPI_COMM_WORLD_RANK:-0}\" = 0 ] || f=''\n"
              "sleep 1.5\n"
@@ -325,6 +326,24 @@ Test(bench_script, ab_train_three_sides, .timeout = 150)
     cr_expect_eq(rc, 2, "%s", out);
     cr_expect(strstr(out, "usage: scripts/ab-train.sh"), "%s", out);
     free(out);
+}
+
+/* AB_SET_B: arguments for side B alone (a config setting against its default), named in its rows */
+Test(bench_script, ab_train_one_side_arguments, .timeout = 150)
+{
+    char dir[] = "/tmp/mt_ab_script_XXXXXX";
+    cr_assert(mkdtemp(dir));
+    stand_ins(dir, 90000, 0.48, false);
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd, "PATH=%s/bin:$PATH BUILD=%s/build AB_OUT=%s/out AB_ROUNDS=1 "
+             "AB_SET_B='--set train.standin_ms=686' timeout 120 bash scripts/ab-train.sh '' ''", dir, dir, dir);
+    const int rc = tu_run(cmd, &out);
+    cr_expect_eq(rc, 0, "ab-train.sh exited %d:\n%s", rc, out);
+    cr_expect(strstr(out, "A 700.0 ms, B 686.0 ms: B is -2.00% against A"), "%s", out);
+    cr_expect(strstr(out, "  --set train.standin_ms=686\n") && strstr(out, "  (default)\n"), "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    cr_expect_eq(system(cmd), 0);
 }
 
 /* scripts/bench-sweep.sh (`make bench-sweep`) with one shape and no baseline: a row with the
