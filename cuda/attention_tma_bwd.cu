@@ -116,13 +116,16 @@ tc_bwd_dkdv_tma_kernel(const __grid_constant__ bwd_tma_params p)
         const uint32_t Qt = ring + st * 2 * T_BYTES, dOt = Qt + T_BYTES;
         const float *lt = ls + st * BQ, *dt = dls + st * BQ;
         float s[32], dp[32], pt[32];
-        bwd_scores<D, BK, BQ>(s, Ks, 64 * wg, Qt);  /* Sᵀ = K·Qᵀ */
-        bwd_scores<D, BK, BQ>(dp, Vs, 64 * wg, dOt); /* dPᵀ = V·dOᵀ */
-        /* the rows' log-sum-exps into registers while Sᵀ is computed: read after the wait, under
-         * the MMAs' shared-memory traffic, their latency stalled the first exponentials */
+        /* the rows' log-sum-exps into registers before Sᵀ and dPᵀ are issued. Read after the
+         * wait, under the MMAs' shared-memory traffic, their latency stalled the first
+         * exponentials; read between the issue and the wait they still did (~8% of the pass's
+         * stall samples, Nsight Compute). Ahead of the issue: the backward with dS stored 1.275
+         * against 1.340 ms (H200, bench_attention, the same bits; forty-ninth session). */
         float2 l2[8];
 #pragma unroll
         for (int j = 0; j < 8; j++) l2[j] = *reinterpret_cast<const float2 *>(lt + 8 * j + 2 * t);
+        bwd_scores<D, BK, BQ>(s, Ks, 64 * wg, Qt);  /* Sᵀ = K·Qᵀ */
+        bwd_scores<D, BK, BQ>(dp, Vs, 64 * wg, dOt); /* dPᵀ = V·dOᵀ */
         wgmma_wait<1>(); /* Sᵀ has landed: every product of the tiles before has retired */
         fence_regs(s);
         if (pend >= 0) release_stage(empty_bar(pend % STAGES), lane);
