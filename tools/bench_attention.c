@@ -14,7 +14,8 @@
  * Then every backward kernel choice (attention_tc_set_bwd_variant: dK/dV kernel + 2 × dQ kernel,
  * and ATTN_BWD_DS: the 5-product passes with dS stored between them)
  * is compared with the mma.sync pair (variant 0), run twice (the FNV-1a hash of dq, dk, dv must
- * not change) and timed; the default's hash is printed last, to compare between processes.
+ * not change) and timed; the default's hashes (the forward's out and lse, the backward's dq, dk,
+ * dv) are printed last, to compare between processes.
  * Timing uses CUDA events on the backend's stream. Without CUDA (or a GPU) it says so, exits 0. */
 #include <math.h>
 #include <stdio.h>
@@ -111,20 +112,33 @@ static double rel_err(const float *a, const float *ref, size_t n)
     return r > 0.0 ? sqrt(d / r) : sqrt(d);
 }
 
-/* FNV-1a over the raw bytes of dq, dk, dv */
-static uint64_t grads_hash(void)
+/* FNV-1a over the raw bytes of the device buffers bufs[i] of n[i] bytes */
+static uint64_t buffers_hash(void *const *bufs, const size_t *n, int count)
 {
-    const size_t n[3] = {(size_t)B * S * Hq * D * 2, (size_t)B * S * Hkv * D * 2, (size_t)B * S * Hkv * D * 2};
-    void *const bufs[3] = {dq, dk, dv};
     uint64_t h = 0xcbf29ce484222325ull;
     CUDA_CALL(cudaStreamSynchronize(stream));
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < count; i++) {
         unsigned char *b = mt_malloc(n[i]);
         CUDA_CALL(cudaMemcpy(b, bufs[i], n[i], cudaMemcpyDeviceToHost));
         for (size_t j = 0; j < n[i]; j++) h = (h ^ b[j]) * 0x100000001b3ull;
         free(b);
     }
     return h;
+}
+
+static uint64_t grads_hash(void)
+{
+    const size_t n[3] = {(size_t)B * S * Hq * D * 2, (size_t)B * S * Hkv * D * 2, (size_t)B * S * Hkv * D * 2};
+    void *const bufs[3] = {dq, dk, dv};
+    return buffers_hash(bufs, n, 3);
+}
+
+/* the forward's out and lse */
+static uint64_t forward_hash(void)
+{
+    const size_t n[2] = {(size_t)B * S * Hq * D * 2, (size_t)B * Hq * S * 4};
+    void *const bufs[2] = {out, lse};
+    return buffers_hash(bufs, n, 2);
 }
 
 enum { OP_FWD_TC, OP_BWD_TC, OP_FWD_SIMT, OP_BWD_SIMT };
@@ -322,6 +336,7 @@ int main(int argc, char **argv)
 
     bwd_variants(reps, bwd_flop);
     run_op(OP_FWD_TC);
+    printf("fwd default variant: out/lse hash %016llx\n", (unsigned long long)forward_hash());
     run_op(OP_BWD_TC);
     printf("bwd default variant: dq/dk/dv hash %016llx\n", (unsigned long long)grads_hash());
 
