@@ -10,7 +10,7 @@
  * FLOPs counted as for causal attention: forward 2·2·B·Hq·D·S²/2 (Q·Kᵀ and P·V over the lower
  * triangle), backward 2.5× that (the usual convention; the kernels do more: dQ recomputes S, dP).
  * Inputs are random bf16 in [-1, 1) (never zeros). Before timing, the new kernels' outputs are
- * compared with the old ones at the benchmarked shape (each forward kernel: mma.sync 0-2, wgmma 3-6, TMA + wgmma 7-8) (‖new − old‖ / ‖old‖; lse max |diff|).
+ * compared with the old ones at the benchmarked shape (each forward kernel: mma.sync 0-2, wgmma 3-6, TMA + wgmma 7-11) (‖new − old‖ / ‖old‖; lse max |diff|).
  * Then every backward kernel choice (attention_tc_set_bwd_variant: dK/dV kernel + 2 × dQ kernel,
  * and ATTN_BWD_DS: the 5-product passes with dS stored between them)
  * is compared with the mma.sync pair (variant 0), run twice (the FNV-1a hash of dq, dk, dv must
@@ -205,8 +205,8 @@ static void compare(void)
         CUDA_CALL(cudaMemcpy(lse_h, lse, nl * 4, cudaMemcpyDeviceToHost));
         double le = 0.0;
         for (size_t i = 0; i < nl; i++) le = isfinite(lse_h[i]) ? fmax(le, fabs(lse_h[i] - lse_o[i])) : INFINITY;
-        printf("check fwd variant %d: out rel err %.2e, lse max abs err %.2e\n", var,
-               rel_err(o_new, o_old, nq), le);
+        printf("check fwd variant %d: out rel err %.2e, lse max abs err %.2e, out/lse hash %016llx\n", var,
+               rel_err(o_new, o_old, nq), le, (unsigned long long)forward_hash());
         free(o_new);
     }
     attention_tc_set_variant(-1);
