@@ -71,6 +71,10 @@ int attention_tc_set_bwd_variant(int variant);
  * of the parts' fp32 sums, other bits than the mma.sync kernels' (the same run to run). Returns
  * the previous setting. Not thread-safe. */
 int attention_tc_set_dkdv_parts(int parts);
+/* The dQ pass from the stored dS (ATTN_BWD_DS) is persistent: 0 = a CTA an SM (the default), n > 0
+ * = at most n CTAs, each walking the 128-query blocks in rounds; -1 = a CTA a block, as before
+ * (MT_ATTN_DQ_BLOCKS=1). The same bits whichever. Returns the previous setting. Not thread-safe. */
+int attention_tc_set_dq_ctas(int ctas);
 
 #ifdef __cplusplus
 }

@@ -329,6 +329,16 @@ static bool prep_vec(void)
  * -1 = the environment not read yet */
 int g_dkdv_parts = -1;
 
+/* the dQ-from-dS pass's CTAs (attn_bwd_args::dq_ctas); -2 = the environment not read yet:
+ * MT_ATTN_DQ_BLOCKS=1 (a benchmarking switch) is -1, a CTA a block */
+int g_dq_ctas = -2;
+
+static int dq_ctas(void)
+{
+    if (g_dq_ctas == -2) g_dq_ctas = mt_env_flag("MT_ATTN_DQ_BLOCKS") ? -1 : 0;
+    return g_dq_ctas;
+}
+
 int dkdv_parts(int B, int S, int Hq, int Hkv)
 {
     if (g_dkdv_parts < 0) g_dkdv_parts = (int)mt_env_positive("MT_ATTN_DKDV_PARTS", 0);
@@ -405,6 +415,7 @@ void tc_bwd_launch(void *dq, void *dk, void *dv, const void *dout, const void *q
         if (work && work_bytes >= need) ad.ds = (bf16 *)work, lent = need;
         else ad.ds = (bf16 *)cuda_scratch(SCRATCH_ATTN_DS, need);
     }
+    ad.dq_ctas = dq_ctas();
     if (tma_dkdv) {
         ad.dkdv_split = dkdv_parts(B, S, Hq, Hkv);
         const size_t need = (size_t)attn_dkdv_part_bytes(B, S, Hkv, D, ad.dkdv_split);
@@ -443,6 +454,13 @@ extern "C" int attention_tc_set_bwd_variant(int variant)
         g_bwd_ds = false;
         g_bwd_dkdv = variant % ATTN_BWD_KINDS, g_bwd_dq = variant / ATTN_BWD_KINDS;
     }
+    return old;
+}
+
+extern "C" int attention_tc_set_dq_ctas(int ctas)
+{
+    const int old = dq_ctas();
+    g_dq_ctas = ctas < -1 ? -1 : ctas;
     return old;
 }
 

@@ -24,6 +24,9 @@ struct attn_bwd_args {
      * adds them in part order; dkdv_split 1: no parts, dK and dV written directly */
     float *dkdv_part;
     int dkdv_split;
+    /* the dQ-from-dS pass's CTAs: 0 one an SM (persistent, the default), n > 0 at most n
+     * (persistent; tests walk many blocks a CTA), -1 one a block of 128 queries (not persistent) */
+    int dq_ctas;
 };
 
 /* The forward on wgmma (sm_90a, no document masks), D = 64 or 128, variant 1..4 = (warpgroups per

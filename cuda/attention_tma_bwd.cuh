@@ -53,6 +53,7 @@ struct bwd_tma_params {
     const float *lse2, *delta;
     int S, Hq, Hkv;
     int ds_tiles;    /* dS tiles of one (batch, head): nt(nt + 1)/2, nt = ceil(S / 64) */
+    int dq_batches;  /* the dQ-from-dS pass: B, which its persistent grid does not give */
     float scale, scale_log2;
 };
 

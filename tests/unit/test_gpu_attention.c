@@ -394,6 +394,32 @@ Test(gpu, attention_tma_bwd_same_bits_as_mma_sync)
     attention_tc_set_dkdv_parts(old_parts);
 }
 
+/* The dQ pass from dS is persistent (attention_tc_set_dq_ctas): capped at 1, 3 and 5 CTAs each CTA
+ * walks many 128-query blocks in rounds (every other round backwards) with its ring running on
+ * from one block into the next, and -1 is a CTA a block. Each must give the mma.sync kernels' bits
+ * (tma_bwd_bits_case, which the test above runs at the default of a CTA an SM): two query heads a
+ * block (8/2, 8/1, 4/2) and one (4/4, 6/2), ragged S, both head dims. */
+Test(gpu, attention_dq_persistent_ctas)
+{
+    mt_rng rng;
+    mt_rng_seed(&rng, 115);
+    struct mode M;
+    mode_get(1, &M);
+    const int old_parts = attention_tc_set_dkdv_parts(1);
+    const int caps[4] = {1, 3, 5, -1};
+    for (int c = 0; c < 4; c++) {
+        fprintf(stderr, "gpu attention dq from dS, %d CTAs\n", caps[c]);
+        const int old = attention_tc_set_dq_ctas(caps[c]);
+        tma_bwd_bits_case(&M, &rng, 1, 1111, 8, 2, 128);
+        tma_bwd_bits_case(&M, &rng, 2, 257, 4, 4, 64);
+        tma_bwd_bits_case(&M, &rng, 1, 449, 6, 2, 128);
+        tma_bwd_bits_case(&M, &rng, 2, 700, 8, 1, 128);
+        tma_bwd_bits_case(&M, &rng, 1, 513, 4, 2, 64);
+        attention_tc_set_dq_ctas(old);
+    }
+    attention_tc_set_dkdv_parts(old_parts);
+}
+
 /* The dK/dV pass in parts of each kv group's query heads (attention_tc_set_dkdv_parts), for both
  * warp-specialised backwards (5 products with dS stored, 7 recomputing), with the parts' sums in
  * lent memory after the dS tiles and in the backend's scratch: against the CPU (check_tc), against
