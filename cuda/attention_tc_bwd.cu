@@ -331,7 +331,7 @@ int g_dkdv_parts = -1;
 
 /* the dQ-from-dS pass's CTAs (attn_bwd_args::dq_ctas); -2 = the environment not read yet:
  * MT_ATTN_DQ_BLOCKS=1 (a benchmarking switch) is -1, a CTA a block */
-int g_dq_ctas = -2;
+static int g_dq_ctas = -2;
 
 static int dq_ctas(void)
 {
