@@ -9,6 +9,8 @@
  * match whichever kernel updated a segment. */
 #include "adamw.cuh"
 
+#include "master_split.h"
+
 #include <string.h>
 #include <vector>
 
@@ -63,6 +65,21 @@ __device__ __forceinline__ void adamw_elem(const adam_k &k, float decay, float *
     if (param) param[i] = from_f<T>(p);
 }
 
+/* element i of a segment whose master is held split (ops.h adamw_segment.master_lo): hi is its
+ * bf16 compute copy */
+template <typename M>
+__device__ __forceinline__ void adamw_elem_split(const adam_k &k, float decay, uint16_t *hi, uint16_t *lo,
+                                                 const float *grad, M *m, M *v, long long i)
+{
+    float mi = to_f(m[i]), vi = to_f(v[i]);
+    const float p = adamw_math(k, decay, grad[i], mi, vi, __uint_as_float(mt_master_bits(hi[i], lo[i])));
+    m[i] = from_f<M>(mi);
+    v[i] = from_f<M>(vi);
+    const uint32_t u = __float_as_uint(p);
+    hi[i] = mt_master_hi_bits(u);
+    lo[i] = mt_master_lo_bits(u, hi[i]);
+}
+
 template <typename T, typename M>
 __global__ void adamw_kernel(adam_k k, float wd, float *master, T *param, const float *grad, M *m,
                              M *v, size_t n)
@@ -79,8 +96,9 @@ __global__ void adamw_kernel(adam_k k, float wd, float *master, T *param, const 
  * array; scalar != 0 (arrays that never align together) makes the whole segment scalar, chunked
  * like the packs. */
 struct adamw_seg_dev {
-    float *master;
-    void *param;      /* NULL: no compute copy (or it is the master itself) */
+    float *master;    /* NULL where the master is held split */
+    void *param;      /* NULL: no compute copy (or it is the master itself); split: the high half */
+    uint16_t *lo;     /* the split master's low half, or NULL */
     const float *grad;
     void *m, *v;
     long long n, head, packs;
@@ -89,7 +107,9 @@ struct adamw_seg_dev {
     int scalar;
 };
 
-template <typename T, typename M>
+/* SPLIT: every segment's master is held split (T is bf16, param its high half); a kernel of its
+ * own, so that the fp32-master kernel's registers stay as they were */
+template <typename T, typename M, bool SPLIT>
 __global__ void __launch_bounds__(AD_BLOCK)
     adamw_multi_kernel(const adamw_seg_dev *__restrict__ segs, const int *__restrict__ block_seg,
                        adam_k k)
@@ -97,10 +117,51 @@ __global__ void __launch_bounds__(AD_BLOCK)
     pdl_wait(); /* first: launch.cuh */
     const adamw_seg_dev s = segs[block_seg[blockIdx.x]];
     const long long c = (long long)blockIdx.x - s.block0; /* chunk of the segment */
-    float *master = s.master;
-    T *param = (T *)s.param;
     M *m = (M *)s.m, *v = (M *)s.v;
     const float decay = decay_of(k, s.wd);
+    if constexpr (SPLIT) {
+        static_assert(AD_UNROLL == 1, "the split path takes one pack a thread");
+        uint16_t *hi = (uint16_t *)s.param, *lo = s.lo;
+        if (s.scalar) {
+            const long long end = (c + 1) * AD_CHUNK < s.n ? (c + 1) * AD_CHUNK : s.n;
+            for (long long i = c * AD_CHUNK + threadIdx.x; i < end; i += AD_BLOCK)
+                adamw_elem_split<M>(k, decay, hi, lo, s.grad, m, v, i);
+            return;
+        }
+        const long long tail0 = s.head + 8 * s.packs;
+        if (c == 0 && threadIdx.x < s.head) adamw_elem_split<M>(k, decay, hi, lo, s.grad, m, v, threadIdx.x);
+        if (c == s.blocks - 1 && threadIdx.x < s.n - tail0)
+            adamw_elem_split<M>(k, decay, hi, lo, s.grad, m, v, tail0 + threadIdx.x);
+        const long long pk = c * AD_PACKS + threadIdx.x;
+        if (pk >= s.packs) return;
+        const long long at = s.head + 8 * pk;
+        const pack8<float> g = ld8(s.grad + at);
+        const uint4 hv = *reinterpret_cast<const uint4 *>(hi + at), lv = *reinterpret_cast<const uint4 *>(lo + at);
+        const pack8<M> mp = ld8(m + at), vp = ld8(v + at);
+        float gf[8], wf[8], mf[8], vf[8];
+        unpack8(g, gf), unpack8(mp, mf), unpack8(vp, vf);
+        const uint32_t hw[4] = {hv.x, hv.y, hv.z, hv.w}, lw[4] = {lv.x, lv.y, lv.z, lv.w};
+        uint32_t ho[4], lo_out[4];
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            const uint16_t h = (uint16_t)(hw[e / 2] >> (16 * (e & 1))), l = (uint16_t)(lw[e / 2] >> (16 * (e & 1)));
+            wf[e] = adamw_math(k, decay, gf[e], mf[e], vf[e], __uint_as_float(mt_master_bits(h, l)));
+        }
+#pragma unroll
+        for (int e = 0; e < 8; e += 2) {
+            const uint32_t u0 = __float_as_uint(wf[e]), u1 = __float_as_uint(wf[e + 1]);
+            const uint16_t h0 = mt_master_hi_bits(u0), h1 = mt_master_hi_bits(u1);
+            ho[e / 2] = (uint32_t)h0 | (uint32_t)h1 << 16;
+            lo_out[e / 2] = (uint32_t)mt_master_lo_bits(u0, h0) | (uint32_t)mt_master_lo_bits(u1, h1) << 16;
+        }
+        st8(m + at, pack8_of<M>(mf));
+        st8(v + at, pack8_of<M>(vf));
+        *reinterpret_cast<uint4 *>(hi + at) = make_uint4(ho[0], ho[1], ho[2], ho[3]);
+        *reinterpret_cast<uint4 *>(lo + at) = make_uint4(lo_out[0], lo_out[1], lo_out[2], lo_out[3]);
+        return;
+    }
+    float *master = s.master;
+    T *param = (T *)s.param;
     if (s.scalar) {
         const long long end = (c + 1) * AD_CHUNK < s.n ? (c + 1) * AD_CHUNK : s.n;
         for (long long i = c * AD_CHUNK + threadIdx.x; i < end; i += AD_BLOCK)
@@ -176,7 +237,7 @@ void cu_adamw_update_m16(float *master, void *param, const float *grad, void *m,
 static long long common_head(const adamw_seg_dev &e, size_t x_size, size_t mom_bytes)
 {
     for (long long h = 0; h < 8; h++) {
-        const bool ok = aligned16(e.master + h) && aligned16(e.grad + h) &&
+        const bool ok = (e.lo ? aligned16(e.lo + h) : aligned16(e.master + h)) && aligned16(e.grad + h) &&
                         aligned16((const char *)e.m + h * mom_bytes) &&
                         aligned16((const char *)e.v + h * mom_bytes) &&
                         (!e.param || aligned16((const char *)e.param + h * x_size));
@@ -215,6 +276,9 @@ void cu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, size_t m
         memset(&e, 0, sizeof e);
         e.master = s.master;
         e.param = s.param == (void *)s.master ? NULL : s.param; /* fp32 copy = master: written once */
+        e.lo = s.master_lo;
+        MT_CHECK(!e.lo == !segs[0].master_lo && (!e.lo || (sizeof(T) == 2 && e.param && !e.master)),
+                 "adamw_multi: segment %d: split masters in all segments or none, each with a bf16 high half", i);
         e.grad = s.grad;
         e.m = s.m, e.v = s.v;
         e.n = (long long)s.n;
@@ -254,10 +318,15 @@ void cu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, size_t m
     }
     const adamw_seg_dev *d_table = (const adamw_seg_dev *)dev;
     const int *d_block_seg = (const int *)((const char *)dev + table_bytes);
-    if (mom_bytes == 2)
-        cuda_launch(adamw_multi_kernel<T, bf16>, (unsigned)blocks, AD_BLOCK, 0, d_table, d_block_seg, k);
+    const bool split = table[0].lo != NULL;
+    if (split && mom_bytes == 2)
+        cuda_launch(adamw_multi_kernel<T, bf16, true>, (unsigned)blocks, AD_BLOCK, 0, d_table, d_block_seg, k);
+    else if (split)
+        cuda_launch(adamw_multi_kernel<T, float, true>, (unsigned)blocks, AD_BLOCK, 0, d_table, d_block_seg, k);
+    else if (mom_bytes == 2)
+        cuda_launch(adamw_multi_kernel<T, bf16, false>, (unsigned)blocks, AD_BLOCK, 0, d_table, d_block_seg, k);
     else
-        cuda_launch(adamw_multi_kernel<T, float>, (unsigned)blocks, AD_BLOCK, 0, d_table, d_block_seg, k);
+        cuda_launch(adamw_multi_kernel<T, float, false>, (unsigned)blocks, AD_BLOCK, 0, d_table, d_block_seg, k);
     CUDA_LAUNCH_CHECK("adamw multi");
 }
 

@@ -38,12 +38,17 @@ struct router_opts {
  * takes, offset to the run's start (param in the compute dtype), n elements, its weight decay (0
  * for norms). */
 struct adamw_segment {
-    float *master;     /* [n] fp32 */
+    float *master;     /* [n] fp32, or NULL when the master is held split (master_lo) */
     void *param;       /* [n] compute dtype (may be master in fp32; NULL: no compute copy) */
     const float *grad; /* [n] fp32 */
     void *m, *v;       /* [n] Adam moments, fp32 or bf16 (adamw_update_multi's mom_bytes) */
     size_t n;
     float weight_decay;
+    /* [n] or NULL: the fp32 master held as two halves (train.master_weights: split): its bits
+     * are (param's bf16 bits << 16) + master_lo as int16, and the update writes param as the
+     * master rounded half away from zero in its bit pattern, which leaves the low half within
+     * int16 (master_split.h): the same fp32 master as an fp32 array, 2 bytes a parameter less */
+    uint16_t *master_lo;
 };
 
 /* One row set of a grouped expert weight gradient (expert_matmul_wgrad_sets): a micro-step's
@@ -379,7 +384,9 @@ struct backend {
     /* adamw_update (mom_bytes 4: fp32 moments) or adamw_update_m16 (mom_bytes 2) over n_seg
      * segments (each its own arrays, length and weight decay) in one pass: on the GPU one launch
      * for the whole optimizer step instead of one per segment. Each segment's results are
-     * bit-identical to the per-segment op on it; segments must not overlap. */
+     * bit-identical to the per-segment op on it; segments must not overlap. Segments with
+     * master_lo (all or none of them; a bf16 param) take and leave their master split, its fp32
+     * values the same bits as an fp32 master's. */
     void (*adamw_update_multi)(const struct adamw_segment *segs, int n_seg, size_t mom_bytes,
                                float lr, float beta1, float beta2, float eps, int t,
                                float grad_scale);

@@ -172,7 +172,7 @@ static void make_adamw(void)
     for (int j = 0; j < N_ADAM_SEG; j++) {
         const bool norm = adam_len[j] <= (size_t)H;
         adam_seg[j] = (struct adamw_segment){master + off, param + off * be->x_size, grad + off,
-                                             m + off, v + off, adam_len[j], norm ? 0.0f : 0.1f};
+                                             m + off, v + off, adam_len[j], norm ? 0.0f : 0.1f, NULL};
         adam_seg16[j] = adam_seg[j];
         adam_seg16[j].m = m16 + off, adam_seg16[j].v = v16 + off;
         off += adam_len[j];

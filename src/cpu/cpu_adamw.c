@@ -3,6 +3,7 @@
  * double (as Python forms beta ** step) and rounded once. */
 #include "cpu/cpu_ops.h"
 #include "common.h"
+#include "master_split.h"
 #include "ops.h"
 
 #include <math.h>
@@ -74,6 +75,23 @@ void cpu_adamw_update(float *master, float *param, const float *grad, float *m, 
     for (size_t i = 0; i < n; i++) adam_elem(&k, grad[i], &m[i], &v[i], &master[i], param ? &param[i] : NULL);
 }
 
+/* A segment whose master is held split (ops.h adamw_segment.master_lo; param its bf16 high half):
+ * the same element maths on the joined master, split again after */
+static void split_segment(const struct adamw_segment *s, size_t mom_bytes, struct adam_step k)
+{
+    uint16_t *hi = s->param, *lo = s->master_lo;
+    MT_CHECK(hi && !s->master, "adamw_multi: a split master needs its high half as param, and no fp32 master");
+    for (size_t i = 0; i < s->n; i++) {
+        float master = mt_master_join(hi[i], lo[i]), mi, vi;
+        if (mom_bytes == 2) mi = bf16_to_f32(((uint16_t *)s->m)[i]), vi = bf16_to_f32(((uint16_t *)s->v)[i]);
+        else mi = ((float *)s->m)[i], vi = ((float *)s->v)[i];
+        adam_elem(&k, s->grad[i], &mi, &vi, &master, NULL);
+        if (mom_bytes == 2) ((uint16_t *)s->m)[i] = f32_to_bf16(mi), ((uint16_t *)s->v)[i] = f32_to_bf16(vi);
+        else ((float *)s->m)[i] = mi, ((float *)s->v)[i] = vi;
+        mt_master_split(master, &hi[i], &lo[i]);
+    }
+}
+
 void cpu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, size_t mom_bytes, float lr,
                             float beta1, float beta2, float eps, int t, float grad_scale)
 {
@@ -81,6 +99,10 @@ void cpu_adamw_update_multi(const struct adamw_segment *segs, int n_seg, size_t 
     MT_CHECK(mom_bytes == 4 || mom_bytes == 2, "adamw_multi: moments of %zu bytes", mom_bytes);
     for (int i = 0; i < n_seg; i++) {
         const struct adamw_segment *s = &segs[i];
+        if (s->master_lo) {
+            split_segment(s, mom_bytes, adam_step_of(lr, beta1, beta2, eps, s->weight_decay, t, grad_scale));
+            continue;
+        }
         if (mom_bytes == 2)
             cpu_adamw_update_m16(s->master, s->param, s->grad, s->m, s->v, s->n, lr, beta1, beta2,
                                  eps, s->weight_decay, t, grad_scale);

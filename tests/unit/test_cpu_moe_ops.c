@@ -485,7 +485,7 @@ Test(cpu_ops, adamw_multi_is_per_segment)
     struct adamw_segment segs[NSEG];
     for (int j = 0; j < NSEG; j++) {
         segs[j] = (struct adamw_segment){p + off[j], p + off[j], g + off[j], m + off[j], v + off[j],
-                                         len[j], wd[j]};
+                                         len[j], wd[j], NULL};
         cpu_adamw_update(p2 + off[j], p2 + off[j], g + off[j], m2 + off[j], v2 + off[j], len[j],
                          1e-3f, 0.9f, 0.95f, 1e-8f, wd[j], 2, 0.5f);
     }
@@ -518,7 +518,7 @@ Test(cpu_ops, adamw_multi_bf16_moments_is_per_segment)
     struct adamw_segment segs[NSEG];
     for (int j = 0; j < NSEG; j++) {
         segs[j] = (struct adamw_segment){p + off[j], NULL, g + off[j], m + off[j], v + off[j],
-                                         len[j], wd[j]};
+                                         len[j], wd[j], NULL};
         cpu_adamw_update_m16(p2 + off[j], NULL, g + off[j], m2 + off[j], v2 + off[j], len[j],
                              1e-3f, 0.9f, 0.95f, 1e-8f, wd[j], 3, 0.5f);
     }

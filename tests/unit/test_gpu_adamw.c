@@ -7,7 +7,9 @@
  * blocks, empty segments, moments whose alignment differs from the master's (the whole segment
  * scalar), 50 segments in one call, a compute copy that is the master itself or absent, and a
  * second step over the same list (the table the op keeps on the device). The GPU results are also
- * checked against the CPU's multi op within the fp32 tolerance. */
+ * checked against the CPU's multi op within the fp32 tolerance. A master held split
+ * (train.master_weights: split) must leave, on the same layouts, the fp32 master's bits, moments
+ * and the high half mt_master_split makes of them. */
 #include <criterion/criterion.h>
 
 #include <math.h>
@@ -17,6 +19,7 @@
 
 #include "common.h"
 #include "gpu_backend.h"
+#include "master_split.h"
 #include "ops.h"
 #include "safetensors.h"
 
@@ -108,9 +111,9 @@ static void run_case(bool fp32, size_t mom_bytes, enum param_kind pk, const char
         const float wd = j % 3 ? 0.1f : 0.0f;
         void *ap = pk == PARAM_NONE ? NULL : pk == PARAM_IS_MASTER ? (void *)(a_master + o) : (char *)a_param + o * xs;
         ga[j] = (struct adamw_segment){a_master + o, ap, d_grad + o, (char *)a_m + om * mb,
-                                       (char *)a_v + om * mb, sp[j].len, wd};
+                                       (char *)a_v + om * mb, sp[j].len, wd, NULL};
         cs[j] = (struct adamw_segment){c_master + o, NULL, grad + o, momf[0] + om, momf[1] + om,
-                                       sp[j].len, wd};
+                                       sp[j].len, wd, NULL};
     }
     const float lr[2] = {1e-3f, 7e-4f}, gs[2] = {0.7f, 1.0f};
     for (int t = 1; t <= 2; t++) {
@@ -225,3 +228,90 @@ Test(gpu, adamw_multi_m16)
     ragged_cases(2);
     many_cases(2);
 }
+
+/* Split masters (ops.h adamw_segment.master_lo): two steps over the segments with the master as
+ * its bf16 high half and low half, against the same op on an fp32 master (no compute copy) on the
+ * GPU: the joined master, both moments and the high half bit for bit over all N elements (the
+ * gaps untouched in both); and the CPU's split op within the fp32 tolerance. */
+static void run_split_case(size_t mb, const char *name, const struct seg_spec *sp, int nseg, size_t N,
+                           uint64_t seed)
+{
+    const struct backend *g = gpu_backend_or_skip(false), *c = backend_cpu();
+    mt_rng rng;
+    mt_rng_seed(&rng, seed);
+    float *master = mt_malloc(N * sizeof(float)), *grad = mt_malloc(N * sizeof(float));
+    uint16_t *hi = mt_malloc(N * 2), *lo = mt_malloc(N * 2);
+    void *mom = mt_calloc(N, mb);
+    for (size_t i = 0; i < N; i++) {
+        master[i] = (float)(0.05 * mt_rng_normal(&rng));
+        grad[i] = (float)(0.1 * mt_rng_normal(&rng));
+        mt_master_split(master[i], &hi[i], &lo[i]);
+    }
+    float *d_grad = dev_of(g, grad, N * 4), *a_master = dev_of(g, master, N * 4);
+    uint16_t *b_hi = dev_of(g, hi, N * 2), *b_lo = dev_of(g, lo, N * 2);
+    void *a_m = dev_of(g, mom, N * mb), *a_v = dev_of(g, mom, N * mb), *b_m = dev_of(g, mom, N * mb),
+         *b_v = dev_of(g, mom, N * mb);
+    void *c_m = mt_calloc(N, mb), *c_v = mt_calloc(N, mb);
+    uint16_t *c_hi = mt_malloc(N * 2), *c_lo = mt_malloc(N * 2);
+    memcpy(c_hi, hi, N * 2), memcpy(c_lo, lo, N * 2);
+    struct adamw_segment *fa = mt_calloc((size_t)nseg, sizeof *fa), *sb = mt_calloc((size_t)nseg, sizeof *sb),
+                         *sc = mt_calloc((size_t)nseg, sizeof *sc);
+    for (int j = 0; j < nseg; j++) {
+        const size_t o = sp[j].off, om = o + sp[j].mshift, n = sp[j].len;
+        const float wd = j % 3 ? 0.1f : 0.0f;
+        fa[j] = (struct adamw_segment){a_master + o, NULL, d_grad + o, (char *)a_m + om * mb, (char *)a_v + om * mb,
+                                       n, wd, NULL};
+        sb[j] = (struct adamw_segment){NULL, b_hi + o, d_grad + o, (char *)b_m + om * mb, (char *)b_v + om * mb,
+                                       n, wd, b_lo + o};
+        sc[j] = (struct adamw_segment){NULL, c_hi + o, grad + o, (char *)c_m + om * mb, (char *)c_v + om * mb,
+                                       n, wd, c_lo + o};
+    }
+    for (int t = 1; t <= 2; t++) {
+        g->adamw_update_multi(fa, nseg, mb, 1e-3f, 0.9f, 0.95f, 1e-8f, t, 0.9f);
+        g->adamw_update_multi(sb, nseg, mb, 1e-3f, 0.9f, 0.95f, 1e-8f, t, 0.9f);
+        c->adamw_update_multi(sc, nseg, mb, 1e-3f, 0.9f, 0.95f, 1e-8f, t, 0.9f);
+    }
+    float *am = host_of(g, a_master, N * 4);
+    uint16_t *bh = host_of(g, b_hi, N * 2), *bl = host_of(g, b_lo, N * 2);
+    float *joined = mt_malloc(N * 4), *cj = mt_malloc(N * 4);
+    uint16_t *want_hi = mt_malloc(N * 2);
+    size_t moved = 0;
+    for (size_t i = 0; i < N; i++) {
+        joined[i] = mt_master_join(bh[i], bl[i]);
+        cj[i] = mt_master_join(c_hi[i], c_lo[i]);
+        uint32_t u;
+        memcpy(&u, &am[i], 4);
+        want_hi[i] = mt_master_hi_bits(u);
+        moved += am[i] != master[i];
+    }
+    expect_same("master", name, joined, am, N * 4);
+    expect_same("high half", name, bh, want_hi, N * 2);
+    void *a1 = host_of(g, a_m, N * mb), *b1 = host_of(g, b_m, N * mb), *a2 = host_of(g, a_v, N * mb),
+         *b2 = host_of(g, b_v, N * mb);
+    expect_same("m", name, a1, b1, N * mb);
+    expect_same("v", name, a2, b2, N * mb);
+    cr_expect(moved > 0, "adamw multi %s: no element moved", name);
+    const double e = rel_err(joined, cj, N);
+    fprintf(stderr, "gpu adamw multi %-34s split master vs CPU split rel err %.2e\n", name, e);
+    cr_expect(e <= 1e-5, "adamw multi %s: split master vs the CPU's, relative error %.3e", name, e);
+    void *dbufs[] = {d_grad, a_master, b_hi, b_lo, a_m, a_v, b_m, b_v};
+    for (size_t i = 0; i < sizeof dbufs / sizeof dbufs[0]; i++) g->free(dbufs[i]);
+    void *hbufs[] = {master, grad, hi, lo, mom, c_m, c_v, c_hi, c_lo, fa, sb, sc, am, bh, bl, joined, cj, want_hi,
+                     a1, b1, a2, b2};
+    for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++) free(hbufs[i]);
+}
+
+Test(gpu, adamw_multi_split_master)
+{
+    const int n = (int)(sizeof ragged / sizeof ragged[0]);
+    struct seg_spec shifted[sizeof ragged / sizeof ragged[0]];
+    for (int j = 0; j < n; j++) shifted[j] = ragged[j], shifted[j].mshift = 1 + (size_t)j % 3;
+    for (size_t mb = 2; mb <= 4; mb += 2) {
+        char name[64];
+        snprintf(name, sizeof name, "split ragged, %s moments", mb == 2 ? "bf16" : "fp32");
+        run_split_case(mb, name, ragged, n, RAGGED_N, 616 + mb);
+        snprintf(name, sizeof name, "split moments misaligned, %s mom.", mb == 2 ? "bf16" : "fp32");
+        run_split_case(mb, name, shifted, n, RAGGED_N, 716 + mb);
+    }
+}
+
