@@ -33,6 +33,8 @@
 #                 launch, which is on by default on Hopper): the tests pass and the losses are
 #                 identical to the default runs (added 2026-11-29; MT_PDL=1 with an early trigger
 #                 passed the same checks on one H200)
+#   train bf16 with train.master_weights split vs fp32: TRAIN_BF16_TOL; resumed from its own
+#                 checkpoint at step 2 vs uninterrupted: identical (added 2026-11-30)
 #   train bf16, head_dim 64, resumed from its own checkpoint at step 2 vs uninterrupted: identical
 #                 losses after step 2 (with cuBLASLt's tuned algorithms, MT_GEMM_TUNE); tuning off vs
 #                 on: identical losses (added 2026-11-29; the same checks by hand on one H200 passed,
@@ -235,6 +237,23 @@ run_step "train bf16, 1 GPU, bf16 Adam moments" "$LOG/train_1gpu_bf16_m16.log" \
     --set log.metrics="$LOG/train_1gpu_bf16_m16.jsonl"
 compare_losses "losses bf16 vs fp32 Adam moments, bf16 (tol $TRAIN_BF16_TOL)" \
     "$LOG/train_1gpu_bf16_m16.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+# train.master_weights: split (the fp32 master as the bf16 copy and a low half): the same fp32
+# masters, the compute copy differing from nearest-even only at exact ties, so the losses stay within
+# TRAIN_BF16_TOL of the fp32 master's; and resumed from its own checkpoint (the master joined to fp32
+# on disk and split again) it gives the uninterrupted run's later losses bit for bit
+rm -rf "$LOG/ck_split" "$LOG/ck_split_resumed"
+run_step "train bf16, 1 GPU, master_weights=split" "$LOG/train_1gpu_bf16_split.log" \
+    "$B/moetrain" $T --backend cuda --set model.precision=bf16 --set train.master_weights=split \
+    --set checkpoint.dir="$LOG/ck_split" --set checkpoint.interval=2 --set checkpoint.keep=0 \
+    --set log.metrics="$LOG/train_1gpu_bf16_split.jsonl"
+compare_losses "losses split vs fp32 master, bf16 (tol $TRAIN_BF16_TOL)" \
+    "$LOG/train_1gpu_bf16_split.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+run_step "train bf16, 1 GPU, master_weights=split, resumed at step 2" "$LOG/train_1gpu_bf16_split_resumed.log" \
+    "$B/moetrain" $T --backend cuda --set model.precision=bf16 --set train.master_weights=split \
+    --resume "$LOG/ck_split/step_00000002" --set checkpoint.dir="$LOG/ck_split_resumed" \
+    --set log.metrics="$LOG/train_1gpu_bf16_split_resumed.jsonl"
+compare_tail "losses split resumed at step 2 vs uninterrupted (identical)" \
+    "$LOG/train_1gpu_bf16_split_resumed.jsonl" "$LOG/train_1gpu_bf16_split.jsonl" 2
 # parallel.expert_wgrad_pairs (auto: on for this bf16 run, as its start-up line must say; with
 # expert_wgrad_group auto the small model takes groups of 8): several micro-steps' expert weight
 # gradients in one grouped GEMM; off, each micro-step's alone

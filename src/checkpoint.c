@@ -127,7 +127,6 @@ static void write_rank_file(const char *path, int step, const struct params *p, 
                             char *err, int errcap)
 {
     const struct model *m = p->m;
-    const struct backend *be = m->be;
     const struct tensor_table *tt = &m->tt;
     struct ck_runs *rs = mt_calloc((size_t)tt->n, sizeof *rs);
     params_for_each_run_of(p, p->S_rank, p->F_rank, m->expert0, ck_collect_run, rs);
@@ -154,7 +153,7 @@ static void write_rank_file(const char *path, int step, const struct params *p, 
         for (int k = 0; k < TG_COUNT; k++) {
             const struct param_group_shard *g = &p->g[k];
             host[k] = mt_malloc((size_t)MT_MAX(g->numel, 1) * sizeof(float));
-            if (b == CK_MASTER) be->download(host[k], g->master, (size_t)g->numel * sizeof(float));
+            if (b == CK_MASTER) params_master_read(p, (enum tensor_group)k, 0, g->numel, host[k]);
             else params_moment_to_host(p, (enum tensor_group)k, b == CK_ADAM_M ? 1 : 2, host[k]);
             int64_t at = first_nonfinite(host[k], g->numel);
             if (at >= 0)

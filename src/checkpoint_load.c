@@ -222,7 +222,6 @@ bool ckpt_load_checked(const char *dir, struct params *p, const struct mesh *mes
     if (ok) ok = ck_build_index(dir, &man, &full, mesh, &all, e, sizeof e);
 
     /* one buffer at a time (host memory of one shard); each goes to p once every rank has it */
-    const struct backend *be = p->m->be;
     for (int b = 0; b < (weights_only ? 1 : CK_N_BUFS) && ok; b++) {
         float *host[TG_COUNT];
         for (int k = 0; k < TG_COUNT; k++) host[k] = mt_calloc((size_t)MT_MAX(p->g[k].numel, 1), sizeof(float));
@@ -230,7 +229,7 @@ bool ckpt_load_checked(const char *dir, struct params *p, const struct mesh *mes
         ok = ck_agree(mesh, e, sizeof e);
         for (int k = 0; k < TG_COUNT && ok; k++) {
             struct param_group_shard *g = &p->g[k];
-            if (b == CK_MASTER) be->upload(g->master, host[k], (size_t)g->numel * sizeof(float));
+            if (b == CK_MASTER) params_master_write(p, (enum tensor_group)k, 0, g->numel, host[k]);
             else params_moment_from_host(p, (enum tensor_group)k, b == CK_ADAM_M ? 1 : 2, host[k]);
         }
         if (ok && b == CK_MASTER) params_refresh_copy(p);

@@ -83,6 +83,7 @@ void config_defaults(struct config *c)
     t->load_balance = MT_LB_AUX;
     t->weight_copy = MT_COPY_AUTO;
     t->optimizer_state_dtype = MT_STATE_FP32;
+    t->master_weights = MT_MASTER_FP32;
     t->bias_update_rate = 1e-3;
     t->watchdog_s = 600;
     t->aux_loss_scope = MT_AUX_MICRO_BATCH;

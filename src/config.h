@@ -24,6 +24,9 @@ enum mt_reduce_grads { MT_REDUCE_MICRO_STEP = 0, MT_REDUCE_STEP = 1, MT_REDUCE_A
 /* train.weight_copy: keep a compute-dtype copy of the shard, or cast the master at every gather */
 enum mt_weight_copy { MT_COPY_AUTO = 0, MT_COPY_KEEP = 1, MT_COPY_CAST = 2 };
 enum mt_state_dtype { MT_STATE_FP32 = 0, MT_STATE_BF16 = 1 };
+/* train.master_weights: the fp32 master as one array, or split into the bf16 compute copy and its
+ * low 16 bits (src/master_split.h) */
+enum mt_master_weights { MT_MASTER_FP32 = 0, MT_MASTER_SPLIT = 1 };
 enum mt_scoring { MT_SCORE_SOFTMAX = 0, MT_SCORE_SIGMOID = 1 };
 enum mt_aux_scope { MT_AUX_MICRO_BATCH = 0, MT_AUX_GLOBAL_BATCH = 1 };
 enum mt_nonfinite { MT_NONFINITE_SKIP = 0, MT_NONFINITE_STOP = 1 };
@@ -115,6 +118,7 @@ struct train_config {
     double bias_update_rate;      /* aux-loss-free balancing: bias += rate * sign(mean - load) */
     enum mt_weight_copy weight_copy;   /* compute copy of the shard: auto | keep | cast */
     enum mt_state_dtype optimizer_state_dtype; /* Adam moments: fp32 | bf16 */
+    enum mt_master_weights master_weights; /* fp32 | split */
     int watchdog_s;               /* seconds without progress before the job aborts; 0 = off */
     char no_decay_modules[512];   /* "[gate, norm, ...]": modules without weight decay (router_params.h) */
     enum mt_aux_scope aux_loss_scope; /* micro_batch | global_batch: what the aux statistic pools */

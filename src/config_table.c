@@ -26,6 +26,7 @@ static const char *const backend_names[] = { "auto", "cpu", "cuda" };
 static const char *const weight_copy_names[] = { "auto", "keep", "cast" };
 static const char *const reduce_grads_names[] = { "micro_step", "step", "auto" };
 static const char *const state_dtype_names[] = { "fp32", "bf16" };
+static const char *const master_weights_names[] = { "fp32", "split" };
 static const char *const scoring_names[] = { "softmax", "sigmoid" };
 static const char *const aux_scope_names[] = { "micro_batch", "global_batch" };
 static const char *const nonfinite_names[] = { "skip", "stop" };
@@ -116,6 +117,7 @@ const struct cfg_key cfg_keys[] = {
     DBL("train", "bias_update_rate", train.bias_update_rate, NONNEG),
     ENUM("train", "weight_copy", train.weight_copy, weight_copy_names),
     ENUM("train", "optimizer_state_dtype", train.optimizer_state_dtype, state_dtype_names),
+    ENUM("train", "master_weights", train.master_weights, master_weights_names),
     INT("train", "watchdog_s", train.watchdog_s, NONNEG),
     STR("train", "no_decay_modules", train.no_decay_modules),
     ENUM("train", "aux_loss_scope", train.aux_loss_scope, aux_scope_names),

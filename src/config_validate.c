@@ -141,6 +141,11 @@ bool cfg_validate(struct loader *L)
            "synthetic_branching", "model", "vocab_size",
            "data.synthetic_branching (%d) must be <= model.vocab_size (%d)",
            c->data.synthetic_branching, m->vocab_size);
+    CHECK2(c->train.master_weights != MT_MASTER_SPLIT || m->precision == MT_PREC_BF16, "train", "master_weights",
+           "model", "precision", "train.master_weights: split needs model.precision: bf16 (its high half is the bf16 compute copy)");
+    CHECK2(c->train.master_weights != MT_MASTER_SPLIT || c->train.weight_copy != MT_COPY_CAST, "train",
+           "master_weights", "train", "weight_copy",
+           "train.master_weights: split keeps the compute copy (it is the master's high half): not with train.weight_copy: cast");
 #undef CHECK2
     return true;
 }

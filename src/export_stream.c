@@ -75,8 +75,7 @@ static bool fetch_from_ranks(void *ctx, int tensor, int64_t A, int64_t n, float 
 {
     (void)err, (void)errcap;   /* a rank holding the wrong pieces is broken state: fatal below */
     struct gather *g = ctx;
-    const struct backend *be = g->p->m->be;
-    const float *master = g->p->g[tensor_group_of(&g->p->m->tt.t[tensor])].master;
+    const enum tensor_group tg = tensor_group_of(&g->p->m->tt.t[tensor]);
     collect_segments(g, tensor, A, n);
     int64_t mine[2] = {g->n_segs, 0};
     for (int j = 0; j < g->n_segs; j++) mine[1] += g->segs[j].len;
@@ -86,7 +85,7 @@ static bool fetch_from_ranks(void *ctx, int tensor, int64_t A, int64_t n, float 
         if (g->n_segs == 0) return true;
         int64_t at = 0;
         for (int j = 0; j < g->n_segs; j++) {
-            be->download(g->buf + at, master + g->segs[j].soff, (size_t)g->segs[j].len * sizeof(float));
+            params_master_read(g->p, tg, g->segs[j].soff, g->segs[j].len, g->buf + at);
             g->meta[2 * j] = g->segs[j].pos;
             g->meta[2 * j + 1] = g->segs[j].len;
             at += g->segs[j].len;
@@ -102,7 +101,7 @@ static bool fetch_from_ranks(void *ctx, int tensor, int64_t A, int64_t n, float 
     for (int r = 0; r < W; r++) n_all += counts[2 * r];
     int64_t *cover = mt_malloc((size_t)MT_MAX(n_all, 1) * 2 * sizeof(int64_t)), nc = 0;
     for (int j = 0; j < g->n_segs; j++) {
-        be->download(dst + g->segs[j].pos, master + g->segs[j].soff, (size_t)g->segs[j].len * sizeof(float));
+        params_master_read(g->p, tg, g->segs[j].soff, g->segs[j].len, dst + g->segs[j].pos);
         cover[2 * nc] = g->segs[j].pos;
         cover[2 * nc++ + 1] = g->segs[j].len;
     }

@@ -238,7 +238,8 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
     const bool fp32 = m->precision == MT_PREC_FP32;
     const double x = fp32 ? 4 : 2;
     const double held = (double)(e->dense_numel + e->expert_numel);
-    const bool copy = keep_copy && !fp32;   /* a kept fp32 copy is the master itself */
+    const bool split = c->train.master_weights == MT_MASTER_SPLIT;
+    const bool copy = (keep_copy || split) && !fp32; /* a kept fp32 copy is the master itself */
     const bool reshard = c->parallel.reshard_after_forward != MT_TRI_FALSE; /* auto: until resolved */
     const bool dyn_wd = !(d->S == 1 && keep_copy), dyn_we = !(d->ep_fsdp == 1 && keep_copy);
     const int n_gbufs = tied ? 2 : 1;
@@ -257,7 +258,7 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
     }
     e->param_bytes = (copy ? held * x : 0) + work_w;
     e->grad_bytes = held * 4 + work_g;
-    e->master_bytes = held * 4;
+    e->master_bytes = held * (split ? 2 : 4); /* split: the low halves; the high halves are the copy */
     e->adam_bytes = held * (c->train.optimizer_state_dtype == MT_STATE_BF16 ? 4 : 8);
     /* 1F1B (pipeline.c): stage s keeps min(pp - s, micro-steps) micro-batches in flight, each with
      * its layers' saved activations (the recompute's shared layer and the head once), its input
@@ -331,6 +332,7 @@ bool estimate_keep_copy(const struct config *c, const struct mesh_dims *d, doubl
 {
     if (c->train.weight_copy != MT_COPY_AUTO) return c->train.weight_copy == MT_COPY_KEEP;
     if (c->model.precision == MT_PREC_FP32 || device_bytes <= 0) return true;
+    if (c->train.master_weights == MT_MASTER_SPLIT) return true; /* the copy is the master's high half */
     /* a group of one computes from the kept copy in place, while casting needs working buffers of
      * the largest unit and layer: with a huge embedding the copy can be the smaller of the two */
     const double keep = estimate_peak_bytes(c, d, true);

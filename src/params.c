@@ -7,6 +7,7 @@
 
 #include "common.h"
 #include "env_flag.h"
+#include "master_split.h"
 #include "mem_track.h"
 #include "safetensors.h" /* st_bf16_to_f32, st_f32_to_bf16 */
 
@@ -26,12 +27,13 @@ static void add_segment(struct param_group_shard *g, int *cap, int64_t off, int6
 /* Shard buffers of a group. A kept compute copy is the master itself when the compute dtype is fp32
  * (without one, gathers cast from the master on every backend: the CPU tests run that path too). */
 static void alloc_group(const struct backend *be, struct param_group_shard *g, bool keep_copy,
-                        size_t mom_bytes)
+                        size_t mom_bytes, bool split_master)
 {
     size_t n = (size_t)MT_MAX(g->numel, 1);
-    void **f[] = {(void **)&g->master, &g->m1, &g->m2, (void **)&g->grad};
+    /* a split master: its low halves here, its high halves the compute copy below */
+    void **f[] = {split_master ? (void **)&g->master_lo : (void **)&g->master, &g->m1, &g->m2, (void **)&g->grad};
     const enum mem_cat cat[] = {MEM_MASTER, MEM_ADAM, MEM_ADAM, MEM_GRADS};
-    const size_t es[] = {sizeof(float), mom_bytes, mom_bytes, sizeof(float)};
+    const size_t es[] = {split_master ? sizeof(uint16_t) : sizeof(float), mom_bytes, mom_bytes, sizeof(float)};
     for (size_t k = 0; k < sizeof f / sizeof f[0]; k++) {
         enum mem_cat was = mem_track_set(cat[k]);
         *f[k] = be->alloc(n * es[k]);
@@ -46,15 +48,18 @@ static void alloc_group(const struct backend *be, struct param_group_shard *g, b
 
 void params_init(struct params *p, struct model *m, struct comm *stage, struct comm *fsdp)
 {
-    params_init_opts(p, m, stage, fsdp, true, false);
+    params_init_opts(p, m, stage, fsdp, true, false, false);
 }
 
 void params_init_opts(struct params *p, struct model *m, struct comm *stage, struct comm *fsdp,
-                      bool keep_copy, bool bf16_moments)
+                      bool keep_copy, bool bf16_moments, bool split_master)
 {
+    MT_CHECK(!split_master || (keep_copy && m->be->x_size == 2),
+             "train.master_weights split needs the bf16 compute copy (model.precision bf16, train.weight_copy keep)");
     memset(p, 0, sizeof *p);
     p->m = m;
     p->mom_bytes = bf16_moments ? 2 : 4;
+    p->split_master = split_master;
     p->adamw_per_tensor = mt_env_flag("MT_ADAMW_PER_TENSOR");
     p->stage = stage;
     p->fsdp = fsdp;
@@ -113,8 +118,8 @@ void params_init_opts(struct params *p, struct model *m, struct comm *stage, str
             add_segment(gd, &cap[TG_DENSE], gd->u_off[u] + a - lo, b - a, s);
         }
     }
-    alloc_group(m->be, gd, keep_copy, p->mom_bytes);
-    alloc_group(m->be, ge, keep_copy, p->mom_bytes);
+    alloc_group(m->be, gd, keep_copy, p->mom_bytes, split_master);
+    alloc_group(m->be, ge, keep_copy, p->mom_bytes, split_master);
 }
 
 void params_bind_unit(struct params *p, enum tensor_group g, int u, void *work, float *work_g)
@@ -150,8 +155,46 @@ void params_refresh_copy(struct params *p)
     const struct backend *be = p->m->be;
     for (int k = 0; k < TG_COUNT; k++) {
         struct param_group_shard *g = &p->g[k];
-        if (g->param_x && g->param_x != (void *)g->master) be->cast_f32_to_x(g->param_x, g->master, (size_t)g->numel);
+        /* a split master's high half is the copy already */
+        if (g->param_x && g->master && g->param_x != (void *)g->master)
+            be->cast_f32_to_x(g->param_x, g->master, (size_t)g->numel);
     }
+}
+
+void params_master_read(const struct params *p, enum tensor_group g, int64_t off, int64_t n, float *host)
+{
+    const struct backend *be = p->m->be;
+    const struct param_group_shard *gs = &p->g[g];
+    MT_CHECK(off >= 0 && n >= 0 && off + n <= gs->numel, "params_master_read: [%lld, +%lld) of %lld", (long long)off,
+             (long long)n, (long long)gs->numel);
+    if (n == 0) return;
+    if (!p->split_master) {
+        be->download(host, gs->master + off, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *hl = mt_malloc((size_t)n * 2 * sizeof(uint16_t));
+    be->download(hl, (const uint16_t *)gs->param_x + off, (size_t)n * sizeof(uint16_t));
+    be->download(hl + n, gs->master_lo + off, (size_t)n * sizeof(uint16_t));
+    for (int64_t i = 0; i < n; i++) host[i] = mt_master_join(hl[i], hl[n + i]);
+    free(hl);
+}
+
+void params_master_write(struct params *p, enum tensor_group g, int64_t off, int64_t n, const float *host)
+{
+    const struct backend *be = p->m->be;
+    struct param_group_shard *gs = &p->g[g];
+    MT_CHECK(off >= 0 && n >= 0 && off + n <= gs->numel, "params_master_write: [%lld, +%lld) of %lld", (long long)off,
+             (long long)n, (long long)gs->numel);
+    if (n == 0) return;
+    if (!p->split_master) {
+        be->upload(gs->master + off, host, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *hl = mt_malloc((size_t)n * 2 * sizeof(uint16_t));
+    for (int64_t i = 0; i < n; i++) mt_master_split(host[i], &hl[i], &hl[n + i]);
+    be->upload((uint16_t *)gs->param_x + off, hl, (size_t)n * sizeof(uint16_t));
+    be->upload(gs->master_lo + off, hl + n, (size_t)n * sizeof(uint16_t));
+    free(hl);
 }
 
 void params_free(struct params *p)
@@ -159,7 +202,8 @@ void params_free(struct params *p)
     const struct backend *be = p->m->be;
     for (int k = 0; k < TG_COUNT; k++) {
         struct param_group_shard *g = &p->g[k];
-        void *bufs[] = {g->master, g->m1, g->m2, g->grad, g->param_x != (void *)g->master ? g->param_x : NULL};
+        void *bufs[] = {g->master, g->m1, g->m2, g->grad, g->param_x != (void *)g->master ? g->param_x : NULL,
+                        g->master_lo};
         for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
             if (bufs[i]) be->free(bufs[i]);
         free(g->seg);

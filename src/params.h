@@ -36,6 +36,9 @@ struct param_group_shard {
      * casts from master (train.weight_copy); the same memory as master when the compute dtype is
      * fp32 */
     void *param_x;
+    /* train.master_weights split (params.split_master): the master's low halves [numel]; its high
+     * halves are param_x, and master is NULL (master_split.h; params_master_read / _write) */
+    uint16_t *master_lo;
     bool aliased;           /* group of one: the working weights/grads are the shard's */
     int group_size;
     /* per unit (n_units): the piece's offset and padded size in the shard (equal on every rank of
@@ -58,6 +61,7 @@ struct params {
     int64_t *exp_piece_off; /* [tt.n] offset of an expert tensor's row blocks in its unit's piece */
     int step;               /* optimizer steps taken */
     size_t mom_bytes;       /* 4 (fp32 moments) or 2 (bf16) */
+    bool split_master;      /* train.master_weights: split (bf16 compute copy kept) */
     /* params_adamw.c: every group's unfrozen segments for adamw_update_multi, built at the first
      * step with weight decay opt_seg_wd */
     struct adamw_segment *opt_seg;
@@ -78,9 +82,16 @@ bool params_load_hf(struct params *p, const char *model_dir, char *err, int errc
  * so every mesh initialises the same model. */
 void params_init_random(struct params *p, uint64_t seed);
 
-/* keep_copy: hold the compute copy (train.weight_copy); bf16_moments: train.optimizer_state_dtype. */
+/* keep_copy: hold the compute copy (train.weight_copy); bf16_moments: train.optimizer_state_dtype;
+ * split_master: train.master_weights split (needs the copy, in bf16). */
 void params_init_opts(struct params *p, struct model *m, struct comm *stage, struct comm *fsdp,
-                      bool keep_copy, bool bf16_moments);
+                      bool keep_copy, bool bf16_moments, bool split_master);
+/* Elements [off, off + n) of group g's fp32 master to / from fp32 host memory: a download or an
+ * upload, or with a split master its two halves joined / split on the host (the write sets the
+ * compute copy with them: no params_refresh_copy needed, though harmless). For checkpoints,
+ * initialisation and export. */
+void params_master_read(const struct params *p, enum tensor_group g, int64_t off, int64_t n, float *host);
+void params_master_write(struct params *p, enum tensor_group g, int64_t off, int64_t n, const float *host);
 /* Moment k (1 or 2) of group g to / from fp32 host memory [numel] (bf16 moments widen exactly;
  * fp32 values narrow to nearest-even bf16), and zeroing. For checkpoints. */
 void params_moment_to_host(const struct params *p, enum tensor_group g, int k, float *host);

@@ -34,7 +34,8 @@ static void build_segments(struct params *p, const struct train_config *t)
             } else {
                 /* without a compute copy the update writes the master alone */
                 p->opt_seg[p->n_opt_seg++] = (struct adamw_segment){
-                    .master = g->master + s->off,
+                    .master = g->master ? g->master + s->off : NULL,
+                    .master_lo = g->master_lo ? g->master_lo + s->off : NULL,
                     .param = g->param_x ? xat(be, g->param_x, s->off) : NULL,
                     .grad = g->grad + s->off,
                     .m = (char *)g->m1 + (size_t)s->off * p->mom_bytes,
@@ -76,7 +77,7 @@ static void step_per_segment(struct params *p, const struct train_config *t, flo
 void params_adamw_step(struct params *p, const struct train_config *t, float lr, float grad_scale)
 {
     p->step++;
-    if (p->adamw_per_tensor) {
+    if (p->adamw_per_tensor && !p->split_master) { /* the per-segment ops take an fp32 master */
         step_per_segment(p, t, lr, grad_scale);
         return;
     }

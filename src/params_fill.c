@@ -73,10 +73,9 @@ static void fill_random(void *ctx, enum tensor_group g, int i, int64_t gidx, int
 
 static void upload_masters(struct params *p, struct host_fill *f)
 {
-    const struct backend *be = p->m->be;
     for (int k = 0; k < TG_COUNT; k++) {
         struct param_group_shard *g = &p->g[k];
-        be->upload(g->master, f->host[k], (size_t)g->numel * sizeof(float));
+        params_master_write(p, (enum tensor_group)k, 0, g->numel, f->host[k]);
         free(f->host[k]);
     }
     params_refresh_copy(p);
@@ -206,14 +205,13 @@ void params_init_random(struct params *p, uint64_t seed)
 
 void params_gather_global(const struct params *p, const struct mesh *mesh, float *const global[TG_COUNT])
 {
-    const struct backend *be = p->m->be;
     const int world = mesh->d.world, stage_size = mesh->d.S;
     MT_CHECK(mesh->d.pp == 1, "params_gather_global: pipeline stages are not supported yet");
     float *mine[TG_COUNT], *all[TG_COUNT] = {NULL, NULL};
     for (int k = 0; k < TG_COUNT; k++) {
         size_t n = (size_t)MT_MAX(p->g[k].numel, 1);
         mine[k] = mt_malloc(n * sizeof(float));
-        be->download(mine[k], p->g[k].master, (size_t)p->g[k].numel * sizeof(float));
+        params_master_read(p, (enum tensor_group)k, 0, p->g[k].numel, mine[k]);
         if (mesh->rank == 0) all[k] = mt_malloc(n * (size_t)world * sizeof(float));
         MT_CHECK_MPI(MPI_Gather(mine[k], (int)n, MPI_FLOAT, all[k], (int)n, MPI_FLOAT, 0,
                                 mesh->world_comm));

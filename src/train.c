@@ -239,7 +239,8 @@ int cmd_train(const struct cli *a)
     struct params p;
     const bool keep_copy = train_keep_weight_copy(&c, &mesh.d, be);
     const double job_device_bytes = resolve_fsdp_auto(&c, &mesh, keep_copy, be->mem_bytes);
-    params_init_opts(&p, &m, stage, fsdp, keep_copy, tc->optimizer_state_dtype == MT_STATE_BF16);
+    params_init_opts(&p, &m, stage, fsdp, keep_copy, tc->optimizer_state_dtype == MT_STATE_BF16,
+                     tc->master_weights == MT_MASTER_SPLIT);
     int start_step = 0;
     if (resuming) {
         ckpt_load(resume_dir, &p, &mesh, &c, bias_h, &start_step);

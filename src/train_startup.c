@@ -16,7 +16,10 @@ void train_print_startup(const struct config *c, const struct mesh *mesh, const 
     for (int i = 0; i < m->tt.n; i++) n_total += (double)m->tt.t[i].numel;
     printf("moetrain train %s\n", c->path);
     printf("  backend     %s (%s)\n", be->name,
-           be->x_size == 4 ? "fp32 compute" : "bf16 compute, fp32 master weights");
+           be->x_size == 4 ? "fp32 compute"
+           : c->train.master_weights == MT_MASTER_SPLIT
+               ? "bf16 compute, fp32 master weights held as the bf16 copy + a 16-bit low half"
+               : "bf16 compute, fp32 master weights");
     printf("  model       %d layers, hidden %d, %d/%d heads of %d, %d experts top-%d (width %d), "
            "vocab %d, %.3gM parameters\n",
            mc->num_hidden_layers, mc->hidden_size, mc->num_attention_heads, mc->num_key_value_heads,
