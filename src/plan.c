@@ -326,13 +326,18 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
                                                 : "one unit's working gradient";
     fprintf(f, "  params = %s working weights: %s, plus layer buffers where a unit is gathered (or cast) per "
             "use (%s); grads = the fp32 gradient of the shard plus %s where the group has several ranks; "
-            "master = fp32 master weights of the shard; adam = the two moments of the shard (%s)\n",
+            "master = %s; adam = the two moments of the shard (%s)\n",
             fp32 ? "fp32" : "bf16",
             estimate_keep_copy(c, d, device) ? "the shard's kept compute copy (train.weight_copy)"
                                                         : "no kept copy (train.weight_copy: cast)",
             c->parallel.reshard_after_forward != MT_TRI_FALSE ? "one of the largest unit, one of the largest layer"
                                               : "every unit's, parallel.reshard_after_forward: false",
-            work_g, c->train.optimizer_state_dtype == MT_STATE_BF16 ? "bf16" : "fp32");
+            work_g,
+            c->train.master_weights == MT_MASTER_SPLIT
+                ? "the low 16 bits of the shard's fp32 master weights (train.master_weights: split; the high half is the "
+                  "kept bf16 copy)"
+                : "fp32 master weights of the shard",
+            c->train.optimizer_state_dtype == MT_STATE_BF16 ? "bf16" : "fp32");
     int stage_moe = 0; /* the most MoE layers of a stage */
     for (int s = 0; s < d->pp; s++) stage_moe = MT_MAX(stage_moe, st[s].n_moe_layers);
     const int paired = c->parallel.expert_wgrad_pairs == MT_TRI_TRUE ? MT_MIN(c->parallel.wgrad_pair_layers, stage_moe) : 0;

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "../test_util.h"
 #include "config_test_util.h"
 #include "master_split.h"
 #include "memory_estimate.h"
@@ -140,3 +141,18 @@ Test(master_split, plan_counts_two_bytes_a_parameter)
     cr_expect(estimate_keep_copy(&c, &d, 1e6), "auto weight_copy must keep the copy that is the master's high half");
     tensor_table_free(&tt);
 }
+
+/* `plan` says what its master column holds, and the column halves */
+Test(master_split, plan_says_so)
+{
+    char cmd[512], *out[2] = {NULL, NULL};
+    for (int k = 0; k < 2; k++) {
+        snprintf(cmd, sizeof cmd, "%s/moetrain plan configs/tiny.yaml --world 1 --set train.weight_copy=keep%s 2>&1",
+                 tu_build(), k ? " --set train.master_weights=split" : "");
+        cr_assert_eq(tu_run(cmd, &out[k]), 0, "%s", out[k]);
+    }
+    cr_expect(strstr(out[0], "master = fp32 master weights of the shard"), "%s", out[0]);
+    cr_expect(strstr(out[1], "master = the low 16 bits of the shard's fp32 master weights"), "%s", out[1]);
+    free(out[0]), free(out[1]);
+}
+
