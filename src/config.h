@@ -99,6 +99,9 @@ struct parallel_config {
     int wgrad_group_layers;       /* not a key: how many of the pairing layers (their first ones) take
                                    * groups of wgrad_group micro-steps instead of 2 */
     int wgrad_group;              /* not a key: the resolved group of those layers (2 .. 8) */
+    int wgrad_big_layers;         /* not a key: of the grouping layers, how many (their first ones) take
+                                   * groups of MT_WGRAD_AUTO_GROUP_MAX instead (auto with
+                                   * MT_WGRAD_GROUP_MIX=1, where not every layer fits them) */
 };
 
 struct train_config {

@@ -16,6 +16,7 @@
 #include "memory_estimate.h"
 
 #include "attention_parts.h"
+#include "env_flag.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -277,9 +278,12 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
         const int paired = MT_MIN(e->n_moe_layers, c->parallel.wgrad_pair_layers);
         const int grouped = MT_MIN(paired, c->parallel.wgrad_group_layers);
         const int g = MT_MIN(MT_MAX(c->parallel.wgrad_group, 2), n_micro); /* a step's micro-steps at most */
+        /* the first wgrad_big_layers of the grouping layers take groups of MT_WGRAD_AUTO_GROUP_MAX */
+        const int big = MT_MIN(grouped, c->parallel.wgrad_big_layers);
+        const int gb = MT_MAX(MT_MIN(MT_WGRAD_AUTO_GROUP_MAX, n_micro) - g, 0);
         /* parallel.expert_wgrad_jobs: a job holds the last micro-step's rows too, in one more slot */
         const int jobs = c->parallel.expert_wgrad_jobs && d->ep > 1 && n_micro > 2 ? paired : 0;
-        e->act_bytes += (paired + grouped * (g - 2) + jobs) * wgrad_stash_bytes(c);
+        e->act_bytes += (paired + grouped * (g - 2) + big * gb + jobs) * wgrad_stash_bytes(c);
     }
     const double transfer = d->pp > 1 ? (double)e->slots * ((e->has_head ? 0 : 1) + (e->has_embed ? 0 : 1)) * T *
                                             m->hidden_size * x : 0;
@@ -383,6 +387,7 @@ void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dim
      * that (two H200s, EP=2, groups of 4 in 8 layers: acts 43.5 GiB measured, 36.4 planned). */
     c->parallel.wgrad_group = MT_WGRAD_AUTO_GROUP;
     c->parallel.wgrad_group_layers = 0;
+    c->parallel.wgrad_big_layers = 0;
     if (n != MT_MAX_LAYERS || device_bytes <= 0 || micro_steps(c, d) < 3 || d->ep > 1) return;
     int k_fit = 0;
     for (int k = 1; k <= c->model.num_hidden_layers; k++) {
@@ -396,8 +401,20 @@ void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dim
      * of ~14, docs/benchmarks.md), with more micro-steps than 4 */
     if (c->parallel.wgrad_group_layers != MT_MAX_LAYERS || micro_steps(c, d) <= MT_WGRAD_AUTO_GROUP) return;
     c->parallel.wgrad_group = MT_WGRAD_AUTO_GROUP_MAX;
-    if (estimate_peak_bytes(c, d, keep_copy) > MT_GROUP_MEM_SHARE * device_bytes)
-        c->parallel.wgrad_group = MT_WGRAD_AUTO_GROUP;
+    if (estimate_peak_bytes(c, d, keep_copy) <= MT_GROUP_MEM_SHARE * device_bytes) return;
+    c->parallel.wgrad_group = MT_WGRAD_AUTO_GROUP;
+    /* MT_WGRAD_GROUP_MIX=1 (not measured yet in a step): groups of MT_WGRAD_AUTO_GROUP_MAX in as
+     * many of the first layers as fit, four in the rest (bench_grouped_gemm: a layer's eight
+     * micro-steps as one call instead of two ~0.8 ms shorter, docs/benchmarks.md, fifty-second
+     * session) */
+    if (!mt_env_flag("MT_WGRAD_GROUP_MIX")) return;
+    int k_big = 0;
+    for (int k = 1; k < c->model.num_hidden_layers; k++) {
+        c->parallel.wgrad_big_layers = k;
+        if (estimate_peak_bytes(c, d, keep_copy) > MT_GROUP_MEM_SHARE * device_bytes) break;
+        k_big = k;
+    }
+    c->parallel.wgrad_big_layers = k_big;
 }
 
 bool estimate_expert_grads_kept(const struct config *c, const struct mesh_dims *d)

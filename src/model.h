@@ -316,8 +316,9 @@ void model_fixed_exchange_grow(struct model *m, const int64_t *need);
  * stash still holds a micro-step whose expert weight gradients are not in dw (an error at a step's
  * end). */
 void model_enable_expert_wgrad_pairs(struct model *m, int n_layers);
-/* ... and groups of `group` micro-steps (2 .. MT_WGRAD_MAX_SETS) in the first n_group of them */
-void model_enable_expert_wgrad_groups(struct model *m, int n_layers, int n_group, int group);
+/* ... and groups of `group` micro-steps (2 .. MT_WGRAD_MAX_SETS) in the first n_group of them, of
+ * which the first n_big take groups of big_group instead */
+void model_enable_expert_wgrad_groups(struct model *m, int n_layers, int n_group, int group, int n_big, int big_group);
 bool model_expert_wgrad_pending(const struct model *m);
 /* Lets a backward that another follows (more_backwards) hold each layer's o_proj and q_proj weight
  * gradients back until the next MoE layer's backward exchanges have started (the first, the rows

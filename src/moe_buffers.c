@@ -77,25 +77,25 @@ void moe_stash_expert_rows(struct model *m, struct layer_acts *a, struct expert_
     s->pending++;
 }
 
-void model_enable_expert_wgrad_groups(struct model *m, int n_layers, int n_group, int group)
+void model_enable_expert_wgrad_groups(struct model *m, int n_layers, int n_group, int group, int n_big, int big_group)
 {
     MT_CHECK(m->moe_chunks == 1, "parallel.expert_wgrad_pairs needs parallel.moe_chunks 1");
-    MT_CHECK(group >= 2 && group <= MT_WGRAD_MAX_SETS, "expert wgrad groups of %d micro-steps (2 to %d)",
-             group, MT_WGRAD_MAX_SETS);
+    MT_CHECK(group >= 2 && group <= MT_WGRAD_MAX_SETS && (n_big <= 0 || (big_group >= 2 && big_group <= MT_WGRAD_MAX_SETS)),
+             "expert wgrad groups of %d / %d micro-steps (2 to %d)", group, big_group, MT_WGRAD_MAX_SETS);
     if (m->wstash) return;
     m->wstash = mt_calloc((size_t)MT_MAX(m->L, 1), sizeof *m->wstash);
     /* the stage's first n_layers MoE layers, of which the first n_group take whole groups; the
      * slots' buffers come at first use */
     for (int l = m->st.layer0, n = 0; l < m->st.layer1 && n < n_layers; l++)
         if (config_layer_is_moe(&m->cfg, l)) {
-            m->wstash[l].n_slots = n < n_group ? group - 1 : 1;
+            m->wstash[l].n_slots = n < n_group && n < n_big ? big_group - 1 : n < n_group ? group - 1 : 1;
             n++;
         }
 }
 
 void model_enable_expert_wgrad_pairs(struct model *m, int n_layers)
 {
-    model_enable_expert_wgrad_groups(m, n_layers, 0, 2);
+    model_enable_expert_wgrad_groups(m, n_layers, 0, 2, 0, 0);
 }
 
 bool model_expert_wgrad_pending(const struct model *m)

@@ -343,7 +343,12 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
     const int paired = c->parallel.expert_wgrad_pairs == MT_TRI_TRUE ? MT_MIN(c->parallel.wgrad_pair_layers, stage_moe) : 0;
     const int grouped = c->parallel.wgrad_group > 2 ? MT_MIN(c->parallel.wgrad_group_layers, paired) : 0;
     char pairs[240] = "", groups[160] = "";
-    if (grouped > 0)
+    const int big = MT_MIN(c->parallel.wgrad_big_layers, grouped);
+    if (big > 0)
+        snprintf(groups, sizeof groups, " (%d in the first %d, %d in the next %d: parallel.expert_wgrad_group %d and %d, "
+                 "MT_WGRAD_GROUP_MIX)", MT_WGRAD_AUTO_GROUP_MAX - 1, big, c->parallel.wgrad_group - 1, grouped - big,
+                 MT_WGRAD_AUTO_GROUP_MAX, c->parallel.wgrad_group);
+    else if (grouped > 0)
         snprintf(groups, sizeof groups, " (%d in the first %d: parallel.expert_wgrad_group %d)",
                  c->parallel.wgrad_group - 1, grouped, c->parallel.wgrad_group);
     if (paired >= stage_moe && paired > 0)

@@ -270,7 +270,7 @@ int cmd_train(const struct cli *a)
         model_enable_deferred_wgrads(&m);
     if (c.parallel.expert_wgrad_pairs == MT_TRI_TRUE && E > 0)
         model_enable_expert_wgrad_groups(&m, c.parallel.wgrad_pair_layers, c.parallel.wgrad_group_layers,
-                                         c.parallel.wgrad_group);
+                                         c.parallel.wgrad_group, c.parallel.wgrad_big_layers, MT_WGRAD_AUTO_GROUP_MAX);
     if (m.wstash && m.pairs && c.parallel.expert_wgrad_jobs) model_enable_wgrad_jobs(&m);
     else if (c.parallel.expert_wgrad_jobs)
         mt_warn0("parallel.expert_wgrad_jobs: no effect: parallel.expert_wgrad_pairs is off here (auto: no room "

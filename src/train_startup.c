@@ -4,6 +4,7 @@
 #include <stdio.h>
 
 #include "common.h"
+#include "memory_estimate.h"
 #include "router_opts.h"
 
 void train_print_startup(const struct config *c, const struct mesh *mesh, const struct backend *be,
@@ -42,8 +43,13 @@ void train_print_startup(const struct config *c, const struct mesh *mesh, const 
         const int n = MT_MIN(c->parallel.wgrad_pair_layers, stage_moe);
         const int g = MT_MIN(c->parallel.wgrad_group, n_micro);
         const int ng = g > 2 ? MT_MIN(c->parallel.wgrad_group_layers, n) : 0;
-        char what[160];
-        if (ng > 0 && ng < n)
+        char what[200];
+        const int nb = ng ? MT_MIN(c->parallel.wgrad_big_layers, ng) : 0;
+        if (nb > 0)
+            snprintf(what, sizeof what, "%d micro-steps in one GEMM in the first %d MoE layers of each stage, %d in "
+                     "the next %d%s (MT_WGRAD_GROUP_MIX)", MT_MIN(MT_WGRAD_AUTO_GROUP_MAX, n_micro), nb, g, ng - nb,
+                     ng < n ? ", two in the rest" : "");
+        else if (ng > 0 && ng < n)
             snprintf(what, sizeof what, "%d micro-steps in one GEMM in the first %d MoE layers of each stage, of two in "
                      "the next %d", g, ng, n - ng);
         else if (n < stage_moe)

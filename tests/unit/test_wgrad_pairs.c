@@ -6,12 +6,16 @@
  * another backward may follow (model.more_backwards), and the flag is cleared by every backward.
  * The training-level runs (meshes, pipeline, recompute) are in test_fsdp.c. */
 #include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
 #include "config.h"
 #include "model_step.h"
 #include "ops.h"
+#include "memory_estimate.h"
+#include "mesh.h"
 #include "params.h"
 #include "small_model.h"
 
@@ -25,7 +29,7 @@ struct run {
     struct params p;
 };
 
-static void run_init_groups(struct run *r, int pair_layers, int group_layers, int group)
+static void run_init_mixed(struct run *r, int pair_layers, int group_layers, int group, int n_big, int big_group)
 {
     struct model_config mc;
     small_model_config(&mc);
@@ -33,7 +37,12 @@ static void run_init_groups(struct run *r, int pair_layers, int group_layers, in
     params_init(&r->p, &r->m, NULL, NULL);
     params_init_random(&r->p, 11);
     params_gather_weights(&r->p);
-    if (pair_layers > 0) model_enable_expert_wgrad_groups(&r->m, pair_layers, group_layers, group);
+    if (pair_layers > 0) model_enable_expert_wgrad_groups(&r->m, pair_layers, group_layers, group, n_big, big_group);
+}
+
+static void run_init_groups(struct run *r, int pair_layers, int group_layers, int group)
+{
+    run_init_mixed(r, pair_layers, group_layers, group, 0, 0);
 }
 
 static void run_init(struct run *r, int pair_layers)
@@ -211,3 +220,61 @@ Test(wgrad_pairs, groups_of_eight)
     run_free(&ref);
     run_free(&got);
 }
+
+/* mixed groups (MT_WGRAD_GROUP_MIX's layout): layer 0 groups 8, layer 1 groups 4, over 10
+ * micro-steps. Same bits as no grouping on the CPU backend; the parked counts follow each layer's
+ * group. */
+Test(wgrad_pairs, eight_in_the_first_layer_four_in_the_next)
+{
+    struct run ref, got;
+    bool p_ref[MAX_MICRO], p_got[MAX_MICRO];
+    int parked[2][MAX_MICRO];
+    run_init(&ref, 0);
+    accumulate_n(&ref, 10, p_ref, NULL);
+    run_init_mixed(&got, MT_MAX_LAYERS, MT_MAX_LAYERS, 4, 1, 8);
+    cr_expect(got.m.wstash[0].n_slots == 7 && got.m.wstash[1].n_slots == 3, "slots %d %d, expected 7 3",
+              got.m.wstash[0].n_slots, got.m.wstash[1].n_slots);
+    accumulate_n(&got, 10, p_got, parked);
+    const int want[2][10] = {{1, 2, 3, 4, 5, 6, 7, 0, 1, 0}, {1, 2, 3, 0, 1, 2, 3, 0, 1, 0}};
+    for (int l = 0; l < 2; l++)
+        for (int k = 0; k < 10; k++)
+            cr_expect(parked[l][k] == want[l][k], "mixed: layer %d parked %d after backward %d, expected %d", l,
+                      parked[l][k], k, want[l][k]);
+    expect_same_grads(&ref, &got, "with groups of 8 and 4");
+    run_free(&ref);
+    run_free(&got);
+}
+
+/* The auto rule with MT_WGRAD_GROUP_MIX=1: on the bench shape at one H200's memory, groups of four
+ * fit every layer and eights do not fit all of them; with the master split (2 bytes a parameter
+ * less) some layers take eights, each counted in plan's activations; without the switch none do. */
+Test(wgrad_pairs, mixed_groups_fill_the_memory_a_split_master_frees)
+{
+    struct config c;
+    char err[512];
+    cr_assert(config_load_checked(&c, "configs/bench-qwen3-30b-8l.yaml", 0, NULL, err, sizeof err), "%s", err);
+    c.train.master_weights = MT_MASTER_SPLIT;
+    c.train.weight_copy = MT_COPY_KEEP;
+    struct mesh_dims d;
+    cr_assert(mesh_dims_of(&c, 1, &d, err, sizeof err), "%s", err);
+    const double h200 = 139.8 * 1024 * 1024 * 1024;
+    int big[2];
+    for (int mix = 0; mix < 2; mix++) {
+        struct config t = c;
+        setenv("MT_WGRAD_GROUP_MIX", mix ? "1" : "0", 1);
+        estimate_resolve_expert_wgrad_pairs(&t, &d, true, h200);
+        big[mix] = t.parallel.wgrad_big_layers;
+        cr_expect(t.parallel.wgrad_group == 4 && t.parallel.wgrad_group_layers == MT_MAX_LAYERS,
+                  "groups of %d in %d layers", t.parallel.wgrad_group, t.parallel.wgrad_group_layers);
+        cr_expect(estimate_peak_bytes(&t, &d, true) <= MT_GROUP_MEM_SHARE * h200, "the mix passes the share");
+        if (mix) {
+            t.parallel.wgrad_big_layers++;
+            cr_expect(estimate_peak_bytes(&t, &d, true) > MT_GROUP_MEM_SHARE * h200, "one more layer of eights fits");
+        }
+    }
+    unsetenv("MT_WGRAD_GROUP_MIX");
+    cr_expect(big[0] == 0, "without the switch %d layers group eight", big[0]);
+    cr_expect(big[1] >= 1 && big[1] < 8, "with it %d layers group eight", big[1]);
+    fprintf(stderr, "wgrad groups: split master on 139.8 GiB, MT_WGRAD_GROUP_MIX=1: eights in %d of 8 layers\n", big[1]);
+}
+
