@@ -35,6 +35,10 @@
 #                 passed the same checks on one H200)
 #   train bf16 with train.master_weights split vs fp32: TRAIN_BF16_TOL; resumed from its own
 #                 checkpoint at step 2 vs uninterrupted: identical (added 2026-11-30)
+#   the same on 2 GPUs: EP=2 and EP_FSDP=2 split vs 1 GPU split: TRAIN_BF16_TOL; EP=2 split resumed
+#                 at step 2: identical; the run's fp32 export vs `moetrain export` of its final
+#                 checkpoint: identical bytes; an EP=2 fp32-master run resumed from the 1-GPU split
+#                 checkpoint vs the 1-GPU split run: TRAIN_BF16_TOL (added 2026-11-30)
 #   train bf16, head_dim 64, resumed from its own checkpoint at step 2 vs uninterrupted: identical
 #                 losses after step 2 (with cuBLASLt's tuned algorithms, MT_GEMM_TUNE); tuning off vs
 #                 on: identical losses (added 2026-11-29; the same checks by hand on one H200 passed,
@@ -108,11 +112,12 @@ compare_losses() {
     if [ "$rc" -eq 0 ]; then record "$name" PASS; else record "$name" FAIL; fi
 }
 
-# compare_tail NAME RESUMED.jsonl FULL.jsonl AFTER: the resumed run's steps (AFTER + 1 .. STEPS)
-# against the same steps of the uninterrupted run, bit for bit (the numbers as written)
+# compare_tail NAME RESUMED.jsonl FULL.jsonl AFTER [TOL]: the resumed run's steps (AFTER + 1 .. STEPS)
+# against the same steps of the uninterrupted run, bit for bit (the numbers as written), or within
+# TOL relative
 compare_tail() {
-    local name=$1 a=$2 b=$3 after=$4 out
-    out=$(python3 - "$a" "$b" "$after" "$STEPS" <<'PY'
+    local name=$1 a=$2 b=$3 after=$4 tol=${5:-0} out
+    out=$(python3 - "$a" "$b" "$after" "$STEPS" "$tol" <<'PY'
 import json, sys
 def losses(path, after):
     try:
@@ -120,7 +125,7 @@ def losses(path, after):
     except (OSError, ValueError) as e:
         return None, str(e)
     return {r["step"]: r.get("loss") for r in rows if r.get("step", 0) > after}, None
-after, steps = int(sys.argv[3]), int(sys.argv[4])
+after, steps, tol = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 a, ea = losses(sys.argv[1], after)
 b, eb = losses(sys.argv[2], after)
 want = list(range(after + 1, steps + 1))
@@ -129,8 +134,14 @@ if ea or eb or sorted(a) != want or sorted(b) != want:
     sys.exit(1)
 bad = 0
 for s in want:
-    print(f"  step {s}: {a[s]!r} vs {b[s]!r}{'' if a[s] == b[s] else '  DIFFER'}")
-    bad |= a[s] != b[s]
+    if tol == 0:  # bit for bit: the numbers as written
+        ok = a[s] == b[s]
+        print(f"  step {s}: {a[s]!r} vs {b[s]!r}{'' if ok else '  DIFFER'}")
+    else:
+        rel = abs(a[s] - b[s]) / abs(b[s]) if b[s] else abs(a[s])
+        ok = rel <= tol
+        print(f"  step {s}: {a[s]!r} vs {b[s]!r}  rel diff {rel:.2e} (tol {tol}){'' if ok else '  FAIL'}")
+    bad |= not ok
 sys.exit(bad)
 PY
 )
@@ -324,6 +335,62 @@ if [ "$NGPU" -ge 2 ]; then
         --set parallel.pipeline_parallel_size=2 --set log.metrics="$LOG/train_2gpu_pp2_bf16.jsonl"
     compare_losses "losses 1 GPU vs 2 GPUs PP=2, bf16 (tol $TRAIN_BF16_TOL)" \
         "$LOG/train_2gpu_pp2_bf16.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+    # train.master_weights: split on sharded meshes: EP=2 (expert shards by dim 0, the rest FSDP)
+    # and EP_FSDP=2 (every tensor split over the two ranks) against the 1-GPU split run; EP=2
+    # resumed from its own step-2 checkpoint bit for bit; an fp32-master EP=2 run resumed from
+    # the 1-GPU split run's checkpoint (checkpoints hold the joined fp32 master either way);
+    # and the run's own fp32 export (the split halves joined while gathered across ranks) equal
+    # to `moetrain export` of its final checkpoint
+    rm -rf "$LOG/ck_ep2_split" "$LOG/ck_ep2_split_resumed" "$LOG/ck_ep2_cross" "$LOG"/hf_ep2_split*
+    run_step "train bf16, 2 GPUs, EP=2, master_weights=split" "$LOG/train_2gpu_ep2_split.log" \
+        $MPIRUN -np 2 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+        --set parallel.expert_parallel_size=2 --set train.master_weights=split \
+        --set checkpoint.dir="$LOG/ck_ep2_split" --set checkpoint.interval=2 --set checkpoint.keep=0 \
+        --set checkpoint.export_hf="$LOG/hf_ep2_split" --set checkpoint.export_dtype=fp32 \
+        --set log.metrics="$LOG/train_2gpu_ep2_split.jsonl"
+    compare_losses "losses 1 GPU vs 2 GPUs EP=2, master_weights=split (tol $TRAIN_BF16_TOL)" \
+        "$LOG/train_2gpu_ep2_split.jsonl" "$LOG/train_1gpu_bf16_split.jsonl" "$TRAIN_BF16_TOL"
+    run_step "train bf16, 2 GPUs, EP=2, master_weights=split, resumed at step 2" \
+        "$LOG/train_2gpu_ep2_split_resumed.log" \
+        $MPIRUN -np 2 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+        --set parallel.expert_parallel_size=2 --set train.master_weights=split \
+        --resume "$LOG/ck_ep2_split/step_00000002" --set checkpoint.dir="$LOG/ck_ep2_split_resumed" \
+        --set log.metrics="$LOG/train_2gpu_ep2_split_resumed.jsonl"
+    compare_tail "losses EP=2 split resumed at step 2 vs uninterrupted (identical)" \
+        "$LOG/train_2gpu_ep2_split_resumed.jsonl" "$LOG/train_2gpu_ep2_split.jsonl" 2
+    run_step "moetrain export of the EP=2 split run's final checkpoint, fp32" "$LOG/export_ep2_split.log" \
+        "$B/moetrain" export "$LOG/ck_ep2_split/step_00000005" "$LOG/hf_ep2_split_ck" --dtype fp32
+    run_step "EP=2 split: the run's own fp32 export == export of its checkpoint" "$LOG/export_ep2_split_cmp.log" \
+        python3 - "$LOG/hf_ep2_split" "$LOG/hf_ep2_split_ck" <<'PY'
+import glob, json, os, struct, sys
+def tensors(d):
+    out = {}
+    for f in sorted(glob.glob(os.path.join(d, "*.safetensors"))):
+        raw = open(f, "rb").read()
+        n = struct.unpack("<Q", raw[:8])[0]
+        for k, v in json.loads(raw[8:8 + n]).items():
+            if k != "__metadata__":
+                a, b = v["data_offsets"]
+                out[k] = (v["dtype"], v["shape"], raw[8 + n + a:8 + n + b])
+    return out
+a, b = tensors(sys.argv[1]), tensors(sys.argv[2])
+diff = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+print(f"  {len(a)} and {len(b)} tensors, {len(diff)} differ {diff[:5]}")
+sys.exit(1 if diff or not a else 0)
+PY
+    run_step "train bf16, 2 GPUs, EP=2, fp32 master, resumed from the 1-GPU split checkpoint" \
+        "$LOG/train_2gpu_ep2_cross.log" \
+        $MPIRUN -np 2 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+        --set parallel.expert_parallel_size=2 --set train.master_weights=fp32 \
+        --resume "$LOG/ck_split/step_00000002" --set checkpoint.dir="$LOG/ck_ep2_cross" \
+        --set log.metrics="$LOG/train_2gpu_ep2_cross.jsonl"
+    compare_tail "losses EP=2 fp32 master from the split checkpoint vs 1-GPU split (tol $TRAIN_BF16_TOL)" \
+        "$LOG/train_2gpu_ep2_cross.jsonl" "$LOG/train_1gpu_bf16_split.jsonl" 2 "$TRAIN_BF16_TOL"
+    run_step "train bf16, 2 GPUs, EP_FSDP=2, master_weights=split" "$LOG/train_2gpu_fsdp2_split.log" \
+        $MPIRUN -np 2 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+        --set train.master_weights=split --set log.metrics="$LOG/train_2gpu_fsdp2_split.jsonl"
+    compare_losses "losses 1 GPU vs 2 GPUs EP_FSDP=2, master_weights=split (tol $TRAIN_BF16_TOL)" \
+        "$LOG/train_2gpu_fsdp2_split.jsonl" "$LOG/train_1gpu_bf16_split.jsonl" "$TRAIN_BF16_TOL"
 else
     record "losses 1 GPU vs 2 GPUs EP=2" "SKIPPED (one GPU)"
     record "losses 1 GPU vs 2 GPUs PP=2" "SKIPPED (one GPU)"

@@ -239,6 +239,9 @@ int cmd_train(const struct cli *a)
     struct params p;
     const bool keep_copy = train_keep_weight_copy(&c, &mesh.d, be);
     const double job_device_bytes = resolve_fsdp_auto(&c, &mesh, keep_copy, be->mem_bytes);
+    if (tc->master_weights == MT_MASTER_SPLIT && be->x_size != 2) /* every rank runs the same backend */
+        mt_user_error("train.master_weights: split needs a bf16 compute copy, and the %s backend computes in fp32 "
+                      "(set train.master_weights: fp32, or parallel.backend: cuda)", be->name);
     params_init_opts(&p, &m, stage, fsdp, keep_copy, tc->optimizer_state_dtype == MT_STATE_BF16,
                      tc->master_weights == MT_MASTER_SPLIT);
     int start_step = 0;

@@ -156,3 +156,18 @@ Test(master_split, plan_says_so)
     free(out[0]), free(out[1]);
 }
 
+
+/* the CPU backend computes in fp32 and keeps no bf16 copy to be the master's high half: a one-line
+ * error naming the key, on every rank, not a failed internal check */
+Test(master_split, cpu_backend_refused)
+{
+    char cmd[640], *out = NULL;
+    snprintf(cmd, sizeof cmd, "%s -np 2 %s/moetrain train configs/tiny.yaml --backend cpu --set model.precision=bf16 "
+             "--set train.master_weights=split --set train.steps=1 2>&1", tu_mpirun(), tu_build());
+    const int rc = tu_run(cmd, &out);
+    cr_expect_neq(rc, 0, "%s", out);
+    cr_expect(strstr(out, "train.master_weights: split needs a bf16 compute copy, and the cpu backend computes in fp32"),
+              "%s", out);
+    cr_expect(!strstr(out, "src/params.c"), "an internal check fired instead of the user error: %s", out);
+    free(out);
+}
