@@ -32,13 +32,16 @@ for b in "${builds[@]}"; do
 done
 launch=()
 [ "$NP" -gt 1 ] && launch=(mpirun --oversubscribe --bind-to none -np "$NP")
+# one card picked by CUDA_VISIBLE_DEVICES (two A/Bs at once, one per card): sample only that card
+smi_gpu=()
+[[ "${CUDA_VISIBLE_DEVICES:-}" =~ ^[0-9]+$ ]] && smi_gpu=(-i "$CUDA_VISIBLE_DEVICES")
 failed=0
 for r in $(seq 1 "$ROUNDS"); do
     for side in $(seq 0 $(( $# - 1 ))); do
         tag="$OUT/${names[$side]}_$r"
         rm -f "$tag.jsonl"
-        nvidia-smi --query-gpu=memory.used,power.draw,clocks.sm --format=csv,noheader,nounits -lms 250 \
-            > "$tag.smi" 2>/dev/null &
+        nvidia-smi ${smi_gpu[@]+"${smi_gpu[@]}"} --query-gpu=memory.used,power.draw,clocks.sm \
+            --format=csv,noheader,nounits -lms 250 > "$tag.smi" 2>/dev/null &
         smi=$!
         # shellcheck disable=SC2086 # the environment is a list of words on purpose
         env ${envs[$side]} "${launch[@]}" "${builds[$side]}/moetrain" train "$CONFIG" --set train.steps="$STEPS" \

@@ -34,7 +34,8 @@
 #                 identical to the default runs (added 2026-11-29; MT_PDL=1 with an early trigger
 #                 passed the same checks on one H200)
 #   train bf16 with train.master_weights split vs fp32: TRAIN_BF16_TOL; resumed from its own
-#                 checkpoint at step 2 vs uninterrupted: identical (added 2026-11-30)
+#                 checkpoint at step 2 vs uninterrupted: identical; auto (the default) is split on a
+#                 GPU: identical to split set by hand (added 2026-11-30)
 #   the same on 2 GPUs: EP=2 and EP_FSDP=2 split vs 1 GPU split: TRAIN_BF16_TOL; EP=2 split resumed
 #                 at step 2: identical; the run's fp32 export vs `moetrain export` of its final
 #                 checkpoint: identical bytes; an EP=2 fp32-master run resumed from the 1-GPU split
@@ -216,13 +217,22 @@ run_step "train bf16, 1 GPU, MT_PDL=0" "$LOG/train_1gpu_bf16_nopdl.log" \
 compare_losses "losses MT_PDL=0 vs default, bf16 (identical)" \
     "$LOG/train_1gpu_bf16_nopdl.jsonl" "$LOG/train_1gpu_bf16.jsonl" 0
 # sharded-memory options on one GPU: casting every layer's weights from the fp32 master (no kept
-# bf16 copy) rounds exactly as the kept copy does, so the losses are identical; bf16 Adam moments
-# change the update by their rounding
+# bf16 copy) rounds exactly as the kept copy of a whole fp32 master does, so the losses are
+# identical; bf16 Adam moments change the update by their rounding. (The default bf16 run holds
+# its master split, train.master_weights auto; the fp32-master run is the cast's reference.)
+if grep -q "fp32 master weights held as the bf16 copy + a 16-bit low half" "$LOG/train_1gpu_bf16.log"; then
+    record "master_weights auto is split in the bf16 run" PASS
+else
+    record "master_weights auto is split in the bf16 run" "FAIL (no split master line in train_1gpu_bf16.log)"
+fi
+run_step "train bf16, 1 GPU, master_weights=fp32" "$LOG/train_1gpu_bf16_fp32m.log" \
+    "$B/moetrain" $T --backend cuda --set model.precision=bf16 --set train.master_weights=fp32 \
+    --set log.metrics="$LOG/train_1gpu_bf16_fp32m.jsonl"
 run_step "train bf16, 1 GPU, weight_copy=cast" "$LOG/train_1gpu_bf16_cast.log" \
     "$B/moetrain" $T --backend cuda --set model.precision=bf16 --set train.weight_copy=cast \
     --set log.metrics="$LOG/train_1gpu_bf16_cast.jsonl"
-compare_losses "losses weight_copy cast vs keep, bf16 (identical)" \
-    "$LOG/train_1gpu_bf16_cast.jsonl" "$LOG/train_1gpu_bf16.jsonl" 0
+compare_losses "losses weight_copy cast vs keep, fp32 master, bf16 (identical)" \
+    "$LOG/train_1gpu_bf16_cast.jsonl" "$LOG/train_1gpu_bf16_fp32m.jsonl" 0
 # exact resume on the GPU with cuBLASLt's tuned algorithms (MT_GEMM_TUNE, on by default) and the
 # attention's dK/dV pass in parts (head_dim 64: the tensor-core attention; 2 kv heads, few blocks):
 # the run resumed from its own checkpoint at step 2 gives the uninterrupted run's later losses bit
@@ -258,7 +268,9 @@ run_step "train bf16, 1 GPU, master_weights=split" "$LOG/train_1gpu_bf16_split.l
     --set checkpoint.dir="$LOG/ck_split" --set checkpoint.interval=2 --set checkpoint.keep=0 \
     --set log.metrics="$LOG/train_1gpu_bf16_split.jsonl"
 compare_losses "losses split vs fp32 master, bf16 (tol $TRAIN_BF16_TOL)" \
-    "$LOG/train_1gpu_bf16_split.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+    "$LOG/train_1gpu_bf16_split.jsonl" "$LOG/train_1gpu_bf16_fp32m.jsonl" "$TRAIN_BF16_TOL"
+compare_losses "losses split vs auto (the default), bf16 (identical)" \
+    "$LOG/train_1gpu_bf16_split.jsonl" "$LOG/train_1gpu_bf16.jsonl" 0
 run_step "train bf16, 1 GPU, master_weights=split, resumed at step 2" "$LOG/train_1gpu_bf16_split_resumed.log" \
     "$B/moetrain" $T --backend cuda --set model.precision=bf16 --set train.master_weights=split \
     --resume "$LOG/ck_split/step_00000002" --set checkpoint.dir="$LOG/ck_split_resumed" \

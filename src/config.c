@@ -84,7 +84,7 @@ void config_defaults(struct config *c)
     t->load_balance = MT_LB_AUX;
     t->weight_copy = MT_COPY_AUTO;
     t->optimizer_state_dtype = MT_STATE_FP32;
-    t->master_weights = MT_MASTER_FP32;
+    t->master_weights = MT_MASTER_AUTO;
     t->bias_update_rate = 1e-3;
     t->watchdog_s = 600;
     t->aux_loss_scope = MT_AUX_MICRO_BATCH;
@@ -133,6 +133,14 @@ bool config_moe_fixed_exchange(const struct config *c)
     const int ep = p->expert_parallel_size, k = c->model.num_experts_per_tok;
     if (ep < 2 || p->moe_chunks != 1 || p->pipeline_parallel_size != 1 || k < 1) return false;
     return 1.0 - pow(1.0 - 1.0 / ep, k) >= 0.75;
+}
+
+void config_resolve_master_weights(struct config *c, bool bf16_compute)
+{
+    struct train_config *t = &c->train;
+    if (t->master_weights != MT_MASTER_AUTO) return;
+    const bool copy = bf16_compute && c->model.precision == MT_PREC_BF16 && t->weight_copy != MT_COPY_CAST;
+    t->master_weights = copy ? MT_MASTER_SPLIT : MT_MASTER_FP32;
 }
 
 /* ---- printing ------------------------------------------------------------------------------ */

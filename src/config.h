@@ -25,8 +25,8 @@ enum mt_reduce_grads { MT_REDUCE_MICRO_STEP = 0, MT_REDUCE_STEP = 1, MT_REDUCE_A
 enum mt_weight_copy { MT_COPY_AUTO = 0, MT_COPY_KEEP = 1, MT_COPY_CAST = 2 };
 enum mt_state_dtype { MT_STATE_FP32 = 0, MT_STATE_BF16 = 1 };
 /* train.master_weights: the fp32 master as one array, or split into the bf16 compute copy and its
- * low 16 bits (src/master_split.h) */
-enum mt_master_weights { MT_MASTER_FP32 = 0, MT_MASTER_SPLIT = 1 };
+ * low 16 bits (src/master_split.h); auto: split where that copy exists (config_resolve_master_weights) */
+enum mt_master_weights { MT_MASTER_FP32 = 0, MT_MASTER_SPLIT = 1, MT_MASTER_AUTO = 2 };
 enum mt_scoring { MT_SCORE_SOFTMAX = 0, MT_SCORE_SIGMOID = 1 };
 enum mt_aux_scope { MT_AUX_MICRO_BATCH = 0, MT_AUX_GLOBAL_BATCH = 1 };
 enum mt_nonfinite { MT_NONFINITE_SKIP = 0, MT_NONFINITE_STOP = 1 };
@@ -100,8 +100,8 @@ struct parallel_config {
                                    * groups of wgrad_group micro-steps instead of 2 */
     int wgrad_group;              /* not a key: the resolved group of those layers (2 .. 8) */
     int wgrad_big_layers;         /* not a key: of the grouping layers, how many (their first ones) take
-                                   * groups of MT_WGRAD_AUTO_GROUP_MAX instead (auto with
-                                   * MT_WGRAD_GROUP_MIX=1, where not every layer fits them) */
+                                   * groups of MT_WGRAD_AUTO_GROUP_MAX instead (auto,
+                                   * where not every layer fits them; MT_WGRAD_GROUP_MIX=0: none) */
 };
 
 struct train_config {
@@ -121,7 +121,7 @@ struct train_config {
     double bias_update_rate;      /* aux-loss-free balancing: bias += rate * sign(mean - load) */
     enum mt_weight_copy weight_copy;   /* compute copy of the shard: auto | keep | cast */
     enum mt_state_dtype optimizer_state_dtype; /* Adam moments: fp32 | bf16 */
-    enum mt_master_weights master_weights; /* fp32 | split */
+    enum mt_master_weights master_weights; /* fp32 | split | auto (resolved before use) */
     int watchdog_s;               /* seconds without progress before the job aborts; 0 = off */
     char no_decay_modules[512];   /* "[gate, norm, ...]": modules without weight decay (router_params.h) */
     enum mt_aux_scope aux_loss_scope; /* micro_batch | global_batch: what the aux statistic pools */
@@ -209,6 +209,10 @@ bool config_layer_is_moe(const struct model_config *m, int layer);
  * of T pairs that uniform top-k routing would fill to 75% or more (1 - (1 - 1/ep)^k >= 0.75: ep <= 6
  * at top-8, ep 2 at top-2), since the padding crosses the wire too. */
 bool config_moe_fixed_exchange(const struct config *c);
+/* train.master_weights auto, resolved to split where the master's high half can be the kept bf16
+ * compute copy (model.precision bf16, a backend computing in bf16: bf16_compute, train.weight_copy
+ * not cast), to fp32 elsewhere; split and fp32 stay as set. Before anything sizes the shard. */
+void config_resolve_master_weights(struct config *c, bool bf16_compute);
 
 /* Print the config as YAML (rank 0 start-up table, checkpoint manifests). Returns chars written. */
 int config_to_yaml(const struct config *c, char *buf, int cap);

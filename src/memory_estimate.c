@@ -403,11 +403,13 @@ void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dim
     c->parallel.wgrad_group = MT_WGRAD_AUTO_GROUP_MAX;
     if (estimate_peak_bytes(c, d, keep_copy) <= MT_GROUP_MEM_SHARE * device_bytes) return;
     c->parallel.wgrad_group = MT_WGRAD_AUTO_GROUP;
-    /* MT_WGRAD_GROUP_MIX=1 (not measured yet in a step): groups of MT_WGRAD_AUTO_GROUP_MAX in as
-     * many of the first layers as fit, four in the rest (bench_grouped_gemm: a layer's eight
-     * micro-steps as one call instead of two ~0.8 ms shorter, docs/benchmarks.md, fifty-second
-     * session) */
-    if (!mt_env_flag("MT_WGRAD_GROUP_MIX")) return;
+    /* groups of MT_WGRAD_AUTO_GROUP_MAX in as many of the first layers as fit, four in the rest
+     * (bench_grouped_gemm: a layer's eight micro-steps as one call instead of two ~0.8 ms shorter;
+     * with the split master's freed memory 3 of the bench's 8 layers, -0.3 to -0.4% a step on one
+     * H200 at both bench shapes, docs/benchmarks.md, fifty-third session). MT_WGRAD_GROUP_MIX=0:
+     * fours everywhere, as before. */
+    static const char *const off_on[] = {"0", "1"};
+    if (!mt_env_choice("MT_WGRAD_GROUP_MIX", off_on, 2, 1)) return;
     int k_big = 0;
     for (int k = 1; k < c->model.num_hidden_layers; k++) {
         c->parallel.wgrad_big_layers = k;

@@ -92,7 +92,7 @@ void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dim
  * wgrad_group_layers (how many of the pairing layers, their first ones, group; MT_MAX_LAYERS: all):
  * as set, or (0, auto) groups of MT_WGRAD_AUTO_GROUP where every layer pairs and the peak stays
  * within MT_GROUP_MEM_SHARE with them, and groups of MT_WGRAD_AUTO_GROUP_MAX where every layer
- * takes those and the peak still stays within it; where it does not, with MT_WGRAD_GROUP_MIX=1,
+ * takes those and the peak still stays within it; where it does not (unless MT_WGRAD_GROUP_MIX=0),
  * groups of MT_WGRAD_AUTO_GROUP_MAX in as many of each stage's first layers as keep it there
  * (wgrad_big_layers). */
 /* Whether a layer's expert gradients stay where its backward wrote them until the step's end (no

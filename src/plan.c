@@ -268,8 +268,9 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
     struct config *c = mt_malloc(sizeof *c);
     *c = *c_in;
     const double device = c_in->parallel.backend == MT_BACKEND_CPU ? 0 : device_bytes;
-    const bool keep = estimate_keep_copy(c_in, d, device);
-    c->parallel.reduce_grads = estimate_reduce_grads(c_in, d, keep, device);
+    config_resolve_master_weights(c, device > 0);
+    const bool keep = estimate_keep_copy(c, d, device);
+    c->parallel.reduce_grads = estimate_reduce_grads(c, d, keep, device);
     c->parallel.reshard_after_forward = estimate_reshard(c, d, keep, device) ? MT_TRI_TRUE : MT_TRI_FALSE;
     /* kept as auto (counted as off) where train would refuse it: its error comes from train */
     if (c->parallel.expert_wgrad_pairs != MT_TRI_TRUE || estimate_expert_grads_kept(c, d))
@@ -346,7 +347,7 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
     const int big = MT_MIN(c->parallel.wgrad_big_layers, grouped);
     if (big > 0)
         snprintf(groups, sizeof groups, " (%d in the first %d, %d in the next %d: parallel.expert_wgrad_group %d and %d, "
-                 "MT_WGRAD_GROUP_MIX)", MT_WGRAD_AUTO_GROUP_MAX - 1, big, c->parallel.wgrad_group - 1, grouped - big,
+                 "auto)", MT_WGRAD_AUTO_GROUP_MAX - 1, big, c->parallel.wgrad_group - 1, grouped - big,
                  MT_WGRAD_AUTO_GROUP_MAX, c->parallel.wgrad_group);
     else if (grouped > 0)
         snprintf(groups, sizeof groups, " (%d in the first %d: parallel.expert_wgrad_group %d)",

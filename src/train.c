@@ -169,6 +169,7 @@ static double resolve_fsdp_auto_dry(struct config *c, const struct mesh *mesh)
         const struct backend *cuda = backend_cuda(c->model.precision == MT_PREC_FP32, mesh->local_rank);
         device_bytes = cuda ? cuda->mem_bytes : c->parallel.backend == MT_BACKEND_CUDA ? PLAN_DEVICE_BYTES : 0;
     }
+    config_resolve_master_weights(c, device_bytes > 0);
     const bool keep_copy = device_bytes <= 0 && c->train.weight_copy == MT_COPY_AUTO
                                ? true : estimate_keep_copy(c, &mesh->d, device_bytes);
     return resolve_fsdp_auto(c, mesh, keep_copy, device_bytes);
@@ -237,6 +238,7 @@ int cmd_train(const struct cli *a)
     }
     float *bias_h = mt_calloc((size_t)L * MT_MAX(E, 1), sizeof(float));
     struct params p;
+    config_resolve_master_weights(&c, be->x_size == 2);
     const bool keep_copy = train_keep_weight_copy(&c, &mesh.d, be);
     const double job_device_bytes = resolve_fsdp_auto(&c, &mesh, keep_copy, be->mem_bytes);
     if (tc->master_weights == MT_MASTER_SPLIT && be->x_size != 2) /* every rank runs the same backend */

@@ -47,7 +47,7 @@ void train_print_startup(const struct config *c, const struct mesh *mesh, const 
         const int nb = ng ? MT_MIN(c->parallel.wgrad_big_layers, ng) : 0;
         if (nb > 0)
             snprintf(what, sizeof what, "%d micro-steps in one GEMM in the first %d MoE layers of each stage, %d in "
-                     "the next %d%s (MT_WGRAD_GROUP_MIX)", MT_MIN(MT_WGRAD_AUTO_GROUP_MAX, n_micro), nb, g, ng - nb,
+                     "the next %d%s", MT_MIN(MT_WGRAD_AUTO_GROUP_MAX, n_micro), nb, g, ng - nb,
                      ng < n ? ", two in the rest" : "");
         else if (ng > 0 && ng < n)
             snprintf(what, sizeof what, "%d micro-steps in one GEMM in the first %d MoE layers of each stage, of two in "

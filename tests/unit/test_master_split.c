@@ -148,7 +148,7 @@ Test(master_split, plan_says_so)
     char cmd[512], *out[2] = {NULL, NULL};
     for (int k = 0; k < 2; k++) {
         snprintf(cmd, sizeof cmd, "%s/moetrain plan configs/tiny.yaml --world 1 --set train.weight_copy=keep%s 2>&1",
-                 tu_build(), k ? " --set train.master_weights=split" : "");
+                 tu_build(), k ? " --set train.master_weights=split" : " --set train.master_weights=fp32");
         cr_assert_eq(tu_run(cmd, &out[k]), 0, "%s", out[k]);
     }
     cr_expect(strstr(out[0], "master = fp32 master weights of the shard"), "%s", out[0]);
@@ -169,5 +169,54 @@ Test(master_split, cpu_backend_refused)
     cr_expect(strstr(out, "train.master_weights: split needs a bf16 compute copy, and the cpu backend computes in fp32"),
               "%s", out);
     cr_expect(!strstr(out, "src/params.c"), "an internal check fired instead of the user error: %s", out);
+    free(out);
+}
+
+/* train.master_weights auto (the default): split where the master's high half can be the kept bf16
+ * compute copy, fp32 where there is no such copy; split and fp32 as set stay */
+Test(master_split, auto_resolves_by_copy)
+{
+    struct config c;
+    cr_assert(load(&c, put("a.yaml", "model:\n  precision: bf16\n"), 0, NULL), "%s", errbuf);
+    cr_expect_eq(c.train.master_weights, MT_MASTER_AUTO, "the default is auto");
+    struct { enum mt_precision prec; enum mt_weight_copy copy; bool bf16_compute; enum mt_master_weights set, want; } k[] = {
+        {MT_PREC_BF16, MT_COPY_AUTO, true, MT_MASTER_AUTO, MT_MASTER_SPLIT},
+        {MT_PREC_BF16, MT_COPY_KEEP, true, MT_MASTER_AUTO, MT_MASTER_SPLIT},
+        {MT_PREC_BF16, MT_COPY_CAST, true, MT_MASTER_AUTO, MT_MASTER_FP32},
+        {MT_PREC_BF16, MT_COPY_AUTO, false, MT_MASTER_AUTO, MT_MASTER_FP32}, /* the CPU backend */
+        {MT_PREC_FP32, MT_COPY_AUTO, true, MT_MASTER_AUTO, MT_MASTER_FP32},
+        {MT_PREC_BF16, MT_COPY_AUTO, true, MT_MASTER_FP32, MT_MASTER_FP32},
+        {MT_PREC_BF16, MT_COPY_KEEP, true, MT_MASTER_SPLIT, MT_MASTER_SPLIT},
+    };
+    for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
+        struct config t = c;
+        t.model.precision = k[i].prec;
+        t.train.weight_copy = k[i].copy;
+        t.train.master_weights = k[i].set;
+        config_resolve_master_weights(&t, k[i].bf16_compute);
+        cr_expect_eq(t.train.master_weights, k[i].want, "case %zu: resolved %d, expected %d", i,
+                     t.train.master_weights, k[i].want);
+    }
+}
+
+/* plan and the start-up line follow the resolution: a bf16 config on GPUs plans the split master by
+ * default, and the CPU backend trains with the fp32 master */
+Test(master_split, auto_in_plan_and_train)
+{
+    char cmd[640], *out = NULL;
+    snprintf(cmd, sizeof cmd, "%s/moetrain plan configs/tiny.yaml --world 1 --set model.precision=bf16 2>&1",
+             tu_build());
+    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+    cr_expect(strstr(out, "master = the low 16 bits of the shard's fp32 master weights"), "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s/moetrain plan configs/tiny.yaml --world 1 --set model.precision=bf16 "
+             "--set train.weight_copy=cast 2>&1", tu_build());
+    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+    cr_expect(strstr(out, "master = fp32 master weights of the shard"), "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s/moetrain train configs/tiny.yaml --backend cpu --set model.precision=bf16 "
+             "--set train.steps=1 2>&1", tu_build());
+    cr_assert_eq(tu_run(cmd, &out), 0, "%s", out);
+    cr_expect(strstr(out, "(fp32 compute)"), "%s", out);
     free(out);
 }

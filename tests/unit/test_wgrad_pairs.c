@@ -245,9 +245,9 @@ Test(wgrad_pairs, eight_in_the_first_layer_four_in_the_next)
     run_free(&got);
 }
 
-/* The auto rule with MT_WGRAD_GROUP_MIX=1: on the bench shape at one H200's memory, groups of four
- * fit every layer and eights do not fit all of them; with the master split (2 bytes a parameter
- * less) some layers take eights, each counted in plan's activations; without the switch none do. */
+/* The auto rule: on the bench shape at one H200's memory, groups of four fit every layer and eights
+ * do not fit all of them; with the master split (2 bytes a parameter less) some layers take eights,
+ * each counted in plan's activations, unless MT_WGRAD_GROUP_MIX=0; unset is the same as 1. */
 Test(wgrad_pairs, mixed_groups_fill_the_memory_a_split_master_frees)
 {
     struct config c;
@@ -258,10 +258,11 @@ Test(wgrad_pairs, mixed_groups_fill_the_memory_a_split_master_frees)
     struct mesh_dims d;
     cr_assert(mesh_dims_of(&c, 1, &d, err, sizeof err), "%s", err);
     const double h200 = 139.8 * 1024 * 1024 * 1024;
-    int big[2];
-    for (int mix = 0; mix < 2; mix++) {
+    int big[3];
+    for (int mix = 0; mix < 3; mix++) { /* MT_WGRAD_GROUP_MIX=0, =1, unset */
         struct config t = c;
-        setenv("MT_WGRAD_GROUP_MIX", mix ? "1" : "0", 1);
+        if (mix < 2) setenv("MT_WGRAD_GROUP_MIX", mix ? "1" : "0", 1);
+        else unsetenv("MT_WGRAD_GROUP_MIX");
         estimate_resolve_expert_wgrad_pairs(&t, &d, true, h200);
         big[mix] = t.parallel.wgrad_big_layers;
         cr_expect(t.parallel.wgrad_group == 4 && t.parallel.wgrad_group_layers == MT_MAX_LAYERS,
@@ -272,9 +273,9 @@ Test(wgrad_pairs, mixed_groups_fill_the_memory_a_split_master_frees)
             cr_expect(estimate_peak_bytes(&t, &d, true) > MT_GROUP_MEM_SHARE * h200, "one more layer of eights fits");
         }
     }
-    unsetenv("MT_WGRAD_GROUP_MIX");
-    cr_expect(big[0] == 0, "without the switch %d layers group eight", big[0]);
+    cr_expect(big[0] == 0, "with MT_WGRAD_GROUP_MIX=0 %d layers group eight", big[0]);
     cr_expect(big[1] >= 1 && big[1] < 8, "with it %d layers group eight", big[1]);
-    fprintf(stderr, "wgrad groups: split master on 139.8 GiB, MT_WGRAD_GROUP_MIX=1: eights in %d of 8 layers\n", big[1]);
+    cr_expect(big[2] == big[1], "unset (auto) %d layers group eight, =1 %d", big[2], big[1]);
+    fprintf(stderr, "wgrad groups: split master on 139.8 GiB: eights in %d of 8 layers\n", big[1]);
 }
 
