@@ -341,6 +341,18 @@ if [ "$NGPU" -ge 2 ]; then
         --set log.metrics="$LOG/train_2gpu_ep2_bf16_chunks.jsonl"
     compare_losses "losses 1 GPU vs 2 GPUs EP=2 moe_chunks=3, bf16 (tol $TRAIN_BF16_TOL)" \
         "$LOG/train_2gpu_ep2_bf16_chunks.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
+    # MT_WGRAD_GROUP_EP=1: auto's expert wgrad groups with EP too (the tiny model's 4 micro-steps
+    # a rank: groups of 4), against 1 GPU
+    run_step "train bf16, 2 GPUs, EP=2, MT_WGRAD_GROUP_EP=1" "$LOG/train_2gpu_ep2_bf16_groups.log" \
+        $MPIRUN -np 2 -x MT_WGRAD_GROUP_EP=1 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+        --set parallel.expert_parallel_size=2 --set log.metrics="$LOG/train_2gpu_ep2_bf16_groups.jsonl"
+    if grep -Eq "weight gradients of [3-8] micro-steps in one GEMM" "$LOG/train_2gpu_ep2_bf16_groups.log"; then
+        record "MT_WGRAD_GROUP_EP=1 groups the EP=2 run" PASS
+    else
+        record "MT_WGRAD_GROUP_EP=1 groups the EP=2 run" "FAIL (no groups in train_2gpu_ep2_bf16_groups.log's experts line)"
+    fi
+    compare_losses "losses 1 GPU vs 2 GPUs EP=2 MT_WGRAD_GROUP_EP=1, bf16 (tol $TRAIN_BF16_TOL)" \
+        "$LOG/train_2gpu_ep2_bf16_groups.jsonl" "$LOG/train_1gpu_bf16.jsonl" "$TRAIN_BF16_TOL"
     # a pipeline of two stages, one per GPU (NCCL point-to-point between them)
     run_step "train bf16, 2 GPUs, PP=2" "$LOG/train_2gpu_pp2_bf16.log" \
         $MPIRUN -np 2 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \

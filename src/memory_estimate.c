@@ -169,15 +169,14 @@ static double scratch_bytes(const struct config *c, bool last)
 }
 
 /* parallel.expert_wgrad_pairs (model.h struct expert_wgrad_stash): one MoE layer's parked expert
- * rows of a micro-step (a pairing layer parks one, a layer grouping g micro-steps g - 1): inputs (x_exp H, act I) and output gradients (d_gu 2I, d_y_exp H), with the
- * expert rows' headroom at ep > 1 */
-static double wgrad_stash_bytes(const struct config *c)
+ * rows of a micro-step (a pairing layer parks one, a layer grouping g micro-steps g - 1): inputs
+ * (x_exp H, act I) and output gradients (d_gu 2I, d_y_exp H) of `rows` times the mean rows T x k */
+static double wgrad_stash_bytes(const struct config *c, double rows)
 {
     const struct model_config *m = &c->model;
     const double T = (double)c->train.micro_batch_size * (double)c->train.seq_len;
     const double act_b = m->precision == MT_PREC_FP32 ? 4 : 2;
-    const double headroom = c->parallel.expert_parallel_size > 1 ? 1.25 : 1.0;
-    return headroom * T * m->num_experts_per_tok * (2.0 * m->hidden_size + 3.0 * m->moe_intermediate_size) * act_b;
+    return rows * T * m->num_experts_per_tok * (2.0 * m->hidden_size + 3.0 * m->moe_intermediate_size) * act_b;
 }
 
 static int micro_steps(const struct config *c, const struct mesh_dims *d)
@@ -283,7 +282,13 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
         const int gb = MT_MAX(MT_MIN(MT_WGRAD_AUTO_GROUP_MAX, n_micro) - g, 0);
         /* parallel.expert_wgrad_jobs: a job holds the last micro-step's rows too, in one more slot */
         const int jobs = c->parallel.expert_wgrad_jobs && d->ep > 1 && n_micro > 2 ? paired : 0;
-        e->act_bytes += (paired + grouped * (g - 2) + big * gb + jobs) * wgrad_stash_bytes(c);
+        /* with EP the rows a rank receives vary: the pair's stash at the buffers' 25% headroom, and
+         * each micro-step a group parks beyond it at the most a rank can receive, every EP rank's
+         * T x k pairs (ep x the mean): a group multiplies the headroom's error (two H200s, EP=2,
+         * groups of 4: acts 8% over a plan at 1.25 x, twentieth session) */
+        const int ep = d->ep;
+        e->act_bytes += (paired + jobs) * wgrad_stash_bytes(c, ep > 1 ? 1.25 : 1.0) +
+                        (grouped * (g - 2) + big * gb) * wgrad_stash_bytes(c, ep);
     }
     const double transfer = d->pp > 1 ? (double)e->slots * ((e->has_head ? 0 : 1) + (e->has_embed ? 0 : 1)) * T *
                                             m->hidden_size * x : 0;
@@ -382,13 +387,15 @@ void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dim
     /* auto: once every layer pairs, groups of MT_WGRAD_AUTO_GROUP in as many of them (each
      * stage's first ones) as keep the peak within MT_GROUP_MEM_SHARE. A pair halves a layer's dw
      * traffic for one parked micro-step; a group of 4 halves it again for two more, so pairs
-     * everywhere come first. Only with ep 1, where a parked micro-step's size is exact: with EP
-     * the rows a rank receives can pass the estimate's 25% headroom, and a group multiplies
-     * that (two H200s, EP=2, groups of 4 in 8 layers: acts 43.5 GiB measured, 36.4 planned). */
+     * everywhere come first. Only with ep 1, where a parked micro-step's size is exact, unless
+     * MT_WGRAD_GROUP_EP=1: with EP the rows a rank receives vary (two H200s, EP=2, groups of 4 in
+     * 8 layers: acts 43.5 GiB measured, 36.4 planned when groups were planned at 1.25 x the mean;
+     * they are now planned at the bound, ep x the mean). */
     c->parallel.wgrad_group = MT_WGRAD_AUTO_GROUP;
     c->parallel.wgrad_group_layers = 0;
     c->parallel.wgrad_big_layers = 0;
-    if (n != MT_MAX_LAYERS || device_bytes <= 0 || micro_steps(c, d) < 3 || d->ep > 1) return;
+    const bool ep_ok = d->ep == 1 || mt_env_flag("MT_WGRAD_GROUP_EP");
+    if (n != MT_MAX_LAYERS || device_bytes <= 0 || micro_steps(c, d) < 3 || !ep_ok) return;
     int k_fit = 0;
     for (int k = 1; k <= c->model.num_hidden_layers; k++) {
         c->parallel.wgrad_group_layers = k;

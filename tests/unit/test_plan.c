@@ -392,6 +392,29 @@ Test(plan, expert_wgrad_group_stash_and_auto_layers)
     d_ep.ep = 2;
     estimate_resolve_expert_wgrad_pairs(&c, &d_ep, true, 1e15);
     cr_assert_eq(c.parallel.wgrad_group_layers, 0, "ep 2: no auto groups");
+    /* MT_WGRAD_GROUP_EP=1: auto groups with EP too, each micro-step parked beyond the pair planned
+     * at the most rows a rank can receive (ep x the mean), the pair at the buffers' 1.25 x */
+    setenv("MT_WGRAD_GROUP_EP", "1", 1);
+    c.parallel.expert_wgrad_pairs = MT_TRI_TRUE, c.parallel.wgrad_pair_layers = MT_MAX_LAYERS;
+    estimate_resolve_expert_wgrad_pairs(&c, &d_ep, true, 1e15);
+    unsetenv("MT_WGRAD_GROUP_EP");
+    cr_assert(c.parallel.wgrad_group == 8 && c.parallel.wgrad_group_layers == MT_MAX_LAYERS,
+              "MT_WGRAD_GROUP_EP=1, ep 2: groups of %d in %d layers", c.parallel.wgrad_group,
+              c.parallel.wgrad_group_layers);
+    {
+        struct tensor_table t2;
+        tensor_table_build(&t2, &c.model);
+        struct stage_estimate ep_off, ep_g;
+        struct config g4 = c;
+        g4.parallel.expert_wgrad_pairs = MT_TRI_FALSE;
+        estimate_stage(&g4, &t2, &d_ep, 0, true, &ep_off);
+        g4.parallel.expert_wgrad_pairs = MT_TRI_TRUE;
+        g4.parallel.wgrad_group = 4, g4.parallel.wgrad_group_layers = MT_MAX_LAYERS, g4.parallel.wgrad_big_layers = 0;
+        estimate_stage(&g4, &t2, &d_ep, 0, true, &ep_g);
+        cr_assert_float_eq(ep_g.act_bytes - ep_off.act_bytes, (3 * 1.25 + 3 * 2 * 2.0) * stash, 1e-9,
+                           "ep 2, groups of 4 in 3 layers: %g stashes", (ep_g.act_bytes - ep_off.act_bytes) / stash);
+        tensor_table_free(&t2);
+    }
 
     /* by hand: every pairing layer, and auto pairs count the group's stashes */
     c.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
