@@ -387,14 +387,16 @@ void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dim
     /* auto: once every layer pairs, groups of MT_WGRAD_AUTO_GROUP in as many of them (each
      * stage's first ones) as keep the peak within MT_GROUP_MEM_SHARE. A pair halves a layer's dw
      * traffic for one parked micro-step; a group of 4 halves it again for two more, so pairs
-     * everywhere come first. Only with ep 1, where a parked micro-step's size is exact, unless
-     * MT_WGRAD_GROUP_EP=1: with EP the rows a rank receives vary (two H200s, EP=2, groups of 4 in
-     * 8 layers: acts 43.5 GiB measured, 36.4 planned when groups were planned at 1.25 x the mean;
-     * they are now planned at the bound, ep x the mean). */
+     * everywhere come first. With EP the rows a rank receives vary (two H200s, EP=2, groups of 4
+     * in 8 layers: acts 43.5 GiB measured, 36.4 planned when groups were planned at 1.25 x the
+     * mean), so each micro-step parked beyond the pair is planned at the bound, ep x the mean (the
+     * bench shape at EP=2 on two H200s: 120.9 GiB measured, the step 0.94% shorter than pairs
+     * alone, docs/benchmarks.md, fifty-fourth session). MT_WGRAD_GROUP_EP=0: pairs only with EP. */
     c->parallel.wgrad_group = MT_WGRAD_AUTO_GROUP;
     c->parallel.wgrad_group_layers = 0;
     c->parallel.wgrad_big_layers = 0;
-    const bool ep_ok = d->ep == 1 || mt_env_flag("MT_WGRAD_GROUP_EP");
+    static const char *const off_on[] = {"0", "1"};
+    const bool ep_ok = d->ep == 1 || mt_env_choice("MT_WGRAD_GROUP_EP", off_on, 2, 1);
     if (n != MT_MAX_LAYERS || device_bytes <= 0 || micro_steps(c, d) < 3 || !ep_ok) return;
     int k_fit = 0;
     for (int k = 1; k <= c->model.num_hidden_layers; k++) {
@@ -415,7 +417,6 @@ void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dim
      * with the split master's freed memory 3 of the bench's 8 layers, -0.3 to -0.4% a step on one
      * H200 at both bench shapes, docs/benchmarks.md, fifty-third session). MT_WGRAD_GROUP_MIX=0:
      * fours everywhere, as before. */
-    static const char *const off_on[] = {"0", "1"};
     if (!mt_env_choice("MT_WGRAD_GROUP_MIX", off_on, 2, 1)) return;
     int k_big = 0;
     for (int k = 1; k < c->model.num_hidden_layers; k++) {

@@ -390,17 +390,16 @@ Test(plan, expert_wgrad_group_stash_and_auto_layers)
     cr_assert_eq(c.parallel.wgrad_group_layers, 0, "no device: no auto groups");
     struct mesh_dims d_ep = d;
     d_ep.ep = 2;
-    estimate_resolve_expert_wgrad_pairs(&c, &d_ep, true, 1e15);
-    cr_assert_eq(c.parallel.wgrad_group_layers, 0, "ep 2: no auto groups");
-    /* MT_WGRAD_GROUP_EP=1: auto groups with EP too, each micro-step parked beyond the pair planned
-     * at the most rows a rank can receive (ep x the mean), the pair at the buffers' 1.25 x */
-    setenv("MT_WGRAD_GROUP_EP", "1", 1);
-    c.parallel.expert_wgrad_pairs = MT_TRI_TRUE, c.parallel.wgrad_pair_layers = MT_MAX_LAYERS;
+    setenv("MT_WGRAD_GROUP_EP", "0", 1);
     estimate_resolve_expert_wgrad_pairs(&c, &d_ep, true, 1e15);
     unsetenv("MT_WGRAD_GROUP_EP");
+    cr_assert_eq(c.parallel.wgrad_group_layers, 0, "MT_WGRAD_GROUP_EP=0, ep 2: no auto groups");
+    /* by default auto groups with EP too, each micro-step parked beyond the pair planned at the
+     * most rows a rank can receive (ep x the mean), the pair at the buffers' 1.25 x */
+    c.parallel.expert_wgrad_pairs = MT_TRI_TRUE, c.parallel.wgrad_pair_layers = MT_MAX_LAYERS;
+    estimate_resolve_expert_wgrad_pairs(&c, &d_ep, true, 1e15);
     cr_assert(c.parallel.wgrad_group == 8 && c.parallel.wgrad_group_layers == MT_MAX_LAYERS,
-              "MT_WGRAD_GROUP_EP=1, ep 2: groups of %d in %d layers", c.parallel.wgrad_group,
-              c.parallel.wgrad_group_layers);
+              "ep 2: groups of %d in %d layers", c.parallel.wgrad_group, c.parallel.wgrad_group_layers);
     {
         struct tensor_table t2;
         tensor_table_build(&t2, &c.model);
