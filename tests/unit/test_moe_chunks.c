@@ -412,6 +412,15 @@ Test(moe_fixed, an_outgrown_capacity_runs_the_step_again, .timeout = 400)
                         "--set parallel.reshard_after_forward=true", "MT_MOE_ROW_CAPACITY=0.3", "fx_over_f2", 1);
 }
 
+/* the same re-run with the expert wgrad in groups of 4 (auto's choice with EP on a GPU since the
+ * fifty-fourth session): the three micro-steps a group parks in the outgrown step are dropped with
+ * it, and the re-run and the counted exchange give the same bits */
+Test(moe_fixed, an_outgrown_capacity_with_wgrad_groups_runs_the_step_again, .timeout = 300)
+{
+    fixed_vs_counted(2, "--set parallel.expert_parallel_size=2 --set parallel.expert_wgrad_pairs=true "
+                        "--set parallel.expert_wgrad_group=4", "MT_MOE_ROW_CAPACITY=0.3", "fx_over_g4", 1);
+}
+
 /* parallel.moe_combine_self_last (moe.c, on by default): the down projection of the other ranks'
  * rows first, their pair sums sent while this rank's own rows run, written straight into the
  * inbox's block to self. Every row and pair sum is the one-piece path's: every bit the same, with
