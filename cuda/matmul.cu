@@ -125,7 +125,7 @@ static struct lt_plan *plan_get(cublasOperation_t ta, cublasOperation_t tb, int 
     memset(res, 0, sizeof res);
     int nres = 0;
     cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g_cuda.lt, p->desc, p->la, p->lb, p->lc,
-                                                       p->lc, pref, tune ? lt_tune_candidates() : 1, res, &nres);
+                                                       p->lc, pref, tune ? LT_TUNE_MAX : 1, res, &nres);
     CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
     /* No algorithm for this combination (whatever the status says) is not fatal: the plan then
      * routes to cublasGemmEx, whose own errors are checked. */

@@ -25,20 +25,6 @@ int lt_tune_level(void)
 
 extern "C" void cuda_gemm_tune_set(int level) { g_level = level; }
 
-/* The heuristic orders its candidates by its own estimate, which at the power cap's clocks is not
- * always the measured order (the 235B shape's LM head forward took its sixth of 8); asking for more
- * lets a trial see tiles the first 8 leave out (e.g. the o projection's 128x160 tiles run ~665
- * TFLOPS at seq 1024 x 8 where the q/k/v projection's 256x128 run ~750, docs/benchmarks.md,
- * fifty-fourth session). Each extra candidate costs one warm-up and MT_GEMM_TUNE_ROUNDS runs at a
- * plan's first call. */
-int lt_tune_candidates(void)
-{
-    static const char *const counts[] = {"4", "8", "16", "32"};
-    static int n = 0;
-    if (!n) n = 4 << mt_env_choice("MT_GEMM_TUNE_CANDIDATES", counts, 4, 1);
-    return n;
-}
-
 /* splitmix64's finaliser */
 __device__ __forceinline__ unsigned long long mix64(unsigned long long z)
 {
@@ -193,7 +179,6 @@ int lt_tune_poll(struct lt_tune_trial *t)
     const float t0 = median_ms(t, 0);
     float ms[LT_TUNE_MAX] = {t0};
     g_counts.plans++, g_counts.candidates += t->n;
-    if (t->n > g_counts.most) g_counts.most = t->n;
     /* an algorithm whose sums depend on the order its CTAs finish (split-K by atomics) gives other
      * bits on another run: the first candidate being one, nothing is compared with it */
     int best = 0, same = 1;

@@ -11,10 +11,10 @@
 #define MT_CUDA_MATMUL_TUNE_CUH
 
 /* What the choices of this process came to (plain C, for the tests): plans tuned, the candidates
- * they had, how many of those gave the first one's bits (the first included), the plans whose
- * choice is not the first candidate, and the most candidates one plan had. */
+ * they had, how many of those gave the first one's bits (the first included), and the plans whose
+ * choice is not the first candidate. */
 struct gemm_tune_counts {
-    int plans, candidates, identical, switched, most;
+    int plans, candidates, identical, switched;
 };
 #ifdef __cplusplus
 extern "C" {
@@ -32,10 +32,7 @@ void cuda_gemm_tune_settle(void);
 #ifdef __cplusplus
 #include "cuda_common.cuh"
 
-/* the most heuristic candidates a trial may take; MT_GEMM_TUNE_CANDIDATES asks for 4, 8 (the
- * default), 16 or 32 */
-enum { LT_TUNE_MAX = 32 };
-int lt_tune_candidates(void);
+enum { LT_TUNE_MAX = 8 }; /* heuristic candidates asked for */
 
 /* One cuBLASLt matmul D = A·B + beta·C as matmul.cu issues it (one layout lc for C and D). Running
  * it again must give the same D: beta == 0, or C and D distinct. */
