@@ -36,6 +36,10 @@ void mt_mpi_error_string(int rc, char *buf, int *len)
     if (MPI_Error_string(rc, buf, len) != MPI_SUCCESS) snprintf(buf, 64, "MPI error %d", rc);
 }
 
+static void (*g_before_abort)(void);
+
+void mt_set_before_abort(void (*fn)(void)) { g_before_abort = fn; }
+
 void mt_fatal_at(const char *file, int line, const char *fmt, ...)
 {
     char msg[2048];
@@ -46,7 +50,10 @@ void mt_fatal_at(const char *file, int line, const char *fmt, ...)
     fprintf(stderr, "moetrain: rank %d: %s:%d: %s\n", mt_rank(), file, line, msg);
     fflush(stderr);
     fflush(stdout);
-    if (mpi_up() && mt_world() > 1) MPI_Abort(MPI_COMM_WORLD, 1);
+    if (mpi_up() && mt_world() > 1) {
+        if (g_before_abort) g_before_abort();
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
     exit(1);
 }
 

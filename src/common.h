@@ -24,6 +24,10 @@ _Noreturn void mt_fatal_at(const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 #define mt_fatal(...) mt_fatal_at(__FILE__, __LINE__, __VA_ARGS__)
 
+/* What mt_fatal_at runs before MPI_Abort, which runs no atexit handler (one; NULL: none). For
+ * files this rank would otherwise leave behind, such as the watchdog's heartbeat. */
+void mt_set_before_abort(void (*fn)(void));
+
 /* For errors every rank sees the same way: rank 0 prints "moetrain: error: <msg>", all exit(1). */
 _Noreturn void mt_user_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 

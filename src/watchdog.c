@@ -152,6 +152,36 @@ void watchdog_judge(const char *dir, int rank, int my_step, double now_wall, dou
         snprintf(out, (size_t)cap, "behind: still at step %d in %s", h.step, h.phase);
 }
 
+/* An error exit (mt_user_error) leaves no heartbeat of this rank behind; the thread dies with the
+ * process. The directory goes with the last file in it. */
+static void remove_own_heartbeat(void)
+{
+    char path[MT_PATH_MAX + 32];
+    hb_path(W.dir, W.rank, path, sizeof path);
+    unlink(path);
+    rmdir(W.dir);
+}
+
+/* Before the abort: MPI_Abort runs no atexit handler, and a dead or stopped rank never cleans up
+ * after itself, so the firing rank removes its own heartbeat and those of the ranks on this host
+ * that the abort will reap (else each fired job left a moetrain-heartbeat-* directory in TMPDIR).
+ * Live ranks keep theirs until they fire or exit: they may still be reading the others. */
+static void remove_heartbeats_before_abort(void)
+{
+    for (int r = 0; r < W.world; r++) {
+        struct heartbeat h;
+        if (r != W.rank) {
+            if (!hb_read(W.dir, r, &h) || strcmp(h.host, W.host)) continue;
+            const char st = proc_state(h.pid);
+            if (st != 0 && st != 'Z' && st != 'T' && st != 't') continue;
+        }
+        char path[MT_PATH_MAX + 32];
+        hb_path(W.dir, r, path, sizeof path);
+        unlink(path);
+    }
+    rmdir(W.dir); /* fails while a live rank's file is still there */
+}
+
 /* The one report line of this rank, then the job ends. Every live rank gets here within a few
  * seconds of the others (they stalled together), so each waits briefly before aborting to let
  * the others print. */
@@ -185,6 +215,7 @@ static _Noreturn void fire(double idle_s, const char *why)
     fflush(stdout);
     if (g_abort_hook) g_abort_hook();
     sleep(2);
+    remove_heartbeats_before_abort();
     signal(SIGALRM, SIG_DFL);
     alarm(30); /* MPI_Abort itself could wait on a dead runtime */
     MPI_Abort(MPI_COMM_WORLD, 1);
@@ -244,15 +275,6 @@ static void choose_dir(const struct config *c, MPI_Comm world)
     mt_strlcpy(W.dir, *dir ? dir : "/nonexistent", sizeof W.dir);
 }
 
-/* An error exit (mt_user_error) leaves no heartbeat of this rank behind; the thread dies with the
- * process. */
-static void remove_own_heartbeat(void)
-{
-    char path[MT_PATH_MAX + 32];
-    hb_path(W.dir, W.rank, path, sizeof path);
-    unlink(path);
-    rmdir(W.dir);
-}
 
 void watchdog_start(const struct config *c, MPI_Comm world)
 {
@@ -270,6 +292,7 @@ void watchdog_start(const struct config *c, MPI_Comm world)
     choose_dir(c, world);
     hb_write();
     atexit(remove_own_heartbeat);
+    mt_set_before_abort(remove_own_heartbeat);
     W.stop = false;
     int rc = pthread_create(&W.thread, NULL, thread_main, NULL);
     MT_CHECK(rc == 0, "watchdog: pthread_create: %s", strerror(rc));

@@ -100,7 +100,7 @@ static int run_signalled(const char *dir, const char *sets, const char *sig, int
 {
     char cmd[4096];
     snprintf(cmd, sizeof cmd,
-             "rm -rf %1$s && mkdir -p %1$s && t0=$(date +%%s) && "
+             "rm -rf %1$s && mkdir -p %1$s/tmp && export TMPDIR=%1$s/tmp && t0=$(date +%%s) && "
              "{ timeout 120 %2$s -np 2 %3$s/moetrain train configs/tiny.yaml --backend cpu "
              "--set train.global_batch_size=8 --set train.seq_len=32 --set train.steps=100000 "
              "--set log.interval=1000 --set log.metrics=%1$s/m.jsonl %4$s > %1$s/out 2>&1 & mp=$!; }; "
@@ -112,6 +112,17 @@ static int run_signalled(const char *dir, const char *sets, const char *sig, int
              "kill -9 $ranks 2>/dev/null; exit $rc",
              dir, tu_mpirun(), tu_build(), sets, sig, repeat, one_rank ? 1 : 0);
     return tu_run(cmd, out);
+}
+
+/* The watchdog's heartbeat directories a run left in its TMPDIR (run_signalled's dir/tmp) */
+static int heartbeat_dirs_left(const char *dir)
+{
+    char cmd[512], *out = NULL;
+    snprintf(cmd, sizeof cmd, "ls -d %s/tmp/moetrain-heartbeat-* 2>/dev/null | wc -l", dir);
+    tu_run(cmd, &out);
+    const int n = out ? atoi(out) : -1;
+    free(out);
+    return n;
 }
 
 /* SIGTERM bursts on both ranks (so some land during the save): one checkpoint of the step where it
@@ -152,12 +163,14 @@ Test(preempt, sigusr1_without_checkpoint_dir_says_nothing_was_saved, .timeout = 
     cr_expect_eq(rc, 0, "%s", out);
     cr_expect(strstr(out, "preempted (SIGUSR1): stopped after step ") &&
               strstr(out, "NOTHING SAVED: checkpoint.dir is not set"), "%s", out);
+    cr_expect_eq(heartbeat_dirs_left("/tmp/mt_preempt_usr1"), 0, "%s", out);
     free(out);
     tu_run("rm -rf /tmp/mt_preempt_usr1", NULL);
 }
 
 /* A stopped rank: the other rank's watchdog names it and the job ends non-zero soon after
- * train.watchdog_s (3 s here), not never. */
+ * train.watchdog_s (3 s here), not never; the abort leaves no heartbeat directory behind (the
+ * firing rank removes its own heartbeat and the stopped rank's). */
 Test(preempt, watchdog_names_a_stopped_rank_and_ends_the_job, .timeout = 240)
 {
     char *out = NULL;
@@ -170,6 +183,8 @@ Test(preempt, watchdog_names_a_stopped_rank_and_ends_the_job, .timeout = 240)
     int took = -1;
     const char *t = strstr(out, " took=");
     cr_expect(t && sscanf(t, " took=%d", &took) == 1 && took <= 40, "took %d s:\n%s", took, out);
+    cr_expect_eq(heartbeat_dirs_left("/tmp/mt_watchdog_stop"), 0, "a moetrain-heartbeat-* directory "
+                 "was left in /tmp/mt_watchdog_stop/tmp:\n%s", out);
     free(out);
     tu_run("rm -rf /tmp/mt_watchdog_stop", NULL);
 }
@@ -182,4 +197,24 @@ Test(preempt, watchdog_off_is_stated, .timeout = 120)
     int rc = tu_run(cmd, &out);
     cr_expect(rc == 0 && strstr(out, "watchdog    off (train.watchdog_s 0)"), "rc %d:\n%s", rc, out);
     free(out);
+}
+
+/* mt_fatal runs the before-abort hook (the watchdog's heartbeat removal) before MPI_Abort, on the
+ * failing rank; the job ends non-zero with that rank's one line */
+Test(preempt, a_fatal_error_runs_the_before_abort_hook, .timeout = 120)
+{
+    const char *dir = "/tmp/mt_before_abort";
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd, "rm -rf %1$s && mkdir -p %1$s && timeout 60 %2$s -np 2 %3$s/tests/mpi/abort_check %1$s",
+             dir, tu_mpirun(), tu_build());
+    int rc = tu_run(cmd, &out);
+    cr_expect(rc != 0 && rc != 124, "rc %d:\n%s", rc, out);
+    cr_expect(strstr(out, "moetrain: rank 1: ") && strstr(out, "abort_check: the fatal error of rank 1"), "%s", out);
+    char path[256];
+    snprintf(path, sizeof path, "%s/before_abort_1", dir);
+    struct stat st;
+    cr_expect_eq(stat(path, &st), 0, "%s missing: the hook did not run before MPI_Abort:\n%s", path, out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    tu_run(cmd, NULL);
 }
