@@ -57,6 +57,17 @@ void mt_fatal_at(const char *file, int line, const char *fmt, ...)
     exit(1);
 }
 
+bool mt_fail(char *err, int cap, const char *fmt, ...)
+{
+    if (err && cap > 0) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, (size_t)cap, fmt, ap);
+        va_end(ap);
+    }
+    return false;
+}
+
 void mt_user_error(const char *fmt, ...)
 {
     if (mt_rank() == 0) {

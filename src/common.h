@@ -28,6 +28,10 @@ _Noreturn void mt_fatal_at(const char *file, int line, const char *fmt, ...)
  * files this rank would otherwise leave behind, such as the watchdog's heartbeat. */
 void mt_set_before_abort(void (*fn)(void));
 
+/* The error return of functions that report through the caller's buffer: writes the message into
+ * err[cap] (when err is not NULL and cap > 0) and returns false. */
+bool mt_fail(char *err, int cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
 /* For errors every rank sees the same way: rank 0 prints "moetrain: error: <msg>", all exit(1). */
 _Noreturn void mt_user_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 

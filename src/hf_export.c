@@ -2,7 +2,6 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <unistd.h>
 #include <jansson.h>
@@ -11,6 +10,7 @@
 #include <sys/stat.h>
 
 #include "checkpoint_fs.h"
+#include "common.h"
 #include "hf_load.h"
 
 bool hf_write_config_json(const char *path, const struct model_config *m, enum st_dtype dtype, char *err,
@@ -59,33 +59,24 @@ bool hf_write_config_json(const char *path, const struct model_config *m, enum s
 }
 
 
-static bool failf(char *err, int errcap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static bool failf(char *err, int errcap, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, (size_t)errcap, fmt, ap);
-    va_end(ap);
-    return false;
-}
 
 bool hf_export_check_dir(const char *dir, bool force, char *err, int errcap)
 {
     struct stat st;
-    if (!*dir) return failf(err, errcap, "the export directory is empty");
+    if (!*dir) return mt_fail(err, errcap, "the export directory is empty");
     if (stat(dir, &st) == 0 && !force)
-        return failf(err, errcap, "%s: already exists; refusing to overwrite it (remove it or pass --force)", dir);
+        return mt_fail(err, errcap, "%s: already exists; refusing to overwrite it (remove it or pass --force)", dir);
     char tmp[MT_PATH_MAX + 8];
-    if (snprintf(tmp, sizeof tmp, "%s.tmp", dir) >= (int)sizeof tmp) return failf(err, errcap, "%s: path too long", dir);
+    if (snprintf(tmp, sizeof tmp, "%s.tmp", dir) >= (int)sizeof tmp) return mt_fail(err, errcap, "%s: path too long", dir);
     /* the parent is created as checkpoint.dir is (runs/exp1/hf in a fresh runs/exp1) */
     char parent[MT_PATH_MAX + 8];
     mt_strlcpy(parent, dir, sizeof parent);
     char *slash = strrchr(parent, '/');
     if (slash && slash != parent) *slash = 0;
     if (slash && slash != parent && !ck_mkdir_p(parent))
-        return failf(err, errcap, "%s: cannot create the export directory: %s", dir, strerror(errno));
+        return mt_fail(err, errcap, "%s: cannot create the export directory: %s", dir, strerror(errno));
     if (!ck_remove_tree(tmp) || mkdir(tmp, 0777) != 0)
-        return failf(err, errcap, "%s: cannot create the export directory: %s", dir, strerror(errno));
+        return mt_fail(err, errcap, "%s: cannot create the export directory: %s", dir, strerror(errno));
     rmdir(tmp);
     return true;
 }
@@ -93,11 +84,11 @@ bool hf_export_check_dir(const char *dir, bool force, char *err, int errcap)
 static bool copy_file(const char *from, const char *to, char *err, int errcap)
 {
     FILE *in = fopen(from, "rb");
-    if (!in) return failf(err, errcap, "%s: cannot read: %s", from, strerror(errno));
+    if (!in) return mt_fail(err, errcap, "%s: cannot read: %s", from, strerror(errno));
     FILE *out = fopen(to, "wb");
     if (!out) {
         fclose(in);
-        return failf(err, errcap, "%s: cannot create: %s", to, strerror(errno));
+        return mt_fail(err, errcap, "%s: cannot create: %s", to, strerror(errno));
     }
     char buf[1 << 16];
     size_t n;
@@ -106,7 +97,7 @@ static bool copy_file(const char *from, const char *to, char *err, int errcap)
     ok = ok && !ferror(in);
     fclose(in);
     if (fclose(out) != 0) ok = false;
-    return ok || failf(err, errcap, "%s: copy to %s failed: %s", from, to, strerror(errno));
+    return ok || mt_fail(err, errcap, "%s: copy to %s failed: %s", from, to, strerror(errno));
 }
 
 /* Tokenizer and generation files of the model trained from; generation_config.json is written
@@ -130,7 +121,7 @@ static bool copy_side_files(const char *tmp, const char *from, char *err, int er
     json_t *g = json_pack("{s:b}", "_from_model_config", 1);
     int rc = json_dump_file(g, dst, JSON_INDENT(2));
     json_decref(g);
-    return rc == 0 || failf(err, errcap, "%s: cannot write: %s", dst, strerror(errno));
+    return rc == 0 || mt_fail(err, errcap, "%s: cannot write: %s", dst, strerror(errno));
 }
 
 static bool write_index(const char *tmp, const struct hf_plan *p, char *err, int errcap)
@@ -146,7 +137,7 @@ static bool write_index(const char *tmp, const struct hf_plan *p, char *err, int
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", tmp);
     int rc = json_dump_file(o, path, JSON_INDENT(2) | JSON_SORT_KEYS);
     json_decref(o);
-    return rc == 0 || failf(err, errcap, "%s: cannot write: %s", path, strerror(errno));
+    return rc == 0 || mt_fail(err, errcap, "%s: cannot write: %s", path, strerror(errno));
 }
 
 /* The safetensors header of shard k, padded with spaces to a multiple of 8 bytes. */
@@ -217,7 +208,7 @@ static bool write_shard(struct stream *s, const char *tmp, int k, char *err, int
     bool ok = true;
     if (s->writer && *err == 0) {
         fp = fopen(path, "wb");
-        if (!fp) ok = failf(err, errcap, "%s: cannot create: %s", path, strerror(errno));
+        if (!fp) ok = mt_fail(err, errcap, "%s: cannot create: %s", path, strerror(errno));
     }
     if (fp) {
         size_t hlen;
@@ -232,7 +223,7 @@ static bool write_shard(struct stream *s, const char *tmp, int k, char *err, int
     if (fp) {
         if (ok && (fflush(fp) != 0 || fsync(fileno(fp)) != 0)) ok = false;
         if (fclose(fp) != 0) ok = false;
-        if (!ok && *err == 0) failf(err, errcap, "%s: write failed: %s", path, strerror(errno));
+        if (!ok && *err == 0) mt_fail(err, errcap, "%s: write failed: %s", path, strerror(errno));
     }
     return ok;
 }
@@ -247,7 +238,7 @@ bool hf_export_stream(const char *dir, const struct model_config *mc, const stru
     snprintf(tmp, sizeof tmp, "%s.tmp", dir);
     *err = 0;
     if (writer && (!hf_export_check_dir(dir, o->force, err, errcap) || mkdir(tmp, 0777) != 0))
-        if (!*err) failf(err, errcap, "%s: cannot create: %s", tmp, strerror(errno));
+        if (!*err) mt_fail(err, errcap, "%s: cannot create: %s", tmp, strerror(errno));
     struct stream s = {.p = &plan, .bias = bias, .fetch = fetch, .ctx = ctx, .writer = writer, .err = err,
                        .errcap = errcap};
     if (writer) {
@@ -264,9 +255,9 @@ bool hf_export_stream(const char *dir, const struct model_config *mc, const stru
              hf_write_config_json(path, mc, o->dtype, err, errcap) &&
              copy_side_files(tmp, o->tokenizer_from, err, errcap);
         if (ok && o->force && !ck_remove_tree(dir))
-            ok = failf(err, errcap, "%s: cannot remove the old export (--force): %s", dir, strerror(errno));
+            ok = mt_fail(err, errcap, "%s: cannot remove the old export (--force): %s", dir, strerror(errno));
         if (ok && (!ck_fsync_path(tmp) || rename(tmp, dir) != 0))
-            ok = failf(err, errcap, "%s: cannot rename %s into place: %s", dir, tmp, strerror(errno));
+            ok = mt_fail(err, errcap, "%s: cannot rename %s into place: %s", dir, tmp, strerror(errno));
     }
     if (!ok && writer) ck_remove_tree(tmp);  /* best effort: err says what went wrong */
     hf_plan_free(&plan);

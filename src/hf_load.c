@@ -2,11 +2,12 @@
 
 #include <errno.h>
 #include <jansson.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+
+#include "common.h"
 
 #define HF_SINGLE "model.safetensors"
 #define HF_INDEX "model.safetensors.index.json"
@@ -24,18 +25,6 @@ struct hf_source {
     json_t *index;           /* sharded only: the parsed index, owning weight_map */
     json_t *weight_map;
 };
-
-__attribute__((format(printf, 3, 4)))
-static bool fail(char *err, int errcap, const char *fmt, ...)
-{
-    if (err && errcap > 0) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, (size_t)errcap, fmt, ap);
-        va_end(ap);
-    }
-    return false;
-}
 
 static bool ends_with(const char *s, const char *suffix)
 {
@@ -70,28 +59,28 @@ static bool open_index(struct hf_source *src, const char *dir, char *err, int er
     json_error_t je;
     src->index = json_load_file(ip, JSON_REJECT_DUPLICATES, &je);
     if (!src->index)
-        return fail(err, errcap, "%s: not valid JSON: %s (line %d, column %d)", ip, je.text, je.line,
+        return mt_fail(err, errcap, "%s: not valid JSON: %s (line %d, column %d)", ip, je.text, je.line,
                     je.column);
     src->weight_map = json_is_object(src->index) ? json_object_get(src->index, "weight_map") : NULL;
     if (!json_is_object(src->weight_map))
-        return fail(err, errcap, "%s: no \"weight_map\" object", ip);
+        return mt_fail(err, errcap, "%s: no \"weight_map\" object", ip);
     const char *key;
     json_t *val;
     json_object_foreach(src->weight_map, key, val) {
         if (!json_is_string(val) || json_string_length(val) == 0)
-            return fail(err, errcap, "%s: weight_map entry '%s' is not a file name", ip, key);
+            return mt_fail(err, errcap, "%s: weight_map entry '%s' is not a file name", ip, key);
         const char *shard = json_string_value(val);
         bool seen = false;
         for (int i = 0; i < src->n && !seen; i++) seen = strcmp(src->files[i].name, shard) == 0;
         if (seen) continue;
         char path[MT_PATH_MAX];
         if (!join_path(path, sizeof path, dir, shard))
-            return fail(err, errcap, "%s: shard path '%s/%s' is too long", ip, dir, shard);
+            return mt_fail(err, errcap, "%s: shard path '%s/%s' is too long", ip, dir, shard);
         char inner[MT_PATH_MAX + 256];
         if (!add_file(src, shard, path, inner, sizeof inner))
-            return fail(err, errcap, "%s (a shard listed in %s)", inner, ip);
+            return mt_fail(err, errcap, "%s (a shard listed in %s)", inner, ip);
     }
-    if (src->n == 0) return fail(err, errcap, "%s: \"weight_map\" is empty", ip);
+    if (src->n == 0) return mt_fail(err, errcap, "%s: \"weight_map\" is empty", ip);
     return true;
 }
 
@@ -99,7 +88,7 @@ static bool open_source(struct hf_source *src, const char *model_path, char *err
 {
     struct stat sb;
     if (stat(model_path, &sb) != 0)
-        return fail(err, errcap, "%s: cannot open: %s", model_path, strerror(errno));
+        return mt_fail(err, errcap, "%s: cannot open: %s", model_path, strerror(errno));
     if (S_ISREG(sb.st_mode) && ends_with(model_path, ".json")) {
         /* an index named directly: its shards sit beside it */
         char dir[MT_PATH_MAX];
@@ -108,23 +97,23 @@ static bool open_source(struct hf_source *src, const char *model_path, char *err
         if (slash) *slash = 0;
         else mt_strlcpy(dir, ".", sizeof dir);
         if (!mt_strlcpy(src->path, model_path, sizeof src->path))
-            return fail(err, errcap, "%s: path too long", model_path);
+            return mt_fail(err, errcap, "%s: path too long", model_path);
         return open_index(src, dir, err, errcap);
     }
     if (S_ISREG(sb.st_mode)) {
         if (!mt_strlcpy(src->path, model_path, sizeof src->path))
-            return fail(err, errcap, "%s: path too long", model_path);
+            return mt_fail(err, errcap, "%s: path too long", model_path);
         return add_file(src, model_path, model_path, err, errcap);
     }
     if (!S_ISDIR(sb.st_mode))
-        return fail(err, errcap, "%s: not a model directory or a .safetensors file", model_path);
+        return mt_fail(err, errcap, "%s: not a model directory or a .safetensors file", model_path);
     if (!join_path(src->path, sizeof src->path, model_path, HF_SINGLE))
-        return fail(err, errcap, "%s: path too long", model_path);
+        return mt_fail(err, errcap, "%s: path too long", model_path);
     if (stat(src->path, &sb) == 0) return add_file(src, src->path, src->path, err, errcap);
     if (!join_path(src->path, sizeof src->path, model_path, HF_INDEX))
-        return fail(err, errcap, "%s: path too long", model_path);
+        return mt_fail(err, errcap, "%s: path too long", model_path);
     if (stat(src->path, &sb) == 0) return open_index(src, model_path, err, errcap);
-    return fail(err, errcap, "%s: no %s or %s in this directory", model_path, HF_SINGLE, HF_INDEX);
+    return mt_fail(err, errcap, "%s: no %s or %s in this directory", model_path, HF_SINGLE, HF_INDEX);
 }
 
 struct hf_source *hf_open(const char *model_path, char *err, int errcap)
@@ -200,9 +189,9 @@ static bool not_found(const struct hf_source *src, const char *name, const char 
     char also[160] = "";
     if (fused) snprintf(also, sizeof also, " (nor the fused '%s')", fused);
     if (where)
-        return fail(err, errcap, "%s: tensor '%s' not found, though %s maps it to this file%s",
+        return mt_fail(err, errcap, "%s: tensor '%s' not found, though %s maps it to this file%s",
                     where->f->path, name, src->path, also);
-    return fail(err, errcap, "%s: tensor '%s' not found%s", src->path, name, also);
+    return mt_fail(err, errcap, "%s: tensor '%s' not found%s", src->path, name, also);
 }
 
 /* Reads the whole tensor `name`, which must have exactly shape [ndim] into dst. */
@@ -213,7 +202,7 @@ static bool read_exact(const struct st_tensor *t, struct hf_file *hf, int ndim,
     for (int d = 0; d < ndim && same; d++) same = t->shape[d] == shape[d];
     if (!same) {
         char got[160], want[160];
-        return fail(err, errcap, "%s: tensor '%s' has shape %s, expected %s", hf->f->path, t->name,
+        return mt_fail(err, errcap, "%s: tensor '%s' has shape %s, expected %s", hf->f->path, t->name,
                     st_shape_str(t->ndim, t->shape, got, sizeof got), st_shape_str(ndim, shape, want, sizeof want));
     }
     if (!st_read_f32(hf->f, t, dst, t->numel, err, errcap)) return false;
@@ -267,7 +256,7 @@ bool hf_read_tensor(struct hf_source *src, const struct tensor_spec *s, int64_t 
         for (int d = 0; d < s->ndim && same; d++) same = ft->shape[d] == s->shape[d];
         if (!same) {
             char got[160], want[160];
-            return fail(err, errcap, "%s: tensor '%s' has shape %s, expected %s", hf->f->path, ft->name,
+            return mt_fail(err, errcap, "%s: tensor '%s' has shape %s, expected %s", hf->f->path, ft->name,
                         st_shape_str(ft->ndim, ft->shape, got, sizeof got),
                         st_shape_str(s->ndim, s->shape, want, sizeof want));
         }
@@ -338,17 +327,17 @@ bool hf_save_weights(const char *model_dir_or_file, const struct tensor_table *t
     enum st_dtype stored;
     if (strcmp(dtype, "F32") == 0) stored = ST_F32;
     else if (strcmp(dtype, "BF16") == 0) stored = ST_BF16;
-    else return fail(err, errcap, "%s: cannot save weights as dtype \"%s\" (F32 or BF16)", model_dir_or_file, dtype);
+    else return mt_fail(err, errcap, "%s: cannot save weights as dtype \"%s\" (F32 or BF16)", model_dir_or_file, dtype);
 
     char path[MT_PATH_MAX];
     if (ends_with(model_dir_or_file, ".safetensors")) {
         if (!mt_strlcpy(path, model_dir_or_file, sizeof path))
-            return fail(err, errcap, "%s: path too long", model_dir_or_file);
+            return mt_fail(err, errcap, "%s: path too long", model_dir_or_file);
     } else {
         if (mkdir(model_dir_or_file, 0777) != 0 && errno != EEXIST)
-            return fail(err, errcap, "%s: cannot create directory: %s", model_dir_or_file, strerror(errno));
+            return mt_fail(err, errcap, "%s: cannot create directory: %s", model_dir_or_file, strerror(errno));
         if (!join_path(path, sizeof path, model_dir_or_file, HF_SINGLE))
-            return fail(err, errcap, "%s: path too long", model_dir_or_file);
+            return mt_fail(err, errcap, "%s: path too long", model_dir_or_file);
     }
 
     struct st_writer *w = st_writer_new();

@@ -3,12 +3,13 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include "common.h"
 
 /* The format is little-endian and data is copied straight between file and memory. */
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors I/O assumes a little-endian host");
@@ -43,18 +44,6 @@ bool st_dtype_parse(const char *s, enum st_dtype *out)
             *out = (enum st_dtype)d;
             return true;
         }
-    return false;
-}
-
-__attribute__((format(printf, 3, 4)))
-static bool fail(char *err, int errcap, const char *fmt, ...)
-{
-    if (err && errcap > 0) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, (size_t)errcap, fmt, ap);
-        va_end(ap);
-    }
     return false;
 }
 
@@ -113,11 +102,11 @@ static bool pread_full(const char *path, int fd, void *buf, uint64_t len, uint64
         ssize_t r = pread(fd, p, len, (off_t)off);
         if (r < 0) {
             if (errno == EINTR) continue;
-            return fail(err, errcap, "%s: read failed at byte %llu: %s", path,
+            return mt_fail(err, errcap, "%s: read failed at byte %llu: %s", path,
                         (unsigned long long)off, strerror(errno));
         }
         if (r == 0)
-            return fail(err, errcap, "%s: unexpected end of file at byte %llu (file truncated?)", path,
+            return mt_fail(err, errcap, "%s: unexpected end of file at byte %llu (file truncated?)", path,
                         (unsigned long long)off);
         p += r;
         off += (uint64_t)r;
@@ -136,58 +125,58 @@ static bool parse_entry(const struct st_file *f, const char *name, json_t *v, st
                         char *err, int errcap)
 {
     const char *p = f->path;
-    if (!json_is_object(v)) return fail(err, errcap, "%s: tensor '%s': entry is not a JSON object", p, name);
+    if (!json_is_object(v)) return mt_fail(err, errcap, "%s: tensor '%s': entry is not a JSON object", p, name);
 
     json_t *dt = json_object_get(v, "dtype");
-    if (!dt) return fail(err, errcap, "%s: tensor '%s' has no \"dtype\"", p, name);
-    if (!json_is_string(dt)) return fail(err, errcap, "%s: tensor '%s': \"dtype\" is not a string", p, name);
+    if (!dt) return mt_fail(err, errcap, "%s: tensor '%s' has no \"dtype\"", p, name);
+    if (!json_is_string(dt)) return mt_fail(err, errcap, "%s: tensor '%s': \"dtype\" is not a string", p, name);
     if (!st_dtype_parse(json_string_value(dt), &t->dtype))
-        return fail(err, errcap, "%s: tensor '%s' has unknown dtype \"%s\"", p, name, json_string_value(dt));
+        return mt_fail(err, errcap, "%s: tensor '%s' has unknown dtype \"%s\"", p, name, json_string_value(dt));
 
     json_t *sh = json_object_get(v, "shape");
-    if (!sh) return fail(err, errcap, "%s: tensor '%s' has no \"shape\"", p, name);
-    if (!json_is_array(sh)) return fail(err, errcap, "%s: tensor '%s': \"shape\" is not a list", p, name);
+    if (!sh) return mt_fail(err, errcap, "%s: tensor '%s' has no \"shape\"", p, name);
+    if (!json_is_array(sh)) return mt_fail(err, errcap, "%s: tensor '%s': \"shape\" is not a list", p, name);
     if (json_array_size(sh) > ST_MAX_DIMS)
-        return fail(err, errcap, "%s: tensor '%s' has %zu dimensions (at most %d supported)", p, name,
+        return mt_fail(err, errcap, "%s: tensor '%s' has %zu dimensions (at most %d supported)", p, name,
                     json_array_size(sh), ST_MAX_DIMS);
     t->ndim = (int)json_array_size(sh);
     t->numel = 1;
     for (int i = 0; i < t->ndim; i++) {
         json_t *d = json_array_get(sh, (size_t)i);
         if (!json_is_nonneg_int(d))
-            return fail(err, errcap, "%s: tensor '%s': shape dimension %d is not a non-negative integer",
+            return mt_fail(err, errcap, "%s: tensor '%s': shape dimension %d is not a non-negative integer",
                         p, name, i);
         t->shape[i] = json_integer_value(d);
         if (t->shape[i] > 0 && t->numel > INT64_MAX / t->shape[i])
-            return fail(err, errcap, "%s: tensor '%s': shape overflows 64 bits", p, name);
+            return mt_fail(err, errcap, "%s: tensor '%s': shape overflows 64 bits", p, name);
         t->numel *= t->shape[i];
     }
     int esz = st_dtype_size(t->dtype);
     if (t->numel > INT64_MAX / esz)
-        return fail(err, errcap, "%s: tensor '%s': byte size overflows 64 bits", p, name);
+        return mt_fail(err, errcap, "%s: tensor '%s': byte size overflows 64 bits", p, name);
     uint64_t bytes = (uint64_t)t->numel * (uint64_t)esz;
 
     json_t *off = json_object_get(v, "data_offsets");
-    if (!off) return fail(err, errcap, "%s: tensor '%s' has no \"data_offsets\"", p, name);
+    if (!off) return mt_fail(err, errcap, "%s: tensor '%s' has no \"data_offsets\"", p, name);
     if (!json_is_array(off) || json_array_size(off) != 2 || !json_is_nonneg_int(json_array_get(off, 0)) ||
         !json_is_nonneg_int(json_array_get(off, 1)))
-        return fail(err, errcap, "%s: tensor '%s': \"data_offsets\" is not a pair of non-negative integers",
+        return mt_fail(err, errcap, "%s: tensor '%s': \"data_offsets\" is not a pair of non-negative integers",
                     p, name);
     uint64_t b = (uint64_t)json_integer_value(json_array_get(off, 0));
     uint64_t e = (uint64_t)json_integer_value(json_array_get(off, 1));
     if (b > e)
-        return fail(err, errcap, "%s: tensor '%s': data_offsets [%llu, %llu] end before they begin", p,
+        return mt_fail(err, errcap, "%s: tensor '%s': data_offsets [%llu, %llu] end before they begin", p,
                     name, (unsigned long long)b, (unsigned long long)e);
     if (e - b != bytes) {
         char s[160];
-        return fail(err, errcap,
+        return mt_fail(err, errcap,
                     "%s: tensor '%s' has shape %s of %s (%llu bytes) but data_offsets [%llu, %llu] span "
                     "%llu bytes", p, name, st_shape_str(t->ndim, t->shape, s, sizeof s),
                     st_dtype_name(t->dtype), (unsigned long long)bytes, (unsigned long long)b,
                     (unsigned long long)e, (unsigned long long)(e - b));
     }
     if (e > f->file_size - f->data_start)
-        return fail(err, errcap,
+        return mt_fail(err, errcap,
                     "%s: tensor '%s' data ends at byte %llu but the file has only %llu bytes (truncated?)",
                     p, name, (unsigned long long)(f->data_start + e), (unsigned long long)f->file_size);
     t->begin = f->data_start + b;
@@ -219,7 +208,7 @@ static bool check_no_overlap(struct st_file *f, char *err, int errcap)
         const struct st_tensor *t = &by_begin[i];
         if (t->end == t->begin) continue;
         if (prev && t->begin < prev->end)
-            ok = fail(err, errcap, "%s: tensors '%s' and '%s' overlap (data_offsets [%llu, %llu] and "
+            ok = mt_fail(err, errcap, "%s: tensors '%s' and '%s' overlap (data_offsets [%llu, %llu] and "
                       "[%llu, %llu])", f->path, prev->name, t->name,
                       (unsigned long long)(prev->begin - f->data_start),
                       (unsigned long long)(prev->end - f->data_start),
@@ -235,11 +224,11 @@ static bool read_index(struct st_file *f, char *err, int errcap)
 {
     const char *p = f->path;
     struct stat stb;
-    if (fstat(f->fd, &stb) != 0) return fail(err, errcap, "%s: cannot stat: %s", p, strerror(errno));
-    if (!S_ISREG(stb.st_mode)) return fail(err, errcap, "%s: not a regular file", p);
+    if (fstat(f->fd, &stb) != 0) return mt_fail(err, errcap, "%s: cannot stat: %s", p, strerror(errno));
+    if (!S_ISREG(stb.st_mode)) return mt_fail(err, errcap, "%s: not a regular file", p);
     f->file_size = (uint64_t)stb.st_size;
     if (f->file_size < 8)
-        return fail(err, errcap, "%s: file is %llu bytes, too short for a safetensors header (8 bytes at least)",
+        return mt_fail(err, errcap, "%s: file is %llu bytes, too short for a safetensors header (8 bytes at least)",
                     p, (unsigned long long)f->file_size);
 
     unsigned char lenb[8];
@@ -247,10 +236,10 @@ static bool read_index(struct st_file *f, char *err, int errcap)
     uint64_t hlen = 0;
     for (int i = 7; i >= 0; i--) hlen = hlen << 8 | lenb[i];
     if (hlen > f->file_size - 8)
-        return fail(err, errcap, "%s: header length %llu is larger than the file (%llu bytes)", p,
+        return mt_fail(err, errcap, "%s: header length %llu is larger than the file (%llu bytes)", p,
                     (unsigned long long)hlen, (unsigned long long)f->file_size);
     if (hlen > ST_HEADER_MAX)
-        return fail(err, errcap, "%s: header length %llu is implausibly large (limit %llu)", p,
+        return mt_fail(err, errcap, "%s: header length %llu is implausibly large (limit %llu)", p,
                     (unsigned long long)hlen, ST_HEADER_MAX);
     f->data_start = 8 + hlen;
 
@@ -263,11 +252,11 @@ static bool read_index(struct st_file *f, char *err, int errcap)
     json_t *root = json_loadb(hbuf, hlen, JSON_REJECT_DUPLICATES, &je);
     free(hbuf);
     if (!root)
-        return fail(err, errcap, "%s: header is not valid JSON: %s (line %d, column %d)", p, je.text,
+        return mt_fail(err, errcap, "%s: header is not valid JSON: %s (line %d, column %d)", p, je.text,
                     je.line, je.column);
     if (!json_is_object(root)) {
         json_decref(root);
-        return fail(err, errcap, "%s: header is not a JSON object", p);
+        return mt_fail(err, errcap, "%s: header is not a JSON object", p);
     }
 
     f->t = mt_calloc(json_object_size(root) + 1, sizeof *f->t);
@@ -294,13 +283,13 @@ struct st_file *st_open(const char *path, char *err, int errcap)
     struct st_file *f = mt_calloc(1, sizeof *f);
     f->fd = -1;
     if (!mt_strlcpy(f->path, path, sizeof f->path)) {
-        fail(err, errcap, "%s: path too long", path);
+        mt_fail(err, errcap, "%s: path too long", path);
         st_close(f);
         return NULL;
     }
     f->fd = open(path, O_RDONLY | O_CLOEXEC);
     if (f->fd < 0) {
-        fail(err, errcap, "%s: cannot open: %s", path, strerror(errno));
+        mt_fail(err, errcap, "%s: cannot open: %s", path, strerror(errno));
         st_close(f);
         return NULL;
     }
@@ -330,7 +319,7 @@ bool st_read_f32_range(const struct st_file *f, const struct st_tensor *t, int64
                        float *dst, char *err, int errcap)
 {
     if (elem0 < 0 || n < 0 || elem0 > t->numel || n > t->numel - elem0)
-        return fail(err, errcap, "%s: tensor '%s': elements [%lld, %lld) asked for but it has %lld", f->path,
+        return mt_fail(err, errcap, "%s: tensor '%s': elements [%lld, %lld) asked for but it has %lld", f->path,
                     t->name, (long long)elem0, (long long)(elem0 + n), (long long)t->numel);
     int esz = st_dtype_size(t->dtype);
     uint64_t off = t->begin + (uint64_t)elem0 * (uint64_t)esz;
@@ -340,7 +329,7 @@ bool st_read_f32_range(const struct st_file *f, const struct st_tensor *t, int64
     case ST_F64: case ST_F16: case ST_BF16:
         break;
     default:
-        return fail(err, errcap, "%s: tensor '%s' has dtype %s, expected a floating-point dtype", f->path,
+        return mt_fail(err, errcap, "%s: tensor '%s' has dtype %s, expected a floating-point dtype", f->path,
                     t->name, st_dtype_name(t->dtype));
     }
     unsigned char *buf = mt_malloc((size_t)(MT_MIN(n, ST_CHUNK) * esz) + 1);
@@ -370,7 +359,7 @@ bool st_read_f32(const struct st_file *f, const struct st_tensor *t, float *dst,
                  char *err, int errcap)
 {
     if (n_elems != t->numel)
-        return fail(err, errcap, "%s: tensor '%s' has %lld elements, expected %lld", f->path, t->name,
+        return mt_fail(err, errcap, "%s: tensor '%s' has %lld elements, expected %lld", f->path, t->name,
                     (long long)t->numel, (long long)n_elems);
     return st_read_f32_range(f, t, 0, n_elems, dst, err, errcap);
 }
@@ -379,11 +368,11 @@ bool st_read_i64(const struct st_file *f, const struct st_tensor *t, int64_t *ds
                  char *err, int errcap)
 {
     if (n_elems != t->numel)
-        return fail(err, errcap, "%s: tensor '%s' has %lld elements, expected %lld", f->path, t->name,
+        return mt_fail(err, errcap, "%s: tensor '%s' has %lld elements, expected %lld", f->path, t->name,
                     (long long)t->numel, (long long)n_elems);
     if (t->dtype == ST_I64) return pread_full(f->path, f->fd, dst, (uint64_t)n_elems * 8, t->begin, err, errcap);
     if (t->dtype != ST_I32)
-        return fail(err, errcap, "%s: tensor '%s' has dtype %s, expected I64 or I32", f->path, t->name,
+        return mt_fail(err, errcap, "%s: tensor '%s' has dtype %s, expected I64 or I32", f->path, t->name,
                     st_dtype_name(t->dtype));
     int32_t *buf = mt_malloc((size_t)MT_MIN(n_elems, ST_CHUNK) * 4 + 4);
     for (int64_t i = 0; i < n_elems; i += ST_CHUNK) {
@@ -479,7 +468,7 @@ static char *writer_header(const struct st_writer *w, const char *path, size_t *
         const struct st_wentry *e = &w->e[i];
         if (json_object_get(root, e->name)) {
             json_decref(root);
-            fail(err, errcap, "%s: tensor '%s' added twice", path, e->name);
+            mt_fail(err, errcap, "%s: tensor '%s' added twice", path, e->name);
             return NULL;
         }
         uint64_t bytes = (uint64_t)e->numel * (uint64_t)st_dtype_size(e->dtype);
@@ -535,7 +524,7 @@ bool st_writer_finish(struct st_writer *w, const char *path, char *err, int errc
     bool ok = true;
     FILE *fp = fopen(tmp, "wb");
     if (!fp) {
-        fail(err, errcap, "%s: cannot create: %s", tmp, strerror(errno));
+        mt_fail(err, errcap, "%s: cannot create: %s", tmp, strerror(errno));
         free(header);
         st_writer_free(w);
         return false;
@@ -544,17 +533,17 @@ bool st_writer_finish(struct st_writer *w, const char *path, char *err, int errc
     for (int i = 0; i < 8; i++) lenb[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
     ok = fwrite(lenb, 1, 8, fp) == 8 && fwrite(header, 1, hlen, fp) == hlen;
     for (int i = 0; i < w->n && ok; i++) ok = write_entry(fp, &w->e[i]);
-    if (!ok) fail(err, errcap, "%s: write failed: %s", tmp, strerror(errno));
+    if (!ok) mt_fail(err, errcap, "%s: write failed: %s", tmp, strerror(errno));
     if (ok && (fflush(fp) != 0 || fsync(fileno(fp)) != 0)) {
-        fail(err, errcap, "%s: flush failed: %s", tmp, strerror(errno));
+        mt_fail(err, errcap, "%s: flush failed: %s", tmp, strerror(errno));
         ok = false;
     }
     if (fclose(fp) != 0 && ok) {
-        fail(err, errcap, "%s: close failed: %s", tmp, strerror(errno));
+        mt_fail(err, errcap, "%s: close failed: %s", tmp, strerror(errno));
         ok = false;
     }
     if (ok && rename(tmp, path) != 0) {
-        fail(err, errcap, "%s: cannot rename %s into place: %s", path, tmp, strerror(errno));
+        mt_fail(err, errcap, "%s: cannot rename %s into place: %s", path, tmp, strerror(errno));
         ok = false;
     }
     if (!ok) unlink(tmp);  /* best effort: the error already reported says what went wrong */
