@@ -146,6 +146,22 @@ static void all_to_all_v_p2p(struct comm *c, void *recv, const int64_t *recv_cou
     free(req);
 }
 
+/* MPI's int counts and displacements of an all_to_all_v whose totals fit an int (checked by the
+ * callers): sc/sd for the send side, rc/rd for the receive side, [p] each */
+static void v_counts_as_int(int p, const int64_t *send_counts, const int64_t *recv_counts, int *sc,
+                            int *sd, int *rc, int *rd)
+{
+    int64_t so = 0, ro = 0;
+    for (int i = 0; i < p; i++) {
+        sc[i] = (int)send_counts[i];
+        rc[i] = (int)recv_counts[i];
+        sd[i] = (int)so;
+        rd[i] = (int)ro;
+        so += send_counts[i];
+        ro += recv_counts[i];
+    }
+}
+
 static void mpi_all_to_all_v(struct comm *c, void *recv, const int64_t *recv_counts,
                              const void *send, const int64_t *send_counts, enum comm_dtype t)
 {
@@ -163,15 +179,7 @@ static void mpi_all_to_all_v(struct comm *c, void *recv, const int64_t *recv_cou
     }
     int *sc = mt_malloc(4 * (size_t)p * sizeof(int));
     int *sd = sc + p, *rc = sc + 2 * p, *rd = sc + 3 * p;
-    so = ro = 0;
-    for (int i = 0; i < p; i++) {
-        sc[i] = (int)send_counts[i];
-        rc[i] = (int)recv_counts[i];
-        sd[i] = (int)so;
-        rd[i] = (int)ro;
-        so += send_counts[i];
-        ro += recv_counts[i];
-    }
+    v_counts_as_int(p, send_counts, recv_counts, sc, sd, rc, rd);
     MT_CHECK_MPI(MPI_Alltoallv(send, sc, sd, mpi_type(t), recv, rc, rd, mpi_type(t), c->mpi));
     free(sc);
 }
@@ -314,15 +322,7 @@ static void mpi_all_to_all_v_start(struct comm *c, void *recv, const int64_t *re
     }
     struct mpi_p2p_state *st = mt_calloc(1, sizeof *st + sizeof(MPI_Request) + 4 * (size_t)p * sizeof(int));
     int *sc = (int *)(st->req + 1), *sd = sc + p, *rc = sc + 2 * p, *rd = sc + 3 * p;
-    so = ro = 0;
-    for (int i = 0; i < p; i++) {
-        sc[i] = (int)send_counts[i];
-        rc[i] = (int)recv_counts[i];
-        sd[i] = (int)so;
-        rd[i] = (int)ro;
-        so += send_counts[i];
-        ro += recv_counts[i];
-    }
+    v_counts_as_int(p, send_counts, recv_counts, sc, sd, rc, rd);
     MT_CHECK_MPI(MPI_Ialltoallv(send, sc, sd, mpi_type(t), recv, rc, rd, mpi_type(t), c->mpi, &st->req[0]));
     st->n = 1;
     r->state = st;
