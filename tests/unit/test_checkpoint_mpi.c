@@ -152,11 +152,6 @@ Test(checkpoint_mpi, damaged_checkpoints_fail_cleanly_on_every_rank, .timeout = 
 
 /* --- whole runs (need train.c to save and resume) ------------------------------------------ */
 
-static bool integrated(const char *out)
-{
-    return !strstr(out, "checkpoints are not implemented yet");
-}
-
 static int train_run(int np, const char *extra, char **out)
 {
     char cmd[2048];
@@ -201,11 +196,6 @@ static void check_resume(const char *tag, const char *common)
              "--set checkpoint.interval=5 --set checkpoint.keep=0 --set log.metrics=%s/a.jsonl "
              "--set checkpoint.export_hf=%s/a_hf", common, base, base, base);
     int rc = train_run(2, extra, &out);
-    if (!integrated(out)) {
-        free(out);
-        remove_dir(base);
-        cr_skip_test("train.c does not call the checkpoint module yet (see docs/checkpoints.md)");
-    }
     cr_assert_eq(rc, 0, "uninterrupted run failed:\n%s", out);
     free(out);
     char p[512];
@@ -279,10 +269,6 @@ Test(checkpoint_run, resume_errors_are_one_line, .timeout = 300)
     fresh_dir(base, sizeof base, "resume_err");
     snprintf(extra, sizeof extra, "--resume %s/nothing_here", base);
     int rc = train_run(1, extra, &out);
-    if (strstr(out, "--resume: checkpoints are not implemented yet")) {
-        free(out);
-        cr_skip_test("train.c does not call the checkpoint module yet (see docs/checkpoints.md)");
-    }
     cr_expect(rc != 0, "resuming from a missing directory succeeded:\n%s", out);
     cr_expect(strstr(out, "moetrain: error: checkpoint ") != NULL, "%s", out);
     free(out);
