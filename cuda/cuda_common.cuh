@@ -97,6 +97,7 @@ enum cuda_scratch_slot {
     SCRATCH_ROUTER_DW3,   /* router_matmul_backward: the three parts' fp32 dw products [3, E, H] */
     SCRATCH_ADAMW,        /* adamw_update_multi: the segment table */
     SCRATCH_GEMM_PTRS,    /* expert_matmul on cuBLAS: the grouped call's A, B, C pointer arrays */
+    SCRATCH_GG_SUMSQ,     /* grouped wgrad: each dw tile's sum of squares */
     SCRATCH_COUNT
 };
 void *cuda_scratch(enum cuda_scratch_slot slot, size_t bytes);

@@ -136,25 +136,41 @@ __global__ void sumsq_partial_kernel(double *partial, const float *x, size_t n, 
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
-__global__ void sumsq_final_kernel(double *partial, int nparts)
+/* out = Σ x in one block's fixed order (out may be x) */
+__global__ void sum_f64_kernel(const double *x, size_t n, double *out)
 {
     pdl_wait(); /* first: launch.cuh */
     __shared__ double sh[32];
     double s = 0.0;
-    for (int i = threadIdx.x; i < nparts; i += blockDim.x) s += partial[i];
+    for (size_t i = threadIdx.x; i < n; i += blockDim.x) s += x[i];
     s = block_sum(s, sh);
-    if (threadIdx.x == 0) partial[0] = s;
+    if (threadIdx.x == 0) *out = s;
+}
+
+void cu_sum_f64_to(const double *x, size_t n, double *out)
+{
+    cuda_launch(sum_f64_kernel, 1, 1024, 0, x, n, out);
+    CUDA_LAUNCH_CHECK("sum_f64");
+}
+
+void cu_sumsq_f32_to(const float *x, size_t n, double *out)
+{
+    if (n == 0) {
+        CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), g_cuda.stream));
+        return;
+    }
+    const unsigned blocks = cuda_grid(n, EW_BLOCK) < SUMSQ_BLOCKS ? cuda_grid(n, EW_BLOCK) : SUMSQ_BLOCKS;
+    double *partial = (double *)cuda_scratch(SCRATCH_REDUCE, SUMSQ_BLOCKS * sizeof(double));
+    cuda_launch(sumsq_partial_kernel, blocks, EW_BLOCK, 0, partial, x, n, ((uintptr_t)x & 15u) == 0);
+    CUDA_LAUNCH_CHECK("sumsq partial");
+    cu_sum_f64_to(partial, blocks, out);
 }
 
 double cu_sumsq_f32(const float *x, size_t n)
 {
     if (n == 0) return 0.0;
-    const unsigned blocks = cuda_grid(n, EW_BLOCK) < SUMSQ_BLOCKS ? cuda_grid(n, EW_BLOCK) : SUMSQ_BLOCKS;
     double *partial = (double *)cuda_scratch(SCRATCH_REDUCE, SUMSQ_BLOCKS * sizeof(double));
-    cuda_launch(sumsq_partial_kernel, blocks, EW_BLOCK, 0, partial, x, n, ((uintptr_t)x & 15u) == 0);
-    CUDA_LAUNCH_CHECK("sumsq partial");
-    cuda_launch(sumsq_final_kernel, 1, 1024, 0, partial, (int)blocks);
-    CUDA_LAUNCH_CHECK("sumsq final");
+    cu_sumsq_f32_to(x, n, partial); /* the final sum reads the partials into partial[0] */
     double r = 0.0;
     CUDA_CHECK(cudaMemcpyAsync(&r, partial, sizeof r, cudaMemcpyDeviceToHost, g_cuda.stream));
     CUDA_CHECK(cudaStreamSynchronize(g_cuda.stream));

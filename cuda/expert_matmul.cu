@@ -8,6 +8,7 @@
  * most SMs idle; the grouped call schedules every expert's tiles together. The offsets are device
  * memory (ops.h); this path downloads them and waits, the grouped kernel does not. */
 #include "expert_matmul.cuh"
+#include "elementwise.cuh"
 #include "grouped_gemm.cuh"
 #include "matmul.cuh"
 
@@ -194,13 +195,15 @@ void cu_expert_matmul_backward(void *din, float *dw, const void *dout, const voi
  * all; elsewhere they are added one after the other (the same sums, rounded in another order). */
 template <typename T>
 void cu_expert_matmul_wgrad_sets(float *dw, const struct expert_rows *sets, int n_sets, int n_exp,
-                                 int I, int O, bool dw_overwrite)
+                                 int I, int O, bool dw_overwrite, double *dw_sumsq)
 {
-    if (std::is_same<T, bf16>::value && grouped_gemm_wgrad_sets(dw, sets, n_sets, n_exp, I, O, dw_overwrite))
+    if (std::is_same<T, bf16>::value &&
+        grouped_gemm_wgrad_sets(dw, sets, n_sets, n_exp, I, O, dw_overwrite, dw_sumsq))
         return;
     for (int s = 0; s < n_sets; s++)
         cu_expert_matmul_backward<T>(NULL, dw, sets[s].dout, sets[s].in, NULL, sets[s].off,
                                      sets[s].rows, n_exp, I, O, dw_overwrite && s == 0);
+    if (dw_sumsq) cu_sumsq_f32_to(dw, (size_t)n_exp * O * I, dw_sumsq);
 }
 
 /* In parts where the grouped kernel runs; elsewhere whole in the last part (until NULL) */
@@ -211,7 +214,7 @@ void cu_expert_matmul_wgrad_part(float *dw, const struct expert_rows *sets, int 
     if (std::is_same<T, bf16>::value &&
         grouped_gemm_wgrad_part(dw, sets, n_sets, n_exp, I, O, dw_overwrite, cursor, until))
         return;
-    if (!until) cu_expert_matmul_wgrad_sets<T>(dw, sets, n_sets, n_exp, I, O, dw_overwrite);
+    if (!until) cu_expert_matmul_wgrad_sets<T>(dw, sets, n_sets, n_exp, I, O, dw_overwrite, nullptr);
 }
 
 template void cu_expert_matmul_forward<float>(void *, const void *, const void *, const int64_t *,
@@ -225,9 +228,9 @@ template void cu_expert_matmul_backward<bf16>(void *, float *, const void *, con
                                               const void *, const int64_t *, int64_t, int, int,
                                               int, bool);
 template void cu_expert_matmul_wgrad_sets<float>(float *, const struct expert_rows *, int, int, int,
-                                                 int, bool);
+                                                 int, bool, double *);
 template void cu_expert_matmul_wgrad_sets<bf16>(float *, const struct expert_rows *, int, int, int,
-                                                int, bool);
+                                                int, bool, double *);
 template void cu_expert_matmul_wgrad_part<float>(float *, const struct expert_rows *, int, int, int, int,
                                                  bool, int32_t *, const struct exchange_arrival *);
 template void cu_expert_matmul_wgrad_part<bf16>(float *, const struct expert_rows *, int, int, int, int,

@@ -14,7 +14,7 @@ void cu_expert_matmul_backward(void *din, float *dw, const void *dout, const voi
                                int O, bool dw_overwrite);
 template <typename T>
 void cu_expert_matmul_wgrad_sets(float *dw, const struct expert_rows *sets, int n_sets, int n_exp,
-                                 int I, int O, bool dw_overwrite);
+                                 int I, int O, bool dw_overwrite, double *dw_sumsq);
 template <typename T>
 void cu_expert_matmul_wgrad_part(float *dw, const struct expert_rows *sets, int n_sets, int n_exp, int I,
                                  int O, bool dw_overwrite, int32_t *cursor, const struct exchange_arrival *until);

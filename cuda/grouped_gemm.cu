@@ -36,6 +36,7 @@
 #include "grouped_gemm.cuh"
 
 #include "cuda_common.cuh"
+#include "elementwise.cuh"
 #include "grouped_gemm_mma.cuh"
 #include "grouped_gemm_tiles.cuh"
 #include "tma.cuh"
@@ -50,6 +51,21 @@ namespace {
  * grouped_gemm_mma.cuh */
 
 /* ---------------------------------------------------------------- the kernel */
+
+/* Wgrad, overwriting: Σ acc² of this consumer warp's share of the tile into *out, in double and in
+ * an order fixed by the code alone (four running sums a thread, then a shuffle butterfly), so the
+ * gradient norm needs no pass over the values the tile stores. A zero tile's sum is 0. */
+__device__ __forceinline__ void warp_tile_sumsq(double *out, const float (&acc)[128], bool zero_tile, int lane)
+{
+    double s[4] = {0.0, 0.0, 0.0, 0.0};
+    if (!zero_tile)
+#pragma unroll
+        for (int i = 0; i < 128; i++) s[i & 3] = fma((double)acc[i], (double)acc[i], s[i & 3]);
+    double v = (s[0] + s[1]) + (s[2] + s[3]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) *out = v;
+}
 
 /* PARTS (wgrad only): the launch takes its tiles from p.claim and may stop early, so every loop
  * ends on a sentinel header (expert -1) instead of at the CTA's last grid-stride tile. A separate
@@ -361,6 +377,9 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const __grid_c
                 fence_proxy_async(); /* for the TMA's reads */
                 __syncwarp();
                 if (lane == 0) mbar_arrive(staged_bar);
+                /* while the dw warp sends the first half (the second waits for it anyway) */
+                if (!PARTS && half == 0 && p.sumsq)
+                    warp_tile_sumsq(p.sumsq + (size_t)t * 8 + (ctid >> 5), acc, zero_tile, lane);
             }
         } else {
             /* Through shared memory: the tile is written (bf16, in the 128-byte-swizzled layout of
@@ -434,7 +453,7 @@ template <int KIND>
 void launch(int n_sets, const CUtensorMap *ma, const CUtensorMap *mb, const int64_t *const *off,
             void *out, int64_t R, int n_exp, int M, int N, int K, const CUtensorMap *mout,
             bool overwrite = false, int *claim = nullptr, const struct exchange_arrival *until = nullptr,
-            const int64_t *end = nullptr)
+            const int64_t *end = nullptr, double *sumsq = nullptr /* wgrad overwrite: [all tiles][8] */)
 {
     static bool attr_set;
     if (!attr_set) {
@@ -473,6 +492,7 @@ void launch(int n_sets, const CUtensorMap *ma, const CUtensorMap *mb, const int6
                  (long long)max_tiles);
         p.n_exp = ne;
         p.e_base = e0;
+        p.sumsq = sumsq ? sumsq + (size_t)e0 * cdiv(M, BM) * cdiv(N, BN) * 8 : nullptr;
         for (int s = 0; s < n_sets; s++) p.off[s] = off[s] + e0;
         p.end0 = (end ? end : off[0] + 1) + e0;
         const int grid = max_tiles < g_cuda.num_sms ? (int)max_tiles : g_cuda.num_sms;
@@ -545,19 +565,23 @@ extern "C" bool grouped_gemm_wgrad(float *dw, const void *dout, const void *in, 
                                    int64_t rows, int n_exp, int I, int O, bool overwrite)
 {
     const struct expert_rows set = {dout, in, off, rows};
-    return grouped_gemm_wgrad_sets(dw, &set, 1, n_exp, I, O, overwrite);
+    return grouped_gemm_wgrad_sets(dw, &set, 1, n_exp, I, O, overwrite, nullptr);
 }
 
-/* grouped_gemm_wgrad_sets, whole (claim NULL) or in parts */
+/* grouped_gemm_wgrad_sets, whole (claim NULL) or in parts (no sumsq) */
 static bool wgrad_sets(float *dw, const struct expert_rows *sets, int n_sets, int n_exp, int I, int O,
-                       bool overwrite, int *claim, const struct exchange_arrival *until)
+                       bool overwrite, int *claim, const struct exchange_arrival *until, double *sumsq)
 {
+    MT_CHECK(!sumsq || !claim, "grouped_gemm_wgrad_part: no sum of squares in parts");
     MT_CHECK(n_sets >= 1 && n_sets <= MAX_SETS, "grouped_gemm_wgrad_sets: %d row sets (1 to %d)",
              n_sets, MAX_SETS);
     for (int s = 0; s < n_sets; s++)
         if (sets[s].rows > 0 && !supported(I, O, sets[s].rows, dw, sets[s].dout, sets[s].in)) return false;
     if (!supported(I, O, 0, dw, dw, dw)) return false;
-    if (n_exp <= 0 || (claim && n_exp > MAX_EXPERTS)) return n_exp <= 0; /* too many: whole, elsewhere */
+    if (n_exp <= 0 || (claim && n_exp > MAX_EXPERTS)) { /* too many: whole, elsewhere */
+        if (n_exp <= 0 && sumsq) CUDA_CHECK(cudaMemsetAsync(sumsq, 0, sizeof(double), g_cuda.stream));
+        return n_exp <= 0;
+    }
     if (until && !until->flags) return true; /* a wait the device cannot see: nothing taken */
     /* sets with no rows need no tensor map (and cannot have one of zero rows) */
     CUtensorMap ma[MAX_SETS], mb[MAX_SETS];
@@ -568,8 +592,10 @@ static bool wgrad_sets(float *dw, const struct expert_rows *sets, int n_sets, in
         wgrad_maps(&ma[n], &mb[n], sets[s].dout, sets[s].in, sets[s].rows, I, O);
         off[n++] = sets[s].off;
     }
+    const size_t dw_numel = (size_t)n_exp * O * I;
     if (n == 0) { /* no tiles but zeros, which the last part writes */
-        if (overwrite && !until) CUDA_CHECK(cudaMemsetAsync(dw, 0, (size_t)n_exp * O * I * sizeof(float), g_cuda.stream));
+        if (overwrite && !until) CUDA_CHECK(cudaMemsetAsync(dw, 0, dw_numel * sizeof(float), g_cuda.stream));
+        if (sumsq) cu_sumsq_f32_to(dw, dw_numel, sumsq);
         return true;
     }
     CUtensorMap mw;
@@ -577,21 +603,26 @@ static bool wgrad_sets(float *dw, const struct expert_rows *sets, int n_sets, in
     const cuuint64_t dws[2] = {(cuuint64_t)I * 4, (cuuint64_t)O * I * 4};
     const cuuint32_t dwb[3] = {32, BM, 1};
     tma_make_map_f32(&mw, dw, 3, dwd, dws, dwb, "grouped_gemm");
-    launch<KIND_WGRAD>(n, ma, mb, off, dw, 0, n_exp, O, I, 0, &mw, overwrite, claim, until);
+    /* overwriting, the tiles' sums come from their accumulators; adding, a pass over dw after */
+    const size_t tile_sums = (size_t)n_exp * cdiv(O, BM) * cdiv(I, BN) * 8;
+    double *partial = sumsq && overwrite ? (double *)cuda_scratch(SCRATCH_GG_SUMSQ, tile_sums * sizeof(double)) : nullptr;
+    launch<KIND_WGRAD>(n, ma, mb, off, dw, 0, n_exp, O, I, 0, &mw, overwrite, claim, until, nullptr, partial);
+    if (partial) cu_sum_f64_to(partial, tile_sums, sumsq);
+    else if (sumsq) cu_sumsq_f32_to(dw, dw_numel, sumsq);
     return true;
 }
 
 extern "C" bool grouped_gemm_wgrad_sets(float *dw, const struct expert_rows *sets, int n_sets,
-                                        int n_exp, int I, int O, bool overwrite)
+                                        int n_exp, int I, int O, bool overwrite, double *sumsq)
 {
-    return wgrad_sets(dw, sets, n_sets, n_exp, I, O, overwrite, nullptr, nullptr);
+    return wgrad_sets(dw, sets, n_sets, n_exp, I, O, overwrite, nullptr, nullptr, sumsq);
 }
 
 extern "C" bool grouped_gemm_wgrad_part(float *dw, const struct expert_rows *sets, int n_sets, int n_exp,
                                         int I, int O, bool overwrite, int32_t *cursor,
                                         const struct exchange_arrival *until)
 {
-    return wgrad_sets(dw, sets, n_sets, n_exp, I, O, overwrite, cursor, until);
+    return wgrad_sets(dw, sets, n_sets, n_exp, I, O, overwrite, cursor, until, nullptr);
 }
 
 extern "C" bool grouped_gemm_available(void) { return g_cuda.ready && g_cuda.hopper; }

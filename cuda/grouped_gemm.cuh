@@ -46,9 +46,12 @@ bool grouped_gemm_wgrad(float *dw /*[n_exp,O,I] fp32*/, const void *dout /*[rows
 /* The same over n_sets (1 .. MT_WGRAD_MAX_SETS) row sets in one pass (ops.h struct expert_rows:
  * several micro-steps' rows): dw[e] (+)= Σ_s dout_s[rows of e]ᵀ · in_s[rows of e], one fp32
  * accumulation per dw element (K walks the sets' rows in order), so dw is read and written once
- * for all of them. Sets with no rows are passed over. */
+ * for all of them. Sets with no rows are passed over. sumsq (device [1], or NULL): Σ dw² over all
+ * of dw after the call, in double in an order fixed by the shapes. Overwriting, each tile's sum
+ * is taken from its accumulators (the values it writes) and the tiles' sums added in tile order;
+ * adding, dw's final values are not in the kernel, so a pass over dw follows the call. */
 bool grouped_gemm_wgrad_sets(float *dw /*[n_exp,O,I] fp32*/, const struct expert_rows *sets,
-                             int n_sets, int n_exp, int I, int O, bool overwrite);
+                             int n_sets, int n_exp, int I, int O, bool overwrite, double *sumsq);
 
 /* grouped_gemm_wgrad_sets in parts, for the waits of an exchange: each call takes tiles from
  * `cursor` (device, 2 int32 zeroed before the first part; the same sets, dw and overwrite in every

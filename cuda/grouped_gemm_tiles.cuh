@@ -65,6 +65,9 @@ struct gg_params {
     void *out;          /* bf16 [R, N] (forward, dgrad) or fp32 dw [n_exp, M, N] (wgrad) */
     int M, N, K;        /* wgrad: M = O, N = I; forward/dgrad: N, K (M is the expert's rows) */
     int overwrite;      /* wgrad: dw = acc (dw not read; experts with no rows get zero tiles) */
+    /* wgrad, overwriting, whole launches: each tile slot's Σ acc² (the values it stores), one
+     * double a consumer warp ([tiles of the launch][8]), or NULL */
+    double *sumsq;
     int dw_pace;        /* wgrad: the dw warp spreads a tile's adds over this many thousandths of
                          * the next tile's MMA time at the SM's peak (0: all at once) */
     int heavy_first;    /* wgrad: experts visited in order of falling K blocks, each full round of

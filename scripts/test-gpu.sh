@@ -91,12 +91,12 @@ run_step() {
     return "$rc"
 }
 
-# compare_losses NAME A.jsonl B.jsonl TOL: the "loss" of every step, |a - b| <= TOL * |b|
+# compare_losses NAME A.jsonl B.jsonl TOL [KEY]: the "loss" (or KEY) of every step, |a - b| <= TOL * |b|
 compare_losses() {
-    local name=$1 a=$2 b=$3 tol=$4
+    local name=$1 a=$2 b=$3 tol=$4 key=${5:-loss}
     local la lb
-    la=$(grep -o '"loss": [-0-9.eE+naif]*' "$a" 2>/dev/null | awk '{print $2}')
-    lb=$(grep -o '"loss": [-0-9.eE+naif]*' "$b" 2>/dev/null | awk '{print $2}')
+    la=$(grep -o "\"$key\": [-0-9.eE+naif]*" "$a" 2>/dev/null | awk '{print $2}')
+    lb=$(grep -o "\"$key\": [-0-9.eE+naif]*" "$b" 2>/dev/null | awk '{print $2}')
     if [ -z "$la" ] || [ "$(echo "$la" | wc -l)" -ne "$STEPS" ] || [ "$(echo "$lb" | wc -l)" -ne "$STEPS" ]; then
         record "$name" "FAIL (missing loss lines: $(echo "$la" | grep -c .) and $(echo "$lb" | grep -c .) of $STEPS)"
         return
@@ -290,6 +290,21 @@ run_step "train bf16, 1 GPU, expert_wgrad_pairs=false" "$LOG/train_1gpu_bf16_nop
     --set log.metrics="$LOG/train_1gpu_bf16_nopairs.jsonl"
 compare_losses "losses expert_wgrad_pairs on vs off, bf16 (tol $TRAIN_BF16_TOL)" \
     "$LOG/train_1gpu_bf16.jsonl" "$LOG/train_1gpu_bf16_nopairs.jsonl" "$TRAIN_BF16_TOL"
+# the gradient norm's share of the expert gradients summed by the grouped weight-gradient pass
+# that overwrote them (groups of eight here, every layer): the default run says how many tensors,
+# and with MT_GRAD_NORM_FOLD=0 (a pass over them instead) the norms agree to rounding
+if grep -Eq "grad norm +[1-9][0-9]* of the stage's expert weight tensors" "$LOG/train_1gpu_bf16.log"; then
+    record "gradient norm fold takes the expert tensors in the bf16 run" PASS
+else
+    record "gradient norm fold takes the expert tensors in the bf16 run" "FAIL (no grad norm line with tensors in train_1gpu_bf16.log)"
+fi
+run_step "train bf16, 1 GPU, MT_GRAD_NORM_FOLD=0" "$LOG/train_1gpu_bf16_nofold.log" \
+    env MT_GRAD_NORM_FOLD=0 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+    --set log.metrics="$LOG/train_1gpu_bf16_nofold.jsonl"
+compare_losses "gradient norms with the fold vs MT_GRAD_NORM_FOLD=0, bf16 (tol 1e-7: 8 digits written)" \
+    "$LOG/train_1gpu_bf16.jsonl" "$LOG/train_1gpu_bf16_nofold.jsonl" 1e-7 grad_norm
+compare_losses "losses with the fold vs MT_GRAD_NORM_FOLD=0, bf16 (tol 1e-6)" \
+    "$LOG/train_1gpu_bf16.jsonl" "$LOG/train_1gpu_bf16_nofold.jsonl" 1e-6
 # the chunked MoE exchange (parallel.moe_chunks, docs/scaling.md) on one GPU through the loopback
 # (MT_MOE_LOOPBACK=1: the pair path and an all-to-all with itself on the EP comm's side stream)
 run_step "train bf16, 1 GPU, moe_chunks=2, loopback" "$LOG/train_1gpu_bf16_chunks.log" \

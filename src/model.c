@@ -313,7 +313,7 @@ void model_free(struct model *m)
                    m->d_topk_w, m->d_x_send, m->meta_idx_send, m->meta_w_send, m->d_w_recv,
                    m->aux_dp, m->ones, m->d_gu, m->d_act, m->d_x_exp, m->d_y_exp,
                    m->stats, m->bias, m->x_recv, m->d_w_home, m->o_wgrad_dout,
-                   m->q_wgrad_dout, m->rows_need, m->rows_split};
+                   m->q_wgrad_dout, m->rows_need, m->rows_split, m->grad_sumsq};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(dev[i]);
     free(m->rows_cap);
@@ -323,6 +323,7 @@ void model_free(struct model *m)
     free(m->gp);
     free_expert_wgrad_stash(m);
     free(m->exp_dw_fresh);
+    free(m->grad_sumsq_taken);
     tensor_table_free(&m->tt);
     memset(m, 0, sizeof *m);
 }
@@ -378,3 +379,37 @@ void *model_stage_input(struct model *m, int slot)
 }
 
 void *model_stage_output(struct model *m, int slot) { return m->slots[slot].h_out; }
+
+/* ---- sums of squared gradients taken where they are written last (model.h) */
+
+void model_enable_grad_sumsq(struct model *m)
+{
+    if (m->grad_sumsq) return;
+    m->grad_sumsq = m->be->alloc((size_t)m->tt.n * sizeof(double));
+    m->grad_sumsq_taken = mt_calloc((size_t)m->tt.n, sizeof(bool));
+}
+
+void model_grad_sumsq_reset(struct model *m)
+{
+    if (m->grad_sumsq_taken) memset(m->grad_sumsq_taken, 0, (size_t)m->tt.n * sizeof(bool));
+}
+
+double *model_grad_sumsq_slot(struct model *m, enum tensor_role r, int l)
+{
+    if (!m->grad_sumsq || m->more_backwards) return NULL;
+    const int i = tensor_lookup(&m->tt, r, l);
+    if (i < 0) return NULL;
+    m->grad_sumsq_taken[i] = true;
+    return m->grad_sumsq + i;
+}
+
+int model_grad_sumsq_taken(struct model *m, double *h)
+{
+    int n = 0;
+    for (int i = 0; m->grad_sumsq && i < m->tt.n; i++) n += m->grad_sumsq_taken[i];
+    if (n == 0) return 0;
+    m->be->download(h, m->grad_sumsq, (size_t)m->tt.n * sizeof(double));
+    for (int i = 0; i < m->tt.n; i++)
+        if (!m->grad_sumsq_taken[i]) h[i] = NAN;
+    return n;
+}

@@ -191,6 +191,10 @@ struct model {
      * saving the memset and the first read of ~2.4 GB a 30B-A3B layer. Set by whoever skipped
      * the zeroing (params_zero_grad, fsdp's before_backward), cleared by that backward. */
     bool *exp_dw_fresh;
+    /* model_enable_grad_sumsq: tensor i's Σ grad² as its step's last weight-gradient pass left
+     * it (backend memory [tt.n]), and whether that pass ran this step (host [tt.n]) */
+    double *grad_sumsq;
+    bool *grad_sumsq_taken;
     /* [L], or NULL when parallel.expert_wgrad_pairs is off (model_enable_expert_wgrad_pairs); a
      * layer whose off is NULL does not pair */
     struct expert_wgrad_stash *wstash;
@@ -298,6 +302,18 @@ void model_set_hooks(struct model *m, const struct model_unit_hooks *h);
  * and nothing else, so that it need not be zeroed if marked fresh; if so, marks the layer fresh
  * and returns true. work_numel: the unit's working elements. */
 bool model_skip_expert_grad_zeroing(struct model *m, int unit, int64_t work_numel);
+/* Sums of squared gradients taken by the pass that writes a weight gradient last in a step (the
+ * expert weight gradients' grouped pass where it overwrites: ops.h expert_matmul_wgrad_sets'
+ * dw_sumsq, summed from the kernel's accumulators), so that the gradient norm need not read those
+ * tensors again. enable allocates them; reset (at each step's start, a re-run's too) forgets what
+ * was taken; slot: where the pass that is tensor (role, l)'s last of the step writes its sum,
+ * marked taken (NULL: off, or another backward follows); taken: h[i] = tensor i's sum this step,
+ * NAN where none was taken (one download), and how many were (0: h untouched). The caller
+ * knows whether the gradients are still as those passes left them (not reduced). */
+void model_enable_grad_sumsq(struct model *m);
+void model_grad_sumsq_reset(struct model *m);
+double *model_grad_sumsq_slot(struct model *m, enum tensor_role r, int l);
+int model_grad_sumsq_taken(struct model *m, double *h /*[tt.n]*/);
 /* The fixed exchange (fixed_exchange above): grows the sender-side pair buffers to ep blocks of T
  * and sets every layer's rows_cap to 25% over the mean rows a rank receives (T·k), or `fraction` of
  * the mean when > 0 (MT_MOE_ROW_CAPACITY, a testing switch that forces re-run steps). Needs pairs

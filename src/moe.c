@@ -75,6 +75,14 @@ static void experts_forward(struct model *m, struct layer_acts *a, int l, void *
 
 /* Its backward: m->d_h (dL/d out) -> m->d_t1 (through the experts), m->d_topk_w and the experts'
  * weight gradients. */
+/* Where an overwriting grouped weight gradient (the step's only pass over that dw) leaves its Σ dw²
+ * for the gradient norm (model.h model_grad_sumsq_slot). An adding pass's sum would cost a read of
+ * dw like the norm's own pass, so it takes none. */
+static double *sumsq_slot(struct model *m, bool overwrite, enum tensor_role r, int l)
+{
+    return overwrite ? model_grad_sumsq_slot(m, r, l) : NULL;
+}
+
 static void experts_backward(struct model *m, struct layer_acts *a, int l)
 {
     const struct backend *be = m->be;
@@ -110,7 +118,7 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
         for (int k = 0; k < s->pending; k++)
             sets[k] = (struct expert_rows){s->slot[k].d_y_exp, s->slot[k].act, s->slot[k].off, s->slot[k].rows};
         sets[s->pending] = (struct expert_rows){m->d_y_exp, a->act, r->expert_off, R};
-        be->expert_matmul_wgrad_sets(dw_down, sets, n_sets, nl, I, H, fresh);
+        be->expert_matmul_wgrad_sets(dw_down, sets, n_sets, nl, I, H, fresh, sumsq_slot(m, fresh, TR_EXP_DOWN, l));
     }
     be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)R, I, used_rows(m, r));
     be->expert_matmul_backward(m->d_x_exp, now ? dw_gu : NULL, m->d_gu, a->x_exp,
@@ -127,7 +135,8 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
         for (int k = 0; k < s->pending; k++)
             sets[k] = (struct expert_rows){s->slot[k].d_gu, s->slot[k].x_exp, s->slot[k].off, s->slot[k].rows};
         sets[s->pending] = (struct expert_rows){m->d_gu, a->x_exp, r->expert_off, R};
-        be->expert_matmul_wgrad_sets(dw_gu, sets, n_sets, nl, H, 2 * I, fresh);
+        be->expert_matmul_wgrad_sets(dw_gu, sets, n_sets, nl, H, 2 * I, fresh,
+                                     sumsq_slot(m, fresh, TR_EXP_GATE_UP, l));
         s->pending = 0;
     }
     moe_dispatch_rows_backward_sum(m, a, d_pairs, &req);

@@ -331,9 +331,14 @@ struct backend {
      * micro-steps' rows, model.h: expert wgrad groups; 1 .. MT_WGRAD_MAX_SETS): dw[e] += Σ_s
      * dy_sᵀ x_s over expert e's rows of each set (each set's off and rows as off and R above);
      * dw_overwrite as above. One pass over dw for all sets, where the backward would make one a
-     * set. */
+     * set. dw_sumsq (backend memory [1], or NULL): receives Σ dw² over the whole of dw after the
+     * update, in double in an order that depends on the shapes alone: the gradient norm's share
+     * of dw where this is its last update of the step. Overwriting, the CUDA kernel sums each tile
+     * from the accumulators it stores, so no pass over dw from memory follows; adding, it takes
+     * such a pass after the call. */
     void (*expert_matmul_wgrad_sets)(float *dw /*[n_exp,O,I]*/, const struct expert_rows *sets,
-                                     int n_sets, int n_exp, int I, int O, bool dw_overwrite);
+                                     int n_sets, int n_exp, int I, int O, bool dw_overwrite,
+                                     double *dw_sumsq);
     /* The same in parts, to fill an exchange's wait (moe_wgrad_jobs.c): each call takes the work
      * `cursor` (backend memory, 2 int32, zeroed before the first part; the same arguments in every
      * part) has not passed; until NULL: all of it, else what runs while that exchange is in flight

@@ -439,6 +439,37 @@ double params_group_grad_sumsq(struct params *p, enum tensor_group g)
     return p->m->be->sumsq_f32(p->g[g].grad, (size_t)p->g[g].numel);
 }
 
+double params_group_grad_sumsq_known(struct params *p, enum tensor_group g, const double *known)
+{
+    const struct param_group_shard *gs = &p->g[g];
+    if (!known || !gs->aliased) return params_group_grad_sumsq(p, g);
+    const struct tensor_table *tt = &p->m->tt;
+    double ss = 0;
+    int64_t run_off = 0, run_len = 0; /* units next to each other without sums: one pass */
+    for (int u = 0; u < p->n_units; u++) {
+        if (gs->u_piece[u] == 0) continue;
+        bool all = true;
+        for (int i = 0; i < tt->n; i++)
+            if (tensor_group_of(&tt->t[i]) == g && tensor_unit(&tt->t[i], tt->n_layers) == u && isnan(known[i]))
+                all = false;
+        if (!all) {
+            if (run_len == 0) run_off = gs->u_off[u];
+            if (run_off + run_len == gs->u_off[u]) {
+                run_len += gs->u_piece[u];
+                continue;
+            }
+            ss += p->m->be->sumsq_f32(gs->grad + run_off, (size_t)run_len);
+            run_off = gs->u_off[u], run_len = gs->u_piece[u];
+            continue;
+        }
+        if (run_len) ss += p->m->be->sumsq_f32(gs->grad + run_off, (size_t)run_len), run_len = 0;
+        for (int i = 0; i < tt->n; i++)
+            if (tensor_group_of(&tt->t[i]) == g && tensor_unit(&tt->t[i], tt->n_layers) == u) ss += known[i];
+    }
+    if (run_len) ss += p->m->be->sumsq_f32(gs->grad + run_off, (size_t)run_len);
+    return ss;
+}
+
 double params_grad_sumsq_with(struct params *p, const double *known, struct comm *world)
 {
     double ss = 0;

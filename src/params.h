@@ -141,6 +141,11 @@ double params_grad_sumsq(struct params *p, struct comm *world);
 double params_grad_sumsq_with(struct params *p, const double *known /*[TG_COUNT]*/, struct comm *world);
 /* One group's sum of squared gradients on this rank (waits for it) */
 double params_group_grad_sumsq(struct params *p, enum tensor_group g);
+/* The same where some tensors' sums are known already (known[i], tensor i of the table; NAN: not
+ * known; NULL: none): a unit whose tensors of g all have sums adds them in table order, the runs
+ * of units between are read in one pass each. Groups of one only (the shard is the working
+ * layout); others take the plain pass. */
+double params_group_grad_sumsq_known(struct params *p, enum tensor_group g, const double *known /*[tt.n]*/);
 /* AdamW on the shards with the given lr and gradient scale (clipping): one adamw_update_multi
  * call over the shard, or one call per segment under MT_ADAMW_PER_TENSOR=1 (the same bits) */
 void params_adamw_step(struct params *p, const struct train_config *t, float lr, float grad_scale);

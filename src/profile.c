@@ -179,8 +179,8 @@ W(expert_matmul_backward, PROF_EXPERT_GEMM, O,
    int n, int I, int O, bool ow),
   (di, dw, d, i, w, off, R, n, I, O, ow))
 W(expert_matmul_wgrad_sets, PROF_EXPERT_GEMM, O,
-  (float *dw, const struct expert_rows *sets, int ns, int n, int I, int O, bool ow),
-  (dw, sets, ns, n, I, O, ow))
+  (float *dw, const struct expert_rows *sets, int ns, int n, int I, int O, bool ow, double *ss),
+  (dw, sets, ns, n, I, O, ow, ss))
 W(expert_matmul_wgrad_part, PROF_EXPERT_GEMM, O,
   (float *dw, const struct expert_rows *sets, int ns, int n, int I, int O, bool ow, int32_t *c,
    const struct exchange_arrival *u),

@@ -322,6 +322,17 @@ int cmd_train(const struct cli *a)
     if (piped) pt.aux_fixed = aux_global ? aux_dp : NULL;
     struct step_guard guard;
     step_guard_init(&guard, tc);
+    /* The expert gradients' share of the norm where their step's only weight-gradient pass
+     * overwrote them (groups of all the step's micro-steps): summed from the kernel's
+     * accumulators, not read again (model.h model_grad_sumsq_taken). Where they are not reduced
+     * after it; on the GPU by default (on the CPU it saves nothing and sums in another order than
+     * the one pass). MT_GRAD_NORM_FOLD=0 turns it off, =1 on any backend (tests). */
+    static const char *const fold_vals[] = {"0", "1", "auto"};
+    const int fold_mode = mt_env_choice("MT_GRAD_NORM_FOLD", fold_vals, 3, 2);
+    const bool fold_norm = !piped && p.g[TG_EXPERT].aliased && !fsdp_group_reduces(&sharding, TG_EXPERT) &&
+                           (fold_mode == 1 || (fold_mode == 2 && !strcmp(be->name, "cuda")));
+    double *known_ss = fold_norm ? mt_calloc((size_t)m.tt.n, sizeof(double)) : NULL;
+    if (fold_norm) model_enable_grad_sumsq(&m);
     /* no pipeline: no host wait per micro-step for the statistics (src/step_stats.h) */
     const bool deferred = step_stats_applies(mesh.d.pp);
     struct step_stats ss = {0};
@@ -336,6 +347,7 @@ int cmd_train(const struct cli *a)
     run_step: /* again, on the same batch, when an MoE layer outgrew its rows (fixed_exchange) */
         profile_reset();
         params_zero_grad(&p);
+        model_grad_sumsq_reset(&m);
         double ce_local = 0, aux_sum = 0;
         int64_t valid_local = 0;
         memset(layer_counts, 0, (size_t)L * MT_MAX(E, 1) * sizeof(double));
@@ -418,9 +430,16 @@ int cmd_train(const struct cli *a)
         /* a group that no reduction touches is final already: its sum runs while the others'
          * reduce-scatters finish (at EP the experts' ~2 ms under the embedding's) */
         double group_ss[TG_COUNT];
-        for (int g = 0; g < TG_COUNT; g++)
-            group_ss[g] = !piped && !fsdp_group_reduces(&sharding, (enum tensor_group)g)
-                              ? params_group_grad_sumsq(&p, (enum tensor_group)g) : NAN;
+        for (int g = 0; g < TG_COUNT; g++) {
+            const enum tensor_group tg = (enum tensor_group)g;
+            group_ss[g] = NAN;
+            if (piped || fsdp_group_reduces(&sharding, tg)) continue;
+            const int known = fold_norm && tg == TG_EXPERT ? model_grad_sumsq_taken(&m, known_ss) : 0;
+            group_ss[g] = params_group_grad_sumsq_known(&p, tg, known ? known_ss : NULL);
+            if (fold_norm && tg == TG_EXPERT && step == start_step + 1 && mesh.rank == 0)
+                printf("  grad norm   %d of the stage's expert weight tensors summed by the weight-gradient pass "
+                       "that wrote them, not read again (MT_GRAD_NORM_FOLD)\n", known);
+        }
         fsdp_flush(&sharding);
         double gsq = piped ? pipe_grad_sumsq(&p, &mesh, ends, world) : params_grad_sumsq_with(&p, group_ss, world);
         double gnorm = sqrt(gsq);
@@ -518,7 +537,7 @@ int cmd_train(const struct cli *a)
     metrics_close(&ml);
     step_batch_free(&sb); validation_close(val);
     free(aux_dp); free(cnt); free(layer_counts); free(lmin); free(lmax); free(lcv); free(ep_lmax);
-    free(tok); free(bias_h); free(rows_need);
+    free(tok); free(bias_h); free(rows_need); free(known_ss);
     if (piped) pipe_train_free(&pt);
     comm_free(pp); comm_free(ends); comm_free(pp_h);
     fsdp_free(&sharding);

@@ -325,7 +325,7 @@ static void bench_groups(const char *label, const int *rows, const struct gemm *
                 CUDA_CALL(cudaEventRecord(t0, stream));
                 bool ok = true;
                 for (int k = 0; k < SETS; k += group)
-                    ok = ok && grouped_gemm_wgrad_sets(g[i].out[0], sets + k, group, E, g[i].I, g[i].O, false);
+                    ok = ok && grouped_gemm_wgrad_sets(g[i].out[0], sets + k, group, E, g[i].I, g[i].O, false, NULL);
                 if (!ok) mt_fatal("grouped_gemm refused %s", g[i].name);
                 CUDA_CALL(cudaEventRecord(t1, stream));
                 CUDA_CALL(cudaEventSynchronize(t1));
@@ -370,7 +370,7 @@ static void profile_once(const char *label, const int *rows, const struct gemm *
         for (int k = 1; k < SETS; k++)
             sets[k] = (struct expert_rows){dev_random((size_t)R * g[i].O, 2), dev_random((size_t)R * g[i].I, 2),
                                            doff, R};
-        if (!grouped_gemm_wgrad_sets(g[i].out[0], sets, SETS, E, g[i].I, g[i].O, false))
+        if (!grouped_gemm_wgrad_sets(g[i].out[0], sets, SETS, E, g[i].I, g[i].O, false, NULL))
             mt_fatal("grouped_gemm refused %s in %d sets", g[i].name, SETS);
         printf("launch: %s %s (%d sets)\n", label, g[i].name, SETS);
         CUDA_CALL(cudaStreamSynchronize(stream));

@@ -182,13 +182,18 @@ static void b_expert_matmul_backward(void *din, float *dw, const void *dout, con
 }
 
 static void b_expert_matmul_wgrad_sets(float *dw, const struct expert_rows *sets, int n_sets,
-                                       int n_exp, int I, int O, bool dw_overwrite)
+                                       int n_exp, int I, int O, bool dw_overwrite, double *dw_sumsq)
 {
     MT_CHECK(n_sets >= 1 && n_sets <= MT_WGRAD_MAX_SETS, "expert_matmul_wgrad_sets: %d row sets", n_sets);
     for (int s = 0; s < n_sets; s++) check_rows("expert_matmul_wgrad_sets", sets[s].off, sets[s].rows, n_exp);
     if (dw_overwrite) memset(dw, 0, (size_t)n_exp * O * I * sizeof(float));
     for (int s = 0; s < n_sets; s++)
         cpu_expert_matmul_backward(NULL, dw, sets[s].dout, sets[s].in, NULL, sets[s].off, n_exp, I, O);
+    if (dw_sumsq) {
+        double ss = 0;
+        for (size_t i = 0; i < (size_t)n_exp * O * I; i++) ss += (double)dw[i] * dw[i];
+        *dw_sumsq = ss;
+    }
 }
 
 /* experts a part takes where until is set: MT_CPU_WGRAD_PART_EXPERTS (default 0), so that tests

@@ -367,7 +367,23 @@ static void free_row_sets(const struct mode *M, struct row_sets *rs)
  * expert: rows of some sets only, of all, of none (kept bit-exact when adding, zeros when
  * overwriting), ragged tile and K-block edges in each set, and whole sets empty. Tolerance
  * TOL_F32_LONG (fp32 sums of exact bf16 products, only the order differs). In bf16 mode on Hopper
- * the grouped kernel must take the call itself. rows[s][e]: set s's rows of expert e. */
+ * the grouped kernel must take the call itself. Every call also returns Σ dw² after it (dw_sumsq:
+ * on Hopper each tile read back from the L2 once its adds complete), which must match the sum
+ * over the dw it left, taken here in double, to TOL_SUMSQ (the same squares summed in another
+ * order; a tile read before its adds landed, or missed, is off by far more), and be the same bits
+ * from the direct call. rows[s][e]: set s's rows of expert e. */
+#define TOL_SUMSQ 1e-9
+static double host_sumsq(const float *x, size_t n)
+{
+    double s = 0;
+    for (size_t i = 0; i < n; i++) s += (double)x[i] * x[i];
+    return s;
+}
+static void check_sumsq(const struct mode *M, const char *what, double got, const float *dw, size_t n)
+{
+    const double want = host_sumsq(dw, n), err = fabs(got - want) / fmax(want, 1e-300);
+    cr_expect(err <= TOL_SUMSQ, "%s [%s]: dw_sumsq %.17g, dw's own %.17g (rel err %.2e)", what, M->name, got, want, err);
+}
 static void wgrad_sets_case(const struct mode *M, mt_rng *rng, const char *tag, int NE, int NS,
                             const int *const *rows, int I, int O)
 {
@@ -383,9 +399,14 @@ static void wgrad_sets_case(const struct mode *M, mt_rng *rng, const char *tag, 
     /* adding onto random dw */
     float *dw0 = hrand(rng, wn, 1.0), *dw_ref = hdup(dw0, wn);
     float *d_dw = df_from(M, dw0, wn);
-    M->g->expert_matmul_wgrad_sets(d_dw, g_sets, NS, NE, I, O, false);
-    M->c->expert_matmul_wgrad_sets(dw_ref, c_sets, NS, NE, I, O, false);
+    double *d_ss = M->g->alloc(2 * sizeof(double)), ss[2], ss_cpu;
+    M->g->expert_matmul_wgrad_sets(d_dw, g_sets, NS, NE, I, O, false, d_ss);
+    M->c->expert_matmul_wgrad_sets(dw_ref, c_sets, NS, NE, I, O, false, &ss_cpu);
     float *dw = hf_of(M, d_dw, wn), *add = diff(dw, dw0, wn), *add_ref = diff(dw_ref, dw0, wn);
+    M->g->download(ss, d_ss, sizeof(double));
+    snprintf(what, sizeof what, "wgrad %d sets %s: adding", NS, tag);
+    check_sumsq(M, what, ss[0], dw, wn);
+    cr_expect(ss_cpu == host_sumsq(dw_ref, wn), "%s: the CPU's dw_sumsq is not its dw's", what);
     double worst = 0;
     bool empty_kept = true;
     for (int e = 0; e < NE; e++) {
@@ -408,9 +429,12 @@ static void wgrad_sets_case(const struct mode *M, mt_rng *rng, const char *tag, 
     for (size_t i = 0; i < wn; i++) nans[i] = NAN;
     float *zref = fnew(wn);
     float *d_dwo = df_from(M, nans, wn);
-    M->g->expert_matmul_wgrad_sets(d_dwo, g_sets, NS, NE, I, O, true);
-    M->c->expert_matmul_wgrad_sets(zref, c_sets, NS, NE, I, O, true);
+    M->g->expert_matmul_wgrad_sets(d_dwo, g_sets, NS, NE, I, O, true, d_ss + 1);
+    M->c->expert_matmul_wgrad_sets(zref, c_sets, NS, NE, I, O, true, NULL);
     float *dwo = hf_of(M, d_dwo, wn);
+    M->g->download(ss + 1, d_ss + 1, sizeof(double));
+    snprintf(what, sizeof what, "wgrad %d sets %s: overwriting", NS, tag);
+    check_sumsq(M, what, ss[1], dwo, wn);
     snprintf(what, sizeof what, "wgrad %d sets %s: overwrite (vs CPU)", NS, tag);
     check_close(M, what, dwo, zref, wn, TOL_F32_LONG);
     for (int e = 0; e < NE; e++)
@@ -422,18 +446,23 @@ static void wgrad_sets_case(const struct mode *M, mt_rng *rng, const char *tag, 
 #ifdef MT_HAVE_CUDA
     if (M->g->x_size == 2 && grouped_gemm_available()) {
         float *d_dw3 = df_from(M, dw0, wn);
-        const bool took = grouped_gemm_wgrad_sets(d_dw3, g_sets, NS, NE, I, O, false);
+        double *d_ss3 = M->g->alloc(sizeof(double)), ss3 = -1;
+        const bool took = grouped_gemm_wgrad_sets(d_dw3, g_sets, NS, NE, I, O, false, d_ss3);
         const bool want = I % 8 == 0 && O % 8 == 0; /* what the kernel handles (grouped_gemm.cuh) */
         cr_expect(took == want, "wgrad %d sets %s: the grouped kernel took it: %d, expected %d", NS, tag, took, want);
         float *dw3 = hf_of(M, d_dw3, wn);
         snprintf(what, sizeof what, "wgrad %d sets %s: direct call = op", NS, tag);
         if (took) check_exact(M, what, dw3, dw, wn * sizeof(float));
-        M->g->free(d_dw3);
+        if (took) M->g->download(&ss3, d_ss3, sizeof(double));
+        cr_expect(!took || memcmp(&ss3, ss, sizeof(double)) == 0,
+                  "wgrad %d sets %s: dw_sumsq of the direct call %.17g, of the op %.17g (not the same bits)", NS,
+                  tag, ss3, ss[0]);
+        M->g->free(d_dw3), M->g->free(d_ss3);
         free(dw3);
     }
 #endif
     free_row_sets(M, &rs);
-    M->g->free(d_dw), M->g->free(d_dwo);
+    M->g->free(d_dw), M->g->free(d_dwo), M->g->free(d_ss);
     free(rows_all), free(dw0), free(dw_ref);
     free(dw), free(add), free(add_ref), free(nans), free(zref), free(dwo);
 }
@@ -509,9 +538,9 @@ static void wgrad_part_case(const struct mode *M, mt_rng *rng, const char *tag, 
     if (overwrite)
         for (size_t i = 0; i < wn; i++) dw0[i] = NAN;
     float *d_one = df_from(M, dw0, wn);
-    M->g->expert_matmul_wgrad_sets(d_one, g_sets, NS, NE, I, O, overwrite);
+    M->g->expert_matmul_wgrad_sets(d_one, g_sets, NS, NE, I, O, overwrite, NULL);
     float *one = hf_of(M, d_one, wn), *ref = hdup(dw0, wn);
-    M->c->expert_matmul_wgrad_sets(ref, c_sets, NS, NE, I, O, overwrite);
+    M->c->expert_matmul_wgrad_sets(ref, c_sets, NS, NE, I, O, overwrite, NULL);
     snprintf(what, sizeof what, "wgrad part %s%s: one call vs CPU", tag, overwrite ? " (overwrite)" : "");
     check_close(M, what, one, ref, wn, TOL_F32_LONG);
 

@@ -51,3 +51,67 @@ Test(grad_norm, early_group_sums_give_the_same_bits)
     params_free(&p);
     model_free(&m);
 }
+
+/* params_group_grad_sumsq_known: the expert group's sum with some tensors' sums given (train.c's
+ * gradient-norm fold). None given: the plain pass's bits. A layer's tensors all given: those are
+ * added as given (a sum moved by 1 moves the total by 1) and the other units are read; every unit
+ * given: the sums alone, whatever the gradients hold. A layer with only some of its tensors given
+ * is read whole. */
+Test(grad_norm, known_tensor_sums_replace_their_units_pass)
+{
+    struct model_config mc;
+    small_model_config(&mc);
+    struct model m;
+    struct params p;
+    model_init(&m, backend_cpu(), &mc, 2, 8, NULL, false);
+    params_init(&p, &m, NULL, NULL);
+    params_bind_aliased(&p);
+    mt_rng rng;
+    mt_rng_seed(&rng, 78);
+    const struct param_group_shard *ge = &p.g[TG_EXPERT];
+    cr_assert(ge->aliased, "the expert group of one rank is its working layout");
+    float *h = malloc((size_t)ge->numel * sizeof(float));
+    for (int64_t i = 0; i < ge->numel; i++) h[i] = (float)((double)(mt_rng_next(&rng) >> 11) / 9007199254740992.0 - 0.5);
+    m.be->upload(ge->grad, h, (size_t)ge->numel * sizeof(float));
+    free(h);
+    const double plain = params_group_grad_sumsq(&p, TG_EXPERT);
+    double *known = malloc((size_t)m.tt.n * sizeof(double));
+    for (int i = 0; i < m.tt.n; i++) known[i] = NAN;
+    cr_expect(params_group_grad_sumsq_known(&p, TG_EXPERT, known) == plain, "no sums given: not the plain bits");
+    cr_expect(params_group_grad_sumsq_known(&p, TG_EXPERT, NULL) == plain, "NULL: not the plain bits");
+    /* each expert tensor's own sum, from its gradient */
+    double *own = calloc((size_t)m.tt.n, sizeof(double));
+    int n_exp_t = 0;
+    for (int i = 0; i < m.tt.n; i++) {
+        if (m.tt.t[i].kind != TK_EXPERT) continue;
+        const float *g = model_grad(&m, i);
+        for (int64_t j = 0; j < model_work_numel_of(&m, i); j++) own[i] += (double)g[j] * g[j];
+        n_exp_t++;
+    }
+    cr_assert_geq(n_exp_t, 4, "the small model has two MoE layers of two expert tensors");
+    for (int layer = 0; layer < 2; layer++) {
+        for (int i = 0; i < m.tt.n; i++) known[i] = m.tt.t[i].kind == TK_EXPERT && m.tt.t[i].layer == layer ? own[i] : NAN;
+        const double with = params_group_grad_sumsq_known(&p, TG_EXPERT, known);
+        cr_expect(fabs(with - plain) <= 1e-12 * plain, "layer %d given: %.17g against %.17g", layer, with, plain);
+        for (int i = 0; i < m.tt.n; i++)
+            if (!isnan(known[i])) {
+                known[i] += 1.0;
+                break;
+            }
+        const double moved = params_group_grad_sumsq_known(&p, TG_EXPERT, known);
+        cr_expect(fabs(moved - (with + 1.0)) <= 1e-12 * (with + 1.0), "layer %d: a given sum is not the one added", layer);
+    }
+    for (int i = 0; i < m.tt.n; i++) known[i] = m.tt.t[i].kind == TK_EXPERT ? 2.0 : NAN;
+    cr_expect(params_group_grad_sumsq_known(&p, TG_EXPERT, known) == 2.0 * n_exp_t, "every unit given: not the sums alone");
+    /* one tensor of layer 0 not given: layer 0 is read whole, its other tensor's sum not added */
+    for (int i = 0; i < m.tt.n; i++) known[i] = m.tt.t[i].kind == TK_EXPERT ? own[i] : NAN;
+    const int gu0 = tensor_lookup(&m.tt, TR_EXP_GATE_UP, 0), down0 = tensor_lookup(&m.tt, TR_EXP_DOWN, 0);
+    cr_assert(gu0 >= 0 && down0 >= 0);
+    known[gu0] = NAN;
+    known[down0] = 1e6;
+    const double part = params_group_grad_sumsq_known(&p, TG_EXPERT, known);
+    cr_expect(fabs(part - plain) <= 1e-12 * plain, "layer 0 half given: %.17g against %.17g", part, plain);
+    free(known), free(own);
+    params_free(&p);
+    model_free(&m);
+}

@@ -6,6 +6,7 @@
  * another backward may follow (model.more_backwards), and the flag is cleared by every backward.
  * The training-level runs (meshes, pipeline, recompute) are in test_fsdp.c. */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -279,3 +280,50 @@ Test(wgrad_pairs, mixed_groups_fill_the_memory_a_split_master_frees)
     fprintf(stderr, "wgrad groups: split master on 139.8 GiB: eights in %d of 8 layers\n", big[1]);
 }
 
+/* The gradient norm's sums from the weight-gradient pass (model.h model_grad_sumsq_slot): groups
+ * of 8 in layer 0 and 4 in layer 1 over 8 micro-steps, onto gradients params_zero_grad leaves for
+ * the first pass to overwrite. Layer 0's one pass overwrites: both its expert tensors get Σ dw² of
+ * the gradient they end the step with (the CPU op sums in index order, as here: the same bits).
+ * Layer 1's last pass adds onto its first and no other tensor has a pass that could: no sums. The
+ * expert group's sum from them and a pass over layer 1's is the plain pass's to 1e-12; with none
+ * taken (reset) it is the plain pass's bits. */
+Test(wgrad_pairs, grad_norm_sums_from_the_overwriting_pass)
+{
+    struct run r;
+    run_init_mixed(&r, MT_MAX_LAYERS, MT_MAX_LAYERS, 4, 1, 8);
+    struct model *m = &r.m;
+    model_enable_grad_sumsq(m);
+    params_zero_grad(&r.p);
+    model_grad_sumsq_reset(m);
+    cr_expect(m->exp_dw_fresh[0] && m->exp_dw_fresh[1], "params_zero_grad left the expert gradients to the pass");
+    for (int k = 0; k < 8; k++) {
+        int32_t ids[WB * WS];
+        micro_ids(k, ids, m->V);
+        struct model_step_out o;
+        model_forward(m, ids, NULL, &o);
+        m->more_backwards = k + 1 < 8;
+        model_backward(m, 1.0f / (float)(8 * o.n_valid), NULL);
+    }
+    double *known = calloc((size_t)m->tt.n, sizeof(double));
+    const int n = model_grad_sumsq_taken(m, known);
+    cr_expect_eq(n, 2, "%d tensors' sums taken, expected layer 0's two", n);
+    for (int i = 0; i < m->tt.n; i++) {
+        const struct tensor_spec *t = &m->tt.t[i];
+        const bool want = t->kind == TK_EXPERT && t->layer == 0;
+        if (!want) {
+            cr_expect(isnan(known[i]), "%s: a sum was taken (%g)", t->name, known[i]);
+            continue;
+        }
+        const float *g = model_grad(m, i);
+        double here = 0;
+        for (int64_t j = 0; j < model_work_numel_of(m, i); j++) here += (double)g[j] * g[j];
+        cr_expect(here > 0 && known[i] == here, "%s: sum %.17g, its gradient's %.17g", t->name, known[i], here);
+    }
+    const double plain = params_group_grad_sumsq(&r.p, TG_EXPERT);
+    const double folded = params_group_grad_sumsq_known(&r.p, TG_EXPERT, known);
+    cr_expect(fabs(folded - plain) <= 1e-12 * plain, "expert group: %.17g with the sums, %.17g without", folded, plain);
+    model_grad_sumsq_reset(m);
+    cr_expect_eq(model_grad_sumsq_taken(m, known), 0, "sums taken after a reset");
+    free(known);
+    run_free(&r);
+}
