@@ -395,13 +395,16 @@ void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dim
     c->parallel.wgrad_group = MT_WGRAD_AUTO_GROUP;
     c->parallel.wgrad_group_layers = 0;
     c->parallel.wgrad_big_layers = 0;
+    /* MT_GROUP_MEM_SHARE: another share, for measuring what more groups of eight are worth */
+    const double group_share = mt_env_positive("MT_GROUP_MEM_SHARE", MT_GROUP_MEM_SHARE);
+    if (group_share >= 1) mt_user_error("MT_GROUP_MEM_SHARE=%g: a share of the device's memory, under 1", group_share);
     static const char *const off_on[] = {"0", "1"};
     const bool ep_ok = d->ep == 1 || mt_env_choice("MT_WGRAD_GROUP_EP", off_on, 2, 1);
     if (n != MT_MAX_LAYERS || device_bytes <= 0 || micro_steps(c, d) < 3 || !ep_ok) return;
     int k_fit = 0;
     for (int k = 1; k <= c->model.num_hidden_layers; k++) {
         c->parallel.wgrad_group_layers = k;
-        if (estimate_peak_bytes(c, d, keep_copy) > MT_GROUP_MEM_SHARE * device_bytes) break;
+        if (estimate_peak_bytes(c, d, keep_copy) > group_share * device_bytes) break;
         k_fit = k;
     }
     c->parallel.wgrad_group_layers = k_fit == c->model.num_hidden_layers ? MT_MAX_LAYERS : k_fit;
@@ -410,7 +413,7 @@ void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dim
      * of ~14, docs/benchmarks.md), with more micro-steps than 4 */
     if (c->parallel.wgrad_group_layers != MT_MAX_LAYERS || micro_steps(c, d) <= MT_WGRAD_AUTO_GROUP) return;
     c->parallel.wgrad_group = MT_WGRAD_AUTO_GROUP_MAX;
-    if (estimate_peak_bytes(c, d, keep_copy) <= MT_GROUP_MEM_SHARE * device_bytes) return;
+    if (estimate_peak_bytes(c, d, keep_copy) <= group_share * device_bytes) return;
     c->parallel.wgrad_group = MT_WGRAD_AUTO_GROUP;
     /* groups of MT_WGRAD_AUTO_GROUP_MAX in as many of the first layers as fit, four in the rest
      * (bench_grouped_gemm: a layer's eight micro-steps as one call instead of two ~0.8 ms shorter;
@@ -421,7 +424,7 @@ void estimate_resolve_expert_wgrad_pairs(struct config *c, const struct mesh_dim
     int k_big = 0;
     for (int k = 1; k < c->model.num_hidden_layers; k++) {
         c->parallel.wgrad_big_layers = k;
-        if (estimate_peak_bytes(c, d, keep_copy) > MT_GROUP_MEM_SHARE * device_bytes) break;
+        if (estimate_peak_bytes(c, d, keep_copy) > group_share * device_bytes) break;
         k_big = k;
     }
     c->parallel.wgrad_big_layers = k_big;

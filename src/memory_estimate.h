@@ -59,7 +59,7 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
 /* Auto groups of four (EP 1 only, where the parked rows' size is exact) plan up to a little more
  * again: at 85% an H200 grouped 3 of the bench's 8 layers (-0.4% a step against pairs) where all
  * 8 (-0.9%) needed 89% of the card (docs/benchmarks.md, sixteenth session). */
-#define MT_GROUP_MEM_SHARE 0.90
+#define MT_GROUP_MEM_SHARE 0.94
 /* parallel.expert_wgrad_group auto: the group tried after pairs in every layer, and the one tried
  * after that in every layer */
 #define MT_WGRAD_AUTO_GROUP 4
