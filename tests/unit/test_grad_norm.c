@@ -5,6 +5,8 @@
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 #include "common.h"
 #include "config.h"
@@ -12,6 +14,7 @@
 #include "ops.h"
 #include "params.h"
 #include "small_model.h"
+#include "../test_util.h"
 
 Test(grad_norm, early_group_sums_give_the_same_bits)
 {
@@ -114,4 +117,55 @@ Test(grad_norm, known_tensor_sums_replace_their_units_pass)
     free(known), free(own);
     params_free(&p);
     model_free(&m);
+}
+
+/* The fold in training (train.c, MT_GRAD_NORM_FOLD=1 on the CPU backend): the small config with
+ * groups of all the step's micro-steps (8 on one rank; 4 a rank at EP=2, the group capped by the
+ * micro-steps) says that the norm took all 4 expert tensors' sums from their weight-gradient pass,
+ * and trains as the plain pass does: gradient norms to the 8 digits written, losses to 1e-6. Bad
+ * values of the two switches are refused in one line. */
+Test(grad_norm, the_fold_in_training_matches_the_pass, .timeout = 300)
+{
+    const struct {
+        int np;
+        const char *tag, *opts;
+    } runs[] = {{1, "one", ""}, {2, "ep2", "--set parallel.expert_parallel_size=2"}};
+    for (size_t r = 0; r < sizeof runs / sizeof runs[0]; r++) {
+        char cmd[1024], *out = NULL, m[2][64];
+        for (int v = 0; v < 2; v++) {
+            snprintf(m[v], sizeof m[v], "/tmp/mt_fold_%s_%d.jsonl", runs[r].tag, v);
+            snprintf(cmd, sizeof cmd,
+                     "MT_GRAD_NORM_FOLD=%d timeout 120 %s -np %d %s/moetrain train configs/tiny.yaml --backend cpu "
+                     "--set train.steps=3 --set parallel.expert_wgrad_pairs=true --set parallel.expert_wgrad_group=8 "
+                     "--set log.metrics=%s %s",
+                     v, tu_mpirun(), runs[r].np, tu_build(), m[v], runs[r].opts);
+            cr_assert_eq(tu_run(cmd, &out), 0, "%s: %s", runs[r].tag, out);
+            const bool said = strstr(out, "grad norm   4 of the stage's expert weight tensors summed") != NULL;
+            cr_expect(said == (v == 1), "%s, MT_GRAD_NORM_FOLD=%d: the start-up line %s:\n%s", runs[r].tag, v,
+                      said ? "says the sums were taken" : "is missing", out);
+            free(out);
+        }
+        const char *fields[] = {"grad_norm", "loss"};
+        const double tol[] = {1e-7, 1e-6};
+        for (int f = 0; f < 2; f++) {
+            double a[4], b[4];
+            cr_assert_eq(tu_read_metric(m[1], fields[f], a, 4), 3);
+            cr_assert_eq(tu_read_metric(m[0], fields[f], b, 4), 3);
+            for (int i = 0; i < 3; i++)
+                cr_expect(fabs(a[i] - b[i]) <= tol[f] * fabs(b[i]), "%s: %s step %d: %.17g with the fold, %.17g without",
+                          runs[r].tag, fields[f], i + 1, a[i], b[i]);
+        }
+        unlink(m[0]), unlink(m[1]);
+    }
+    const char *bad[][2] = {{"MT_GRAD_NORM_FOLD=yes", "environment variable MT_GRAD_NORM_FOLD=yes: expected one of 0, 1, auto"},
+                            {"MT_GROUP_MEM_SHARE=1.5", "MT_GROUP_MEM_SHARE=1.5: a share of the device's memory, under 1"}};
+    for (int i = 0; i < 2; i++) {
+        char cmd[1024], *out = NULL;
+        snprintf(cmd, sizeof cmd, "%s timeout 60 %s -np 1 %s/moetrain train configs/tiny.yaml --backend cpu --set train.steps=1",
+                 bad[i][0], tu_mpirun(), tu_build());
+        cr_expect_neq(tu_run(cmd, &out), 0, "%s: ran", bad[i][0]);
+        cr_expect(out && strstr(out, bad[i][1]), "no '%s' in:\n%s", bad[i][1], out ? out : "");
+        cr_expect(out && !strstr(out, "step 1/"), "the run went on:\n%s", out ? out : "");
+        free(out);
+    }
 }
