@@ -56,9 +56,11 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
  * 81% of the card in use. */
 #define MT_AUTO_MEM_SHARE 0.80
 #define MT_PAIRS_MEM_SHARE 0.85
-/* Auto groups of four (EP 1 only, where the parked rows' size is exact) plan up to a little more
- * again: at 85% an H200 grouped 3 of the bench's 8 layers (-0.4% a step against pairs) where all
- * 8 (-0.9%) needed 89% of the card (docs/benchmarks.md, sixteenth session). */
+/* Auto groups plan up to a little more again (with EP their parked rows at a bound): at 85% an
+ * H200 grouped 3 of the bench's 8 layers (-0.4% a step against pairs) where all 8 (-0.9%) needed
+ * 89% of the card (sixteenth session); at 94% instead of 90% eights in 5 of 8 layers instead of
+ * 3, the step 0.6-0.8% shorter with the gradient norm's fold, 132.4 of 139.8 GiB in use with the
+ * CUDA context (plan 130.7, measured peak 130.4: docs/benchmarks.md, fifty-seventh session). */
 #define MT_GROUP_MEM_SHARE 0.94
 /* parallel.expert_wgrad_group auto: the group tried after pairs in every layer, and the one tried
  * after that in every layer */
