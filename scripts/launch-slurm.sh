@@ -67,7 +67,11 @@ if [ "$rc" = 0 ] && [ "$requeue" = 1 ] && scontrol requeue "$SLURM_JOB_ID"; then
     # Slurm now ends this run itself (SIGTERM), as for a requeue from outside, and starts the job
     # again once it has. Leaving first raced that relaunch against this run's own end: once in
     # many runs the new run failed at its start (exit 1, no output) and the job ended FAILED.
-    trap 'exit 0' TERM
-    sleep 60 & wait $!
+    # The wait's sleep ends with the script: a process of this run left behind may race the
+    # relaunch too (the usr1 case of make test-slurm failed so once more on 2026-11-30).
+    nap=""
+    trap '[ -n "$nap" ] && kill "$nap" 2>/dev/null; exit 0' TERM
+    sleep 60 & nap=$!
+    wait "$nap"
 fi
 exit "$rc"
