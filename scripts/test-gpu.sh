@@ -305,6 +305,21 @@ compare_losses "gradient norms with the fold vs MT_GRAD_NORM_FOLD=0, bf16 (tol 1
     "$LOG/train_1gpu_bf16.jsonl" "$LOG/train_1gpu_bf16_nofold.jsonl" 1e-7 grad_norm
 compare_losses "losses with the fold vs MT_GRAD_NORM_FOLD=0, bf16 (tol 1e-6)" \
     "$LOG/train_1gpu_bf16.jsonl" "$LOG/train_1gpu_bf16_nofold.jsonl" 1e-6
+# one micro-step a step (no group): the backward's weight gradients as the grouped call of one set
+for f in 1 0; do
+    run_step "train bf16, 1 GPU, one micro-step, MT_GRAD_NORM_FOLD=$f" "$LOG/train_1gpu_bf16_lone$f.log" \
+        env MT_GRAD_NORM_FOLD=$f "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+        --set train.global_batch_size=4 --set log.metrics="$LOG/train_1gpu_bf16_lone$f.jsonl"
+done
+if grep -Eq "grad norm +4 of the stage's expert weight tensors" "$LOG/train_1gpu_bf16_lone1.log"; then
+    record "gradient norm fold takes the 4 expert tensors at one micro-step" PASS
+else
+    record "gradient norm fold takes the 4 expert tensors at one micro-step" "FAIL (no such line in train_1gpu_bf16_lone1.log)"
+fi
+compare_losses "gradient norms with the fold vs without, one micro-step, bf16 (tol 1e-7)" \
+    "$LOG/train_1gpu_bf16_lone1.jsonl" "$LOG/train_1gpu_bf16_lone0.jsonl" 1e-7 grad_norm
+compare_losses "losses with the fold vs without, one micro-step, bf16 (tol 1e-6)" \
+    "$LOG/train_1gpu_bf16_lone1.jsonl" "$LOG/train_1gpu_bf16_lone0.jsonl" 1e-6
 # the chunked MoE exchange (parallel.moe_chunks, docs/scaling.md) on one GPU through the loopback
 # (MT_MOE_LOOPBACK=1: the pair path and an all-to-all with itself on the EP comm's side stream)
 run_step "train bf16, 1 GPU, moe_chunks=2, loopback" "$LOG/train_1gpu_bf16_chunks.log" \

@@ -112,8 +112,15 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
     const int64_t R = r->R_exp;
     struct expert_rows sets[MT_WGRAD_MAX_SETS];
     const int n_sets = grouped ? s->pending + 1 : 0;
-    be->expert_matmul_backward(m->d_act, now ? dw_down : NULL, m->d_y_exp, a->act,
+    /* A step of one micro-step (no group) overwrites dw in this backward alone: its weight
+     * gradient then runs as the grouped call of one set (the same kernel and bits on the GPU),
+     * which leaves Σ dw² for the gradient norm (model_grad_sumsq_slot) */
+    double *ss_down = now && dw_down ? sumsq_slot(m, fresh, TR_EXP_DOWN, l) : NULL;
+    be->expert_matmul_backward(m->d_act, now && !ss_down ? dw_down : NULL, m->d_y_exp, a->act,
                                weight_of(m, TR_EXP_DOWN, l), r->expert_off, R, nl, I, H, fresh);
+    if (ss_down)
+        be->expert_matmul_wgrad_sets(dw_down, &(struct expert_rows){m->d_y_exp, a->act, r->expert_off, R}, 1, nl,
+                                     I, H, true, ss_down);
     if (grouped && !queued) {
         for (int k = 0; k < s->pending; k++)
             sets[k] = (struct expert_rows){s->slot[k].d_y_exp, s->slot[k].act, s->slot[k].off, s->slot[k].rows};
@@ -121,8 +128,12 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
         be->expert_matmul_wgrad_sets(dw_down, sets, n_sets, nl, I, H, fresh, sumsq_slot(m, fresh, TR_EXP_DOWN, l));
     }
     be->swiglu_backward(m->d_gu, m->d_act, a->gu, (int)R, I, used_rows(m, r));
-    be->expert_matmul_backward(m->d_x_exp, now ? dw_gu : NULL, m->d_gu, a->x_exp,
+    double *ss_gu = now && dw_gu ? sumsq_slot(m, fresh, TR_EXP_GATE_UP, l) : NULL;
+    be->expert_matmul_backward(m->d_x_exp, now && !ss_gu ? dw_gu : NULL, m->d_gu, a->x_exp,
                                weight_of(m, TR_EXP_GATE_UP, l), r->expert_off, R, nl, H, 2 * I, fresh);
+    if (ss_gu)
+        be->expert_matmul_wgrad_sets(dw_gu, &(struct expert_rows){m->d_gu, a->x_exp, r->expert_off, R}, 1, nl, H,
+                                     2 * I, true, ss_gu);
     /* parking swaps d_y_exp out before the send half reuses it; the grouped gate_up weight
      * gradient (reads d_gu and x_exp) runs while d_x_exp's pair rows move to their tokens' ranks */
     moe_combine_weights_home(m, a, d_w, &w_req); /* before the next inbox exchange */

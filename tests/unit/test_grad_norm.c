@@ -121,7 +121,8 @@ Test(grad_norm, known_tensor_sums_replace_their_units_pass)
 
 /* The fold in training (train.c, MT_GRAD_NORM_FOLD=1 on the CPU backend): the small config with
  * groups of all the step's micro-steps (8 on one rank; 4 a rank at EP=2, the group capped by the
- * micro-steps) says that the norm took all 4 expert tensors' sums from their weight-gradient pass,
+ * micro-steps; or one micro-step a step, no group) says that the norm took all 4 expert tensors'
+ * sums from their weight-gradient pass,
  * and trains as the plain pass does: gradient norms to the 8 digits written, losses to 1e-6. Bad
  * values of the two switches are refused in one line. */
 Test(grad_norm, the_fold_in_training_matches_the_pass, .timeout = 300)
@@ -129,7 +130,9 @@ Test(grad_norm, the_fold_in_training_matches_the_pass, .timeout = 300)
     const struct {
         int np;
         const char *tag, *opts;
-    } runs[] = {{1, "one", ""}, {2, "ep2", "--set parallel.expert_parallel_size=2"}};
+    } runs[] = {{1, "one", ""},
+                {2, "ep2", "--set parallel.expert_parallel_size=2"},
+                {1, "lone", "--set train.global_batch_size=4"}}; /* one micro-step: no group */
     for (size_t r = 0; r < sizeof runs / sizeof runs[0]; r++) {
         char cmd[1024], *out = NULL, m[2][64];
         for (int v = 0; v < 2; v++) {

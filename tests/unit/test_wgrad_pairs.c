@@ -327,3 +327,51 @@ Test(wgrad_pairs, grad_norm_sums_from_the_overwriting_pass)
     free(known);
     run_free(&r);
 }
+
+/* A step of one micro-step without pairs: each layer's expert weight gradients overwrite dw in the
+ * one backward, through the grouped call of one set when the norm's sums are on (src/moe.c), so
+ * every expert tensor leaves its Σ dw² (the gradient's own, bit for bit on the CPU) and the
+ * gradients are bit for bit those of the backward's own weight-gradient pass. */
+Test(wgrad_pairs, grad_norm_sums_from_a_lone_micro_step)
+{
+    struct run ref, got;
+    run_init(&ref, 0);
+    run_init(&got, 0);
+    model_enable_grad_sumsq(&got.m);
+    struct run *runs[2] = {&ref, &got};
+    for (int k = 0; k < 2; k++) {
+        struct model *m = &runs[k]->m;
+        for (int i = 0; i < m->tt.n; i++) { /* what a pass that added instead of overwriting would show */
+            const int64_t n = model_work_numel_of(m, i);
+            float *nan = malloc((size_t)n * sizeof(float));
+            for (int64_t j = 0; j < n; j++) nan[j] = NAN;
+            m->be->upload(model_grad(m, i), nan, (size_t)n * sizeof(float));
+            free(nan);
+        }
+        params_zero_grad(&runs[k]->p);
+        model_grad_sumsq_reset(m);
+        int32_t ids[WB * WS];
+        micro_ids(0, ids, m->V);
+        struct model_step_out o;
+        model_forward(m, ids, NULL, &o);
+        m->more_backwards = false;
+        model_backward(m, 1.0f / (float)o.n_valid, NULL);
+    }
+    expect_same_grads(&ref, &got, "with the norm's sums taken");
+    double *known = calloc((size_t)got.m.tt.n, sizeof(double));
+    cr_expect_eq(model_grad_sumsq_taken(&got.m, known), 4, "expected both layers' two expert tensors");
+    for (int i = 0; i < got.m.tt.n; i++) {
+        if (got.m.tt.t[i].kind != TK_EXPERT) {
+            cr_expect(isnan(known[i]), "%s: a sum was taken", got.m.tt.t[i].name);
+            continue;
+        }
+        const float *g = model_grad(&got.m, i);
+        double here = 0;
+        for (int64_t j = 0; j < model_work_numel_of(&got.m, i); j++) here += (double)g[j] * g[j];
+        cr_expect(here > 0 && known[i] == here, "%s: sum %.17g, its gradient's %.17g", got.m.tt.t[i].name, known[i], here);
+    }
+    cr_expect(ref.m.exp_dw_fresh != NULL, "the expert gradients were left to the backward to overwrite");
+    free(known);
+    run_free(&ref);
+    run_free(&got);
+}
