@@ -16,14 +16,23 @@
 #include "small_model.h"
 #include "../test_util.h"
 
-Test(grad_norm, early_group_sums_give_the_same_bits)
+/* the small model on the CPU backend, its parameters of one rank (every group its working layout) */
+static void small_cpu_model(struct model *m, struct params *p)
 {
     struct model_config mc;
     small_model_config(&mc);
+    model_init(m, backend_cpu(), &mc, 2, 8, NULL, false);
+    params_init(p, m, NULL, NULL);
+}
+
+/* a uniform value in [-0.5, 0.5) */
+static float centred(mt_rng *rng) { return (float)((double)(mt_rng_next(rng) >> 11) / 9007199254740992.0 - 0.5); }
+
+Test(grad_norm, early_group_sums_give_the_same_bits)
+{
     struct model m;
     struct params p;
-    model_init(&m, backend_cpu(), &mc, 2, 8, NULL, false);
-    params_init(&p, &m, NULL, NULL);
+    small_cpu_model(&m, &p);
     mt_rng rng;
     mt_rng_seed(&rng, 77);
     double here = 0;
@@ -31,7 +40,7 @@ Test(grad_norm, early_group_sums_give_the_same_bits)
         const int64_t n = p.g[g].numel;
         float *h = malloc((size_t)MT_MAX(n, 1) * sizeof(float));
         for (int64_t i = 0; i < n; i++) {
-            h[i] = (float)((double)(mt_rng_next(&rng) >> 11) / 9007199254740992.0 - 0.5);
+            h[i] = centred(&rng);
             here += (double)h[i] * h[i];
         }
         m.be->upload(p.g[g].grad, h, (size_t)n * sizeof(float));
@@ -62,19 +71,16 @@ Test(grad_norm, early_group_sums_give_the_same_bits)
  * is read whole. */
 Test(grad_norm, known_tensor_sums_replace_their_units_pass)
 {
-    struct model_config mc;
-    small_model_config(&mc);
     struct model m;
     struct params p;
-    model_init(&m, backend_cpu(), &mc, 2, 8, NULL, false);
-    params_init(&p, &m, NULL, NULL);
+    small_cpu_model(&m, &p);
     params_bind_aliased(&p);
     mt_rng rng;
     mt_rng_seed(&rng, 78);
     const struct param_group_shard *ge = &p.g[TG_EXPERT];
     cr_assert(ge->aliased, "the expert group of one rank is its working layout");
     float *h = malloc((size_t)ge->numel * sizeof(float));
-    for (int64_t i = 0; i < ge->numel; i++) h[i] = (float)((double)(mt_rng_next(&rng) >> 11) / 9007199254740992.0 - 0.5);
+    for (int64_t i = 0; i < ge->numel; i++) h[i] = centred(&rng);
     m.be->upload(ge->grad, h, (size_t)ge->numel * sizeof(float));
     free(h);
     const double plain = params_group_grad_sumsq(&p, TG_EXPERT);
