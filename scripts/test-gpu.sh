@@ -305,6 +305,22 @@ compare_losses "gradient norms with the fold vs MT_GRAD_NORM_FOLD=0, bf16 (tol 1
     "$LOG/train_1gpu_bf16.jsonl" "$LOG/train_1gpu_bf16_nofold.jsonl" 1e-7 grad_norm
 compare_losses "losses with the fold vs MT_GRAD_NORM_FOLD=0, bf16 (tol 1e-6)" \
     "$LOG/train_1gpu_bf16.jsonl" "$LOG/train_1gpu_bf16_nofold.jsonl" 1e-6
+# the parked expert rows in lower layers' expert gradients (MT_STASH_IN_GRADS, auto on the GPU;
+# groups of all the step's micro-steps here): the default run says how much lies there, and
+# without it the gradient norms and losses are the same bits
+if grep -Eq "parked rows [0-9.]+ (MiB|GiB) of the expert rows parked" "$LOG/train_1gpu_bf16.log" &&
+    ! grep -q "parked rows 0.00 " "$LOG/train_1gpu_bf16.log"; then
+    record "parked expert rows lie in lower layers' gradients in the bf16 run" PASS
+else
+    record "parked expert rows lie in lower layers' gradients in the bf16 run" "FAIL (no parked rows line, or 0.00, in train_1gpu_bf16.log)"
+fi
+run_step "train bf16, 1 GPU, MT_STASH_IN_GRADS=0" "$LOG/train_1gpu_bf16_nostash.log" \
+    env MT_STASH_IN_GRADS=0 "$B/moetrain" $T --backend cuda --set model.precision=bf16 \
+    --set log.metrics="$LOG/train_1gpu_bf16_nostash.jsonl"
+compare_losses "gradient norms with parked rows in the gradients vs MT_STASH_IN_GRADS=0, bf16 (the same bits)" \
+    "$LOG/train_1gpu_bf16.jsonl" "$LOG/train_1gpu_bf16_nostash.jsonl" 0 grad_norm
+compare_losses "losses with parked rows in the gradients vs MT_STASH_IN_GRADS=0, bf16 (the same bits)" \
+    "$LOG/train_1gpu_bf16.jsonl" "$LOG/train_1gpu_bf16_nostash.jsonl" 0
 # one micro-step a step (no group): the backward's weight gradients as the grouped call of one set
 for f in 1 0; do
     run_step "train bf16, 1 GPU, one micro-step, MT_GRAD_NORM_FOLD=$f" "$LOG/train_1gpu_bf16_lone$f.log" \

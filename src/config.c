@@ -60,6 +60,7 @@ void config_defaults(struct config *c)
     c->parallel.wgrad_group_layers = 0;
     c->parallel.wgrad_group = 2;
     c->parallel.wgrad_big_layers = 0;
+    c->parallel.stash_in_grads = false;
     c->parallel.prefetch = true;
     c->parallel.reduce_grads = MT_REDUCE_AUTO;
     c->parallel.moe_chunks = 1;

@@ -102,6 +102,8 @@ struct parallel_config {
     int wgrad_big_layers;         /* not a key: of the grouping layers, how many (their first ones) take
                                    * groups of MT_WGRAD_AUTO_GROUP_MAX instead (auto,
                                    * where not every layer fits them; MT_WGRAD_GROUP_MIX=0: none) */
+    bool stash_in_grads;          /* not a key: the parked expert rows lie in lower layers' expert
+                                   * gradients where they fit (MT_STASH_IN_GRADS, stash_place.h) */
 };
 
 struct train_config {

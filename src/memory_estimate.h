@@ -35,6 +35,8 @@ struct stage_estimate {
     double master_bytes;          /* fp32 master weights of the shard */
     double adam_bytes;            /* Adam first and second moments, fp32 */
     double act_bytes;             /* activations saved for backward, one micro-batch */
+    double stash_in_grads_bytes;  /* of the parked expert rows, what lies in lower layers' expert
+                                   * gradients (MT_STASH_IN_GRADS), not counted in act_bytes */
     double buffer_bytes;          /* collective staging and backward scratch */
     bool keep_copy;               /* a compute-dtype copy of the shard is kept (train.weight_copy) */
     int slots;                    /* micro-batches in flight (1F1B: min(pp - stage, micro-steps)) */

@@ -284,7 +284,7 @@ static void free_expert_wgrad_stash(struct model *m)
             struct expert_rows_parked *p = &m->wstash[l].slot[k];
             void *bufs[] = {p->x_exp, p->act, p->d_gu, p->d_y_exp, p->off};
             for (int i = 0; i < 5; i++)
-                if (bufs[i]) m->be->free(bufs[i]);
+                if (bufs[i] && !(p->in_grads >> i & 1)) m->be->free(bufs[i]);
         }
         if (m->wstash[l].cursor) m->be->free(m->wstash[l].cursor);
     }
@@ -295,6 +295,12 @@ static void free_expert_wgrad_stash(struct model *m)
 void model_free(struct model *m)
 {
     const struct backend *be = m->be;
+    /* a layer parking in place may point at a slot's rows: its own buffers are the ones to free */
+    for (int l = 0; m->wstash && l < m->L; l++)
+        if (m->wstash[l].direct) {
+            m->slots[0].layers[l].x_exp = m->wstash[l].own_x;
+            m->slots[0].layers[l].act = m->wstash[l].own_act;
+        }
     for (int k = 0; k < m->st.n_slots; k++) {
         struct model_slot *sl = &m->slots[k];
         for (int l = m->st.layer0; l < m->st.layer1; l++) free_layer(m, &sl->layers[l]);

@@ -14,6 +14,7 @@
 #include "tensors.h"
 
 struct route_replay;
+struct stash_host;
 
 /* Per-layer MoE routing of one micro-batch (moe_dispatch.c: token-once dispatch). Sender side: this rank's
  * tokens; receiver side: the pairs (token, this rank) that arrive for this rank's experts. */
@@ -69,6 +70,7 @@ struct layer_acts {
     void *y_exp;     /* [R_max, H]  expert outputs, expert-major */
     struct moe_route route;
     int64_t cap_rows;  /* rows x_exp/gu/act/y_exp can hold */
+    bool rows_fixed;   /* x_exp/act may be a parked slot's (expert_wgrad_stash.direct): never regrown */
 };
 
 /* parallel.expert_wgrad_pairs / expert_wgrad_group: one MoE layer's expert rows of a micro-step
@@ -84,6 +86,8 @@ struct expert_rows_parked {
     int64_t cap_rows, d_cap_rows;
     int64_t *off;       /* dev [n_local + 1]: each local expert's rows in the above */
     int64_t rows;       /* the rows the above hold for it (the layer's R_exp then) */
+    unsigned in_grads;  /* bit b: the b-th of x_exp, act, d_gu, d_y_exp lies in another layer's
+                         * expert gradients (MT_STASH_IN_GRADS), not an allocation of its own */
 };
 struct expert_wgrad_stash {
     /* [n_slots] the group's parked micro-steps, [n_slots] the last one's too while its job waits */
@@ -96,6 +100,12 @@ struct expert_wgrad_stash {
     bool job_fresh;     /* its sums overwrite dw (exp_dw_fresh when it was queued) */
     int64_t job_seq;    /* queue order */
     int32_t *cursor;    /* backend memory [4]: the down and gate_up parts' (ops.h wgrad_part) */
+    /* MT_STASH_IN_GRADS (stash_place.h): some slot buffers lie in lower layers' expert gradients,
+     * so none is swapped: the forward writes its rows into slot[pending] (x_exp/act point there)
+     * and the backward its output gradients (m->d_gu/d_y_exp point there while it runs) */
+    bool direct;
+    int n_used;         /* the slots a group fills: min(n_slots, micro-steps - 1) */
+    void *own_x, *own_act; /* the layer's own x_exp / act: the group's last micro-step's rows */
 };
 
 /* One micro-batch in flight: a pipeline stage keeps several (1F1B), a stage of one keeps one. */
@@ -336,6 +346,15 @@ void model_enable_expert_wgrad_pairs(struct model *m, int n_layers);
  * which the first n_big take groups of big_group instead */
 void model_enable_expert_wgrad_groups(struct model *m, int n_layers, int n_group, int group, int n_big, int big_group);
 bool model_expert_wgrad_pending(const struct model *m);
+/* Whether layer l's expert gradients are first written in the last backward of a step of n_micro
+ * micro-steps: its group parks all the others (stash_place.h's hosts). */
+bool model_expert_grads_written_last(const struct model *m, int l, int n_micro);
+/* MT_STASH_IN_GRADS (stash_place.h): places the grouping layers' parked rows of a step of n_micro
+ * micro-steps in the hosts (host h's memory at host_mem[h]); a layer with a buffer there parks in
+ * place from then on (expert_wgrad_stash.direct). One rank's experts (no pairs), no pipeline, no
+ * recompute, moe_chunks 1. Returns the bytes placed. */
+int64_t model_place_expert_stash(struct model *m, int n_micro, const struct stash_host *hosts, void *const *host_mem,
+                                 int n_hosts);
 /* Lets a backward that another follows (more_backwards) hold each layer's o_proj and q_proj weight
  * gradients back until the next MoE layer's backward exchanges have started (the first, the rows
  * to the experts: o_proj; the last, the rows home: q_proj), in a [T, H] and a [T, Hq*D] buffer.

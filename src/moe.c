@@ -98,6 +98,15 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
      * waiting ones join this micro-step's in one pass over dw (grouped, stash first) */
     struct expert_wgrad_stash *s = m->wstash && m->wstash[l].n_slots ? &m->wstash[l] : NULL;
     /* a job this layer queued in its last backward finishes first: its slots are the stash's */
+    /* a stash parking in place (expert_wgrad_stash.direct): this micro-step's output gradients
+     * go straight to the slot its rows are in (the scratch comes back at the end) */
+    void *const scratch_gu = m->d_gu, *const scratch_dy = m->d_y_exp;
+    const bool in_place = s && s->direct && s->pending < s->n_used;
+    if (in_place) {
+        MT_CHECK(a->x_exp == s->slot[s->pending].x_exp, "layer %d: its forward did not park its rows in place", l);
+        m->d_gu = s->slot[s->pending].d_gu;
+        m->d_y_exp = s->slot[s->pending].d_y_exp;
+    }
     struct comm_p2p_req w_req;
     const float *d_w = moe_combine_rows_backward(m, a, l, &w_req);
     moe_wgrad_job_finish(m, l); /* without pairs (no jobs then: a no-op) */
@@ -149,8 +158,13 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
         be->expert_matmul_wgrad_sets(dw_gu, sets, n_sets, nl, H, 2 * I, fresh,
                                      sumsq_slot(m, fresh, TR_EXP_GATE_UP, l));
         s->pending = 0;
+        moe_stash_point_rows(a, s);
     }
     moe_dispatch_rows_backward_sum(m, a, d_pairs, &req);
+    if (in_place) {
+        m->d_gu = scratch_gu;
+        m->d_y_exp = scratch_dy;
+    }
 }
 
 static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out, const void *resid)

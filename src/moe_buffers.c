@@ -9,6 +9,7 @@
 #include "mem_track.h"
 #include "model.h"
 #include "moe_buffers.h"
+#include "stash_place.h"
 
 static void regrow(const struct model *m, void **p, int64_t elems, size_t elem_size)
 {
@@ -50,8 +51,24 @@ static void swap_ptr(void **a, void **b)
     *b = t;
 }
 
+void moe_stash_point_rows(struct layer_acts *a, const struct expert_wgrad_stash *s)
+{
+    if (!s->direct) return;
+    const bool parks = s->pending < s->n_used;
+    a->x_exp = parks ? s->slot[s->pending].x_exp : s->own_x;
+    a->act = parks ? s->slot[s->pending].act : s->own_act;
+}
+
 void moe_stash_expert_rows(struct model *m, struct layer_acts *a, struct expert_wgrad_stash *s)
 {
+    if (s->direct) { /* the rows are in slot[pending] already (moe_stash_point_rows, moe.c) */
+        struct expert_rows_parked *p = &s->slot[s->pending];
+        m->be->copy(p->off, a->route.expert_off, (size_t)(m->n_local_experts + 1) * sizeof(int64_t));
+        p->rows = a->route.R_exp;
+        s->pending++;
+        moe_stash_point_rows(a, s);
+        return;
+    }
     const int64_t H = m->H, I = m->I, T = m->T, Id = m->Id;
     const size_t xs = m->be->x_size;
     struct expert_rows_parked *p = &s->slot[s->pending];
@@ -88,9 +105,73 @@ void model_enable_expert_wgrad_groups(struct model *m, int n_layers, int n_group
      * slots' buffers come at first use */
     for (int l = m->st.layer0, n = 0; l < m->st.layer1 && n < n_layers; l++)
         if (config_layer_is_moe(&m->cfg, l)) {
-            m->wstash[l].n_slots = n < n_group && n < n_big ? big_group - 1 : n < n_group ? group - 1 : 1;
+            m->wstash[l].n_slots = stash_layer_slots(n, n_layers, n_group, group, n_big, big_group);
             n++;
         }
+}
+
+bool model_expert_grads_written_last(const struct model *m, int l, int n_micro)
+{
+    return n_micro >= 2 && m->wstash && m->wstash[l].n_slots > 0 && m->wstash[l].n_slots + 1 >= n_micro;
+}
+
+/* the b-th of a slot's four buffers (stash_slot_bytes' order) */
+static void **slot_buffer(struct expert_rows_parked *p, int b)
+{
+    void **bufs[4] = {&p->x_exp, &p->act, &p->d_gu, &p->d_y_exp};
+    return bufs[b];
+}
+
+int64_t model_place_expert_stash(struct model *m, int n_micro, const struct stash_host *hosts, void *const *host_mem,
+                                 int n_hosts)
+{
+    MT_CHECK(!m->pairs && !m->recompute && m->st.n_slots == 1 && m->moe_chunks == 1,
+             "MT_STASH_IN_GRADS needs one rank's experts, no pipeline, no recompute and moe_chunks 1");
+    if (!m->wstash || n_micro < 2) return 0;
+    const int64_t T = m->T, K = m->K;
+    int64_t bytes[4];
+    stash_slot_bytes(T, K, m->H, m->I, m->Id, (int64_t)m->be->x_size, bytes);
+    struct stash_buf *bufs = mt_calloc((size_t)MT_MAX(m->L, 1) * MT_WGRAD_MAX_SETS * 4, sizeof *bufs);
+    int n = 0;
+    for (int l = m->st.layer0; l < m->st.layer1; l++) {
+        struct expert_wgrad_stash *s = &m->wstash[l];
+        s->n_used = MT_MIN(s->n_slots, n_micro - 1);
+        for (int k = 0; k < s->n_used; k++)
+            for (int b = 0; b < 4; b++) bufs[n++] = (struct stash_buf){.layer = l, .bytes = bytes[b]};
+    }
+    const int64_t placed = stash_place(hosts, n_hosts, bufs, n);
+    enum mem_cat was = mem_track_set(MEM_ACTS);
+    for (int i = 0; i < n;) {
+        const int l = bufs[i].layer;
+        struct expert_wgrad_stash *s = &m->wstash[l];
+        bool any = false;
+        for (int j = i; j < i + 4 * s->n_used; j++) any |= bufs[j].host >= 0;
+        if (any) {
+            /* the layer's own buffers first (one rank's rows never change: T k), then its slots */
+            struct layer_acts *a = &m->slots[0].layers[l];
+            moe_ensure_rows(m, a, T * K);
+            for (int k = 0; k < s->n_used; k++) {
+                struct expert_rows_parked *p = &s->slot[k];
+                for (int b = 0; b < 4; b++) {
+                    const struct stash_buf *q = &bufs[i + 4 * k + b];
+                    *slot_buffer(p, b) = q->host >= 0 ? (void *)((char *)host_mem[q->host] + q->off)
+                                                      : m->be->alloc((size_t)q->bytes);
+                    if (q->host >= 0) p->in_grads |= 1u << b;
+                }
+                p->off = m->be->alloc(((size_t)m->n_local_experts + 1) * sizeof(int64_t));
+                p->cap_rows = p->d_cap_rows = T * K;
+            }
+            s->direct = true;
+            s->own_x = a->x_exp;
+            s->own_act = a->act;
+            a->rows_fixed = true;
+            moe_stash_point_rows(a, s);
+        }
+        i += 4 * s->n_used;
+    }
+    mem_track_set(was);
+    free(bufs);
+    return placed;
 }
 
 void model_enable_expert_wgrad_pairs(struct model *m, int n_layers)
@@ -114,6 +195,8 @@ void moe_ensure_scratch_rows(struct model *m, int64_t R)
 
 void moe_ensure_rows(struct model *m, struct layer_acts *a, int64_t R)
 {
+    MT_CHECK(!a->rows_fixed || R <= a->cap_rows, "%lld expert rows in a layer whose rows are parked in place (%lld)",
+             (long long)R, (long long)a->cap_rows);
     enum mem_cat was = mem_track_set(MEM_ACTS);
     grow_expert_rows(m, &a->x_exp, &a->y_exp, &a->gu, &a->act, &a->cap_rows, R);
     mem_track_set(was);

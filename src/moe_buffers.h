@@ -26,5 +26,9 @@ void moe_ensure_pairs(struct model *m, struct layer_acts *a, int64_t P);
  * stash's next slot, by swapping buffers: the layer and the scratch get the slot's, grown first to
  * at least their capacities. */
 void moe_stash_expert_rows(struct model *m, struct layer_acts *a, struct expert_wgrad_stash *s);
+/* A stash that parks in place (expert_wgrad_stash.direct) does not swap: the layer's x_exp/act
+ * point at the slot its next forward fills, or at its own buffers for a group's last micro-step;
+ * moe_stash_expert_rows then only records the slot. No-op for a swapping stash. */
+void moe_stash_point_rows(struct layer_acts *a, const struct expert_wgrad_stash *s);
 
 #endif

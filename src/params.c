@@ -10,6 +10,7 @@
 #include "master_split.h"
 #include "mem_track.h"
 #include "safetensors.h" /* st_bf16_to_f32, st_f32_to_bf16 */
+#include "stash_place.h"
 
 static void *xat(const struct backend *be, void *p, int64_t i) { return (char *)p + (size_t)i * be->x_size; }
 
@@ -432,6 +433,22 @@ void params_zero_grad(struct params *p)
             continue;
         p->m->be->zero(ge->grad + ge->u_off[u], (size_t)ge->u_piece[u] * sizeof(float));
     }
+}
+
+int params_expert_grad_hosts(struct params *p, int n_micro, struct stash_host *hosts, void **mem)
+{
+    const struct param_group_shard *ge = &p->g[TG_EXPERT];
+    int n = 0;
+    for (int u = 1; ge->aliased && u <= p->m->L && u < p->n_units; u++) {
+        const int l = u - 1; /* tensors.h tensor_unit: decoder layer l is unit 1 + l */
+        if (ge->u_piece[u] == 0 || ge->u_piece[u] != ge->u_work[u] ||
+            !model_expert_grads_written_last(p->m, l, n_micro))
+            continue;
+        const uintptr_t start = (uintptr_t)(ge->grad + ge->u_off[u]);
+        hosts[n] = (struct stash_host){l, stash_host_bytes(ge->u_piece[u] * (int64_t)sizeof(float))};
+        mem[n++] = (void *)(MT_CEIL_DIV(start, MT_STASH_PLACE_ALIGN) * MT_STASH_PLACE_ALIGN);
+    }
+    return n;
 }
 
 double params_group_grad_sumsq(struct params *p, enum tensor_group g)

@@ -102,6 +102,11 @@ void params_refresh_copy(struct params *p);
 /* Every unit of a group of one is bound for good; the others through fsdp.c. Without fsdp.c
  * (tests, verify: params_init with NULL comms) everything is a group of one. */
 void params_bind_aliased(struct params *p);
+/* MT_STASH_IN_GRADS (stash_place.h): the layers whose expert gradients are the shard's own (group
+ * of one) and first written in a step's last backward (model_expert_grads_written_last), as hosts
+ * with their memory; room for L. Returns how many. */
+struct stash_host;
+int params_expert_grad_hosts(struct params *p, int n_micro, struct stash_host *hosts, void **mem);
 /* Unit u of group g: its working weights from every rank's piece into `work` (compute dtype,
  * [g->u_work[u]]), and its working gradient `work_g` (fp32 [u_work], padding zero; clobbered)
  * reduce-scattered and added to the shard gradient. `stage`: expert scratch of group_size x piece

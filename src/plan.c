@@ -358,9 +358,16 @@ void plan_print_opts(FILE *f, const struct config *c_in, const struct mesh_dims 
     else if (paired > 0)
         snprintf(pairs, sizeof pairs, ", plus one micro-step's expert rows in the first %d MoE layers of each stage%s "
                  "(parallel.expert_wgrad_pairs: what fits)", paired, groups);
+    double in_grads = 0;
+    for (int s = 0; s < d->pp; s++) in_grads = MT_MAX(in_grads, st[s].stash_in_grads_bytes);
+    char parked[200] = "";
+    if (in_grads > 0)
+        snprintf(parked, sizeof parked, "; of those, %.2f %s lie in lower layers' expert gradients, unused until the "
+                 "step's last backward (MT_STASH_IN_GRADS), and are not counted here",
+                 in_grads >= (1 << 30) ? in_grads / (1 << 30) : in_grads / (1 << 20), in_grads >= (1 << 30) ? "GiB" : "MiB");
     fprintf(f, "  acts = activations saved for backward by the stage's layers for the micro-batches in flight "
-            "(%d x %d tokens each; 1F1B keeps min(pp - stage, micro-steps)), plus logits on the last stage%s\n",
-            c->train.micro_batch_size, c->train.seq_len, pairs);
+            "(%d x %d tokens each; 1F1B keeps min(pp - stage, micro-steps)), plus logits on the last stage%s%s\n",
+            c->train.micro_batch_size, c->train.seq_len, pairs, parked);
     fprintf(f, "  buffers = expert all-gather / reduce-scatter staging, the backward's scratch (with it the "
             "attention backward's dS tiles where the logits cannot hold them, and with ep > 1 the held-back "
             "o/q_proj gradients), pipeline transfer buffers\n");

@@ -46,6 +46,7 @@
 #include "route_replay.h"
 #include "router_opts.h"
 #include "run_notes.h"
+#include "stash_place.h"
 #include "step_guard.h"
 #include "step_batch.h"
 #include "step_maths.h"
@@ -276,6 +277,15 @@ int cmd_train(const struct cli *a)
     if (c.parallel.expert_wgrad_pairs == MT_TRI_TRUE && E > 0)
         model_enable_expert_wgrad_groups(&m, c.parallel.wgrad_pair_layers, c.parallel.wgrad_group_layers,
                                          c.parallel.wgrad_group, c.parallel.wgrad_big_layers, MT_WGRAD_AUTO_GROUP_MAX);
+    int64_t stash_in_grads = 0;
+    if (m.wstash && c.parallel.stash_in_grads) {
+        struct stash_host *hosts = mt_calloc((size_t)MT_MAX(L, 1), sizeof *hosts);
+        void **host_mem = mt_calloc((size_t)MT_MAX(L, 1), sizeof *host_mem);
+        const int n_hosts = params_expert_grad_hosts(&p, n_micro, hosts, host_mem);
+        stash_in_grads = model_place_expert_stash(&m, n_micro, hosts, host_mem, n_hosts);
+        free(hosts);
+        free(host_mem);
+    }
     if (m.wstash && m.pairs && c.parallel.expert_wgrad_jobs) model_enable_wgrad_jobs(&m);
     else if (c.parallel.expert_wgrad_jobs)
         mt_warn0("parallel.expert_wgrad_jobs: no effect: parallel.expert_wgrad_pairs is off here (auto: no room "
@@ -289,6 +299,11 @@ int cmd_train(const struct cli *a)
     else if (*c.model.init_from) snprintf(init, sizeof init, "weights from %s", c.model.init_from);
     else snprintf(init, sizeof init, "random (seed %llu)", (unsigned long long)tc->seed);
     train_print_startup(&c, &mesh, be, data, n_micro, &m, init, keep_copy);
+    if (c.parallel.stash_in_grads && mesh.rank == 0)
+        printf("  parked rows %.2f %s of the expert rows parked for grouped weight gradients lie in lower layers' "
+               "expert gradients, unused until the step's last backward (MT_STASH_IN_GRADS)\n",
+               stash_in_grads >= (1 << 30) ? (double)stash_in_grads / (1 << 30) : (double)stash_in_grads / (1 << 20),
+               stash_in_grads >= (1 << 30) ? "GiB" : "MiB");
     struct validation *val = validation_open(&c, n_micro, mesh.me.local, dp);
     if (val) mt_log0("  validation  %s\n", validation_describe(val));
     metrics_print_config(&c, c.log.metrics);

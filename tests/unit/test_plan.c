@@ -358,6 +358,9 @@ Test(plan, expert_wgrad_group_stash_and_auto_layers)
     c.parallel.expert_wgrad_pairs = MT_TRI_AUTO;
     c.parallel.expert_wgrad_group = 0;
     c.parallel.wgrad_group_layers = 0;
+    /* the rows in their own memory: the parked rows in lower layers' gradients have their own test
+     * (wgrad_pairs/auto_eights_everywhere_with_rows_in_the_gradients) */
+    setenv("MT_STASH_IN_GRADS", "0", 1);
     const double base = estimate_peak_bytes(&c, &d, true);
     c.parallel.expert_wgrad_pairs = MT_TRI_TRUE;
     estimate_resolve_expert_wgrad_pairs(&c, &d, true, (base + 4.5 * stash) / MT_GROUP_MEM_SHARE);
@@ -423,6 +426,7 @@ Test(plan, expert_wgrad_group_stash_and_auto_layers)
                   c.parallel.wgrad_group == 3 && c.parallel.wgrad_group_layers == MT_MAX_LAYERS,
               "group 3 by hand: %d layers, group %d in %d", c.parallel.wgrad_pair_layers, c.parallel.wgrad_group,
               c.parallel.wgrad_group_layers);
+    unsetenv("MT_STASH_IN_GRADS");
 }
 
 /* train.weight_copy: auto keeps the bf16 copy within 80% of the device, and beyond it when the copy

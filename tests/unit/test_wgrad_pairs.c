@@ -246,19 +246,27 @@ Test(wgrad_pairs, eight_in_the_first_layer_four_in_the_next)
     run_free(&got);
 }
 
-/* The auto rule: on the bench shape at one H200's memory, groups of four fit every layer and eights
- * do not fit all of them; with the master split (2 bytes a parameter less) some layers take eights,
- * each counted in plan's activations, unless MT_WGRAD_GROUP_MIX=0; unset is the same as 1. */
+/* The bench config on one H200's memory (split master, kept copy, one rank) */
+static void bench_h200(struct config *c, struct mesh_dims *d)
+{
+    char err[512];
+    cr_assert(config_load_checked(c, "configs/bench-qwen3-30b-8l.yaml", 0, NULL, err, sizeof err), "%s", err);
+    c->train.master_weights = MT_MASTER_SPLIT;
+    c->train.weight_copy = MT_COPY_KEEP;
+    cr_assert(mesh_dims_of(c, 1, d, err, sizeof err), "%s", err);
+}
+
+/* The auto rule with the parked rows in their own memory (MT_STASH_IN_GRADS=0): on the bench shape
+ * at one H200's memory, groups of four fit every layer and eights do not fit all of them; with the
+ * master split (2 bytes a parameter less) some layers take eights, each counted in plan's
+ * activations, unless MT_WGRAD_GROUP_MIX=0; unset is the same as 1. */
 Test(wgrad_pairs, mixed_groups_fill_the_memory_a_split_master_frees)
 {
     struct config c;
-    char err[512];
-    cr_assert(config_load_checked(&c, "configs/bench-qwen3-30b-8l.yaml", 0, NULL, err, sizeof err), "%s", err);
-    c.train.master_weights = MT_MASTER_SPLIT;
-    c.train.weight_copy = MT_COPY_KEEP;
     struct mesh_dims d;
-    cr_assert(mesh_dims_of(&c, 1, &d, err, sizeof err), "%s", err);
+    bench_h200(&c, &d);
     const double h200 = 139.8 * 1024 * 1024 * 1024;
+    setenv("MT_STASH_IN_GRADS", "0", 1);
     int big[3];
     for (int mix = 0; mix < 3; mix++) { /* MT_WGRAD_GROUP_MIX=0, =1, unset */
         struct config t = c;
@@ -278,6 +286,48 @@ Test(wgrad_pairs, mixed_groups_fill_the_memory_a_split_master_frees)
     cr_expect(big[1] >= 1 && big[1] < 8, "with it %d layers group eight", big[1]);
     cr_expect(big[2] == big[1], "unset (auto) %d layers group eight, =1 %d", big[2], big[1]);
     fprintf(stderr, "wgrad groups: split master on 139.8 GiB: eights in %d of 8 layers\n", big[1]);
+    unsetenv("MT_STASH_IN_GRADS");
+}
+
+/* With the parked rows in lower layers' expert gradients (MT_STASH_IN_GRADS, auto on a GPU: the
+ * default) the same config takes eights in every layer within the share, the plan leaving
+ * 7 hosts' worth of rows out of its activations; one rank's experts only (not at EP=2). */
+Test(wgrad_pairs, auto_eights_everywhere_with_rows_in_the_gradients)
+{
+    struct config c;
+    struct mesh_dims d;
+    bench_h200(&c, &d);
+    const double h200 = 139.8 * 1024 * 1024 * 1024;
+    unsetenv("MT_STASH_IN_GRADS");
+    struct config t = c;
+    estimate_resolve_expert_wgrad_pairs(&t, &d, true, h200);
+    cr_expect(t.parallel.stash_in_grads, "auto on a GPU of one rank's experts");
+    cr_expect(t.parallel.wgrad_group == 8 && t.parallel.wgrad_group_layers == MT_MAX_LAYERS,
+              "groups of %d in %d layers", t.parallel.wgrad_group, t.parallel.wgrad_group_layers);
+    cr_expect(estimate_peak_bytes(&t, &d, true) <= MT_GROUP_MEM_SHARE * h200, "within the share");
+    struct tensor_table tt;
+    tensor_table_build(&tt, &t.model);
+    struct stage_estimate e;
+    estimate_stage(&t, &tt, &d, 0, true, &e);
+    /* each of layers 1..7 parks 7 micro-steps of 0.78 GiB; layers 0..6's 2.25 GiB gradients hold
+     * what fits of them, whole buffers only */
+    const double gib = 1024.0 * 1024 * 1024;
+    cr_expect(e.stash_in_grads_bytes > 7 * 2.0 * gib && e.stash_in_grads_bytes <= 7 * 2.25 * gib,
+              "%.2f GiB of rows in the gradients", e.stash_in_grads_bytes / gib);
+    tensor_table_free(&tt);
+    struct mesh_dims d2;
+    char err[512];
+    t = c;
+    t.parallel.expert_parallel_size = 2;
+    t.train.global_batch_size = 32;
+    cr_assert(mesh_dims_of(&t, 2, &d2, err, sizeof err), "%s", err);
+    estimate_resolve_expert_wgrad_pairs(&t, &d2, true, h200);
+    cr_expect(!t.parallel.stash_in_grads, "EP=2: the rows keep their own memory");
+    setenv("MT_STASH_IN_GRADS", "0", 1);
+    t = c;
+    estimate_resolve_expert_wgrad_pairs(&t, &d, true, h200);
+    cr_expect(!t.parallel.stash_in_grads && t.parallel.wgrad_group == 4, "MT_STASH_IN_GRADS=0: off");
+    unsetenv("MT_STASH_IN_GRADS");
 }
 
 /* The gradient norm's sums from the weight-gradient pass (model.h model_grad_sumsq_slot): groups
