@@ -25,7 +25,16 @@ EXTRA=()
 [ -n "${BENCH_MICRO_BATCH:-}" ] && EXTRA=(--set train.micro_batch_size="$BENCH_MICRO_BATCH")
 mkdir -p "$OUT"
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-[ "$ngpu" -gt 0 ] || { echo "bench: no GPU here"; exit 1; }
+# nvidia-smi lists every GPU, CUDA_VISIBLE_DEVICES narrows what moetrain and the baseline see:
+# count those (an EP=2 row on one visible GPU puts both ranks on it), and the second GPU's run
+# takes the second of them
+visible=()
+if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
+    IFS=, read -r -a visible <<< "$CUDA_VISIBLE_DEVICES"
+    [ "${#visible[@]}" -lt "$ngpu" ] && ngpu=${#visible[@]}
+fi
+second_gpu=${visible[1]:-1}
+[ "$ngpu" -gt 0 ] || { echo "bench: no GPU here${CUDA_VISIBLE_DEVICES+ (CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES)}"; exit 1; }
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 # The 8-layer config needs 96 GiB before auto's expert-row pairs and groups take the room left
 # (`plan --set parallel.expert_wgrad_pairs=false --set train.weight_copy=keep`: split fp32 master
@@ -122,8 +131,8 @@ done
 # with the slower card of the pair
 res[moetrain_1gpu_b]='{"error": "not run"}'
 if [ "$ngpu" -ge 2 ]; then
-    echo "bench: moetrain on 1 GPU, the second one (CUDA_VISIBLE_DEVICES=1) ..."
-    bench_moetrain moetrain_1gpu_b 1 -x CUDA_VISIBLE_DEVICES=1
+    echo "bench: moetrain on 1 GPU, the second one (CUDA_VISIBLE_DEVICES=$second_gpu) ..."
+    bench_moetrain moetrain_1gpu_b 1 -x CUDA_VISIBLE_DEVICES="$second_gpu"
 fi
 if [ "${BENCH_SM80:-1}" = 0 ]; then
     skipped+=("moetrain on 1 GPU on the sm_80 path (BENCH_SM80=0)")

@@ -91,7 +91,7 @@ static void stand_ins(const char *dir, int tok_s, double mfu, bool fail)
 /* bench.sh against fresh stand-ins (moetrain failing or not, ngpu GPUs; trace_lib: a stand-in
  * build/tools/libmt_trace.so) in a temporary directory, removed after; returns the exit status,
  * *out the output */
-static int run_bench_headline(bool fail, int ngpu, bool trace_lib, const char *recorded, char **out)
+static int run_bench_env(const char *env, bool fail, int ngpu, bool trace_lib, const char *recorded, char **out)
 {
     char dir[] = "/tmp/mt_bench_script_XXXXXX";
     cr_assert(mkdtemp(dir));
@@ -108,13 +108,19 @@ static int run_bench_headline(bool fail, int ngpu, bool trace_lib, const char *r
     fprintf(f, "%s\n\n# Benchmarks\n", recorded ? recorded : "# Benchmarks");
     fclose(f);
     snprintf(cmd, sizeof cmd,
-             "PATH=%s/bin:$PATH BENCH_OUT=%s/out BENCH_BASELINE=0 BENCH_SM80=0 BENCH_A2A=0 BENCH_HEADLINE_FILE=%s "
+             "%s PATH=%s/bin:$PATH BENCH_OUT=%s/out BENCH_BASELINE=0 BENCH_SM80=0 BENCH_A2A=0 BENCH_HEADLINE_FILE=%s "
              "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 bash scripts/bench.sh %s/build",
-             dir, dir, headline_file, dir);
+             env ? env : "", dir, dir, headline_file, dir);
     const int rc = tu_run(cmd, out);
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     cr_expect_eq(system(cmd), 0);
     return rc;
+}
+
+/* bench.sh as run_bench_env without more environment */
+static int run_bench_headline(bool fail, int ngpu, bool trace_lib, const char *recorded, char **out)
+{
+    return run_bench_env(NULL, fail, ngpu, trace_lib, recorded, out);
 }
 
 static int run_bench_n(bool fail, int ngpu, bool trace_lib, char **out)
@@ -206,6 +212,30 @@ Test(bench_script, two_gpus_compare_ep2_with_one_and_show_ep_load, .timeout = 15
     cr_expect(strstr(out, "moetrain 1 GPU, the second GPU           88200"), "%s", out);
     cr_expect(!strstr(out, "skipped: moetrain on 2 GPUs"), "%s", out);
     cr_expect(strstr(out, "skipped: the all-to-all micro-benchmark (BENCH_A2A=0)"), "%s", out);
+    free(out);
+}
+
+/* Two GPUs of which CUDA_VISIBLE_DEVICES shows one: one GPU's rows, the EP=2 row skipped as on a
+ * machine of one (not both ranks on the one GPU, which failed in the fifty-eighth session); with
+ * "1,0" both rows run and the second GPU's run is device 0 (the stand-in's own pace, not GPU 1's
+ * 98%); with it empty, no GPU */
+Test(bench_script, visible_devices_narrow_the_gpus, .timeout = 200)
+{
+    char *out = NULL;
+    int rc = run_bench_env("CUDA_VISIBLE_DEVICES=0", false, 2, false, NULL, &out);
+    cr_expect_eq(rc, 0, "bench.sh exited %d:\n%s", rc, out);
+    cr_expect(strstr(out, "skipped: moetrain on 2 GPUs with EP=2 (1 GPU here)"), "%s", out);
+    cr_expect(!strstr(out, "the second one"), "%s", out);
+    free(out);
+    rc = run_bench_env("CUDA_VISIBLE_DEVICES=1,0", false, 2, false, NULL, &out);
+    cr_expect_eq(rc, 0, "bench.sh exited %d:\n%s", rc, out);
+    cr_expect(strstr(out, "bench: moetrain on 1 GPU, the second one (CUDA_VISIBLE_DEVICES=0) ..."), "%s", out);
+    cr_expect(strstr(out, "moetrain 1 GPU, the second GPU           90000"), "%s", out);
+    cr_expect(!strstr(out, "skipped: moetrain on 2 GPUs"), "%s", out);
+    free(out);
+    rc = run_bench_env("CUDA_VISIBLE_DEVICES=", false, 2, false, NULL, &out);
+    cr_expect_eq(rc, 1, "bench.sh exited %d:\n%s", rc, out);
+    cr_expect(strstr(out, "bench: no GPU here (CUDA_VISIBLE_DEVICES=)"), "%s", out);
     free(out);
 }
 
