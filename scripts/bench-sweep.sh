@@ -26,8 +26,12 @@ TOKENS=65536
 SHAPES=${SWEEP_SHAPES:-"30b:auto:4096:2 30b:auto:4096:1 30b:auto:2048:4 30b:auto:1024:8 30b:auto:8192:1 235b:auto:4096:1"}
 mkdir -p "$OUT"
 nvidia-smi -L > /dev/null 2>&1 || { echo "bench-sweep: no GPU here"; exit 1; }
-gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+# nvidia-smi ignores CUDA_VISIBLE_DEVICES: ask it about the GPU the runs use (the first visible),
+# so that two sweeps on two GPUs of one machine each sample their own clock
+smi_gpu=()
+[ -n "${CUDA_VISIBLE_DEVICES:-}" ] && smi_gpu=(-i "${CUDA_VISIBLE_DEVICES%%,*}")
+gpu_name=$(nvidia-smi "${smi_gpu[@]}" --query-gpu=name --format=csv,noheader | head -1)
+mem_mib=$(nvidia-smi "${smi_gpu[@]}" --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 day=$(date -u +%Y-%m-%d)
 [ -f "$OUT/sweep.tsv" ] || printf 'date\tgpu\tmodel\tlayers\tseq\tmicro_batch\tmoetrain_tok_s\tmoetrain_mfu\tbaseline_tok_s\tratio\tmoetrain_mhz\tbaseline_mhz\n' > "$OUT/sweep.tsv"
 
@@ -35,7 +39,7 @@ day=$(date -u +%Y-%m-%d)
 # their power cap, at clocks that differ from card to card: docs/benchmarks.md, twenty-first session)
 clocked() {
     local clk=$1.clk; shift
-    nvidia-smi --query-gpu=power.draw,clocks.sm --format=csv,noheader,nounits -lms 250 > "$clk" 2>/dev/null &
+    nvidia-smi "${smi_gpu[@]}" --query-gpu=power.draw,clocks.sm --format=csv,noheader,nounits -lms 250 > "$clk" 2>/dev/null &
     local smi=$!
     "$@"
     local rc=$?

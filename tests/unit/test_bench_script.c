@@ -398,6 +398,47 @@ Test(bench_script, sweep_row_with_clock, .timeout = 150)
     cr_expect_eq(system(cmd), 0);
 }
 
+/* nvidia-smi does not read CUDA_VISIBLE_DEVICES: with it set, the sweep asks about the first GPU it
+ * names (-i), for the name, memory and the clock samples; without it, about none in particular */
+Test(bench_script, sweep_samples_the_visible_gpu, .timeout = 150)
+{
+    char dir[] = "/tmp/mt_sweep_visible_XXXXXX";
+    cr_assert(mkdtemp(dir));
+    stand_ins(dir, 90000, 0.48, false);
+    char cmd[2048], *out = NULL;
+    /* the stand-in moved aside, a logging one in its place */
+    snprintf(cmd, sizeof cmd, "mv %s/bin/nvidia-smi %s/bin/smi-standin", dir, dir);
+    cr_assert_eq(system(cmd), 0);
+    char path[600], text[512];
+    snprintf(path, sizeof path, "%s/bin/nvidia-smi", dir);
+    snprintf(text, sizeof text, "#!/bin/bash\necho \"$*\" >> %s/smi.args\nexec %s/bin/smi-standin \"$@\"\n", dir, dir);
+    cr_assert_eq(tu_write_exec(path, text), 0, "cannot write %s", path);
+    for (int visible = 0; visible < 2; visible++) {
+        snprintf(cmd, sizeof cmd,
+                 "rm -f %s/smi.args; PATH=%s/bin:$PATH BENCH_OUT=%s/out%d SWEEP_BASELINE=0 SWEEP_SHAPES=30b:1:1024:8 %s "
+                 "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 bash scripts/bench-sweep.sh %s/build",
+                 dir, dir, dir, visible, visible ? "CUDA_VISIBLE_DEVICES=1,0" : "", dir);
+        const int rc = tu_run(cmd, &out);
+        cr_expect_eq(rc, 0, "bench-sweep.sh exited %d:\n%s", rc, out);
+        free(out);
+        snprintf(cmd, sizeof cmd, "cat %s/smi.args", dir);
+        cr_assert_eq(tu_run(cmd, &out), 0);
+        const char *q[] = {"--query-gpu=name", "--query-gpu=memory.total", "--query-gpu=power.draw,clocks.sm"};
+        for (int i = 0; i < 3; i++) {
+            char want[80];
+            snprintf(want, sizeof want, "-i 1 %s", q[i]);
+            if (visible)
+                cr_expect(strstr(out, want), "CUDA_VISIBLE_DEVICES=1,0: no '%s' in the calls:\n%s", want, out);
+            else
+                cr_expect(strstr(out, q[i]) && !strstr(out, "-i "), "no CUDA_VISIBLE_DEVICES: '%s' or an -i:\n%s",
+                          q[i], out);
+        }
+        free(out);
+    }
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    cr_expect_eq(system(cmd), 0);
+}
+
 /* SWEEP_ROUNDS: moetrain and the baseline alternate, round by round, each run's tok/s is printed
  * as it ends, and the row holds the medians (a stand-in baseline answers 60,000, 75,000, then
  * 50,000 tok/s: median 60,000, ratio 1.50); a rounds count out of range is a one-line error */
