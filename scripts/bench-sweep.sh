@@ -12,6 +12,10 @@
 # alternating, the row holding the medians (a card's clock drifts at its power cap, so one pair's
 # ratio moves by ~3%; docs/benchmarks.md, thirty-second session). SWEEP_BASELINE_CMD: the baseline's
 # command (default python3 tools/hf_baseline.py; its last line is JSON with tok_s).
+# SWEEP_GPUS=n (default: every GPU CUDA_VISIBLE_DEVICES shows, or nvidia-smi lists): the shapes are
+# dealt out round-robin to n GPUs, one sweep a GPU at once, each line of output prefixed with its
+# GPU; each pair still runs alone on its GPU, and the rows are merged into BENCH_OUT/sweep.tsv.
+# SWEEP_GPUS=1: every shape on the first GPU, one after another.
 # Exits 0 unless no moetrain run finished.
 set -uo pipefail
 BUILD=${1:-build}
@@ -34,6 +38,54 @@ gpu_name=$(nvidia-smi "${smi_gpu[@]}" --query-gpu=name --format=csv,noheader | h
 mem_mib=$(nvidia-smi "${smi_gpu[@]}" --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 day=$(date -u +%Y-%m-%d)
 [ -f "$OUT/sweep.tsv" ] || printf 'date\tgpu\tmodel\tlayers\tseq\tmicro_batch\tmoetrain_tok_s\tmoetrain_mfu\tbaseline_tok_s\tratio\tmoetrain_mhz\tbaseline_mhz\n' > "$OUT/sweep.tsv"
+
+print_table() {  # BENCH_OUT/sweep.tsv (every row so far) as markdown, also into sweep.md
+    python3 - "$OUT/sweep.tsv" <<'PY' | tee "$OUT/sweep.md"
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1]), delimiter="\t"))
+print("| date | GPU | model | layers | seq | micro-batch | moetrain tok/s | MFU | compiled PyTorch tok/s | ratio | SM MHz (moetrain / baseline) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+f = lambda v, fmt: fmt.format(float(v)) if v not in ("-", "", "-1") else "-"
+for r in rows:
+    print(f"| {r['date']} | {r['gpu']} | {r['model']} | {r['layers']} | {r['seq']} | {r['micro_batch']} | "
+          f"{f(r['moetrain_tok_s'], '{:,.0f}')} | {f(r['moetrain_mfu'], '{:.1%}')} | {f(r['baseline_tok_s'], '{:,.0f}')} | "
+          f"{r['ratio']}{'x' if r['ratio'] != '-' else ''} | {r.get('moetrain_mhz') or '-'} / {r.get('baseline_mhz') or '-'} |")
+PY
+}
+
+# Several GPUs: this script again on each, with its share of the shapes (SWEEP_GPUS above)
+visible=()
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+    IFS=, read -r -a visible <<< "$CUDA_VISIBLE_DEVICES"
+else
+    mapfile -t visible < <(nvidia-smi -L 2>/dev/null | sed -n 's/^GPU \([0-9][0-9]*\):.*/\1/p')
+fi
+read -r -a shape_list <<< "$SHAPES"
+n_par=${SWEEP_GPUS:-${#visible[@]}}
+case $n_par in ''|*[!0-9]*|0) echo "bench-sweep: SWEEP_GPUS=$n_par: expected a number of GPUs, 1 or more"; exit 2;; esac
+[ "$n_par" -gt "${#visible[@]}" ] && n_par=${#visible[@]}
+[ "$n_par" -gt "${#shape_list[@]}" ] && n_par=${#shape_list[@]}
+if [ "$n_par" -gt 1 ]; then
+    echo "bench-sweep: ${#shape_list[@]} shapes over $n_par GPUs (${visible[*]:0:$n_par}), one sweep a GPU at once"
+    pids=()
+    for i in $(seq 0 $((n_par - 1))); do
+        g=${visible[$i]} part=""
+        for j in "${!shape_list[@]}"; do [ $((j % n_par)) -eq "$i" ] && part="$part ${shape_list[$j]}"; done
+        rm -f "$OUT/gpu$g/sweep.tsv" # this run's rows only, merged below
+        ( SWEEP_GPUS=1 SWEEP_NO_TABLE=1 SWEEP_SHAPES="${part# }" CUDA_VISIBLE_DEVICES=$g BENCH_OUT="$OUT/gpu$g" \
+              bash "$0" "$BUILD" 2>&1 | sed -u "s/^/[GPU $g] /"; exit "${PIPESTATUS[0]}" ) &
+        pids+=($!)
+    done
+    ok=0
+    for pid in "${pids[@]}"; do wait "$pid" && ok=1; done
+    for i in $(seq 0 $((n_par - 1))); do
+        f="$OUT/gpu${visible[$i]}/sweep.tsv"
+        [ -f "$f" ] && tail -n +2 "$f" >> "$OUT/sweep.tsv"
+    done
+    print_table
+    [ "$ok" = 1 ]
+    exit
+fi
 
 # a command with the GPU's power and SM clock sampled every 250 ms into $1.clk (the cards train at
 # their power cap, at clocks that differ from card to card: docs/benchmarks.md, twenty-first session)
@@ -131,15 +183,5 @@ for shape in $SHAPES; do
     [ "$mt" != - ] && ran=$((ran + 1))
 done
 
-python3 - "$OUT/sweep.tsv" <<'PY' | tee "$OUT/sweep.md"
-import csv, sys
-rows = list(csv.DictReader(open(sys.argv[1]), delimiter="\t"))
-print("| date | GPU | model | layers | seq | micro-batch | moetrain tok/s | MFU | compiled PyTorch tok/s | ratio | SM MHz (moetrain / baseline) |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
-f = lambda v, fmt: fmt.format(float(v)) if v not in ("-", "", "-1") else "-"
-for r in rows:
-    print(f"| {r['date']} | {r['gpu']} | {r['model']} | {r['layers']} | {r['seq']} | {r['micro_batch']} | "
-          f"{f(r['moetrain_tok_s'], '{:,.0f}')} | {f(r['moetrain_mfu'], '{:.1%}')} | {f(r['baseline_tok_s'], '{:,.0f}')} | "
-          f"{r['ratio']}{'x' if r['ratio'] != '-' else ''} | {r.get('moetrain_mhz') or '-'} / {r.get('baseline_mhz') or '-'} |")
-PY
+[ "${SWEEP_NO_TABLE:-0}" = 1 ] || print_table
 [ "$ran" -gt 0 ]

@@ -439,6 +439,52 @@ Test(bench_script, sweep_samples_the_visible_gpu, .timeout = 150)
     cr_expect_eq(system(cmd), 0);
 }
 
+/* Two GPUs: the shapes are dealt out round-robin, one sweep a GPU at once (the stand-in moetrain
+ * reports 98% of its tok/s on GPU 1), each line prefixed with its GPU, one row a shape in the merged
+ * table; SWEEP_GPUS=1 runs them all on the first GPU; a SWEEP_GPUS that is not a count is a
+ * one-line error */
+Test(bench_script, sweep_deals_shapes_to_the_gpus, .timeout = 200)
+{
+    char dir[] = "/tmp/mt_sweep_gpus_XXXXXX";
+    cr_assert(mkdtemp(dir));
+    stand_ins_n(dir, 90000, 0.48, false, 2);
+    char cmd[2048], *out = NULL;
+    const char *shapes = "SWEEP_SHAPES='30b:1:1024:8 30b:1:2048:4 30b:1:4096:2' SWEEP_BASELINE=0 "
+                         "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1";
+    snprintf(cmd, sizeof cmd, "PATH=%s/bin:$PATH BENCH_OUT=%s/out %s timeout 150 bash scripts/bench-sweep.sh %s/build",
+             dir, dir, shapes, dir);
+    int rc = tu_run(cmd, &out);
+    cr_expect_eq(rc, 0, "bench-sweep.sh exited %d:\n%s", rc, out);
+    cr_expect(strstr(out, "3 shapes over 2 GPUs (0 1)"), "no line saying how the shapes are dealt:\n%s", out);
+    cr_expect(strstr(out, "[GPU 1] bench-sweep: 30b_l1_s2048_b4: moetrain"), "the second shape not on GPU 1:\n%s", out);
+    cr_expect(strstr(out, "[GPU 0] bench-sweep: 30b_l1_s4096_b2: moetrain"), "the third shape not on GPU 0:\n%s", out);
+    const char *rows[] = {"| 30b | 1 | 1024 | 8 | 90,000 |", "| 30b | 1 | 2048 | 4 | 88,200 |", "| 30b | 1 | 4096 | 2 | 90,000 |"};
+    const char *table = strstr(out, "| date |"); /* the merged table, after every run's lines */
+    cr_assert(table, "no table:\n%s", out);
+    for (int i = 0; i < 3; i++) {
+        const char *at = strstr(table, rows[i]);
+        cr_expect(at && !strstr(at + 1, rows[i]), "not exactly one row '%s':\n%s", rows[i], table);
+    }
+    cr_expect(!strstr(table + 1, "| date |"), "more than one table:\n%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd,
+             "PATH=%s/bin:$PATH BENCH_OUT=%s/one SWEEP_GPUS=1 %s timeout 150 bash scripts/bench-sweep.sh %s/build", dir,
+             dir, shapes, dir);
+    rc = tu_run(cmd, &out);
+    cr_expect_eq(rc, 0, "SWEEP_GPUS=1 exited %d:\n%s", rc, out);
+    cr_expect(!strstr(out, "[GPU") && strstr(out, "| 30b | 1 | 2048 | 4 | 90,000 |"),
+              "SWEEP_GPUS=1 did not run every shape on the first GPU:\n%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "PATH=%s/bin:$PATH BENCH_OUT=%s/bad SWEEP_GPUS=two bash scripts/bench-sweep.sh %s/build",
+             dir, dir, dir);
+    rc = tu_run(cmd, &out);
+    cr_expect_eq(rc, 2, "SWEEP_GPUS=two exited %d:\n%s", rc, out);
+    cr_expect(strstr(out, "SWEEP_GPUS=two: expected a number of GPUs"), "no one-line error:\n%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    cr_expect_eq(system(cmd), 0);
+}
+
 /* SWEEP_ROUNDS: moetrain and the baseline alternate, round by round, each run's tok/s is printed
  * as it ends, and the row holds the medians (a stand-in baseline answers 60,000, 75,000, then
  * 50,000 tok/s: median 60,000, ratio 1.50); a rounds count out of range is a one-line error */
