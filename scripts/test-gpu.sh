@@ -372,6 +372,30 @@ if [ "$NGPU" -ge 2 ]; then
     fi
     compare_losses "losses EP=2 re-run steps vs counted exchange, bf16 (identical)" \
         "$LOG/train_2gpu_ep2_bf16_rerun.jsonl" "$LOG/train_2gpu_ep2_bf16_counted.jsonl" 0
+    # the parked expert rows in lower layers' gradients at EP=2 (MT_STASH_IN_GRADS=1: auto leaves EP
+    # runs without it until measured; 64 experts and 4 layers, so that lower layers' gradients hold
+    # rows): the same bits as without, also with steps run again (the rows placed again at the
+    # grown capacity)
+    for rows in fit outgrown; do
+        cap=(); [ $rows = outgrown ] && cap=(-x MT_MOE_ROW_CAPACITY=0.3)
+        for v in 1 0; do
+            run_step "train bf16, 2 GPUs, EP=2, 64 experts, MT_STASH_IN_GRADS=$v, rows $rows" \
+                "$LOG/train_2gpu_ep2_stash${v}_$rows.log" \
+                $MPIRUN -np 2 -x MT_STASH_IN_GRADS=$v "${cap[@]}" "$B/moetrain" $T --backend cuda \
+                --set model.precision=bf16 --set parallel.expert_parallel_size=2 --set model.num_experts=64 \
+                --set model.num_hidden_layers=4 --set log.metrics="$LOG/train_2gpu_ep2_stash${v}_$rows.jsonl"
+        done
+        if grep -Eq "parked rows [0-9.]+ (MiB|GiB) of the expert rows parked" "$LOG/train_2gpu_ep2_stash1_$rows.log" &&
+            ! grep -q "parked rows 0.00 " "$LOG/train_2gpu_ep2_stash1_$rows.log"; then
+            record "EP=2 parked expert rows lie in lower layers' gradients (rows $rows)" PASS
+        else
+            record "EP=2 parked expert rows lie in lower layers' gradients (rows $rows)" "FAIL (no parked rows line, or 0.00, in train_2gpu_ep2_stash1_$rows.log)"
+        fi
+        compare_losses "gradient norms EP=2 with parked rows in the gradients vs without, rows $rows (the same bits)" \
+            "$LOG/train_2gpu_ep2_stash1_$rows.jsonl" "$LOG/train_2gpu_ep2_stash0_$rows.jsonl" 0 grad_norm
+        compare_losses "losses EP=2 with parked rows in the gradients vs without, rows $rows (the same bits)" \
+            "$LOG/train_2gpu_ep2_stash1_$rows.jsonl" "$LOG/train_2gpu_ep2_stash0_$rows.jsonl" 0
+    done
     # on a GPU with room the auto FSDP settings keep every layer gathered and reduce once a step:
     # the memory-lean path (per-micro-step reduce-scatter left in flight on the side stream,
     # layers gathered per use) by hand

@@ -190,7 +190,7 @@ static int micro_steps(const struct config *c, const struct mesh_dims *d)
  * layers' expert gradients, placed as model_place_expert_stash places them. host_numel[l]: layer
  * l's expert gradient elements on this rank. */
 static double stash_in_grads_bytes(const struct config *c, const struct stage_estimate *e, const int64_t *host_numel,
-                                   int n_micro)
+                                   int n_micro, int ep)
 {
     const struct model_config *m = &c->model;
     const int L = m->num_hidden_layers;
@@ -198,8 +198,9 @@ static double stash_in_grads_bytes(const struct config *c, const struct stage_es
     const int max_slots = MT_MAX(c->parallel.wgrad_group, MT_WGRAD_AUTO_GROUP_MAX); /* stash_layer_slots' most */
     struct stash_buf *bufs = mt_calloc((size_t)MT_MAX(L, 1) * max_slots * 4, sizeof *bufs);
     int64_t bytes[4];
-    stash_slot_bytes((int64_t)c->train.micro_batch_size * c->train.seq_len, m->num_experts_per_tok, m->hidden_size,
-                     m->moe_intermediate_size, m->intermediate_size, m->precision == MT_PREC_FP32 ? 4 : 2, bytes);
+    const int64_t T = (int64_t)c->train.micro_batch_size * c->train.seq_len;
+    stash_slot_bytes(stash_slot_rows(T, m->num_experts_per_tok, ep), T, m->hidden_size, m->moe_intermediate_size,
+                     m->intermediate_size, m->precision == MT_PREC_FP32 ? 4 : 2, bytes);
     int n_hosts = 0, n_bufs = 0;
     for (int l = e->layer0, n = 0; l < e->layer1; l++) {
         if (!config_layer_is_moe(m, l)) continue;
@@ -323,7 +324,7 @@ void estimate_stage(const struct config *c, const struct tensor_table *tt, const
         if (c->parallel.stash_in_grads) {
             int64_t *host_numel = mt_calloc((size_t)MT_MAX(L, 1), sizeof *host_numel);
             for (int l = 0; l < L; l++) host_numel[l] = pe[l + 1]; /* tensor_unit: layer l is unit 1 + l */
-            e->stash_in_grads_bytes = stash_in_grads_bytes(c, e, host_numel, n_micro);
+            e->stash_in_grads_bytes = stash_in_grads_bytes(c, e, host_numel, n_micro, ep);
             e->act_bytes -= e->stash_in_grads_bytes;
             free(host_numel);
         }
@@ -413,16 +414,19 @@ int estimate_expert_wgrad_pair_layers(const struct config *c, const struct mesh_
 }
 
 /* MT_STASH_IN_GRADS: 0 off, 1 on (any backend: tests), auto (the default) on a GPU; only where the
- * model parks in place (model_place_expert_stash): one rank holds all of a layer's experts and
- * their gradients, no pipeline, no recompute, moe_chunks 1, no loopback pairs. With it, every
- * layer of the bench config takes groups of eight on an H200 (124.8 GiB planned instead of 130.7
- * with 5 of 8): -0.86% a step at seq 1024 x 8, -0.42% at the bench shape, docs/benchmarks.md,
- * fifty-eighth session. */
+ * model parks in place (model_place_expert_stash): each rank holds whole experts and their
+ * gradients (EP_FSDP 1), no pipeline, no recompute, moe_chunks 1, no loopback pairs. With it,
+ * every layer of the bench config takes groups of eight on an H200 (124.8 GiB planned instead of
+ * 130.7 with 5 of 8): -0.86% a step at seq 1024 x 8, -0.42% at the bench shape, docs/benchmarks.md,
+ * fifty-eighth session. With expert parallelism (the fixed exchange's rows, no expert wgrad jobs:
+ * a job runs past the lower layers' gradients) only at 1: not yet measured on GPUs, so auto
+ * leaves it off there. */
 static bool stash_in_grads_applies(const struct config *c, const struct mesh_dims *d, double device_bytes)
 {
     static const char *const vals[] = {"0", "1", "auto"};
     const int mode = mt_env_choice("MT_STASH_IN_GRADS", vals, 3, 2);
-    return (mode == 1 || (mode == 2 && device_bytes > 0)) && d->ep == 1 && d->ep_fsdp == 1 && d->pp == 1 &&
+    const bool ep_ok = d->ep == 1 || (mode == 1 && config_moe_fixed_exchange(c) && !c->parallel.expert_wgrad_jobs);
+    return (mode == 1 || (mode == 2 && device_bytes > 0)) && ep_ok && d->ep_fsdp == 1 && d->pp == 1 &&
            !c->train.activation_checkpointing && c->parallel.moe_chunks == 1 && !mt_env_flag("MT_MOE_LOOPBACK");
 }
 

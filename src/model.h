@@ -351,10 +351,15 @@ bool model_expert_wgrad_pending(const struct model *m);
 bool model_expert_grads_written_last(const struct model *m, int l, int n_micro);
 /* MT_STASH_IN_GRADS (stash_place.h): places the grouping layers' parked rows of a step of n_micro
  * micro-steps in the hosts (host h's memory at host_mem[h]); a layer with a buffer there parks in
- * place from then on (expert_wgrad_stash.direct). One rank's experts (no pairs), no pipeline, no
- * recompute, moe_chunks 1. Returns the bytes placed. */
+ * place from then on (expert_wgrad_stash.direct). Whole experts a rank (with EP the fixed exchange,
+ * whose capacity sizes the buffers, and no wgrad jobs), no pipeline, no recompute, moe_chunks 1.
+ * Returns the bytes placed. */
 int64_t model_place_expert_stash(struct model *m, int n_micro, const struct stash_host *hosts, void *const *host_mem,
                                  int n_hosts);
+/* ... undone, with no micro-step parked: each layer back to its own buffers, the buffers of its own
+ * freed. With EP a step that runs again with more rows (model_fixed_exchange_grow) places them
+ * again at the new capacity. */
+void model_unplace_expert_stash(struct model *m);
 /* Lets a backward that another follows (more_backwards) hold each layer's o_proj and q_proj weight
  * gradients back until the next MoE layer's backward exchanges have started (the first, the rows
  * to the experts: o_proj; the last, the rows home: q_proj), in a [T, H] and a [T, Hq*D] buffer.

@@ -147,6 +147,9 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
      * gradient (reads d_gu and x_exp) runs while d_x_exp's pair rows move to their tokens' ranks */
     moe_combine_weights_home(m, a, d_w, &w_req); /* before the next inbox exchange */
     if (stashed || queued) moe_stash_expert_rows(m, a, s);
+    /* the parked output gradient is complete, and with EP the send half below sums the pairs in
+     * the d_y_exp scratch (moe_dispatch_rows_backward_send) */
+    if (in_place) m->d_y_exp = scratch_dy;
     if (queued) moe_wgrad_job_queue(m, l, fresh);
     struct comm_p2p_req req;
     const void *d_pairs = moe_dispatch_rows_backward_send(m, a, &req);
@@ -161,10 +164,7 @@ static void experts_backward(struct model *m, struct layer_acts *a, int l)
         moe_stash_point_rows(a, s);
     }
     moe_dispatch_rows_backward_sum(m, a, d_pairs, &req);
-    if (in_place) {
-        m->d_gu = scratch_gu;
-        m->d_y_exp = scratch_dy;
-    }
+    if (in_place) m->d_gu = scratch_gu;
 }
 
 static void moe_forward(struct model *m, struct layer_acts *a, int l, void *out, const void *resid)

@@ -122,20 +122,29 @@ static void **slot_buffer(struct expert_rows_parked *p, int b)
     return bufs[b];
 }
 
+/* the rows layer l's parked buffers hold: stash_slot_rows, and with EP the exchange's capacity now
+ * (grown past the first by a step that ran again) */
+static int64_t slot_rows(const struct model *m, int l)
+{
+    return m->pairs ? m->rows_cap[l] : (int64_t)m->T * m->K;
+}
+
 int64_t model_place_expert_stash(struct model *m, int n_micro, const struct stash_host *hosts, void *const *host_mem,
                                  int n_hosts)
 {
-    MT_CHECK(!m->pairs && !m->recompute && m->st.n_slots == 1 && m->moe_chunks == 1,
-             "MT_STASH_IN_GRADS needs one rank's experts, no pipeline, no recompute and moe_chunks 1");
+    MT_CHECK((!m->pairs || m->fixed_exchange) && !m->recompute && m->st.n_slots == 1 && m->moe_chunks == 1 &&
+                 !m->wgrad_jobs,
+             "MT_STASH_IN_GRADS needs whole experts a rank (with EP the fixed exchange, no wgrad jobs), no "
+             "pipeline, no recompute and moe_chunks 1");
     if (!m->wstash || n_micro < 2) return 0;
-    const int64_t T = m->T, K = m->K;
-    int64_t bytes[4];
-    stash_slot_bytes(T, K, m->H, m->I, m->Id, (int64_t)m->be->x_size, bytes);
     struct stash_buf *bufs = mt_calloc((size_t)MT_MAX(m->L, 1) * MT_WGRAD_MAX_SETS * 4, sizeof *bufs);
     int n = 0;
     for (int l = m->st.layer0; l < m->st.layer1; l++) {
         struct expert_wgrad_stash *s = &m->wstash[l];
+        MT_CHECK(!s->direct && s->pending == 0, "layer %d: parked rows placed twice, or placed while parked", l);
         s->n_used = MT_MIN(s->n_slots, n_micro - 1);
+        int64_t bytes[4];
+        stash_slot_bytes(slot_rows(m, l), m->T, m->H, m->I, m->Id, (int64_t)m->be->x_size, bytes);
         for (int k = 0; k < s->n_used; k++)
             for (int b = 0; b < 4; b++) bufs[n++] = (struct stash_buf){.layer = l, .bytes = bytes[b]};
     }
@@ -147,19 +156,24 @@ int64_t model_place_expert_stash(struct model *m, int n_micro, const struct stas
         bool any = false;
         for (int j = i; j < i + 4 * s->n_used; j++) any |= bufs[j].host >= 0;
         if (any) {
-            /* the layer's own buffers first (one rank's rows never change: T k), then its slots */
+            /* the layer's own buffers first (their rows stay put within a step), then its slots */
             struct layer_acts *a = &m->slots[0].layers[l];
-            moe_ensure_rows(m, a, T * K);
+            const int64_t R = slot_rows(m, l);
+            const bool by_cap = m->rows_by_capacity;
+            m->rows_by_capacity = m->pairs; /* R is the exchange's capacity: no headroom over it */
+            moe_ensure_rows(m, a, R);
+            m->rows_by_capacity = by_cap;
             for (int k = 0; k < s->n_used; k++) {
                 struct expert_rows_parked *p = &s->slot[k];
                 for (int b = 0; b < 4; b++) {
                     const struct stash_buf *q = &bufs[i + 4 * k + b];
-                    *slot_buffer(p, b) = q->host >= 0 ? (void *)((char *)host_mem[q->host] + q->off)
-                                                      : m->be->alloc((size_t)q->bytes);
+                    void **slot = slot_buffer(p, b);
+                    if (*slot) m->be->free(*slot); /* a swapped-in buffer of an earlier step */
+                    *slot = q->host >= 0 ? (void *)((char *)host_mem[q->host] + q->off) : m->be->alloc((size_t)q->bytes);
                     if (q->host >= 0) p->in_grads |= 1u << b;
                 }
-                p->off = m->be->alloc(((size_t)m->n_local_experts + 1) * sizeof(int64_t));
-                p->cap_rows = p->d_cap_rows = T * K;
+                if (!p->off) p->off = m->be->alloc(((size_t)m->n_local_experts + 1) * sizeof(int64_t));
+                p->cap_rows = p->d_cap_rows = R;
             }
             s->direct = true;
             s->own_x = a->x_exp;
@@ -172,6 +186,31 @@ int64_t model_place_expert_stash(struct model *m, int n_micro, const struct stas
     mem_track_set(was);
     free(bufs);
     return placed;
+}
+
+void model_unplace_expert_stash(struct model *m)
+{
+    for (int l = 0; m->wstash && l < m->L; l++) {
+        struct expert_wgrad_stash *s = &m->wstash[l];
+        if (!s->direct) continue;
+        MT_CHECK(s->pending == 0, "layer %d: parked rows moved while %d micro-steps wait in them", l, s->pending);
+        struct layer_acts *a = &m->slots[0].layers[l];
+        a->x_exp = s->own_x;
+        a->act = s->own_act;
+        a->rows_fixed = false;
+        for (int k = 0; k < s->n_used; k++) {
+            struct expert_rows_parked *p = &s->slot[k];
+            for (int b = 0; b < 4; b++) {
+                void **slot = slot_buffer(p, b);
+                if (*slot && !(p->in_grads >> b & 1)) m->be->free(*slot);
+                *slot = NULL;
+            }
+            p->in_grads = 0;
+            p->cap_rows = p->d_cap_rows = 0;
+        }
+        s->direct = false;
+        s->own_x = s->own_act = NULL;
+    }
 }
 
 void model_enable_expert_wgrad_pairs(struct model *m, int n_layers)

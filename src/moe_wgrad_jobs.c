@@ -9,6 +9,8 @@
 void model_enable_wgrad_jobs(struct model *m)
 {
     MT_CHECK(m->wstash, "expert wgrad jobs need parallel.expert_wgrad_pairs");
+    for (int l = 0; l < m->L; l++) /* a job outlives the step's last backward, where the hosts are written */
+        MT_CHECK(!m->wstash[l].direct, "expert wgrad jobs with parked rows in the gradients (MT_STASH_IN_GRADS)");
     m->wgrad_jobs = true;
 }
 

@@ -38,9 +38,8 @@ int64_t stash_place(const struct stash_host *hosts, int n_hosts, struct stash_bu
     return placed;
 }
 
-void stash_slot_bytes(int64_t T, int64_t k, int64_t H, int64_t I, int64_t Id, int64_t x_size, int64_t out[4])
+void stash_slot_bytes(int64_t R, int64_t T, int64_t H, int64_t I, int64_t Id, int64_t x_size, int64_t out[4])
 {
-    const int64_t R = T * k;
     out[0] = R * H * x_size;
     out[1] = MT_MAX(R * I, T * Id) * x_size;
     out[2] = MT_MAX(R * 2 * I, T * 2 * Id) * x_size;

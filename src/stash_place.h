@@ -45,9 +45,19 @@ int64_t stash_place(const struct stash_host *hosts, int n_hosts, struct stash_bu
  * big_group (model_enable_expert_wgrad_groups): the micro-steps it parks, 0 where it does not */
 int stash_layer_slots(int n, int n_layers, int n_group, int group, int n_big, int big_group);
 
+/* The rows a parked micro-step's buffers hold: one rank's T k without expert parallelism; with it
+ * (the fixed exchange, model.h rows_cap) the exchange's first capacity, 25% over the mean rows a
+ * rank receives, at most every rank's (moe_buffers.c moe_capacity). A step that needs more runs
+ * again with more, and the model places its buffers again then (model_place_expert_stash). */
+static inline int64_t stash_slot_rows(int64_t T, int64_t k, int ep)
+{
+    const int64_t mean = T * k, cap = mean + mean / 4 + 16;
+    return ep > 1 ? (cap < mean * ep ? cap : mean * ep) : mean;
+}
+
 /* The four buffers of one parked micro-step of a layer, in the order of struct expert_rows_parked:
  * x_exp [R, H], act [max(R I, T Id)], d_gu [max(2 R I, 2 T Id)], d_y_exp [R, H], elements of
- * x_size bytes, R = T k the rows of one rank without expert parallelism. */
-void stash_slot_bytes(int64_t T, int64_t k, int64_t H, int64_t I, int64_t Id, int64_t x_size, int64_t out[4]);
+ * x_size bytes, R the rows they hold (stash_slot_rows), T the tokens of a micro-step. */
+void stash_slot_bytes(int64_t R, int64_t T, int64_t H, int64_t I, int64_t Id, int64_t x_size, int64_t out[4]);
 
 #endif

@@ -176,6 +176,20 @@ static double resolve_fsdp_auto_dry(struct config *c, const struct mesh *mesh)
     return resolve_fsdp_auto(c, mesh, keep_copy, device_bytes);
 }
 
+/* MT_STASH_IN_GRADS: the grouping layers' parked rows into the expert gradients that the step's
+ * last backward writes first (stash_place.h); the bytes placed */
+static int64_t place_expert_stash(struct model *m, struct params *p, int n_micro)
+{
+    const int L = m->L;
+    struct stash_host *hosts = mt_calloc((size_t)MT_MAX(L, 1), sizeof *hosts);
+    void **host_mem = mt_calloc((size_t)MT_MAX(L, 1), sizeof *host_mem);
+    const int n_hosts = params_expert_grad_hosts(p, n_micro, hosts, host_mem);
+    const int64_t placed = model_place_expert_stash(m, n_micro, hosts, host_mem, n_hosts);
+    free(hosts);
+    free(host_mem);
+    return placed;
+}
+
 int cmd_train(const struct cli *a)
 {
     MT_CHECK_MPI(MPI_Init(NULL, NULL));
@@ -277,15 +291,8 @@ int cmd_train(const struct cli *a)
     if (c.parallel.expert_wgrad_pairs == MT_TRI_TRUE && E > 0)
         model_enable_expert_wgrad_groups(&m, c.parallel.wgrad_pair_layers, c.parallel.wgrad_group_layers,
                                          c.parallel.wgrad_group, c.parallel.wgrad_big_layers, MT_WGRAD_AUTO_GROUP_MAX);
-    int64_t stash_in_grads = 0;
-    if (m.wstash && c.parallel.stash_in_grads) {
-        struct stash_host *hosts = mt_calloc((size_t)MT_MAX(L, 1), sizeof *hosts);
-        void **host_mem = mt_calloc((size_t)MT_MAX(L, 1), sizeof *host_mem);
-        const int n_hosts = params_expert_grad_hosts(&p, n_micro, hosts, host_mem);
-        stash_in_grads = model_place_expert_stash(&m, n_micro, hosts, host_mem, n_hosts);
-        free(hosts);
-        free(host_mem);
-    }
+    const bool stash_placed = m.wstash && c.parallel.stash_in_grads;
+    const int64_t stash_in_grads = stash_placed ? place_expert_stash(&m, &p, n_micro) : 0;
     if (m.wstash && m.pairs && c.parallel.expert_wgrad_jobs) model_enable_wgrad_jobs(&m);
     else if (c.parallel.expert_wgrad_jobs)
         mt_warn0("parallel.expert_wgrad_jobs: no effect: parallel.expert_wgrad_pairs is off here (auto: no room "
@@ -438,6 +445,10 @@ int cmd_train(const struct cli *a)
                          "held %lld); running the step again with room for them in every layer\n", step, n_cut, worst,
                          (long long)rows_need[worst], (long long)m.rows_cap[worst]);
                 model_fixed_exchange_grow(&m, rows_need);
+                if (stash_placed) { /* the parked rows' buffers at the new capacity */
+                    model_unplace_expert_stash(&m);
+                    place_expert_stash(&m, &p, n_micro);
+                }
                 goto run_step;
             }
         }

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "moe_buffers.h"
 #include "stash_place.h"
 #include "../test_util.h"
 
@@ -57,11 +58,17 @@ Test(stash_place, layer_slots_follow_the_groups)
     const int want[] = {7, 7, 3, 3, 1, 1, 0};
     for (int n = 0; n < 7; n++) cr_expect_eq(stash_layer_slots(n, 6, 4, 4, 2, 8), want[n], "layer %d", n);
     int64_t b[4];
-    stash_slot_bytes(256, 2, 64, 32, 96, 2, b); /* R = 512: act and d_gu sized for the dense layer */
+    stash_slot_bytes(512, 256, 64, 32, 96, 2, b); /* R = 512: act and d_gu sized for the dense layer */
     cr_expect_eq(b[0], 512 * 64 * 2);
     cr_expect_eq(b[1], 256 * 96 * 2);
     cr_expect_eq(b[2], 256 * 2 * 96 * 2);
     cr_expect_eq(b[3], 512 * 64 * 2);
+    /* with EP the rows are the fixed exchange's first capacity (model_enable_fixed_exchange:
+     * moe_capacity of the mean, at most ep times it), so that the plan places what the model does */
+    const int64_t T = 8192, k = 8;
+    cr_expect_eq(stash_slot_rows(T, k, 1), T * k);
+    for (int ep = 2; ep <= 16; ep *= 2) cr_expect_eq(stash_slot_rows(T, k, ep), moe_capacity(0, T * k), "ep %d", ep);
+    cr_expect_eq(stash_slot_rows(1, 1, 2), 2, "a capacity past ep x the mean is held to it");
 }
 
 /* "acts MEASURED/PLAN" of the run's last memory line */
@@ -75,7 +82,8 @@ static bool acts_of(const char *out, double *measured, double *plan)
  * parked rows in lower layers' gradients the gradient norms and losses are the same bits as
  * without (a buffer placed in its own layer's or a higher layer's gradients changes them from the
  * second step), the start-up line says how much lies there, and the activations measured fall by
- * what the plan takes off (to 1%). With EP=2 it does not apply (no line); a bad value is refused. */
+ * what the plan takes off (to 1%). The same at EP=2 when asked for (MT_STASH_IN_GRADS=1), also
+ * through steps that run again with more rows; a bad value is refused. */
 Test(stash_place, parking_in_the_gradients_keeps_every_bit, .timeout = 300)
 {
     char cmd[1024], *out = NULL, path[2][64];
@@ -109,14 +117,41 @@ Test(stash_place, parking_in_the_gradients_keeps_every_bit, .timeout = 300)
     cr_expect(fabs(fell - planned) <= 0.01 * planned, "activations fell by %g MiB, the plan by %g", fell, planned);
     unlink(path[0]), unlink(path[1]);
 
-    snprintf(cmd, sizeof cmd,
-             "MT_STASH_IN_GRADS=1 timeout 120 %s -np 2 %s/moetrain train configs/tiny.yaml --backend cpu "
-             "--set train.steps=1 --set parallel.expert_parallel_size=2 --set parallel.expert_wgrad_pairs=true "
-             "--set parallel.expert_wgrad_group=4",
-             tu_mpirun(), tu_build());
-    cr_expect_eq(tu_run(cmd, &out), 0, "EP=2: %s", out);
-    cr_expect(out && !strstr(out, "  parked rows "), "EP=2 parked rows in the gradients:\n%s", out ? out : "");
-    free(out);
+    /* EP=2 (the fixed exchange) when asked for: the same bits, also through steps that run again
+     * with more rows (MT_MOE_ROW_CAPACITY: a first capacity too small), where the buffers are
+     * placed again at the grown capacity */
+    for (int rerun = 0; rerun < 2; rerun++) {
+        for (int v = 0; v < 2; v++) {
+            snprintf(cmd, sizeof cmd,
+                     "%s MT_STASH_IN_GRADS=%d timeout 120 %s -np 2 %s/moetrain train configs/tiny.yaml --backend cpu "
+                     "--set train.steps=3 --set parallel.expert_parallel_size=2 --set parallel.expert_wgrad_pairs=true "
+                     "--set parallel.expert_wgrad_group=8 --set model.num_experts=64 --set model.num_hidden_layers=4 "
+                     "--set log.metrics=%s",
+                     rerun ? "MT_MOE_ROW_CAPACITY=0.6" : "", v, tu_mpirun(), tu_build(), path[v]);
+            cr_assert_eq(tu_run(cmd, &out), 0, "EP=2, MT_STASH_IN_GRADS=%d: %s", v, out);
+            const char *line = strstr(out, "  parked rows ");
+            cr_expect((line != NULL) == (v == 1), "EP=2, MT_STASH_IN_GRADS=%d: the start-up line %s:\n%s", v,
+                      line ? "is there" : "is missing", out);
+            if (line) cr_expect(strncmp(line, "  parked rows 0.00 ", 19) != 0, "EP=2: nothing placed:\n%s", out);
+            cr_expect(!rerun || strstr(out, "running the step again"), "no step ran again:\n%s", out);
+            cr_expect(acts_of(out, &acts[v][0], &acts[v][1]), "no memory line:\n%s", out);
+            free(out);
+        }
+        for (int f = 0; f < 2; f++) {
+            double a[4], b[4];
+            cr_assert_eq(tu_read_metric(path[1], fields[f], a, 4), 3);
+            cr_assert_eq(tu_read_metric(path[0], fields[f], b, 4), 3);
+            for (int i = 0; i < 3; i++)
+                cr_expect_eq(a[i], b[i], "EP=2%s, %s step %d: %.17g parked in the gradients, %.17g apart",
+                             rerun ? " (steps run again)" : "", fields[f], i + 1, a[i], b[i]);
+        }
+        if (!rerun) { /* the plan's fall (at the first capacity) is the model's */
+            const double fell2 = acts[0][0] - acts[1][0], planned2 = acts[0][1] - acts[1][1];
+            cr_expect(planned2 > 0 && fabs(fell2 - planned2) <= 0.05 * planned2,
+                      "EP=2: activations fell by %g MiB, the plan by %g", fell2, planned2);
+        }
+        unlink(path[0]), unlink(path[1]);
+    }
 
     snprintf(cmd, sizeof cmd, "MT_STASH_IN_GRADS=yes timeout 60 %s -np 1 %s/moetrain train configs/tiny.yaml "
              "--backend cpu --set train.steps=1", tu_mpirun(), tu_build());

@@ -322,7 +322,30 @@ Test(wgrad_pairs, auto_eights_everywhere_with_rows_in_the_gradients)
     t.train.global_batch_size = 32;
     cr_assert(mesh_dims_of(&t, 2, &d2, err, sizeof err), "%s", err);
     estimate_resolve_expert_wgrad_pairs(&t, &d2, true, h200);
-    cr_expect(!t.parallel.stash_in_grads, "EP=2: the rows keep their own memory");
+    cr_expect(!t.parallel.stash_in_grads, "EP=2, auto: the rows keep their own memory (not measured on GPUs)");
+    const int big_ep2 = t.parallel.wgrad_big_layers;
+    /* asked for at EP=2 (the fixed exchange's capacity sizes the rows): more layers of eights */
+    setenv("MT_STASH_IN_GRADS", "1", 1);
+    t = c;
+    t.parallel.expert_parallel_size = 2;
+    t.train.global_batch_size = 32;
+    estimate_resolve_expert_wgrad_pairs(&t, &d2, true, h200);
+    cr_expect(t.parallel.stash_in_grads, "EP=2, MT_STASH_IN_GRADS=1: on");
+    cr_expect_gt(t.parallel.wgrad_big_layers, big_ep2, "EP=2: eights in %d layers with it, %d without",
+                 t.parallel.wgrad_big_layers, big_ep2);
+    cr_expect(estimate_peak_bytes(&t, &d2, true) <= MT_GROUP_MEM_SHARE * h200, "EP=2: within the share");
+    struct stage_estimate e2;
+    tensor_table_build(&tt, &t.model);
+    estimate_stage(&t, &tt, &d2, 0, true, &e2);
+    tensor_table_free(&tt);
+    cr_expect_gt(e2.stash_in_grads_bytes, 0, "EP=2: nothing placed");
+    /* not with the expert wgrad jobs, which run past the step's last backward */
+    t = c;
+    t.parallel.expert_parallel_size = 2;
+    t.train.global_batch_size = 32;
+    t.parallel.expert_wgrad_jobs = true;
+    estimate_resolve_expert_wgrad_pairs(&t, &d2, true, h200);
+    cr_expect(!t.parallel.stash_in_grads, "EP=2 with expert_wgrad_jobs: on");
     setenv("MT_STASH_IN_GRADS", "0", 1);
     t = c;
     estimate_resolve_expert_wgrad_pairs(&t, &d, true, h200);
