@@ -372,9 +372,8 @@ if [ "$NGPU" -ge 2 ]; then
     fi
     compare_losses "losses EP=2 re-run steps vs counted exchange, bf16 (identical)" \
         "$LOG/train_2gpu_ep2_bf16_rerun.jsonl" "$LOG/train_2gpu_ep2_bf16_counted.jsonl" 0
-    # the parked expert rows in lower layers' gradients at EP=2 (MT_STASH_IN_GRADS=1: auto leaves EP
-    # runs without it until measured; 64 experts and 4 layers, so that lower layers' gradients hold
-    # rows): the same bits as without, also with steps run again (the rows placed again at the
+    # the parked expert rows in lower layers' gradients at EP=2 (MT_STASH_IN_GRADS=1, as auto on a
+    # GPU; 64 experts and 4 layers, so that lower layers' gradients hold rows): the same bits as without, also with steps run again (the rows placed again at the
     # grown capacity)
     for rows in fit outgrown; do
         cap=(); [ $rows = outgrown ] && cap=(-x MT_MOE_ROW_CAPACITY=0.3)

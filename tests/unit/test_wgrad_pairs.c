@@ -321,18 +321,24 @@ Test(wgrad_pairs, auto_eights_everywhere_with_rows_in_the_gradients)
     t.parallel.expert_parallel_size = 2;
     t.train.global_batch_size = 32;
     cr_assert(mesh_dims_of(&t, 2, &d2, err, sizeof err), "%s", err);
+    /* at EP=2 the fixed exchange's capacity sizes the rows: auto on, with more layers of eights
+     * than the rows in their own memory */
     estimate_resolve_expert_wgrad_pairs(&t, &d2, true, h200);
-    cr_expect(!t.parallel.stash_in_grads, "EP=2, auto: the rows keep their own memory (not measured on GPUs)");
+    cr_expect(t.parallel.stash_in_grads, "EP=2, auto: on");
     const int big_ep2 = t.parallel.wgrad_big_layers;
-    /* asked for at EP=2 (the fixed exchange's capacity sizes the rows): more layers of eights */
-    setenv("MT_STASH_IN_GRADS", "1", 1);
+    setenv("MT_STASH_IN_GRADS", "0", 1);
     t = c;
     t.parallel.expert_parallel_size = 2;
     t.train.global_batch_size = 32;
     estimate_resolve_expert_wgrad_pairs(&t, &d2, true, h200);
-    cr_expect(t.parallel.stash_in_grads, "EP=2, MT_STASH_IN_GRADS=1: on");
-    cr_expect_gt(t.parallel.wgrad_big_layers, big_ep2, "EP=2: eights in %d layers with it, %d without",
-                 t.parallel.wgrad_big_layers, big_ep2);
+    cr_expect(!t.parallel.stash_in_grads, "EP=2, MT_STASH_IN_GRADS=0: off");
+    cr_expect_gt(big_ep2, t.parallel.wgrad_big_layers, "EP=2: eights in %d layers with it, %d without", big_ep2,
+                 t.parallel.wgrad_big_layers);
+    unsetenv("MT_STASH_IN_GRADS");
+    t = c;
+    t.parallel.expert_parallel_size = 2;
+    t.train.global_batch_size = 32;
+    estimate_resolve_expert_wgrad_pairs(&t, &d2, true, h200);
     cr_expect(estimate_peak_bytes(&t, &d2, true) <= MT_GROUP_MEM_SHARE * h200, "EP=2: within the share");
     struct stage_estimate e2;
     tensor_table_build(&tt, &t.model);
@@ -346,6 +352,13 @@ Test(wgrad_pairs, auto_eights_everywhere_with_rows_in_the_gradients)
     t.parallel.expert_wgrad_jobs = true;
     estimate_resolve_expert_wgrad_pairs(&t, &d2, true, h200);
     cr_expect(!t.parallel.stash_in_grads, "EP=2 with expert_wgrad_jobs: on");
+    /* nor with the counted exchange, whose rows a rank receives have no bound known at start-up */
+    t = c;
+    t.parallel.expert_parallel_size = 2;
+    t.train.global_batch_size = 32;
+    t.parallel.moe_fixed_exchange = MT_TRI_FALSE;
+    estimate_resolve_expert_wgrad_pairs(&t, &d2, true, h200);
+    cr_expect(!t.parallel.stash_in_grads, "EP=2 with the counted exchange: on");
     setenv("MT_STASH_IN_GRADS", "0", 1);
     t = c;
     estimate_resolve_expert_wgrad_pairs(&t, &d, true, h200);
