@@ -420,7 +420,7 @@ int estimate_expert_wgrad_pair_layers(const struct config *c, const struct mesh_
  * 130.7 with 5 of 8): -0.86% a step at seq 1024 x 8, -0.42% at the bench shape, docs/benchmarks.md,
  * fifty-eighth session. With expert parallelism only with the fixed exchange (its capacity sizes
  * the rows) and no expert wgrad jobs (a job runs past the lower layers' gradients): the bench
- * config at EP=2 on two H200s, 126.8 GiB peak instead of 128.9, eights in 7 layers instead of 6,
+ * config at EP=2 on two H200s, 124.0 GiB peak instead of 126.1, eights in 7 layers instead of 6,
  * the step 0.27% shorter (3 runs each, within the noise; sixtieth session). */
 static bool stash_in_grads_applies(const struct config *c, const struct mesh_dims *d, double device_bytes)
 {
