@@ -82,8 +82,8 @@ static bool acts_of(const char *out, double *measured, double *plan)
  * parked rows in lower layers' gradients the gradient norms and losses are the same bits as
  * without (a buffer placed in its own layer's or a higher layer's gradients changes them from the
  * second step), the start-up line says how much lies there, and the activations measured fall by
- * what the plan takes off (to 1%). The same at EP=2 when asked for (MT_STASH_IN_GRADS=1), also
- * through steps that run again with more rows; a bad value is refused. */
+ * what the plan takes off (to 1%). The same at EP=2 and EP=4 when asked for (MT_STASH_IN_GRADS=1;
+ * auto is for GPUs), also through steps that run again with more rows; a bad value is refused. */
 Test(stash_place, parking_in_the_gradients_keeps_every_bit, .timeout = 300)
 {
     char cmd[1024], *out = NULL, path[2][64];
@@ -117,22 +117,29 @@ Test(stash_place, parking_in_the_gradients_keeps_every_bit, .timeout = 300)
     cr_expect(fabs(fell - planned) <= 0.01 * planned, "activations fell by %g MiB, the plan by %g", fell, planned);
     unlink(path[0]), unlink(path[1]);
 
-    /* EP=2 (the fixed exchange) when asked for: the same bits, also through steps that run again
-     * with more rows (MT_MOE_ROW_CAPACITY: a first capacity too small), where the buffers are
-     * placed again at the grown capacity */
-    for (int rerun = 0; rerun < 2; rerun++) {
+    /* EP=2 and EP=4 (the fixed exchange; tiny's top-2 takes the counted one at 4 unless told):
+     * the same bits, also through steps that run again with more rows (MT_MOE_ROW_CAPACITY: a
+     * first capacity too small), where the buffers are placed again at the grown capacity. The
+     * plan's fall is the model's where no step runs again; at EP=4 the tiny model's first step
+     * runs again by itself (its first capacity is one row short), so only the bits are compared. */
+    const struct {
+        int ep, rerun, plan;
+    } cases[] = {{2, 0, 1}, {2, 1, 0}, {4, 0, 0}};
+    for (int ci = 0; ci < 3; ci++) {
+        const int ep = cases[ci].ep, rerun = cases[ci].rerun;
         for (int v = 0; v < 2; v++) {
             snprintf(cmd, sizeof cmd,
-                     "%s MT_STASH_IN_GRADS=%d timeout 120 %s -np 2 %s/moetrain train configs/tiny.yaml --backend cpu "
-                     "--set train.steps=3 --set parallel.expert_parallel_size=2 --set parallel.expert_wgrad_pairs=true "
+                     "%s MT_STASH_IN_GRADS=%d timeout 120 %s -np %d %s/moetrain train configs/tiny.yaml --backend cpu "
+                     "--set train.steps=3 --set parallel.expert_parallel_size=%d --set parallel.expert_wgrad_pairs=true "
                      "--set parallel.expert_wgrad_group=8 --set model.num_experts=64 --set model.num_hidden_layers=4 "
-                     "--set log.metrics=%s",
-                     rerun ? "MT_MOE_ROW_CAPACITY=0.6" : "", v, tu_mpirun(), tu_build(), path[v]);
-            cr_assert_eq(tu_run(cmd, &out), 0, "EP=2, MT_STASH_IN_GRADS=%d: %s", v, out);
+                     "%s --set log.metrics=%s",
+                     rerun ? "MT_MOE_ROW_CAPACITY=0.6" : "", v, tu_mpirun(), ep, tu_build(), ep,
+                     ep == 4 ? "--set parallel.moe_fixed_exchange=true --set train.global_batch_size=128" : "", path[v]);
+            cr_assert_eq(tu_run(cmd, &out), 0, "EP=%d, MT_STASH_IN_GRADS=%d: %s", ep, v, out);
             const char *line = strstr(out, "  parked rows ");
-            cr_expect((line != NULL) == (v == 1), "EP=2, MT_STASH_IN_GRADS=%d: the start-up line %s:\n%s", v,
+            cr_expect((line != NULL) == (v == 1), "EP=%d, MT_STASH_IN_GRADS=%d: the start-up line %s:\n%s", ep, v,
                       line ? "is there" : "is missing", out);
-            if (line) cr_expect(strncmp(line, "  parked rows 0.00 ", 19) != 0, "EP=2: nothing placed:\n%s", out);
+            if (line) cr_expect(strncmp(line, "  parked rows 0.00 ", 19) != 0, "EP=%d: nothing placed:\n%s", ep, out);
             cr_expect(!rerun || strstr(out, "running the step again"), "no step ran again:\n%s", out);
             cr_expect(acts_of(out, &acts[v][0], &acts[v][1]), "no memory line:\n%s", out);
             free(out);
@@ -142,13 +149,13 @@ Test(stash_place, parking_in_the_gradients_keeps_every_bit, .timeout = 300)
             cr_assert_eq(tu_read_metric(path[1], fields[f], a, 4), 3);
             cr_assert_eq(tu_read_metric(path[0], fields[f], b, 4), 3);
             for (int i = 0; i < 3; i++)
-                cr_expect_eq(a[i], b[i], "EP=2%s, %s step %d: %.17g parked in the gradients, %.17g apart",
+                cr_expect_eq(a[i], b[i], "EP=%d%s, %s step %d: %.17g parked in the gradients, %.17g apart", ep,
                              rerun ? " (steps run again)" : "", fields[f], i + 1, a[i], b[i]);
         }
-        if (!rerun) { /* the plan's fall (at the first capacity) is the model's */
+        if (cases[ci].plan) { /* the plan's fall (at the first capacity) is the model's */
             const double fell2 = acts[0][0] - acts[1][0], planned2 = acts[0][1] - acts[1][1];
             cr_expect(planned2 > 0 && fabs(fell2 - planned2) <= 0.05 * planned2,
-                      "EP=2: activations fell by %g MiB, the plan by %g", fell2, planned2);
+                      "EP=%d: activations fell by %g MiB, the plan by %g", ep, fell2, planned2);
         }
         unlink(path[0]), unlink(path[1]);
     }
