@@ -6,14 +6,19 @@
  * worth ~230 MHz there and nothing in bench_grouped_gemm (docs/benchmarks.md, sixty-first session).
  *
  *   bench_soak [SECS] [KIND ...]   SECS default 6; KINDs (default all): gg_fwd_gu gg_dgrad_gu
- *                                  gg_fwd_dn gg_dgrad_dn gg_wgrad8_gu lt_q lt_lm attn_fwd attn_bwd
+ *                                  gg_fwd_dn gg_dgrad_dn gg_wgrad8_gu lt_q lt_lm lt_gu lt_dn
+ *                                  cb_gu cb_dn attn_fwd attn_bwd
  *
  * Prints "device NAME sms N flop_per_clock F" (dense bf16 FLOP an SM a clock: 4096 on sm_90, 2048
  * before), then a line a kind: "phase KIND T0 T1 T2 N calls, US us a call, X TFLOPS", the wall-clock
  * (epoch seconds) start, the start of the measured second half, and its end.
  * scripts/bench-soak.sh samples nvidia-smi beside it and adds each phase's SM clock, power and share
  * of the tensor pipe per clock. gg_* are the Hopper grouped kernel's (skipped, and said so, on the
- * sm_80 path); lt_* the backend's tuned cuBLASLt GEMMs (the q projection and the LM head forward).
+ * sm_80 path); lt_* the backend's tuned cuBLASLt GEMMs: the q projection, the LM head forward, and
+ * lt_gu / lt_dn, the expert forwards' rows and widths as one dense GEMM with one expert's weights.
+ * cb_gu / cb_dn are cublasGemmStridedBatchedEx over the 128 experts' weights and 512 rows each:
+ * the same operands and DRAM traffic as gg_fwd_gu / gg_fwd_dn, the library's grouped speed at the
+ * cap (the dense lt_gu / lt_dn read 0.8 GB less from DRAM a call, which the cap rewards).
  * Without CUDA or a GPU it says so and exits 0. */
 #include <stdint.h>
 #include <stdio.h>
@@ -27,7 +32,8 @@
 #include "ops.h"
 
 static const char *const KIND_NAMES[] = {"gg_fwd_gu", "gg_dgrad_gu", "gg_fwd_dn", "gg_dgrad_dn", "gg_wgrad8_gu",
-                                          "lt_q",      "lt_lm",       "attn_fwd",  "attn_bwd"};
+                                          "lt_q",      "lt_lm",       "lt_gu",     "lt_dn",
+                                          "cb_gu",     "cb_dn",       "attn_fwd",  "attn_bwd"};
 enum { NKINDS = sizeof KIND_NAMES / sizeof KIND_NAMES[0] };
 
 /* SECS and the kinds asked for (all when none is named); a bad one is an error naming it */
@@ -46,6 +52,7 @@ static double parse_args(int argc, char **argv, bool want[NKINDS])
 }
 
 #ifdef MT_HAVE_CUDA
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include "../cuda/grouped_gemm.cuh"
@@ -95,6 +102,23 @@ static bool k_dgrad_dn(void) { return grouped_gemm_dgrad(act_r, y_r, w_dn, off, 
 static bool k_wgrad8_gu(void) { return grouped_gemm_wgrad_sets(dw_gu, sets, SETS, E, H, 2 * F, true, NULL); }
 static bool k_lt_q(void) { be->matmul_forward(q_out, x_t, q_w, T, H, Q); return true; }
 static bool k_lt_lm(void) { be->matmul_forward(lm_out, x_t, lm_w, T, H, V); return true; }
+/* the grouped forwards' operands as one dense GEMM: w_gu / w_dn's first expert for all R rows */
+static bool k_lt_gu(void) { be->matmul_forward(gu_r, x_r, w_gu, R, H, 2 * F); return true; }
+static bool k_lt_dn(void) { be->matmul_forward(y_r, act_r, w_dn, R, F, H); return true; }
+/* out[rows of e] = in[rows of e] · W[e]ᵀ for E experts of R / E rows, column-major: C (O x rows) =
+ * op(W as K x O)ᵀ · (in as K x rows), one strided batch */
+static cublasHandle_t blas;
+static bool cb_forward(void *out, const void *in, const void *w, int I, int O)
+{
+    const float one = 1.0f, zero = 0.0f;
+    const int rows = R / E;
+    return cublasGemmStridedBatchedEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, O, rows, I, &one, w, CUDA_R_16BF, I,
+                                      (long long)O * I, in, CUDA_R_16BF, I, (long long)rows * I, &zero, out,
+                                      CUDA_R_16BF, O, (long long)rows * O, E, CUBLAS_COMPUTE_32F,
+                                      CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS;
+}
+static bool k_cb_gu(void) { return cb_forward(gu_r, x_r, w_gu, H, 2 * F); }
+static bool k_cb_dn(void) { return cb_forward(y_r, act_r, w_dn, F, H); }
 static bool k_attn_fwd(void) { be->attention_forward(ao, alse, aq, ak, av, 2, T / 2, 32, 4, 128, NULL); return true; }
 static bool k_attn_bwd(void)
 {
@@ -118,6 +142,10 @@ static const struct kind {
     {k_wgrad8_gu, SETS * 2.0 * R * H * 2 * F, true},
     {k_lt_q, 2.0 * T * H * Q, false},
     {k_lt_lm, 2.0 * T * H * V, false},
+    {k_lt_gu, 2.0 * R * H * 2 * F, false},
+    {k_lt_dn, 2.0 * R * F * H, false},
+    {k_cb_gu, 2.0 * R * H * 2 * F, false},
+    {k_cb_dn, 2.0 * R * F * H, false},
     {k_attn_fwd, ATTN_FWD_FLOP, false},
     {k_attn_bwd, 2.5 * ATTN_FWD_FLOP, false},
 };
@@ -181,6 +209,9 @@ int main(int argc, char **argv)
     CUDA_CALL(cudaGetDeviceProperties(&prop, 0));
     printf("device %s sms %d flop_per_clock %d\n", prop.name, prop.multiProcessorCount, prop.major >= 9 ? 4096 : 2048);
     setup();
+    if (cublasCreate(&blas) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetStream(blas, (cudaStream_t)grouped_gemm_stream()) != CUBLAS_STATUS_SUCCESS)
+        mt_user_error("bench_soak: cuBLAS did not start");
     const bool hopper = grouped_gemm_available();
     for (int i = 0; i < NKINDS; i++) {
         if (!want[i]) continue;
@@ -188,7 +219,8 @@ int main(int argc, char **argv)
             printf("skipped %s: the grouped kernel runs on Hopper only\n", KIND_NAMES[i]);
             continue;
         }
-        KINDS[i].run(); /* the first call: tuning, tensor maps */
+        if (!KINDS[i].run()) /* the first call: tuning, tensor maps */
+            mt_user_error("bench_soak: %s: the GEMM was refused", KIND_NAMES[i]);
         be->sync();
         sleep(2); /* a cooler start for each kind */
         soak(KIND_NAMES[i], &KINDS[i], secs);
