@@ -7,7 +7,8 @@
  *
  *   bench_soak [SECS] [KIND ...]   SECS default 6; KINDs (default all): gg_fwd_gu gg_dgrad_gu
  *                                  gg_fwd_dn gg_dgrad_dn gg_wgrad8_gu lt_q lt_lm lt_gu lt_dn
- *                                  cb_gu cb_dn attn_fwd attn_bwd
+ *                                  cb_gu cb_dn cb_dgrad_gu gg_wgrad8d_gu cb_wgrad8_gu attn_fwd
+ *                                  attn_bwd
  *
  * Prints "device NAME sms N flop_per_clock F" (dense bf16 FLOP an SM a clock: 4096 on sm_90, 2048
  * before), then a line a kind: "phase KIND T0 T1 T2 N calls, US us a call, X TFLOPS", the wall-clock
@@ -18,7 +19,10 @@
  * lt_gu / lt_dn, the expert forwards' rows and widths as one dense GEMM with one expert's weights.
  * cb_gu / cb_dn are cublasGemmStridedBatchedEx over the 128 experts' weights and 512 rows each:
  * the same operands and DRAM traffic as gg_fwd_gu / gg_fwd_dn, the library's grouped speed at the
- * cap (the dense lt_gu / lt_dn read 0.8 GB less from DRAM a call, which the cap rewards).
+ * cap (the dense lt_gu / lt_dn read 0.8 GB less from DRAM a call, which the cap rewards); cb_dgrad_gu
+ * the same for gg_dgrad_gu. gg_wgrad8_gu's eight sets are one set's rows eight times (as the L2
+ * sees a set re-read); gg_wgrad8d_gu takes eight distinct sets (3.7 GB), and cb_wgrad8_gu is the
+ * library's batch over the experts with the same bytes as 4096 rows an expert (dw overwritten).
  * Without CUDA or a GPU it says so and exits 0. */
 #include <stdint.h>
 #include <stdio.h>
@@ -33,7 +37,8 @@
 
 static const char *const KIND_NAMES[] = {"gg_fwd_gu", "gg_dgrad_gu", "gg_fwd_dn", "gg_dgrad_dn", "gg_wgrad8_gu",
                                           "lt_q",      "lt_lm",       "lt_gu",     "lt_dn",
-                                          "cb_gu",     "cb_dn",       "attn_fwd",  "attn_bwd"};
+                                          "cb_gu",     "cb_dn",       "cb_dgrad_gu", "gg_wgrad8d_gu",
+                                          "cb_wgrad8_gu", "attn_fwd",  "attn_bwd"};
 enum { NKINDS = sizeof KIND_NAMES / sizeof KIND_NAMES[0] };
 
 /* SECS and the kinds asked for (all when none is named); a bad one is an error naming it */
@@ -119,6 +124,44 @@ static bool cb_forward(void *out, const void *in, const void *w, int I, int O)
 }
 static bool k_cb_gu(void) { return cb_forward(gu_r, x_r, w_gu, H, 2 * F); }
 static bool k_cb_dn(void) { return cb_forward(y_r, act_r, w_dn, F, H); }
+/* din[rows of e] = dout[rows of e] · W[e]: C (I x rows) = (W as I x O) · (dout as O x rows) */
+static bool k_cb_dgrad_gu(void)
+{
+    const float one = 1.0f, zero = 0.0f;
+    const int rows = R / E, I = H, O = 2 * F;
+    return cublasGemmStridedBatchedEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, I, rows, O, &one, w_gu, CUDA_R_16BF, I,
+                                      (long long)O * I, gu_r, CUDA_R_16BF, O, (long long)rows * O, &zero, x_r,
+                                      CUDA_R_16BF, I, (long long)rows * I, E, CUBLAS_COMPUTE_32F,
+                                      CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS;
+}
+/* eight distinct micro-steps' rows: x8 [SETS * R, H], dy8 [SETS * R, 2F], allocated on first use */
+static void *x8, *dy8;
+static struct expert_rows sets8[SETS];
+static void wgrad8_inputs(void)
+{
+    if (x8) return;
+    x8 = rand_bf16((size_t)SETS * R * H, 14), dy8 = rand_bf16((size_t)SETS * R * 2 * F, 15);
+    for (int s = 0; s < SETS; s++)
+        sets8[s] = (struct expert_rows){(char *)dy8 + (size_t)s * R * 2 * F * 2, (char *)x8 + (size_t)s * R * H * 2,
+                                        off, R};
+}
+static bool k_wgrad8d_gu(void)
+{
+    wgrad8_inputs();
+    return grouped_gemm_wgrad_sets(dw_gu, sets8, SETS, E, H, 2 * F, true, NULL);
+}
+/* dw[e] = dy_eᵀ · x_e over SETS * R / E rows an expert (the same buffers read as whole experts):
+ * C (I x O, fp32) = (x as I x rows) · (dy as O x rows)ᵀ */
+static bool k_cb_wgrad8_gu(void)
+{
+    wgrad8_inputs();
+    const float one = 1.0f, zero = 0.0f;
+    const int rows = SETS * (R / E), I = H, O = 2 * F;
+    return cublasGemmStridedBatchedEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, I, O, rows, &one, x8, CUDA_R_16BF, I,
+                                      (long long)rows * I, dy8, CUDA_R_16BF, O, (long long)rows * O, &zero, dw_gu,
+                                      CUDA_R_32F, I, (long long)O * I, E, CUBLAS_COMPUTE_32F,
+                                      CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS;
+}
 static bool k_attn_fwd(void) { be->attention_forward(ao, alse, aq, ak, av, 2, T / 2, 32, 4, 128, NULL); return true; }
 static bool k_attn_bwd(void)
 {
@@ -146,6 +189,9 @@ static const struct kind {
     {k_lt_dn, 2.0 * R * F * H, false},
     {k_cb_gu, 2.0 * R * H * 2 * F, false},
     {k_cb_dn, 2.0 * R * F * H, false},
+    {k_cb_dgrad_gu, 2.0 * R * H * 2 * F, false},
+    {k_wgrad8d_gu, SETS * 2.0 * R * H * 2 * F, true},
+    {k_cb_wgrad8_gu, SETS * 2.0 * R * H * 2 * F, false},
     {k_attn_fwd, ATTN_FWD_FLOP, false},
     {k_attn_bwd, 2.5 * ATTN_FWD_FLOP, false},
 };

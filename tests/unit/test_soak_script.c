@@ -113,7 +113,10 @@ Test(soak_script, the_tool_checks_its_arguments, .timeout = 60)
     cr_expect(strstr(out, "no GPU here") || strstr(out, "built without CUDA"), "%s", out);
     free(out);
     /* the library's kinds at the expert shapes are known names (an unknown one exits 1 above) */
-    snprintf(cmd, sizeof cmd, "CUDA_VISIBLE_DEVICES= %s/tools/bench_soak 1 lt_gu lt_dn cb_gu cb_dn", tu_build());
+    snprintf(cmd, sizeof cmd,
+             "CUDA_VISIBLE_DEVICES= %s/tools/bench_soak 1 lt_gu lt_dn cb_gu cb_dn cb_dgrad_gu gg_wgrad8d_gu "
+             "cb_wgrad8_gu",
+             tu_build());
     rc = tu_run(cmd, &out);
     cr_expect_eq(rc, 0, "%s", out);
     cr_expect(strstr(out, "no GPU here") || strstr(out, "built without CUDA"), "%s", out);
