@@ -7,8 +7,8 @@
  *
  *   bench_soak [SECS] [KIND ...]   SECS default 6; KINDs (default all): gg_fwd_gu gg_dgrad_gu
  *                                  gg_fwd_dn gg_dgrad_dn gg_wgrad8_gu lt_q lt_lm lt_gu lt_dn
- *                                  cb_gu cb_dn cb_dgrad_gu gg_wgrad8d_gu cb_wgrad8_gu attn_fwd
- *                                  attn_bwd
+ *                                  cb_gu cb_dn cb_dgrad_gu gg_wgrad8d_gu gg_wgrad1c_gu cb_wgrad8_gu
+ *                                  attn_fwd attn_bwd
  *
  * Prints "device NAME sms N flop_per_clock F" (dense bf16 FLOP an SM a clock: 4096 on sm_90, 2048
  * before), then a line a kind: "phase KIND T0 T1 T2 N calls, US us a call, X TFLOPS", the wall-clock
@@ -21,8 +21,9 @@
  * the same operands and DRAM traffic as gg_fwd_gu / gg_fwd_dn, the library's grouped speed at the
  * cap (the dense lt_gu / lt_dn read 0.8 GB less from DRAM a call, which the cap rewards); cb_dgrad_gu
  * the same for gg_dgrad_gu. gg_wgrad8_gu's eight sets are one set's rows eight times (as the L2
- * sees a set re-read); gg_wgrad8d_gu takes eight distinct sets (3.7 GB), and cb_wgrad8_gu is the
- * library's batch over the experts with the same bytes as 4096 rows an expert (dw overwritten).
+ * sees a set re-read); gg_wgrad8d_gu takes eight distinct sets (3.7 GB), gg_wgrad1c_gu the same
+ * bytes as one set of 4096 rows an expert, and cb_wgrad8_gu is the library's batch over the experts
+ * in that layout (dw overwritten).
  * Without CUDA or a GPU it says so and exits 0. */
 #include <stdint.h>
 #include <stdio.h>
@@ -38,7 +39,7 @@
 static const char *const KIND_NAMES[] = {"gg_fwd_gu", "gg_dgrad_gu", "gg_fwd_dn", "gg_dgrad_dn", "gg_wgrad8_gu",
                                           "lt_q",      "lt_lm",       "lt_gu",     "lt_dn",
                                           "cb_gu",     "cb_dn",       "cb_dgrad_gu", "gg_wgrad8d_gu",
-                                          "cb_wgrad8_gu", "attn_fwd",  "attn_bwd"};
+                                          "gg_wgrad1c_gu", "cb_wgrad8_gu", "attn_fwd", "attn_bwd"};
 enum { NKINDS = sizeof KIND_NAMES / sizeof KIND_NAMES[0] };
 
 /* SECS and the kinds asked for (all when none is named); a bad one is an error naming it */
@@ -136,7 +137,7 @@ static bool k_cb_dgrad_gu(void)
 }
 /* eight distinct micro-steps' rows: x8 [SETS * R, H], dy8 [SETS * R, 2F], allocated on first use */
 static void *x8, *dy8;
-static struct expert_rows sets8[SETS];
+static struct expert_rows sets8[SETS], contig; /* contig: the same bytes, SETS * R / E rows an expert */
 static void wgrad8_inputs(void)
 {
     if (x8) return;
@@ -144,6 +145,16 @@ static void wgrad8_inputs(void)
     for (int s = 0; s < SETS; s++)
         sets8[s] = (struct expert_rows){(char *)dy8 + (size_t)s * R * 2 * F * 2, (char *)x8 + (size_t)s * R * H * 2,
                                         off, R};
+    int64_t h_off[E + 1];
+    for (int e = 0; e <= E; e++) h_off[e] = (int64_t)e * (SETS * R / E);
+    int64_t *d_off = (int64_t *)be->alloc(sizeof h_off);
+    be->upload(d_off, h_off, sizeof h_off);
+    contig = (struct expert_rows){dy8, x8, d_off, (int64_t)SETS * R};
+}
+static bool k_wgrad1c_gu(void)
+{
+    wgrad8_inputs();
+    return grouped_gemm_wgrad_sets(dw_gu, &contig, 1, E, H, 2 * F, true, NULL);
 }
 static bool k_wgrad8d_gu(void)
 {
@@ -191,6 +202,7 @@ static const struct kind {
     {k_cb_dn, 2.0 * R * F * H, false},
     {k_cb_dgrad_gu, 2.0 * R * H * 2 * F, false},
     {k_wgrad8d_gu, SETS * 2.0 * R * H * 2 * F, true},
+    {k_wgrad1c_gu, SETS * 2.0 * R * H * 2 * F, true},
     {k_cb_wgrad8_gu, SETS * 2.0 * R * H * 2 * F, false},
     {k_attn_fwd, ATTN_FWD_FLOP, false},
     {k_attn_bwd, 2.5 * ATTN_FWD_FLOP, false},

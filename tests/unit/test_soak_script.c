@@ -115,7 +115,7 @@ Test(soak_script, the_tool_checks_its_arguments, .timeout = 60)
     /* the library's kinds at the expert shapes are known names (an unknown one exits 1 above) */
     snprintf(cmd, sizeof cmd,
              "CUDA_VISIBLE_DEVICES= %s/tools/bench_soak 1 lt_gu lt_dn cb_gu cb_dn cb_dgrad_gu gg_wgrad8d_gu "
-             "cb_wgrad8_gu",
+             "gg_wgrad1c_gu cb_wgrad8_gu",
              tu_build());
     rc = tu_run(cmd, &out);
     cr_expect_eq(rc, 0, "%s", out);
